@@ -1,0 +1,29 @@
+"""Loads the compiled extension modules and registers their XLA FFI targets."""
+
+from __future__ import annotations
+
+import jax
+
+from jax_fp8norm import _fp8norm_cpu
+
+for _name, _capsule in _fp8norm_cpu.registrations().items():
+    jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+
+try:
+    from jax_fp8norm import _fp8norm_cuda
+except ImportError as _error:
+    _fp8norm_cuda = None
+    CUDA_UNAVAILABLE_REASON = (
+        "jax_fp8norm was built without CUDA support, so its ops cannot run on a GPU "
+        f"({_error}). Rebuild on a machine with the CUDA toolkit (nvcc), e.g. "
+        "`FP8NORM_CUDA=ON pip install --no-build-isolation .`, or run on the CPU backend."
+    )
+else:
+    CUDA_UNAVAILABLE_REASON = ""
+    for _name, _capsule in _fp8norm_cuda.registrations().items():
+        jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+
+
+def built_with_cuda() -> bool:
+    """Whether this build of jax_fp8norm carries the CUDA kernels."""
+    return _fp8norm_cuda is not None

@@ -1,0 +1,94 @@
+"""JAX primitives of the ops: abstract evaluation (the shape rule) and lowering to the
+XLA FFI custom calls, per platform. Later rules (batching, partitioning) hang on these."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from jax_fp8norm import _ffi
+
+# FFI target names, the same on every platform.
+RMS_NORM_FP8_TARGET = "fp8norm_rms_norm_fp8"
+ADD_RMS_NORM_FP8_TARGET = "fp8norm_add_rms_norm_fp8"
+ROUND_TARGET = "fp8norm_round"
+TARGETS = (RMS_NORM_FP8_TARGET, ADD_RMS_NORM_FP8_TARGET, ROUND_TARGET)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_bind(prim: Primitive, params: tuple) -> callable:
+    return jax.jit(functools.partial(prim.bind, **dict(params)))
+
+
+def _eager_impl(prim: Primitive, *args, **params):
+    """Eager calls compile the primitive once per set of parameters (and shapes)."""
+    return _jitted_bind(prim, tuple(sorted(params.items())))(*args)
+
+
+def _ffi_lowering(target: str):
+    rule = jax.ffi.ffi_lowering(target)
+
+    def lowering(ctx, *args, eps, weight_offset, scale_ub, out_dtype, scale_dtype):
+        del out_dtype, scale_dtype  # carried by the result types
+        return rule(
+            ctx,
+            *args,
+            eps=np.float32(eps),
+            weight_offset=np.float32(weight_offset),
+            scale_ub=np.float32(scale_ub),
+        )
+
+    return lowering
+
+
+def _unavailable_cuda_lowering(ctx, *args, **params):
+    raise RuntimeError(_ffi.CUDA_UNAVAILABLE_REASON)
+
+
+def _norm_abstract_eval(*avals, eps, weight_offset, scale_ub, out_dtype, scale_dtype):
+    x = avals[0]
+    outs = [
+        jax.core.ShapedArray(x.shape, out_dtype),
+        jax.core.ShapedArray(x.shape[:-1] + (1,), scale_dtype),
+    ]
+    if len(avals) == 3:  # x, residual, gamma
+        outs.append(jax.core.ShapedArray(x.shape, x.dtype))
+    return outs
+
+
+def _register(prim: Primitive, target: str, cpu_rule, cuda_rule) -> None:
+    prim.def_impl(functools.partial(_eager_impl, prim))
+    mlir.register_lowering(prim, cpu_rule(target), platform="cpu")
+    if _ffi.built_with_cuda():
+        mlir.register_lowering(prim, cuda_rule(target), platform="cuda")
+    else:
+        mlir.register_lowering(prim, _unavailable_cuda_lowering, platform="cuda")
+
+
+def _make_norm_primitive(name: str, target: str) -> Primitive:
+    prim = Primitive(name)
+    prim.multiple_results = True
+    prim.def_abstract_eval(_norm_abstract_eval)
+    _register(prim, target, _ffi_lowering, _ffi_lowering)
+    return prim
+
+
+rms_norm_fp8_p = _make_norm_primitive("fp8norm_rms_norm_fp8", RMS_NORM_FP8_TARGET)
+add_rms_norm_fp8_p = _make_norm_primitive("fp8norm_add_rms_norm_fp8", ADD_RMS_NORM_FP8_TARGET)
+
+# Element-wise float32 -> float16 / bfloat16 / FP8 rounding with the kernels' own code;
+# used by tests to check every rounding boundary on each platform.
+round_p = Primitive("fp8norm_round")
+round_p.def_abstract_eval(lambda x, *, dtype: jax.core.ShapedArray(x.shape, dtype))
+
+
+def _round_lowering(target: str):
+    rule = jax.ffi.ffi_lowering(target)
+    return lambda ctx, x, *, dtype: rule(ctx, x)
+
+
+_register(round_p, ROUND_TARGET, _round_lowering, _round_lowering)

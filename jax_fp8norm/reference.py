@@ -1,0 +1,90 @@
+"""Pure-jnp twins of the kernels: the same signatures and the same math (docs/spec.md).
+
+They are the references the tests hold the kernels to, and a readable statement of what
+the kernels compute. They run anywhere jax runs, but are two or more XLA fusions where
+the kernels are one pass.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_fp8norm._validation import NormParams, check_arrays, make_params
+
+DEFAULT_EPS = 1e-6
+
+
+def quantize_rows(h: jax.Array, gamma: jax.Array, p: NormParams) -> tuple[jax.Array, jax.Array]:
+    """Steps 2-7 of the spec on float32 rows ``h`` [..., N]: returns (y, scales)."""
+    f32 = jnp.float32
+    n = h.shape[-1]
+    scale_shape = h.shape[:-1] + (1,)
+    if n == 0:
+        return jnp.zeros(h.shape, p.out_dtype), jnp.zeros(scale_shape, p.scale_dtype)
+    sum_sq = jnp.sum(h * h, axis=-1, keepdims=True)
+    denom = sum_sq / n + f32(p.eps)
+    r = jnp.where(denom == 0, f32(0), f32(1) / jnp.sqrt(denom))
+    normed = (h * r) * (gamma.astype(f32) + f32(p.weight_offset))
+    amax = jnp.max(jnp.abs(normed), axis=-1, keepdims=True)
+    bounded = jnp.minimum(amax.astype(p.scale_dtype).astype(f32), f32(p.scale_ub))
+    scale = (bounded / f32(p.fp8_max)).astype(p.scale_dtype)
+    scale32 = scale.astype(f32)
+    inverse = f32(1) / scale32
+    recip = jnp.where((scale32 == 0) | ~jnp.isfinite(inverse), f32(0), inverse)
+    q = jnp.clip(normed * recip, -p.fp8_max, p.fp8_max)
+    # A NaN or Inf in the row, or an overflowing sum of squares: the whole row is NaN.
+    row_finite = jnp.isfinite(sum_sq)
+    q = jnp.where(row_finite, q, f32(np.nan))
+    scale = jnp.where(row_finite, scale, jnp.asarray(np.nan, p.scale_dtype))
+    return q.astype(p.out_dtype), scale
+
+
+def rms_norm_fp8(
+    x: jax.Array,
+    gamma: jax.Array,
+    *,
+    eps: float = DEFAULT_EPS,
+    weight_offset: float = 0.0,
+    scale_ub: float | None = None,
+    out_dtype=jnp.float8_e4m3fn,
+    scale_dtype=jnp.float32,
+) -> tuple[jax.Array, jax.Array]:
+    """Reference of :func:`jax_fp8norm.rms_norm_fp8`; same arguments and results."""
+    check_arrays(x, gamma)
+    p = make_params(
+        x.dtype,
+        eps=eps,
+        weight_offset=weight_offset,
+        scale_ub=scale_ub,
+        out_dtype=out_dtype,
+        scale_dtype=scale_dtype,
+    )
+    return quantize_rows(jnp.asarray(x).astype(jnp.float32), jnp.asarray(gamma), p)
+
+
+def add_rms_norm_fp8(
+    x: jax.Array,
+    residual: jax.Array,
+    gamma: jax.Array,
+    *,
+    eps: float = DEFAULT_EPS,
+    weight_offset: float = 0.0,
+    scale_ub: float | None = None,
+    out_dtype=jnp.float8_e4m3fn,
+    scale_dtype=jnp.float32,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Reference of :func:`jax_fp8norm.add_rms_norm_fp8`; same arguments and results."""
+    check_arrays(x, gamma, residual)
+    p = make_params(
+        x.dtype,
+        eps=eps,
+        weight_offset=weight_offset,
+        scale_ub=scale_ub,
+        out_dtype=out_dtype,
+        scale_dtype=scale_dtype,
+    )
+    h = jnp.asarray(x).astype(jnp.float32) + jnp.asarray(residual).astype(jnp.float32)
+    y, scales = quantize_rows(h, jnp.asarray(gamma), p)
+    return y, scales, h.astype(x.dtype)

@@ -1,0 +1,118 @@
+"""The accuracy rule of docs/spec.md as NumPy assertions, for this project's tests and
+for users who check their own kernels or models against the reference.
+
+- scales: relative error at most 4 units in the last place of the scale dtype;
+- y: every element within one FP8 code step, and at least 99.9% identical;
+- residual_out: within one unit in the last place of the input dtype.
+NaN must stand exactly where the reference has NaN, in every output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+# Explicit mantissa widths and smallest normal exponents: np.finfo does not cover
+# every ml_dtypes type on every NumPy version.
+_MANTISSA_BITS = {np.dtype(jnp.float32): 23, np.dtype(jnp.float16): 10, np.dtype(jnp.bfloat16): 7}
+_MIN_EXP = {np.dtype(jnp.float32): -126, np.dtype(jnp.float16): -14, np.dtype(jnp.bfloat16): -126}
+
+MAX_SCALE_ULP = 4
+MAX_RESIDUAL_ULP = 1
+MAX_FP8_CODE_STEP = 1
+MIN_IDENTICAL_FRACTION = 0.999
+
+
+def _nan_positions_match(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
+    a_nan, e_nan = np.isnan(actual), np.isnan(expected)
+    if not np.array_equal(a_nan, e_nan):
+        where = np.argwhere(a_nan != e_nan)[:5].tolist()
+        raise AssertionError(f"{what}: NaN positions differ from the reference, e.g. at {where}")
+
+
+def ulp_distance(actual, expected) -> np.ndarray:
+    """|actual - expected| in units of the last place of ``expected`` (in its dtype)."""
+    expected = np.asarray(expected)
+    dtype = np.dtype(expected.dtype)
+    a = np.asarray(actual).astype(np.float64)
+    e = expected.astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        exponent = np.floor(np.log2(np.abs(e), where=e != 0, out=np.zeros_like(e)))
+        ulp = np.exp2(np.maximum(exponent, _MIN_EXP[dtype]) - _MANTISSA_BITS[dtype])
+        same = (a == e) | (np.isnan(a) & np.isnan(e))
+        return np.where(same, 0.0, np.abs(a - e) / ulp)
+
+
+def fp8_code_index(y) -> np.ndarray:
+    """Position of each FP8 value on the number line, in code steps (0 for +-0)."""
+    bits = np.asarray(y).view(np.uint8).astype(np.int32)
+    magnitude = bits & 0x7F
+    return np.where(bits & 0x80, -magnitude, magnitude)
+
+
+def assert_scales_close(actual, expected, max_ulp: int = MAX_SCALE_ULP) -> None:
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    _nan_positions_match(actual, expected, "scales")
+    dist = ulp_distance(actual, expected)
+    if dist.size and dist.max() > max_ulp:
+        i = np.unravel_index(np.argmax(dist), dist.shape)
+        raise AssertionError(
+            f"scales: {dist.max():.1f} ulp from the reference at {i} "
+            f"({actual[i]} vs {expected[i]}); at most {max_ulp} allowed"
+        )
+
+
+def assert_residual_close(actual, expected, max_ulp: int = MAX_RESIDUAL_ULP) -> None:
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    _nan_positions_match(actual, expected, "residual_out")
+    dist = ulp_distance(actual, expected)
+    if dist.size and dist.max() > max_ulp:
+        i = np.unravel_index(np.argmax(dist), dist.shape)
+        raise AssertionError(
+            f"residual_out: {dist.max():.1f} ulp from the reference at {i}; at most {max_ulp}"
+        )
+
+
+def assert_fp8_close(
+    actual,
+    expected,
+    max_code_step: int = MAX_FP8_CODE_STEP,
+    min_identical: float = MIN_IDENTICAL_FRACTION,
+) -> None:
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    a32, e32 = actual.astype(np.float32), expected.astype(np.float32)
+    _nan_positions_match(a32, e32, "y")
+    finite = ~np.isnan(e32)
+    step = np.abs(fp8_code_index(actual) - fp8_code_index(expected))[finite]
+    if step.size == 0:
+        return
+    if step.max() > max_code_step:
+        bad = np.argwhere((np.abs(fp8_code_index(actual) - fp8_code_index(expected)) > 1) & finite)
+        i = tuple(bad[0])
+        raise AssertionError(
+            f"y: {step.max()} FP8 code steps from the reference at {i} "
+            f"({a32[i]} vs {e32[i]}); at most {max_code_step} allowed"
+        )
+    identical = float(np.mean(step == 0))
+    if identical < min_identical:
+        raise AssertionError(
+            f"y: only {identical:.4%} of elements identical to the reference; "
+            f"at least {min_identical:.1%} required"
+        )
+
+
+def assert_matches_reference(actual: Sequence, expected: Sequence) -> None:
+    """Checks ``(y, scales[, residual_out])`` against the reference's outputs."""
+    assert len(actual) == len(expected), (len(actual), len(expected))
+    assert_fp8_close(actual[0], expected[0])
+    assert_scales_close(actual[1], expected[1])
+    if len(actual) == 3:
+        assert_residual_close(actual[2], expected[2])

@@ -1,0 +1,130 @@
+// XLA FFI handlers for the CPU kernels: decode and check the buffers, then run the
+// kernel with its row tasks spread over XLA's intra-op thread pool.
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+
+#include "ffi_decode.h"
+#include "handlers.h"
+#include "rms_norm_fp8.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace fp8norm {
+namespace {
+
+// Tasks are claimed from a shared counter by the calling thread and by helpers scheduled
+// on the pool. The caller never waits on a helper that has not started: it runs every
+// unclaimed task itself, so a busy (or absent) pool cannot deadlock the call. Helpers
+// that start late find nothing left and touch only the shared state they co-own.
+struct TaskQueue {
+  std::function<void(int64_t)> task;
+  int64_t num_tasks = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> finished{0};
+  std::mutex mutex;
+  std::condition_variable all_finished;
+
+  void Drain() {
+    int64_t ran = 0;
+    for (int64_t i = next.fetch_add(1); i < num_tasks; i = next.fetch_add(1)) {
+      task(i);
+      ++ran;
+    }
+    if (ran > 0 && finished.fetch_add(ran) + ran == num_tasks) {
+      { std::lock_guard<std::mutex> lock(mutex); }
+      all_finished.notify_all();
+    }
+  }
+};
+
+ParallelFor PoolParallelFor(ffi::ThreadPool& pool) {
+  return [&pool](int64_t num_tasks, const std::function<void(int64_t)>& task) {
+    if (num_tasks <= 1) {
+      if (num_tasks == 1) task(0);
+      return;
+    }
+    auto queue = std::make_shared<TaskQueue>();
+    queue->task = task;
+    queue->num_tasks = num_tasks;
+    const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_tasks - 1);
+    for (int64_t i = 0; i < helpers; ++i) pool.Schedule([queue] { queue->Drain(); });
+    queue->Drain();
+    std::unique_lock<std::mutex> lock(queue->mutex);
+    queue->all_finished.wait(lock, [&] { return queue->finished.load() == num_tasks; });
+  };
+}
+
+ffi::Error RmsNormFp8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
+                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
+                          float eps, float weight_offset, float scale_ub) {
+  RmsNormFp8Args args;
+  ffi::Error status = DecodeRmsNormFp8(x, nullptr, gamma, y, scales, nullptr, eps,
+                                       weight_offset, scale_ub, &args);
+  if (status.failure()) return status;
+  RmsNormFp8Cpu(args, PoolParallelFor(pool));
+  return ffi::Error::Success();
+}
+
+ffi::Error AddRmsNormFp8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer residual,
+                             ffi::AnyBuffer gamma, ffi::Result<ffi::AnyBuffer> y,
+                             ffi::Result<ffi::AnyBuffer> scales,
+                             ffi::Result<ffi::AnyBuffer> residual_out, float eps,
+                             float weight_offset, float scale_ub) {
+  RmsNormFp8Args args;
+  ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, y, scales, &residual_out, eps,
+                                       weight_offset, scale_ub, &args);
+  if (status.failure()) return status;
+  RmsNormFp8Cpu(args, PoolParallelFor(pool));
+  return ffi::Error::Success();
+}
+
+ffi::Error RoundImpl(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out) {
+  RoundArgs args;
+  ffi::Error status = DecodeRound(in, out, &args);
+  if (status.failure()) return status;
+  RoundCpu(args);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER(kRmsNormFp8Cpu, RmsNormFp8Impl,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::ThreadPool>()
+                           .Arg<ffi::AnyBuffer>()  // x
+                           .Arg<ffi::AnyBuffer>()  // gamma
+                           .Ret<ffi::AnyBuffer>()  // y
+                           .Ret<ffi::AnyBuffer>()  // scales
+                           .Attr<float>("eps")
+                           .Attr<float>("weight_offset")
+                           .Attr<float>("scale_ub"));
+
+XLA_FFI_DEFINE_HANDLER(kAddRmsNormFp8Cpu, AddRmsNormFp8Impl,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::ThreadPool>()
+                           .Arg<ffi::AnyBuffer>()  // x
+                           .Arg<ffi::AnyBuffer>()  // residual
+                           .Arg<ffi::AnyBuffer>()  // gamma
+                           .Ret<ffi::AnyBuffer>()  // y
+                           .Ret<ffi::AnyBuffer>()  // scales
+                           .Ret<ffi::AnyBuffer>()  // residual_out
+                           .Attr<float>("eps")
+                           .Attr<float>("weight_offset")
+                           .Attr<float>("scale_ub"));
+
+XLA_FFI_DEFINE_HANDLER(kRoundCpu, RoundImpl,
+                       ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+
+XLA_FFI_Error* RmsNormFp8CpuHandler(XLA_FFI_CallFrame* call_frame) {
+  return kRmsNormFp8Cpu(call_frame);
+}
+XLA_FFI_Error* AddRmsNormFp8CpuHandler(XLA_FFI_CallFrame* call_frame) {
+  return kAddRmsNormFp8Cpu(call_frame);
+}
+XLA_FFI_Error* RoundCpuHandler(XLA_FFI_CallFrame* call_frame) { return kRoundCpu(call_frame); }
+
+}  // namespace fp8norm

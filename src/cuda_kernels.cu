@@ -1,0 +1,352 @@
+// CUDA kernels of rms_norm_fp8 and add_rms_norm_fp8 (docs/spec.md).
+//
+// One thread block per row (grid-stride over rows). Three sweeps over the row:
+//   1. h = x (+ residual), residual_out = T(h), sum of squares      -> block sum
+//   2. n = (h * r) * (gamma + weight_offset), abs-max               -> block max
+//   3. y = FP8(clamp(n * recip))
+// Sweep 1 keeps h in shared memory (float32, laid out so that each thread reads back
+// exactly what it wrote) whenever the row fits, so x and residual are read from global
+// memory once; sweep 2 overwrites it with n so that gamma is read once too. Rows too long
+// for shared memory re-read x (and residual) in sweeps 2 and 3.
+//
+// Every element-wise and per-row formula comes from fp8norm_math.h, shared with the CPU.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+#include "cuda_kernels.h"
+#include "fp8norm_math.h"
+
+namespace fp8norm {
+namespace {
+
+constexpr int kWarp = 32;
+// 1024 threads (the hardware limit) keep up to 16 KiB of a row in flight per block with
+// 16-byte loads, enough to cover DRAM latency when there are fewer rows than SMs.
+constexpr int kMaxThreads = 1024;
+constexpr int kVectorBytes = 16;
+// Shared memory a block may use without opting in.
+constexpr size_t kDefaultSharedBytes = 48 * 1024;
+
+template <typename T, int kCount>
+struct alignas(sizeof(T) * kCount) Vec {
+  T v[kCount];
+};
+
+// Elements of TIn per 16-byte load.
+template <typename TIn>
+constexpr int kVecOf = kVectorBytes / int(sizeof(TIn));
+
+// ----------------------------------------------------------------- reductions
+
+__device__ __forceinline__ float WarpSum(float v) {
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    v += __shfl_xor_sync(0xffffffffu, v, offset);
+  }
+  return v;
+}
+
+__device__ __forceinline__ uint32_t WarpMax(uint32_t v) {
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    v = max(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  }
+  return v;
+}
+
+// Block-wide reduction; every thread gets the result. The partial and result slots are
+// separate so that back-to-back calls need no extra barrier.
+template <typename T, typename WarpOp>
+__device__ __forceinline__ T BlockReduce(T v, T identity, WarpOp warp_op,
+                                         T* partial /*[32]*/, T* result /*[1]*/) {
+  const int lane = threadIdx.x % kWarp;
+  const int warp = threadIdx.x / kWarp;
+  const int num_warps = (blockDim.x + kWarp - 1) / kWarp;
+  v = warp_op(v);
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    T w = lane < num_warps ? partial[lane] : identity;
+    w = warp_op(w);
+    if (lane == 0) *result = w;
+  }
+  __syncthreads();
+  return *result;
+}
+
+// ----------------------------------------------------------------- loads and stores
+
+template <typename TIn, int kVec>
+__device__ __forceinline__ void LoadVec(const TIn* p, int64_t i, float (&out)[kVec]) {
+  const Vec<TIn, kVec> v = reinterpret_cast<const Vec<TIn, kVec>*>(p)[i];
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) out[k] = ToFloat(v.v[k]);
+}
+
+template <typename TIn, int kVec>
+__device__ __forceinline__ void StoreVec(TIn* p, int64_t i, const float (&in)[kVec]) {
+  Vec<TIn, kVec> v;
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) v.v[k] = FromFloat<TIn>(in[k]);
+  reinterpret_cast<Vec<TIn, kVec>*>(p)[i] = v;
+}
+
+// gamma's dtype is a run-time value: one uniform branch per vector, instead of a
+// template parameter that would triple the number of kernels compiled per architecture.
+template <int kVec>
+__device__ __forceinline__ void LoadGamma(const void* gamma, FloatType type, int64_t i,
+                                          float (&out)[kVec]) {
+  switch (type) {
+    case FloatType::kF16:
+      LoadVec<F16, kVec>(static_cast<const F16*>(gamma), i, out);
+      break;
+    case FloatType::kBF16:
+      LoadVec<BF16, kVec>(static_cast<const BF16*>(gamma), i, out);
+      break;
+    default:
+      LoadVec<float, kVec>(static_cast<const float*>(gamma), i, out);
+  }
+}
+
+// h for vector i of the row: x (+ residual).
+template <typename TIn, int kVec>
+__device__ __forceinline__ void LoadH(const TIn* x, const TIn* residual, int64_t i,
+                                      float (&h)[kVec]) {
+  LoadVec<TIn, kVec>(x, i, h);
+  if (residual != nullptr) {
+    float r[kVec];
+    LoadVec<TIn, kVec>(residual, i, r);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) h[k] += r[k];
+  }
+}
+
+// ----------------------------------------------------------------- the row
+
+struct SharedScratch {
+  float sum_partial[kWarp];
+  float sum_result;
+  uint32_t max_partial[kWarp];
+  uint32_t max_result;
+};
+
+template <typename TIn, Fp8Format kOut, int kVec>
+__device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
+                                           float* cache /*[kVec][hidden / kVec] or null*/,
+                                           SharedScratch& scratch) {
+  const int64_t n = a.hidden;
+  const int64_t num_vecs = n / kVec;
+  const int64_t offset = row * n;
+  const TIn* x = static_cast<const TIn*>(a.x) + offset;
+  const TIn* residual =
+      a.residual != nullptr ? static_cast<const TIn*>(a.residual) + offset : nullptr;
+  TIn* residual_out =
+      a.residual_out != nullptr ? static_cast<TIn*>(a.residual_out) + offset : nullptr;
+  uint8_t* y = static_cast<uint8_t*>(a.y) + offset;
+
+  // Sweep 1: h, residual_out, sum of squares.
+  float sum_sq = 0.0f;
+  for (int64_t i = threadIdx.x; i < num_vecs; i += blockDim.x) {
+    float h[kVec];
+    LoadH<TIn, kVec>(x, residual, i, h);
+    if (residual_out != nullptr) StoreVec<TIn, kVec>(residual_out, i, h);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      sum_sq += h[k] * h[k];
+      if (cache != nullptr) cache[k * num_vecs + i] = h[k];
+    }
+  }
+  sum_sq = BlockReduce(
+      sum_sq, 0.0f, [](float v) { return WarpSum(v); }, scratch.sum_partial,
+      &scratch.sum_result);
+  const float r = InverseRms(sum_sq, n, a.constants.eps);
+
+  // Sweep 2: n and its abs-max.
+  uint32_t amax = 0;
+  for (int64_t i = threadIdx.x; i < num_vecs; i += blockDim.x) {
+    float h[kVec];
+    if (cache != nullptr) {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) h[k] = cache[k * num_vecs + i];
+    } else {
+      LoadH<TIn, kVec>(x, residual, i, h);
+    }
+    float g[kVec];
+    LoadGamma<kVec>(a.gamma, a.gamma_type, i, g);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      const float normed = (h[k] * r) * (g[k] + a.constants.weight_offset);
+      amax = max(amax, AbsBits(normed));
+      if (cache != nullptr) cache[k * num_vecs + i] = normed;
+    }
+  }
+  amax = BlockReduce(
+      amax, 0u, [](uint32_t v) { return WarpMax(v); }, scratch.max_partial,
+      &scratch.max_result);
+  const RowScale s = ComputeRowScale(sum_sq, amax, kOut, a.scale_type, a.constants);
+  if (threadIdx.x == 0) {
+    switch (a.scale_type) {
+      case FloatType::kF16:
+        static_cast<F16*>(a.scales)[row] = ToF16(s.scale);
+        break;
+      case FloatType::kBF16:
+        static_cast<BF16*>(a.scales)[row] = ToBF16(s.scale);
+        break;
+      default:
+        static_cast<float*>(a.scales)[row] = s.scale;
+    }
+  }
+
+  // Sweep 3: quantise.
+  for (int64_t i = threadIdx.x; i < num_vecs; i += blockDim.x) {
+    float normed[kVec];
+    if (cache != nullptr) {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) normed[k] = cache[k * num_vecs + i];
+    } else {
+      LoadH<TIn, kVec>(x, residual, i, normed);
+      float g[kVec];
+      LoadGamma<kVec>(a.gamma, a.gamma_type, i, g);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        normed[k] = (normed[k] * r) * (g[k] + a.constants.weight_offset);
+      }
+    }
+    Vec<uint8_t, kVec> q;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) q.v[k] = QuantizeElement<kOut>(normed[k], s.recip);
+    reinterpret_cast<Vec<uint8_t, kVec>*>(y)[i] = q;
+  }
+}
+
+// grid: any number of blocks (rows are strided over them); block: a multiple of 32 threads.
+// Dynamic shared memory: hidden floats when `cached`, none otherwise.
+template <typename TIn, Fp8Format kOut>
+__global__ void __launch_bounds__(kMaxThreads)
+    RmsNormFp8Kernel(const RmsNormFp8Args a, const bool vectorized, const bool cached) {
+  extern __shared__ float cache[];
+  __shared__ SharedScratch scratch;
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    if (vectorized) {
+      ProcessRow<TIn, kOut, kVecOf<TIn>>(a, row, cached ? cache : nullptr, scratch);
+    } else {
+      ProcessRow<TIn, kOut, 1>(a, row, cached ? cache : nullptr, scratch);
+    }
+  }
+}
+
+__global__ void RoundKernel(const RoundArgs a) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < a.count;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const float v = a.in[i];
+    switch (a.target) {
+      case RoundTarget::kF16:
+        static_cast<F16*>(a.out)[i] = ToF16(v);
+        break;
+      case RoundTarget::kBF16:
+        static_cast<BF16*>(a.out)[i] = ToBF16(v);
+        break;
+      case RoundTarget::kE4M3FN:
+        static_cast<uint8_t*>(a.out)[i] = ToFp8<Fp8Format::kE4M3FN>(v);
+        break;
+      case RoundTarget::kE4M3FNUZ:
+        static_cast<uint8_t*>(a.out)[i] = ToFp8<Fp8Format::kE4M3FNUZ>(v);
+        break;
+    }
+  }
+}
+
+// ----------------------------------------------------------------- launch
+
+size_t FloatTypeBytes(FloatType type) { return type == FloatType::kF32 ? 4 : 2; }
+
+bool Aligned(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+// Shared memory a block may opt into on the current device, cached per device.
+cudaError_t MaxSharedBytes(size_t* bytes) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  int value = device < kMaxDevices ? cached[device].load(std::memory_order_relaxed) : 0;
+  if (value == 0) {
+    err = cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (err != cudaSuccess) return err;
+    if (device < kMaxDevices) cached[device].store(value, std::memory_order_relaxed);
+  }
+  *bytes = static_cast<size_t>(value);
+  return cudaSuccess;
+}
+
+template <typename TIn, Fp8Format kOut>
+cudaError_t Launch(cudaStream_t stream, const RmsNormFp8Args& a) {
+  constexpr int kVec = kVecOf<TIn>;
+  // The 16-byte path needs every row start aligned: hidden a multiple of the vector
+  // width and each base pointer aligned to the width of its own vector.
+  const bool vectorized =
+      a.hidden % kVec == 0 && Aligned(a.x, kVectorBytes) &&
+      (a.residual == nullptr || Aligned(a.residual, kVectorBytes)) &&
+      (a.residual_out == nullptr || Aligned(a.residual_out, kVectorBytes)) &&
+      Aligned(a.gamma, kVec * FloatTypeBytes(a.gamma_type)) && Aligned(a.y, kVec);
+  const int64_t num_vecs = vectorized ? a.hidden / kVec : a.hidden;
+  // One vector per thread up to the block limit: the most bytes in flight per row.
+  const int threads = static_cast<int>(
+      std::min<int64_t>(kMaxThreads, std::max<int64_t>(kWarp, (num_vecs + kWarp - 1) / kWarp * kWarp)));
+  // Rows beyond the grid limit are strided over the blocks.
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(a.rows, int64_t{1} << 30));
+
+  size_t max_shared = 0;
+  cudaError_t err = MaxSharedBytes(&max_shared);
+  if (err != cudaSuccess) return err;
+  const size_t cache_bytes = static_cast<size_t>(a.hidden) * sizeof(float);
+  const bool cached = cache_bytes + sizeof(SharedScratch) <= max_shared;
+  const size_t dynamic_shared = cached ? cache_bytes : 0;
+  auto kernel = RmsNormFp8Kernel<TIn, kOut>;
+  if (dynamic_shared + sizeof(SharedScratch) > kDefaultSharedBytes) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(dynamic_shared));
+    if (err != cudaSuccess) return err;
+  }
+  kernel<<<blocks, threads, dynamic_shared, stream>>>(a, vectorized, cached);
+  return cudaGetLastError();
+}
+
+template <typename TIn>
+cudaError_t DispatchOutput(cudaStream_t stream, const RmsNormFp8Args& a) {
+  return a.out_format == Fp8Format::kE4M3FN ? Launch<TIn, Fp8Format::kE4M3FN>(stream, a)
+                                            : Launch<TIn, Fp8Format::kE4M3FNUZ>(stream, a);
+}
+
+}  // namespace
+
+cudaError_t LaunchRmsNormFp8(cudaStream_t stream, const RmsNormFp8Args& a) {
+  if (a.rows == 0) return cudaSuccess;
+  if (a.hidden == 0) {
+    // Zero bits are 0.0 in every scale dtype.
+    return cudaMemsetAsync(a.scales, 0, static_cast<size_t>(a.rows) * FloatTypeBytes(a.scale_type),
+                           stream);
+  }
+  switch (a.input_type) {
+    case FloatType::kF16:
+      return DispatchOutput<F16>(stream, a);
+    case FloatType::kBF16:
+      return DispatchOutput<BF16>(stream, a);
+    default:
+      return DispatchOutput<float>(stream, a);
+  }
+}
+
+cudaError_t LaunchRound(cudaStream_t stream, const RoundArgs& a) {
+  if (a.count == 0) return cudaSuccess;
+  constexpr int kThreads = 256;
+  const unsigned blocks =
+      static_cast<unsigned>(std::min<int64_t>((a.count + kThreads - 1) / kThreads, 65535));
+  RoundKernel<<<blocks, kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace fp8norm

@@ -1,0 +1,130 @@
+#include "ffi_decode.h"
+
+#include <cmath>
+#include <optional>
+#include <string>
+
+namespace fp8norm {
+namespace {
+
+std::optional<FloatType> FloatTypeOf(ffi::DataType type) {
+  switch (type) {
+    case ffi::DataType::F32:
+      return FloatType::kF32;
+    case ffi::DataType::F16:
+      return FloatType::kF16;
+    case ffi::DataType::BF16:
+      return FloatType::kBF16;
+    default:
+      return std::nullopt;
+  }
+}
+
+ffi::Error Invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument("jax_fp8norm: " + what);
+}
+
+}  // namespace
+
+ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
+                            const ffi::AnyBuffer& gamma, ffi::Result<ffi::AnyBuffer>& y,
+                            ffi::Result<ffi::AnyBuffer>& scales,
+                            ffi::Result<ffi::AnyBuffer>* residual_out, float eps,
+                            float weight_offset, float scale_ub, RmsNormFp8Args* args) {
+  const auto dims = x.dimensions();
+  if (dims.size() < 1) return Invalid("x must have rank >= 1");
+  const auto input_type = FloatTypeOf(x.element_type());
+  if (!input_type) return Invalid("x must be float32, float16 or bfloat16");
+  const int64_t hidden = dims.back();
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < dims.size(); ++i) rows *= dims[i];
+
+  const auto gamma_type = FloatTypeOf(gamma.element_type());
+  if (!gamma_type) return Invalid("gamma must be float32, float16 or bfloat16");
+  if (gamma.dimensions().size() != 1 || gamma.dimensions()[0] != hidden) {
+    return Invalid("gamma must have shape (hidden,) matching x.shape[-1]");
+  }
+  if ((residual == nullptr) != (residual_out == nullptr)) {
+    return Invalid("residual and residual_out go together");
+  }
+  if (residual != nullptr) {
+    if (residual->element_type() != x.element_type() ||
+        !(residual->dimensions() == dims)) {
+      return Invalid("residual must have the shape and dtype of x");
+    }
+    if ((*residual_out)->element_type() != x.element_type() ||
+        !((*residual_out)->dimensions() == dims)) {
+      return Invalid("residual_out must have the shape and dtype of x");
+    }
+  }
+
+  Fp8Format out_format;
+  if (y->element_type() == ffi::DataType::F8E4M3FN) {
+    out_format = Fp8Format::kE4M3FN;
+  } else if (y->element_type() == ffi::DataType::F8E4M3FNUZ) {
+    out_format = Fp8Format::kE4M3FNUZ;
+  } else {
+    return Invalid("y must be float8_e4m3fn or float8_e4m3fnuz");
+  }
+  if (!(y->dimensions() == dims)) return Invalid("y must have the shape of x");
+
+  const auto scale_type = FloatTypeOf(scales->element_type());
+  if (!scale_type) return Invalid("scales must be float32, float16 or bfloat16");
+  const auto scale_dims = scales->dimensions();
+  bool scale_shape_ok = scale_dims.size() == dims.size() && scale_dims.back() == 1;
+  for (size_t i = 0; scale_shape_ok && i + 1 < dims.size(); ++i) {
+    scale_shape_ok = scale_dims[i] == dims[i];
+  }
+  if (!scale_shape_ok) return Invalid("scales must have shape x.shape[:-1] + (1,)");
+
+  if (!(eps >= 0.0f) || !std::isfinite(eps)) return Invalid("eps must be finite and >= 0");
+  if (!std::isfinite(weight_offset)) return Invalid("weight_offset must be finite");
+  if (!(scale_ub > 0.0f)) return Invalid("scale_ub must be > 0");
+
+  *args = RmsNormFp8Args{
+      x.untyped_data(),
+      residual != nullptr ? residual->untyped_data() : nullptr,
+      gamma.untyped_data(),
+      y->untyped_data(),
+      scales->untyped_data(),
+      residual_out != nullptr ? (*residual_out)->untyped_data() : nullptr,
+      rows,
+      hidden,
+      *input_type,
+      *gamma_type,
+      *scale_type,
+      out_format,
+      RowConstants{eps, weight_offset, scale_ub},
+  };
+  return ffi::Error::Success();
+}
+
+ffi::Error DecodeRound(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out,
+                       RoundArgs* args) {
+  if (in.element_type() != ffi::DataType::F32) return Invalid("round: input must be float32");
+  if (!(in.dimensions() == out->dimensions())) {
+    return Invalid("round: output must have the shape of the input");
+  }
+  RoundTarget target;
+  switch (out->element_type()) {
+    case ffi::DataType::F16:
+      target = RoundTarget::kF16;
+      break;
+    case ffi::DataType::BF16:
+      target = RoundTarget::kBF16;
+      break;
+    case ffi::DataType::F8E4M3FN:
+      target = RoundTarget::kE4M3FN;
+      break;
+    case ffi::DataType::F8E4M3FNUZ:
+      target = RoundTarget::kE4M3FNUZ;
+      break;
+    default:
+      return Invalid("round: output must be float16, bfloat16 or an FP8 E4M3 type");
+  }
+  *args = RoundArgs{static_cast<const float*>(in.untyped_data()), out->untyped_data(),
+                    static_cast<int64_t>(in.element_count()), target};
+  return ffi::Error::Success();
+}
+
+}  // namespace fp8norm

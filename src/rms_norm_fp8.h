@@ -1,0 +1,47 @@
+// Arguments of one rms_norm_fp8 / add_rms_norm_fp8 call as the CPU and CUDA kernels take
+// them, and the entry points of both kernels. Plain C++: no XLA, CUDA or nanobind types,
+// so the FFI handlers (host compiler) and the CUDA kernels (nvcc) share it.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+#include "fp8norm_math.h"
+
+namespace fp8norm {
+
+struct RmsNormFp8Args {
+  const void* x;         // [rows, hidden], input_type
+  const void* residual;  // [rows, hidden], input_type; null for rms_norm_fp8
+  const void* gamma;     // [hidden], gamma_type
+  void* y;               // [rows, hidden], FP8 in out_format
+  void* scales;          // [rows], scale_type
+  void* residual_out;    // [rows, hidden], input_type; null when residual is null
+  int64_t rows;
+  int64_t hidden;
+  FloatType input_type;
+  FloatType gamma_type;
+  FloatType scale_type;
+  Fp8Format out_format;
+  RowConstants constants;
+};
+
+// Element-wise rounding of float32 values, the same functions the kernels use; exposed so
+// that tests can hold every FP8 / float16 / bfloat16 boundary against ml_dtypes.
+enum class RoundTarget : int32_t { kF16 = 0, kBF16 = 1, kE4M3FN = 2, kE4M3FNUZ = 3 };
+
+struct RoundArgs {
+  const float* in;  // [count]
+  void* out;        // [count], 2 bytes per element for float16 / bfloat16, 1 for FP8
+  int64_t count;
+  RoundTarget target;
+};
+
+// `parallel_for(num_tasks, task)` calls task(i) once for every i in [0, num_tasks), in
+// any order and on any threads, and returns when all calls have returned.
+using ParallelFor = std::function<void(int64_t, const std::function<void(int64_t)>&)>;
+
+void RmsNormFp8Cpu(const RmsNormFp8Args& args, const ParallelFor& parallel_for);
+void RoundCpu(const RoundArgs& args);
+
+}  // namespace fp8norm
