@@ -15,6 +15,8 @@ namespace fp8norm {
 namespace {
 
 constexpr int64_t kLanes = 16;
+// Elements summed per lane before a block's lanes are combined: 8 terms per lane.
+constexpr int64_t kSumBlock = kLanes * 8;
 // Work per task: enough elements that scheduling costs nothing next to it, few enough
 // that a 4096 x 4096 call still spreads over every core.
 constexpr int64_t kElementsPerTask = int64_t{1} << 17;
@@ -25,32 +27,67 @@ float* ScratchRow(int64_t hidden) {
   return scratch.data();
 }
 
+// Pairwise summation of block sums (a binary counter: level k holds the sum of 2^k
+// blocks), so the rounding error of a row's sum of squares grows with log2 of its length,
+// as in a tree reduction, instead of linearly.
+class PairwiseSum {
+ public:
+  void Add(float block_sum) {
+    int level = 0;
+    for (uint64_t c = count_; c & 1u; c >>= 1, ++level) block_sum += levels_[level];
+    levels_[level] = block_sum;
+    ++count_;
+  }
+  float Total() const {
+    float total = 0.0f;
+    int level = 0;
+    for (uint64_t c = count_; c != 0; c >>= 1, ++level) {
+      if (c & 1u) total += levels_[level];
+    }
+    return total;
+  }
+
+ private:
+  float levels_[64] = {};
+  uint64_t count_ = 0;
+};
+
+float LaneTotal(float (&acc)[kLanes]) {
+  for (int64_t width = kLanes / 2; width > 0; width /= 2) {
+    for (int64_t k = 0; k < width; ++k) acc[k] += acc[k + width];
+  }
+  return acc[0];
+}
+
 // h = x (+ residual); residual_out = T(h); returns sum(h * h).
 template <typename TIn>
 float LoadRow(const TIn* x, const TIn* residual, TIn* residual_out, float* h, int64_t n) {
-  float acc[kLanes] = {};
+  PairwiseSum sum;
   int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    for (int64_t k = 0; k < kLanes; ++k) {
-      float v = ToFloat(x[j + k]);
-      if (residual != nullptr) v += ToFloat(residual[j + k]);
-      h[j + k] = v;
-      acc[k] += v * v;
+  for (; j + kSumBlock <= n; j += kSumBlock) {
+    float acc[kLanes] = {};
+    for (int64_t b = 0; b < kSumBlock; b += kLanes) {
+      for (int64_t k = 0; k < kLanes; ++k) {
+        float v = ToFloat(x[j + b + k]);
+        if (residual != nullptr) v += ToFloat(residual[j + b + k]);
+        h[j + b + k] = v;
+        acc[k] += v * v;
+      }
     }
+    sum.Add(LaneTotal(acc));
   }
-  for (int64_t k = 0; j < n; ++j, ++k) {
+  float acc[kLanes] = {};
+  for (int64_t k = 0; j < n; ++j, k = (k + 1) % kLanes) {
     float v = ToFloat(x[j]);
     if (residual != nullptr) v += ToFloat(residual[j]);
     h[j] = v;
     acc[k] += v * v;
   }
+  sum.Add(LaneTotal(acc));
   if (residual_out != nullptr) {
     for (int64_t i = 0; i < n; ++i) residual_out[i] = FromFloat<TIn>(h[i]);
   }
-  for (int64_t width = kLanes / 2; width > 0; width /= 2) {
-    for (int64_t k = 0; k < width; ++k) acc[k] += acc[k + width];
-  }
-  return acc[0];
+  return sum.Total();
 }
 
 // h = (h * r) * (gamma + weight_offset) in place; returns the abs-max as ordered bits.

@@ -151,11 +151,20 @@ __device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
     float h[kVec];
     LoadH<TIn, kVec>(x, residual, i, h);
     if (residual_out != nullptr) StoreVec<TIn, kVec>(residual_out, i, h);
+    // A tree over the vector first: each thread's running sum then takes only
+    // hidden / (kVec * blockDim) terms, which keeps the rounding error near a tree's.
+    float sq[kVec];
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      sum_sq += h[k] * h[k];
+      sq[k] = h[k] * h[k];
       if (cache != nullptr) cache[k * num_vecs + i] = h[k];
     }
+#pragma unroll
+    for (int width = kVec / 2; width > 0; width /= 2) {
+#pragma unroll
+      for (int k = 0; k < width; ++k) sq[k] += sq[k + width];
+    }
+    sum_sq += sq[0];
   }
   sum_sq = BlockReduce(
       sum_sq, 0.0f, [](float v) { return WarpSum(v); }, scratch.sum_partial,

@@ -1,0 +1,79 @@
+"""Fixtures shared by the tests: the platforms to run on and data generators.
+
+Every kernel test takes the ``platform`` fixture and runs once on the CPU backend and once
+on the GPU. With no GPU the GPU runs skip; with FP8NORM_REQUIRE_GPU=1 they fail instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+try:
+    import jax_fp8norm  # noqa: F401
+except ImportError as error:
+    raise pytest.UsageError(
+        f"jax_fp8norm is not importable with its compiled modules ({error}). Install it "
+        "(`pip install .[test]`) and run `pytest` from the repository root; "
+        "`python -m pytest` puts the uncompiled source tree first on sys.path."
+    ) from error
+
+REQUIRE_GPU = os.environ.get("FP8NORM_REQUIRE_GPU", "") not in ("", "0")
+
+
+def _gpu_devices():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+@pytest.fixture(params=["cpu", "gpu"])
+def platform(request) -> str:
+    if request.param == "gpu" and not _gpu_devices():
+        message = "no GPU backend available to jax"
+        if REQUIRE_GPU:
+            pytest.fail(f"FP8NORM_REQUIRE_GPU is set but {message}")
+        pytest.skip(message)
+    return request.param
+
+
+def device_of(platform: str) -> jax.Device:
+    return jax.devices(platform)[0]
+
+
+def run_on(platform: str, fn, *args, jit: bool = True, **kwargs):
+    """Runs ``fn(*args, **kwargs)`` on ``platform`` and returns its outputs as NumPy."""
+    device = device_of(platform)
+    placed = [jax.device_put(a, device) for a in args]
+    call = jax.jit(lambda *a: fn(*a, **kwargs)) if jit else (lambda *a: fn(*a, **kwargs))
+    with jax.default_device(device):
+        outs = call(*placed)
+    return tuple(np.asarray(o) for o in outs)
+
+
+def reference_on_cpu(fn, *args, **kwargs):
+    cpu = jax.devices("cpu")[0]
+    placed = [jax.device_put(a, cpu) for a in args]
+    with jax.default_device(cpu):
+        outs = jax.jit(lambda *a: fn(*a, **kwargs))(*placed)
+    return tuple(np.asarray(o) for o in outs)
+
+
+def random_rows(seed: int, shape, dtype, *, spread: float = 2.0) -> np.ndarray:
+    """Normal values with a per-row magnitude spread over 10^[-spread, spread]."""
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal(shape)
+    if len(shape) >= 1 and shape[-1] > 0:
+        magnitude = 10.0 ** rng.uniform(-spread, spread, size=shape[:-1] + (1,))
+        values = values * magnitude
+    return values.astype(jnp.dtype(dtype))
+
+
+def random_gamma(seed: int, n: int, dtype) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.uniform(-2.0, 2.0, size=(n,)).astype(jnp.dtype(dtype))

@@ -1,0 +1,219 @@
+"""The kernels (CPU and GPU) against the pure-jnp reference, under the spec's accuracy rule,
+plus the edge cases the spec defines exactly."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import random_gamma, random_rows, reference_on_cpu, run_on
+
+import jax_fp8norm as fp8norm
+from jax_fp8norm.testing import assert_matches_reference
+
+FLOATS = [jnp.float32, jnp.float16, jnp.bfloat16]
+FP8S = [jnp.float8_e4m3fn, jnp.float8_e4m3fnuz]
+FP8_MAX = {jnp.float8_e4m3fn: 448.0, jnp.float8_e4m3fnuz: 240.0}
+
+
+def check_rms(platform, x, gamma, *, jit=True, **kw):
+    out = run_on(platform, fp8norm.rms_norm_fp8, x, gamma, jit=jit, **kw)
+    ref = reference_on_cpu(fp8norm.reference.rms_norm_fp8, x, gamma, **kw)
+    assert_matches_reference(out, ref)
+    return out, ref
+
+
+def check_add(platform, x, residual, gamma, *, jit=True, **kw):
+    out = run_on(platform, fp8norm.add_rms_norm_fp8, x, residual, gamma, jit=jit, **kw)
+    ref = reference_on_cpu(fp8norm.reference.add_rms_norm_fp8, x, residual, gamma, **kw)
+    assert_matches_reference(out, ref)
+    return out, ref
+
+
+@pytest.mark.parametrize(
+    "x_dtype,gamma_dtype,out_dtype,scale_dtype",
+    list(itertools.product(FLOATS, FLOATS, FP8S, FLOATS)),
+    ids=lambda d: jnp.dtype(d).name,
+)
+def test_every_dtype_combination(platform, x_dtype, gamma_dtype, out_dtype, scale_dtype):
+    x = random_rows(0, (37, 520), x_dtype)
+    residual = random_rows(1, (37, 520), x_dtype)
+    gamma = random_gamma(2, 520, gamma_dtype)
+    kw = dict(out_dtype=out_dtype, scale_dtype=scale_dtype)
+    (y, scales), _ = check_rms(platform, x, gamma, **kw)
+    assert y.dtype == jnp.dtype(out_dtype) and y.shape == x.shape
+    assert scales.dtype == jnp.dtype(scale_dtype) and scales.shape == (37, 1)
+    (y, scales, residual_out), _ = check_add(platform, x, residual, gamma, **kw)
+    assert residual_out.dtype == x.dtype and residual_out.shape == x.shape
+
+
+@pytest.mark.parametrize(
+    "shape", [(4096,), (3, 1000), (2, 3, 257), (2, 2, 3, 96), (1, 2, 1, 3, 64)], ids=str
+)
+def test_ranks(platform, shape):
+    x = random_rows(3, shape, jnp.bfloat16)
+    gamma = random_gamma(4, shape[-1], jnp.float32)
+    (y, scales), _ = check_rms(platform, x, gamma)
+    assert scales.shape == shape[:-1] + (1,)
+    check_add(platform, x, random_rows(5, shape, jnp.bfloat16), gamma)
+
+
+@pytest.mark.parametrize("hidden", [1, 2, 7, 97, 1025, 4096, 5137, 16384, 32768, 65536, 70001])
+@pytest.mark.parametrize("x_dtype", FLOATS, ids=lambda d: jnp.dtype(d).name)
+def test_hidden_sizes(platform, hidden, x_dtype):
+    rows = 3 if hidden > 8192 else 9
+    x = random_rows(hidden, (rows, hidden), x_dtype)
+    gamma = random_gamma(6, hidden, jnp.float32)
+    check_rms(platform, x, gamma)
+    check_add(platform, x, random_rows(7, (rows, hidden), x_dtype), gamma)
+
+
+def test_many_rows(platform):
+    # More rows than the CPU kernel puts in one task, and than a GPU wave holds.
+    x = random_rows(8, (3000, 256), jnp.bfloat16)
+    gamma = random_gamma(9, 256, jnp.bfloat16)
+    check_rms(platform, x, gamma)
+
+
+def test_eager_matches_jit(platform):
+    x = random_rows(10, (16, 384), jnp.float16)
+    gamma = random_gamma(11, 384, jnp.float32)
+    eager, _ = check_rms(platform, x, gamma, jit=False, scale_dtype=jnp.bfloat16)
+    jitted, _ = check_rms(platform, x, gamma, jit=True, scale_dtype=jnp.bfloat16)
+    for a, b in zip(eager, jitted, strict=True):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+@pytest.mark.parametrize("weight_offset", [1.0, -0.5, 0.1])
+def test_weight_offset(platform, weight_offset):
+    x = random_rows(12, (20, 640), jnp.bfloat16)
+    gamma = random_gamma(13, 640, jnp.bfloat16) * 0.1
+    check_rms(platform, x, gamma.astype(jnp.bfloat16), weight_offset=weight_offset)
+    check_add(platform, x, x, gamma.astype(jnp.bfloat16), weight_offset=weight_offset)
+
+
+@pytest.mark.parametrize("out_dtype", FP8S, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("scale_dtype", FLOATS, ids=lambda d: jnp.dtype(d).name)
+def test_scale_ub_that_binds(platform, out_dtype, scale_dtype):
+    x = random_rows(14, (24, 512), jnp.float32, spread=0.0)
+    gamma = np.ones(512, np.float32)
+    ub = 0.5  # far below every row's abs-max (several units after normalisation)
+    (y, scales), _ = check_rms(
+        platform, x, gamma, scale_ub=ub, out_dtype=out_dtype, scale_dtype=scale_dtype
+    )
+    fp8_max = FP8_MAX[out_dtype]
+    expected_scale = np.asarray(
+        np.float32(np.asarray(ub).astype(scale_dtype)) / np.float32(fp8_max)
+    ).astype(scale_dtype)
+    np.testing.assert_array_equal(scales, np.full((24, 1), expected_scale, scales.dtype))
+    y32 = y.astype(np.float32)
+    assert np.abs(y32).max() == fp8_max  # the clamp bites
+    assert not np.isnan(y32).any()
+
+
+def test_scale_ub_that_does_not_bind(platform):
+    x = random_rows(15, (24, 512), jnp.bfloat16, spread=0.0)
+    gamma = random_gamma(16, 512, jnp.float32)
+    (_, bounded), _ = check_rms(platform, x, gamma, scale_ub=1e4)
+    (_, unbounded), _ = check_rms(platform, x, gamma)
+    np.testing.assert_array_equal(bounded, unbounded)
+
+
+@pytest.mark.parametrize("x_dtype", FLOATS, ids=lambda d: jnp.dtype(d).name)
+def test_zero_rows(platform, x_dtype):
+    x = random_rows(17, (6, 300), x_dtype)
+    x[[1, 4]] = 0
+    gamma = random_gamma(18, 300, jnp.float32)
+    (y, scales), _ = check_rms(platform, x, gamma)
+    assert (scales[[1, 4]] == 0).all()
+    assert (y[[1, 4]].astype(np.float32) == 0).all()
+    assert (scales[[0, 2, 3, 5]] > 0).all()
+    # The residual cancels x exactly: h is zero.
+    (y, scales, residual_out), _ = check_add(platform, x, -x, gamma)
+    assert (scales == 0).all() and (y.astype(np.float32) == 0).all()
+
+
+def test_zero_row_with_eps_that_rounds_to_zero(platform):
+    x = np.zeros((3, 64), np.float16)
+    x[0] = 1.0
+    gamma = np.ones(64, np.float16)
+    (y, scales), _ = check_rms(platform, x, gamma, eps=1e-8)
+    assert not np.isnan(scales).any() and not np.isnan(y.astype(np.float32)).any()
+    assert (scales[1:] == 0).all() and scales[0] > 0
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("out_dtype", FP8S, ids=lambda d: jnp.dtype(d).name)
+def test_non_finite_rows(platform, bad, out_dtype):
+    x = random_rows(19, (5, 200), jnp.bfloat16)
+    x[2, 17] = bad
+    gamma = random_gamma(20, 200, jnp.float32)
+    (y, scales), (y_ref, _) = check_rms(platform, x, gamma, out_dtype=out_dtype)
+    assert np.isnan(scales[2]).all() and np.isnan(y[2].astype(np.float32)).all()
+    assert not np.isnan(scales[[0, 1, 3, 4]]).any()
+    assert not np.isnan(y[[0, 1, 3, 4]].astype(np.float32)).any()
+    (y, scales, _), _ = check_add(platform, x, np.zeros_like(x), gamma, out_dtype=out_dtype)
+    assert np.isnan(scales[2]).all() and np.isnan(y[2].astype(np.float32)).all()
+
+
+def test_sum_of_squares_overflow(platform):
+    x = random_rows(21, (4, 128), jnp.float32, spread=0.0)
+    x[1] *= 1e20  # finite values, but their squares overflow float32
+    gamma = random_gamma(22, 128, jnp.float32)
+    (y, scales), _ = check_rms(platform, x, gamma)
+    assert np.isnan(scales[1]).all() and np.isnan(y[1].astype(np.float32)).all()
+    assert np.isfinite(scales[[0, 2, 3]]).all()
+    # In add_rms_norm_fp8 the sum of two finite bf16 rows can itself overflow.
+    big = np.full((2, 64), 3e38, np.float32)
+    (y, scales, residual_out), _ = check_add(platform, big, big, np.ones(64, np.float32))
+    assert np.isnan(scales).all() and np.isinf(residual_out).all()
+
+
+@pytest.mark.parametrize("shape", [(0, 128), (2, 0, 64), (3, 0), (2, 4, 0), (0,)], ids=str)
+def test_empty_inputs(platform, shape):
+    x = np.zeros(shape, np.float32)
+    gamma = np.ones((shape[-1],), np.float32)
+    y, scales = run_on(platform, fp8norm.rms_norm_fp8, x, gamma)
+    assert y.shape == shape and scales.shape == shape[:-1] + (1,)
+    np.testing.assert_array_equal(scales, np.zeros(shape[:-1] + (1,), np.float32))
+    y, scales, residual_out = run_on(platform, fp8norm.add_rms_norm_fp8, x, x, gamma)
+    assert residual_out.shape == shape
+    np.testing.assert_array_equal(scales, np.zeros(shape[:-1] + (1,), np.float32))
+
+
+def test_jit_lowers_to_the_custom_call():
+    x = jnp.ones((8, 256), jnp.bfloat16)
+    gamma = jnp.ones((256,), jnp.float32)
+    lowered = jax.jit(fp8norm.rms_norm_fp8).lower(x, gamma)
+    text = lowered.as_text()
+    assert "stablehlo.custom_call @fp8norm_rms_norm_fp8" in text
+    assert "stablehlo.reduce" not in text  # no jnp formula beside it
+    compiled = lowered.compile().as_text()
+    assert 'custom_call_target="fp8norm_rms_norm_fp8"' in compiled
+    text = jax.jit(fp8norm.add_rms_norm_fp8).lower(x, x, gamma).as_text()
+    assert "stablehlo.custom_call @fp8norm_add_rms_norm_fp8" in text
+    assert "stablehlo.reduce" not in text
+
+
+def test_cuda_lowering():
+    x = jnp.ones((8, 256), jnp.bfloat16)
+    gamma = jnp.ones((256,), jnp.float32)
+    traced = jax.jit(fp8norm.rms_norm_fp8).trace(x, gamma)
+    if fp8norm.built_with_cuda():
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        assert "stablehlo.custom_call @fp8norm_rms_norm_fp8" in text
+    else:
+        with pytest.raises(RuntimeError, match="built without CUDA"):
+            traced.lower(lowering_platforms=("cuda",))
+
+
+def test_constants_reach_the_kernel(platform):
+    # eps large enough to matter: the kernel must use it (and its rounding to bf16).
+    x = random_rows(23, (8, 64), jnp.bfloat16, spread=0.0) * 0.01
+    gamma = np.ones(64, np.float32)
+    (_, small), _ = check_rms(platform, x.astype(jnp.bfloat16), gamma, eps=1e-6)
+    (_, large), _ = check_rms(platform, x.astype(jnp.bfloat16), gamma, eps=0.1)
+    assert (large < small).all()
