@@ -70,7 +70,8 @@ def _as_real(value: Any, name: str) -> float:
 
 
 def _round_through(value: float, dtype: np.dtype) -> float:
-    return float(np.asarray(value, np.float64).astype(dtype).astype(np.float32))
+    with np.errstate(over="ignore"):  # overflow to inf is reported by the caller
+        return float(np.asarray(value, np.float64).astype(dtype).astype(np.float32))
 
 
 def check_arrays(x: Any, gamma: Any, residual: Any = None) -> None:

@@ -1,0 +1,135 @@
+"""The pure-jnp reference against an independent float64 NumPy statement of the spec."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import random_gamma, random_rows
+
+import jax_fp8norm as fp8norm
+from jax_fp8norm.testing import assert_matches_reference
+
+FLOATS = [jnp.float32, jnp.float16, jnp.bfloat16]
+FP8S = [jnp.float8_e4m3fn, jnp.float8_e4m3fnuz]
+
+
+def numpy_rms_norm_fp8(
+    x,
+    gamma,
+    residual=None,
+    *,
+    eps=1e-6,
+    weight_offset=0.0,
+    scale_ub=None,
+    out_dtype=jnp.float8_e4m3fn,
+    scale_dtype=jnp.float32,
+):
+    """docs/spec.md written again in float64 NumPy, rounding with ml_dtypes."""
+    x_dtype, out_dtype, scale_dtype = np.dtype(x.dtype), np.dtype(out_dtype), np.dtype(scale_dtype)
+    fp8_max = float(ml_dtypes.finfo(out_dtype).max)
+
+    def t(v):  # round through the input dtype
+        return np.asarray(v, np.float64).astype(x_dtype).astype(np.float64)
+
+    def s(v):  # round through the scale dtype
+        return np.asarray(v, np.float64).astype(scale_dtype).astype(np.float64)
+
+    h = x.astype(np.float64)
+    if residual is not None:
+        h = h + residual.astype(np.float64)
+    n = h.shape[-1]
+    with np.errstate(all="ignore"):
+        mean_sq = (h * h).sum(-1, keepdims=True) / n
+        denom = mean_sq + t(eps)
+        r = np.where(denom == 0, 0.0, 1.0 / np.sqrt(denom))
+        normed = (h * r) * (gamma.astype(np.float64) + t(weight_offset))
+        amax = np.abs(normed).max(-1, keepdims=True)
+        ub = np.inf if scale_ub is None else s(scale_ub)
+        scale = s(np.minimum(s(amax), ub) / fp8_max)
+        recip = np.where((scale == 0) | ~np.isfinite(1.0 / scale), 0.0, 1.0 / scale)
+        q = np.clip(normed * recip, -fp8_max, fp8_max)
+        # float32's range decides which rows are non-finite.
+        row_ok = np.isfinite((h.astype(np.float32) ** 2).sum(-1, keepdims=True, dtype=np.float32))
+        row_ok &= np.isfinite(h).all(-1, keepdims=True)
+        q = np.where(row_ok, q, np.nan)
+        scale = np.where(row_ok, scale, np.nan)
+        outs = [q.astype(out_dtype), scale.astype(scale_dtype)]
+        if residual is not None:
+            outs.append(h.astype(x_dtype))
+    return tuple(outs)
+
+
+@pytest.mark.parametrize(
+    "x_dtype,gamma_dtype,out_dtype,scale_dtype",
+    list(itertools.product(FLOATS, FLOATS, FP8S, FLOATS)),
+    ids=lambda d: jnp.dtype(d).name,
+)
+def test_reference_matches_float64(x_dtype, gamma_dtype, out_dtype, scale_dtype):
+    x = random_rows(30, (64, 300), x_dtype)
+    residual = random_rows(31, (64, 300), x_dtype)
+    gamma = random_gamma(32, 300, gamma_dtype)
+    kw = dict(out_dtype=out_dtype, scale_dtype=scale_dtype)
+    ref = fp8norm.reference.rms_norm_fp8(x, gamma, **kw)
+    assert_matches_reference(ref, numpy_rms_norm_fp8(x, gamma, **kw))
+    ref = fp8norm.reference.add_rms_norm_fp8(x, residual, gamma, **kw)
+    assert_matches_reference(ref, numpy_rms_norm_fp8(x, gamma, residual, **kw))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(weight_offset=1.0),
+        dict(scale_ub=0.3),
+        dict(scale_ub=0.3, scale_dtype=jnp.bfloat16, out_dtype=jnp.float8_e4m3fnuz),
+        dict(scale_ub=1e6),
+        dict(eps=0.5),
+        dict(eps=0.0),
+    ],
+    ids=str,
+)
+def test_reference_keywords_match_float64(kw):
+    x = random_rows(33, (16, 4096), jnp.bfloat16)
+    gamma = random_gamma(34, 4096, jnp.float32)
+    assert_matches_reference(
+        fp8norm.reference.rms_norm_fp8(x, gamma, **kw), numpy_rms_norm_fp8(x, gamma, **kw)
+    )
+
+
+def test_reference_edge_rows_match_float64():
+    x = random_rows(35, (6, 128), jnp.float32)
+    x[0] = 0
+    x[1, 3] = np.nan
+    x[2, 5] = np.inf
+    x[3] *= 1e20  # squares overflow float32
+    gamma = random_gamma(36, 128, jnp.float32)
+    ref = fp8norm.reference.rms_norm_fp8(x, gamma)
+    assert_matches_reference(ref, numpy_rms_norm_fp8(x, gamma))
+    y, scales = (np.asarray(a) for a in ref)
+    assert scales[0] == 0 and np.isnan(scales[1:4]).all() and np.isfinite(scales[4:]).all()
+    assert np.isnan(y[1:4].astype(np.float32)).all()
+
+
+def test_reference_large_hidden_matches_float64():
+    x = random_rows(37, (4, 65536), jnp.float16)
+    gamma = random_gamma(38, 65536, jnp.bfloat16)
+    assert_matches_reference(
+        fp8norm.reference.rms_norm_fp8(x, gamma), numpy_rms_norm_fp8(x, gamma)
+    )
+
+
+def test_dequantised_output_approximates_rmsnorm():
+    # The point of the op: f32(y) * scales is RMSNorm(x) * gamma to FP8 precision.
+    x = random_rows(39, (32, 1024), jnp.float32)
+    gamma = random_gamma(40, 1024, jnp.float32)
+    y, scales = (np.asarray(a) for a in fp8norm.reference.rms_norm_fp8(x, gamma, eps=0.0))
+    expected = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True)) * gamma
+    dequantised = y.astype(np.float32) * scales
+    amax = np.abs(expected).max(-1, keepdims=True)
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 of the value, or of the
+    # smallest normal step times the scale for small values.
+    bound = np.maximum(np.abs(expected) * 2.0**-4, amax / 448 * 2.0**-6) * 1.01
+    assert (np.abs(dequantised - expected) <= bound).all()

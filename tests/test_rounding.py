@@ -1,0 +1,107 @@
+"""The kernels' shared float32 -> FP8 / float16 / bfloat16 rounding (src/fp8norm_math.h)
+against ml_dtypes, on every boundary and tie, on each platform."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import run_on
+
+from jax_fp8norm.ops import round_float32
+
+TARGETS = [jnp.float8_e4m3fn, jnp.float8_e4m3fnuz, jnp.float16, jnp.bfloat16]
+
+
+def _all_finite_values(dtype) -> np.ndarray:
+    """Every finite value of a 8- or 16-bit float type, as float64, sorted, unique."""
+    width = np.dtype(dtype).itemsize
+    bits = np.arange(2 ** (8 * width), dtype=np.uint8 if width == 1 else np.uint16)
+    with np.errstate(invalid="ignore", over="ignore"):
+        values = bits.view(dtype).astype(np.float64)
+    return np.unique(values[np.isfinite(values)])
+
+
+def _boundary_inputs(dtype) -> np.ndarray:
+    """Every representable value, every midpoint (tie) between neighbours, and the float32
+    numbers just either side of each, plus values past the largest, subnormal inputs,
+    zeros, infinities and NaN."""
+    values = _all_finite_values(dtype)
+    mids = (values[:-1] + values[1:]) / 2
+    top = values[-1]
+    step = values[-1] - values[-2]
+    beyond = np.array([top + step / 2, top + step, 2 * top, 1e30, 3e38], np.float64)
+    candidates = np.concatenate([values, mids, beyond, -beyond])
+    with np.errstate(over="ignore"):
+        f32 = candidates.astype(np.float32)
+    f32 = np.concatenate(
+        [
+            f32,
+            np.nextafter(f32, np.float32(np.inf)),
+            np.nextafter(f32, np.float32(-np.inf)),
+            np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -1e-40, 1e-45], np.float32),
+        ]
+    )
+    return f32
+
+
+def _same(actual: np.ndarray, expected: np.ndarray) -> np.ndarray:
+    a, e = actual.astype(np.float64), expected.astype(np.float64)
+    return (actual.view(np.uint8) == expected.view(np.uint8)).reshape(
+        actual.shape + (-1,)
+    ).all(-1) | (np.isnan(a) & np.isnan(e))
+
+
+@pytest.mark.parametrize("dtype", TARGETS, ids=lambda d: jnp.dtype(d).name)
+def test_boundaries_and_ties_match_ml_dtypes(platform, dtype):
+    inputs = _boundary_inputs(dtype)
+    (actual,) = run_on(platform, lambda v: (round_float32(v, dtype),), inputs)
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = inputs.astype(dtype)
+    same = _same(actual, expected)
+    if np.dtype(dtype) == np.dtype(jnp.float16) or np.dtype(dtype) == np.dtype(jnp.bfloat16):
+        # Only float32 subnormal inputs may differ: they may be flushed to zero (spec).
+        tiny = np.abs(inputs) < np.finfo(np.float32).tiny
+        same |= tiny & (actual.astype(np.float64) == 0)
+    bad = np.flatnonzero(~same)
+    assert bad.size == 0, [
+        (float(inputs[i]), actual[i].view(np.uint8).tolist(), expected[i].view(np.uint8).tolist())
+        for i in bad[:8]
+    ]
+    assert inputs.size > 4 * _all_finite_values(dtype).size  # the test covers the ties
+
+
+@pytest.mark.parametrize("dtype", TARGETS, ids=lambda d: jnp.dtype(d).name)
+def test_random_float32_match_ml_dtypes(platform, dtype):
+    rng = np.random.default_rng(0)
+    # Random bit patterns over all normal float32 exponents, both signs.
+    bits = rng.integers(0x00800000, 0x7F800000, size=200_000, dtype=np.uint32)
+    bits |= rng.integers(0, 2, size=bits.size, dtype=np.uint32) << 31
+    inputs = bits.view(np.float32)
+    (actual,) = run_on(platform, lambda v: (round_float32(v, dtype),), inputs)
+    with np.errstate(over="ignore", invalid="ignore"):
+        same = _same(actual, inputs.astype(dtype))
+    assert same.all(), inputs[~same][:8]
+
+
+def test_fp8_special_encodings():
+    fn = np.array([np.nan, -np.nan, np.inf, -np.inf, -0.0, 464.0, 465.0], np.float32)
+    (got,) = run_on("cpu", lambda v: (round_float32(v, jnp.float8_e4m3fn),), fn)
+    codes = got.view(np.uint8)
+    assert codes[0] & 0x7F == 0x7F and codes[2] & 0x7F == 0x7F  # NaN, no Inf in e4m3fn
+    assert codes[4] == 0x80  # -0 is kept
+    assert codes[5] == 0x7E  # 464 is the tie between 448 and 480: even mantissa, 448
+    assert codes[6] & 0x7F == 0x7F  # past the tie: NaN, as in ml_dtypes
+    (got,) = run_on("cpu", lambda v: (round_float32(v, jnp.float8_e4m3fnuz),), fn)
+    codes = got.view(np.uint8)
+    assert codes[0] == 0x80 and codes[1] == 0x80  # the single NaN code
+    assert codes[4] == 0x00  # no -0 in e4m3fnuz
+    assert got.dtype == np.dtype(ml_dtypes.float8_e4m3fnuz)
+
+
+def test_round_rejects_bad_dtypes():
+    with pytest.raises(TypeError, match="x must be float32"):
+        round_float32(jnp.ones(3, jnp.float16), jnp.float8_e4m3fn)
+    with pytest.raises(TypeError, match="dtype must be"):
+        round_float32(jnp.ones(3, jnp.float32), jnp.int8)

@@ -1,0 +1,154 @@
+"""Bad input (docs/spec.md): a TypeError or ValueError naming the argument, raised at trace
+time by the public ops and the reference alike; the C++ handlers refuse what slips past."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fp8norm as fp8norm
+
+X = jnp.ones((4, 16), jnp.bfloat16)
+GAMMA = jnp.ones((16,), jnp.float32)
+
+
+def _rms(impl, x=X, gamma=GAMMA, **kw):
+    return impl.rms_norm_fp8(x, gamma, **kw)
+
+
+def _add(impl, x=X, residual=X, gamma=GAMMA, **kw):
+    return impl.add_rms_norm_fp8(x, residual, gamma, **kw)
+
+
+IMPLS = pytest.mark.parametrize("impl", [fp8norm, fp8norm.reference], ids=["ops", "reference"])
+OPS = pytest.mark.parametrize("op", [_rms, _add], ids=["rms_norm_fp8", "add_rms_norm_fp8"])
+
+BAD_ARRAYS = [
+    (dict(x=jnp.ones((4, 16), jnp.int32)), TypeError, "x must be"),
+    (dict(x=np.ones((4, 16), np.float64)), TypeError, "x must be"),
+    (dict(x=jnp.ones((4, 16), jnp.bool_)), TypeError, "x must be"),
+    (dict(x=[[1.0] * 16] * 4), TypeError, "x must be an array"),
+    (dict(x=jnp.float32(1.0)), ValueError, "x must have rank >= 1"),
+    (dict(gamma=jnp.ones((17,), jnp.float32)), ValueError, "gamma must have shape"),
+    (dict(gamma=jnp.ones((1, 16), jnp.float32)), ValueError, "gamma must have shape"),
+    (dict(gamma=jnp.float32(1.0)), ValueError, "gamma must have shape"),
+    (dict(gamma=jnp.ones((16,), jnp.int8)), TypeError, "gamma must be"),
+    (dict(gamma=jnp.ones((16,), jnp.float8_e4m3fn)), TypeError, "gamma must be"),
+]
+
+BAD_KEYWORDS = [
+    (dict(out_dtype=jnp.float8_e5m2), TypeError, "out_dtype must be"),
+    (dict(out_dtype=jnp.int8), TypeError, "out_dtype must be"),
+    (dict(out_dtype="not a dtype"), TypeError, "out_dtype must be"),
+    (dict(scale_dtype=np.float64), TypeError, "scale_dtype must be"),
+    (dict(scale_dtype=jnp.float8_e4m3fn), TypeError, "scale_dtype must be"),
+    (dict(eps=-1e-6), ValueError, "eps must be"),
+    (dict(eps=float("nan")), ValueError, "eps must be"),
+    (dict(eps=float("inf")), ValueError, "eps must be"),
+    (dict(eps="1e-6"), TypeError, "eps must be"),
+    (dict(eps=True), TypeError, "eps must be"),
+    (dict(eps=jnp.float32(1e-6)), TypeError, "eps must be"),
+    (dict(weight_offset=float("nan")), ValueError, "weight_offset must be"),
+    (dict(weight_offset=None), TypeError, "weight_offset must be"),
+    (dict(scale_ub=0.0), ValueError, "scale_ub must be"),
+    (dict(scale_ub=-1.0), ValueError, "scale_ub must be"),
+    (dict(scale_ub=float("nan")), ValueError, "scale_ub must be"),
+    (dict(scale_ub=1e-50), ValueError, "scale_ub=.* rounds to zero"),
+    (dict(scale_ub="big"), TypeError, "scale_ub must be"),
+]
+
+
+@IMPLS
+@OPS
+@pytest.mark.parametrize("kw,error,match", BAD_ARRAYS + BAD_KEYWORDS, ids=repr)
+def test_bad_input_names_the_argument(impl, op, kw, error, match):
+    with pytest.raises(error, match=match):
+        op(impl, **kw)
+
+
+@IMPLS
+@pytest.mark.parametrize("name", ["eps", "weight_offset"])
+def test_constant_overflowing_the_input_dtype(impl, name):
+    x = jnp.ones((4, 16), jnp.float16)
+    with pytest.raises(ValueError, match=f"{name}=.* overflows the input dtype float16"):
+        impl.rms_norm_fp8(x, GAMMA, **{name: 1e6})
+
+
+@IMPLS
+@pytest.mark.parametrize(
+    "residual,error,match",
+    [
+        (jnp.ones((4, 17), jnp.bfloat16), ValueError, "residual must have the shape"),
+        (jnp.ones((16,), jnp.bfloat16), ValueError, "residual must have the shape"),
+        (jnp.ones((4, 16), jnp.float32), TypeError, "residual must have the dtype"),
+        ("residual", TypeError, "residual must be an array"),
+    ],
+    ids=repr,
+)
+def test_bad_residual(impl, residual, error, match):
+    with pytest.raises(error, match=match):
+        impl.add_rms_norm_fp8(X, residual, GAMMA)
+
+
+def test_traced_keyword_is_refused_under_jit():
+    @jax.jit
+    def f(x, gamma, eps):
+        return fp8norm.rms_norm_fp8(x, gamma, eps=eps)
+
+    with pytest.raises(TypeError, match="eps must be a Python float"):
+        f(X, GAMMA, 1e-6)
+
+
+def test_valid_keywords_are_accepted():
+    y, scales = fp8norm.rms_norm_fp8(
+        X, GAMMA, eps=0, weight_offset=1, scale_ub=float("inf"), out_dtype="float8_e4m3fnuz",
+        scale_dtype=np.dtype("float16"),
+    )
+    assert y.dtype == jnp.float8_e4m3fnuz and scales.dtype == jnp.float16
+
+
+def _ffi(target, outs, *args, eps=1e-6, weight_offset=0.0, scale_ub=np.inf):
+    call = jax.ffi.ffi_call(target, outs)
+    return call(
+        *args,
+        eps=np.float32(eps),
+        weight_offset=np.float32(weight_offset),
+        scale_ub=np.float32(scale_ub),
+    )
+
+
+def _sds(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+GOOD_OUTS = (_sds((4, 16), jnp.float8_e4m3fn), _sds((4, 1), jnp.float32))
+
+
+@pytest.mark.parametrize(
+    "outs,args,kw,match",
+    [
+        (GOOD_OUTS, (X, jnp.ones((8,), jnp.float32)), {}, "gamma must have shape"),
+        (GOOD_OUTS, (X.astype(jnp.int32), GAMMA), {}, "x must be"),
+        ((_sds((4, 16), jnp.float32), GOOD_OUTS[1]), (X, GAMMA), {}, "y must be"),
+        ((GOOD_OUTS[0], _sds((4, 2), jnp.float32)), (X, GAMMA), {}, "scales must have shape"),
+        ((GOOD_OUTS[0], _sds((4, 1), jnp.int32)), (X, GAMMA), {}, "scales must be"),
+        (GOOD_OUTS, (X, GAMMA), dict(eps=-1.0), "eps must be"),
+        (GOOD_OUTS, (X, GAMMA), dict(scale_ub=0.0), "scale_ub must be"),
+        (GOOD_OUTS, (X, GAMMA), dict(weight_offset=np.inf), "weight_offset must be"),
+    ],
+)
+def test_cpu_handler_refuses_inconsistent_buffers(outs, args, kw, match):
+    with jax.default_device(jax.devices("cpu")[0]):
+        with pytest.raises(Exception, match=match) as info:
+            jax.block_until_ready(_ffi("fp8norm_rms_norm_fp8", outs, *args, **kw))
+    assert "jax_fp8norm" in str(info.value)
+
+
+def test_cpu_handler_refuses_mismatched_residual():
+    outs = GOOD_OUTS + (_sds((4, 16), jnp.bfloat16),)
+    with pytest.raises(Exception, match="residual must have the shape and dtype of x"):
+        jax.block_until_ready(
+            _ffi("fp8norm_add_rms_norm_fp8", outs, X, X.astype(jnp.float32), GAMMA)
+        )
