@@ -16,6 +16,40 @@ from jax_fp8norm._validation import NormParams, check_arrays, make_params
 DEFAULT_EPS = 1e-6
 
 
+def _divide(numerator: jax.Array, denominator) -> jax.Array:
+    """``numerator / denominator`` rounded once, as the spec says. XLA's simplifier turns a
+    division by a constant into a multiplication by its rounded reciprocal, and
+    ``1 / sqrt`` into an approximate rsqrt; a barrier keeps the divisor opaque to it."""
+    denominator = jnp.broadcast_to(jnp.asarray(denominator, numerator.dtype), numerator.shape)
+    return numerator / jax.lax.optimization_barrier(denominator)
+
+
+def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    s = a + b
+    b_virtual = s - a
+    return s, (a - (s - b_virtual)) + (b - b_virtual)
+
+
+def sum_of_squares(h: jax.Array) -> jax.Array:
+    """``sum(h * h)`` over the last axis of float32 ``h``, keeping every rounding error
+    (Dekker's exact square, TwoSum) in a second float32: the correctly rounded float32
+    sum in all but vanishingly rare near-tie cases, as the kernels compute it
+    (src/fp8norm_math.h, SumOfSquares). Returns shape ``h.shape[:-1] + (1,)``."""
+    f32 = jnp.float32
+    square = h * h
+    c = f32(4097) * h
+    high = c - (c - h)
+    low = h - high
+    square_error = ((high * high - square) + f32(2) * high * low) + low * low
+
+    def combine(a, b):
+        s, e = _two_sum(a[0], b[0])
+        return s, (a[1] + b[1]) + e
+
+    hi, lo = jax.lax.reduce((square, square_error), (f32(0), f32(0)), combine, (h.ndim - 1,))
+    return (hi + lo)[..., None]
+
+
 def quantize_rows(h: jax.Array, gamma: jax.Array, p: NormParams) -> tuple[jax.Array, jax.Array]:
     """Steps 2-7 of the spec on float32 rows ``h`` [..., N]: returns (y, scales)."""
     f32 = jnp.float32
@@ -23,17 +57,18 @@ def quantize_rows(h: jax.Array, gamma: jax.Array, p: NormParams) -> tuple[jax.Ar
     scale_shape = h.shape[:-1] + (1,)
     if n == 0:
         return jnp.zeros(h.shape, p.out_dtype), jnp.zeros(scale_shape, p.scale_dtype)
-    sum_sq = jnp.sum(h * h, axis=-1, keepdims=True)
-    denom = sum_sq / n + f32(p.eps)
-    r = jnp.where(denom == 0, f32(0), f32(1) / jnp.sqrt(denom))
+    sum_sq = sum_of_squares(h)
+    denom = _divide(sum_sq, n) + f32(p.eps)
+    r = jnp.where(denom == 0, f32(0), _divide(jnp.ones_like(denom), jnp.sqrt(denom)))
     normed = (h * r) * (gamma.astype(f32) + f32(p.weight_offset))
     amax = jnp.max(jnp.abs(normed), axis=-1, keepdims=True)
     bounded = jnp.minimum(amax.astype(p.scale_dtype).astype(f32), f32(p.scale_ub))
-    scale = (bounded / f32(p.fp8_max)).astype(p.scale_dtype)
+    scale = _divide(bounded, p.fp8_max).astype(p.scale_dtype)
     scale32 = scale.astype(f32)
-    inverse = f32(1) / scale32
+    inverse = _divide(jnp.ones_like(scale32), scale32)
     recip = jnp.where((scale32 == 0) | ~jnp.isfinite(inverse), f32(0), inverse)
-    q = jnp.clip(normed * recip, -p.fp8_max, p.fp8_max)
+    # The barrier keeps XLA from folding normed * (1 / scale) into normed / scale.
+    q = jnp.clip(normed * jax.lax.optimization_barrier(recip), -p.fp8_max, p.fp8_max)
     # A NaN or Inf in the row, or an overflowing sum of squares: the whole row is NaN.
     row_finite = jnp.isfinite(sum_sq)
     q = jnp.where(row_finite, q, f32(np.nan))

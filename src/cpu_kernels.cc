@@ -3,7 +3,9 @@
 // there. Rows are split into tasks that the caller's thread pool runs in parallel.
 //
 // The inner loops work on kLanes independent lanes so that the compiler vectorises the
-// sum of squares and the abs-max without reassociating float additions itself.
+// sum of squares and the abs-max without reassociating float additions itself. Built
+// with -ffp-contract=off: a fused multiply-add would round differently from the CUDA
+// kernel and the reference.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -15,8 +17,6 @@ namespace fp8norm {
 namespace {
 
 constexpr int64_t kLanes = 16;
-// Elements summed per lane before a block's lanes are combined: 8 terms per lane.
-constexpr int64_t kSumBlock = kLanes * 8;
 // Work per task: enough elements that scheduling costs nothing next to it, few enough
 // that a 4096 x 4096 call still spreads over every core.
 constexpr int64_t kElementsPerTask = int64_t{1} << 17;
@@ -27,67 +27,32 @@ float* ScratchRow(int64_t hidden) {
   return scratch.data();
 }
 
-// Pairwise summation of block sums (a binary counter: level k holds the sum of 2^k
-// blocks), so the rounding error of a row's sum of squares grows with log2 of its length,
-// as in a tree reduction, instead of linearly.
-class PairwiseSum {
- public:
-  void Add(float block_sum) {
-    int level = 0;
-    for (uint64_t c = count_; c & 1u; c >>= 1, ++level) block_sum += levels_[level];
-    levels_[level] = block_sum;
-    ++count_;
-  }
-  float Total() const {
-    float total = 0.0f;
-    int level = 0;
-    for (uint64_t c = count_; c != 0; c >>= 1, ++level) {
-      if (c & 1u) total += levels_[level];
-    }
-    return total;
-  }
-
- private:
-  float levels_[64] = {};
-  uint64_t count_ = 0;
-};
-
-float LaneTotal(float (&acc)[kLanes]) {
-  for (int64_t width = kLanes / 2; width > 0; width /= 2) {
-    for (int64_t k = 0; k < width; ++k) acc[k] += acc[k + width];
-  }
-  return acc[0];
-}
-
 // h = x (+ residual); residual_out = T(h); returns sum(h * h).
 template <typename TIn>
 float LoadRow(const TIn* x, const TIn* residual, TIn* residual_out, float* h, int64_t n) {
-  PairwiseSum sum;
+  SumOfSquares acc[kLanes] = {};
   int64_t j = 0;
-  for (; j + kSumBlock <= n; j += kSumBlock) {
-    float acc[kLanes] = {};
-    for (int64_t b = 0; b < kSumBlock; b += kLanes) {
-      for (int64_t k = 0; k < kLanes; ++k) {
-        float v = ToFloat(x[j + b + k]);
-        if (residual != nullptr) v += ToFloat(residual[j + b + k]);
-        h[j + b + k] = v;
-        acc[k] += v * v;
-      }
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int64_t k = 0; k < kLanes; ++k) {
+      float v = ToFloat(x[j + k]);
+      if (residual != nullptr) v += ToFloat(residual[j + k]);
+      h[j + k] = v;
+      AddSquare(acc[k], v);
     }
-    sum.Add(LaneTotal(acc));
   }
-  float acc[kLanes] = {};
-  for (int64_t k = 0; j < n; ++j, k = (k + 1) % kLanes) {
+  for (int64_t k = 0; j < n; ++j, ++k) {
     float v = ToFloat(x[j]);
     if (residual != nullptr) v += ToFloat(residual[j]);
     h[j] = v;
-    acc[k] += v * v;
+    AddSquare(acc[k], v);
   }
-  sum.Add(LaneTotal(acc));
   if (residual_out != nullptr) {
     for (int64_t i = 0; i < n; ++i) residual_out[i] = FromFloat<TIn>(h[i]);
   }
-  return sum.Total();
+  for (int64_t width = kLanes / 2; width > 0; width /= 2) {
+    for (int64_t k = 0; k < width; ++k) acc[k] = Combine(acc[k], acc[k + width]);
+  }
+  return Total(acc[0]);
 }
 
 // h = (h * r) * (gamma + weight_offset) in place; returns the abs-max as ordered bits.
@@ -109,6 +74,14 @@ uint32_t NormalizeRow(float* h, const float* gamma_plus_offset, float r, int64_t
   uint32_t result = 0;
   for (int64_t k = 0; k < kLanes; ++k) result = std::max(result, amax[k]);
   return result;
+}
+
+// y is a byte pointer, which may alias anything: __restrict tells the vectoriser it
+// does not alias the scratch row.
+template <Fp8Format kOut>
+void QuantizeRow(const float* __restrict normed, float recip, uint8_t* __restrict y,
+                 int64_t n) {
+  for (int64_t j = 0; j < n; ++j) y[j] = QuantizeElement<kOut>(normed[j], recip);
 }
 
 void StoreScale(void* scales, FloatType type, int64_t row, float scale) {
@@ -141,8 +114,7 @@ void QuantizeRows(const RmsNormFp8Args& a, const float* gamma_plus_offset, int64
     const uint32_t amax = NormalizeRow(h, gamma_plus_offset, r, n);
     const RowScale s = ComputeRowScale(sum_sq, amax, kOut, a.scale_type, a.constants);
     StoreScale(a.scales, a.scale_type, row, s.scale);
-    uint8_t* y = static_cast<uint8_t*>(a.y) + offset;
-    for (int64_t j = 0; j < n; ++j) y[j] = QuantizeElement<kOut>(h[j], s.recip);
+    QuantizeRow<kOut>(h, s.recip, static_cast<uint8_t*>(a.y) + offset, n);
   }
 }
 

@@ -41,9 +41,11 @@ constexpr int kVecOf = kVectorBytes / int(sizeof(TIn));
 
 // ----------------------------------------------------------------- reductions
 
-__device__ __forceinline__ float WarpSum(float v) {
+__device__ __forceinline__ SumOfSquares WarpSum(SumOfSquares v) {
   for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-    v += __shfl_xor_sync(0xffffffffu, v, offset);
+    const SumOfSquares other{__shfl_xor_sync(0xffffffffu, v.hi, offset),
+                             __shfl_xor_sync(0xffffffffu, v.lo, offset)};
+    v = Combine(v, other);
   }
   return v;
 }
@@ -125,8 +127,8 @@ __device__ __forceinline__ void LoadH(const TIn* x, const TIn* residual, int64_t
 // ----------------------------------------------------------------- the row
 
 struct SharedScratch {
-  float sum_partial[kWarp];
-  float sum_result;
+  SumOfSquares sum_partial[kWarp];
+  SumOfSquares sum_result;
   uint32_t max_partial[kWarp];
   uint32_t max_result;
 };
@@ -146,29 +148,21 @@ __device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
   uint8_t* y = static_cast<uint8_t*>(a.y) + offset;
 
   // Sweep 1: h, residual_out, sum of squares.
-  float sum_sq = 0.0f;
+  SumOfSquares acc{0.0f, 0.0f};
   for (int64_t i = threadIdx.x; i < num_vecs; i += blockDim.x) {
     float h[kVec];
     LoadH<TIn, kVec>(x, residual, i, h);
     if (residual_out != nullptr) StoreVec<TIn, kVec>(residual_out, i, h);
-    // A tree over the vector first: each thread's running sum then takes only
-    // hidden / (kVec * blockDim) terms, which keeps the rounding error near a tree's.
-    float sq[kVec];
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      sq[k] = h[k] * h[k];
+      AddSquare(acc, h[k]);
       if (cache != nullptr) cache[k * num_vecs + i] = h[k];
     }
-#pragma unroll
-    for (int width = kVec / 2; width > 0; width /= 2) {
-#pragma unroll
-      for (int k = 0; k < width; ++k) sq[k] += sq[k + width];
-    }
-    sum_sq += sq[0];
   }
-  sum_sq = BlockReduce(
-      sum_sq, 0.0f, [](float v) { return WarpSum(v); }, scratch.sum_partial,
-      &scratch.sum_result);
+  acc = BlockReduce(
+      acc, SumOfSquares{0.0f, 0.0f}, [](SumOfSquares v) { return WarpSum(v); },
+      scratch.sum_partial, &scratch.sum_result);
+  const float sum_sq = Total(acc);
   const float r = InverseRms(sum_sq, n, a.constants.eps);
 
   // Sweep 2: n and its abs-max.

@@ -36,6 +36,8 @@ enum class Fp8Format : int32_t { kE4M3FN = 0, kE4M3FNUZ = 1 };
 FP8NORM_HD uint32_t BitsOf(float v) {
 #if defined(__CUDA_ARCH__)
   return __float_as_uint(v);
+#elif defined(__GNUC__) || defined(__clang__)
+  return __builtin_bit_cast(uint32_t, v);  // a register move the vectoriser can see through
 #else
   uint32_t u;
   std::memcpy(&u, &v, sizeof(u));
@@ -46,6 +48,8 @@ FP8NORM_HD uint32_t BitsOf(float v) {
 FP8NORM_HD float FloatOf(uint32_t u) {
 #if defined(__CUDA_ARCH__)
   return __uint_as_float(u);
+#elif defined(__GNUC__) || defined(__clang__)
+  return __builtin_bit_cast(float, u);
 #else
   float v;
   std::memcpy(&v, &u, sizeof(v));
@@ -61,6 +65,12 @@ constexpr uint32_t kF32QuietNan = 0x7fc00000u;
 FP8NORM_HD bool IsFinite(float v) { return (BitsOf(v) & kF32Inf) != kF32Inf; }
 FP8NORM_HD bool IsNan(float v) { return (BitsOf(v) & kF32AbsMask) > kF32Inf; }
 
+// cond ? a : b as mask arithmetic on 32-bit lanes: GCC vectorises it where it narrows a
+// select feeding a byte store into mask conversions that SSE and AVX lack.
+FP8NORM_HD uint32_t Select(bool cond, uint32_t a, uint32_t b) {
+  return b ^ ((a ^ b) & (0u - uint32_t(cond)));
+}
+
 // ---------------------------------------------------------------------------------
 // 16-bit floats <-> float32, round to nearest even.
 // ---------------------------------------------------------------------------------
@@ -69,44 +79,41 @@ FP8NORM_HD float ToFloat(float v) { return v; }
 
 FP8NORM_HD float ToFloat(BF16 v) { return FloatOf(uint32_t(v.bits) << 16); }
 
+// The conversions below compute every case and select, without branches, so that the
+// CPU compiler vectorises them.
+
 FP8NORM_HD float ToFloat(F16 v) {
   const uint32_t sign = uint32_t(v.bits & 0x8000u) << 16;
   const uint32_t exp_mant = uint32_t(v.bits & 0x7fffu) << 13;
   const uint32_t exp = exp_mant & 0x0f800000u;
-  uint32_t out = exp_mant + ((127u - 15u) << 23);  // rebias a normal number
-  if (exp == 0x0f800000u) {
-    out += (128u - 16u) << 23;  // Inf / NaN: exponent all ones
-  } else if (exp == 0) {
-    // Subnormal: renormalise with a subtraction of normal float32 numbers, exact
-    // and unaffected by denormal flushing.
-    out = BitsOf(FloatOf(out + (1u << 23)) - FloatOf(113u << 23));
-  }
+  const uint32_t normal = exp_mant + ((127u - 15u) << 23);  // rebias
+  const uint32_t inf_nan = normal + ((128u - 16u) << 23);   // exponent all ones
+  // Subnormal: renormalise with a subtraction of normal float32 numbers, exact and
+  // unaffected by denormal flushing.
+  const uint32_t subnormal = BitsOf(FloatOf(normal + (1u << 23)) - FloatOf(113u << 23));
+  const uint32_t out = exp == 0x0f800000u ? inf_nan : (exp == 0 ? subnormal : normal);
   return FloatOf(out | sign);
 }
 
 FP8NORM_HD BF16 ToBF16(float v) {
   const uint32_t u = BitsOf(v);
-  if ((u & kF32AbsMask) > kF32Inf) return BF16{uint16_t((u >> 16) | 0x40u)};
-  return BF16{uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (u >> 16) | 0x40u;
+  return BF16{uint16_t((u & kF32AbsMask) > kF32Inf ? quiet_nan : rounded)};
 }
 
 FP8NORM_HD F16 ToF16(float v) {
   uint32_t u = BitsOf(v);
   const uint32_t sign = u & 0x80000000u;
   u ^= sign;
-  uint32_t out;
-  if (u >= (127u + 16u) << 23) {  // overflows float16 (or Inf / NaN)
-    out = u > kF32Inf ? 0x7e00u : 0x7c00u;
-  } else if (u < (113u << 23)) {  // float16 subnormal or zero
-    // Adding a float whose unit in the last place is float16's smallest subnormal
-    // makes the FPU round to nearest even at that position.
-    const uint32_t magic = ((127u - 15u) + (23u - 10u) + 1u) << 23;
-    out = BitsOf(FloatOf(u) + FloatOf(magic)) - magic;
-  } else {
-    const uint32_t mant_odd = (u >> 13) & 1u;
-    u += ((15u - 127u) << 23) + 0xfffu + mant_odd;
-    out = u >> 13;
-  }
+  // float16 subnormal or zero: adding a float whose unit in the last place is float16's
+  // smallest subnormal makes the FPU round to nearest even at that position.
+  const uint32_t magic = ((127u - 15u) + (23u - 10u) + 1u) << 23;
+  const uint32_t subnormal = BitsOf(FloatOf(u) + FloatOf(magic)) - magic;
+  const uint32_t normal = (u + ((15u - 127u) << 23) + 0xfffu + ((u >> 13) & 1u)) >> 13;
+  uint32_t out = u < (113u << 23) ? subnormal : normal;
+  // Past float16's range (or Inf / NaN).
+  out = u >= ((127u + 16u) << 23) ? (u > kF32Inf ? 0x7e00u : 0x7c00u) : out;
   return F16{uint16_t(out | (sign >> 16))};
 }
 
@@ -173,23 +180,18 @@ FP8NORM_HD uint8_t ToFp8(float v) {
   uint32_t u = BitsOf(v);
   const uint32_t sign = u & 0x80000000u;
   u ^= sign;
-  uint32_t code;
-  if (u < (127u + 1u - Tr::kBias) << 23) {
-    // Below the smallest normal: round at the subnormal step 2^(-bias-2) by adding a
-    // float whose unit in the last place is that step. Code 8 (the smallest normal)
-    // comes out right when rounding carries.
-    const uint32_t magic = (127u + 21u - Tr::kBias) << 23;
-    code = BitsOf(FloatOf(u) + FloatOf(magic)) - magic;
-  } else {
-    const uint32_t mant_odd = (u >> 20) & 1u;
-    code = (u + ((Tr::kBias - 127u) << 23) + 0x7ffffu + mant_odd) >> 20;
-  }
-  const bool nan = u > kF32Inf || code > Tr::kMaxCode;
+  // Below the smallest normal: round at the subnormal step 2^(-bias-2) by adding a float
+  // whose unit in the last place is that step. Code 8 (the smallest normal) comes out
+  // right when rounding carries.
+  const uint32_t magic = (127u + 21u - Tr::kBias) << 23;
+  const uint32_t subnormal = BitsOf(FloatOf(u) + FloatOf(magic)) - magic;
+  const uint32_t normal = (u + ((Tr::kBias - 127u) << 23) + 0x7ffffu + ((u >> 20) & 1u)) >> 20;
+  const uint32_t code = Select(u < ((127u + 1u - Tr::kBias) << 23), subnormal, normal);
+  const bool nan = (u > kF32Inf) | (code > Tr::kMaxCode);
   if (kFormat == Fp8Format::kE4M3FNUZ) {
-    if (nan) return uint8_t(Tr::kNanCode);
-    return uint8_t(code == 0 ? 0 : (code | (sign >> 24)));
+    return uint8_t(Select(nan, Tr::kNanCode, Select(code == 0, 0u, code | (sign >> 24))));
   }
-  return uint8_t((nan ? Tr::kNanCode : code) | (sign >> 24));
+  return uint8_t(Select(nan, Tr::kNanCode, code) | (sign >> 24));
 }
 
 // ---------------------------------------------------------------------------------
@@ -203,6 +205,55 @@ struct RowConstants {
   float weight_offset;  // f32(T(weight_offset))
   float scale_ub;       // f32(S(scale_ub)), +inf when unbounded
 };
+
+// The sum of squares of a row, carried as an unevaluated pair hi + lo: every square's
+// rounding error (exact, from an FMA or a Dekker split) and every addition's (TwoSum) is
+// kept in lo. The total is therefore the correctly rounded float32 sum in all but
+// vanishingly rare near-tie cases, whatever the order of summation: the CPU lanes, the
+// GPU block tree and the jnp reference agree bit for bit, and so do their scales.
+struct SumOfSquares {
+  float hi;
+  float lo;
+};
+
+// s + e == a + b exactly (Knuth's TwoSum; needs no ordering of |a| and |b|).
+FP8NORM_HD void TwoSum(float a, float b, float& s, float& e) {
+  s = a + b;
+  const float b_virtual = s - a;
+  e = (a - (s - b_virtual)) + (b - b_virtual);
+}
+
+// p + e == v * v exactly (while v * v neither overflows nor underflows).
+FP8NORM_HD void ExactSquare(float v, float& p, float& e) {
+  p = v * v;
+#if defined(__CUDA_ARCH__)
+  e = fmaf(v, v, -p);
+#else
+  // Dekker's split: v = high + low with 12-bit halves whose products are exact. Portable
+  // and vectorisable where a hardware FMA is not guaranteed.
+  const float c = 4097.0f * v;
+  const float high = c - (c - v);
+  const float low = v - high;
+  e = ((high * high - p) + 2.0f * high * low) + low * low;
+#endif
+}
+
+FP8NORM_HD void AddSquare(SumOfSquares& acc, float v) {
+  float p, square_error, s, sum_error;
+  ExactSquare(v, p, square_error);
+  TwoSum(acc.hi, p, s, sum_error);
+  acc.hi = s;
+  acc.lo += sum_error + square_error;
+}
+
+FP8NORM_HD SumOfSquares Combine(SumOfSquares a, SumOfSquares b) {
+  float s, e;
+  TwoSum(a.hi, b.hi, s, e);
+  return SumOfSquares{s, (a.lo + b.lo) + e};
+}
+
+// Non-finite when the row holds a NaN or Inf or its sum overflows float32.
+FP8NORM_HD float Total(SumOfSquares acc) { return acc.hi + acc.lo; }
 
 // 1 / sqrt(mean_sq + eps), 0 when the denominator is exactly 0 (an all-zero row with an
 // eps that rounded to zero).
@@ -238,14 +289,21 @@ FP8NORM_HD RowScale ComputeRowScale(float sum_sq, uint32_t amax_bits, Fp8Format 
   return RowScale{scale, recip};
 }
 
-// The clamp keeps NaN (both comparisons are false) so that a NaN never becomes +-max.
+// Clamps to [-fp8_max, fp8_max] on the bits: magnitudes past the range (Inf included)
+// become fp8_max with their sign, while NaN (above Inf) passes, so that a NaN never
+// becomes +-max. Integer-only, so it vectorises alongside the FP8 rounding.
 FP8NORM_HD float ClampToFp8Range(float v, float fp8_max) {
-  return v > fp8_max ? fp8_max : (v < -fp8_max ? -fp8_max : v);
+  const uint32_t u = BitsOf(v);
+  const uint32_t magnitude = u & kF32AbsMask;
+  const uint32_t max_bits = BitsOf(fp8_max);
+  const bool past = (magnitude > max_bits) & (magnitude <= kF32Inf);
+  return FloatOf(Select(past, max_bits, magnitude) | (u & ~kF32AbsMask));
 }
 
 template <Fp8Format kFormat>
 FP8NORM_HD uint8_t QuantizeElement(float normed, float recip) {
-  return ToFp8<kFormat>(ClampToFp8Range(normed * recip, Fp8Traits<kFormat>::kMax));
+  constexpr float kMax = Fp8Traits<kFormat>::kMax;
+  return ToFp8<kFormat>(ClampToFp8Range(normed * recip, kMax));
 }
 
 }  // namespace fp8norm

@@ -1,0 +1,101 @@
+"""``python -m jax_fp8norm``: runs both ops on the default backend on model-sized shapes,
+checks them against the pure-jnp reference with the spec's accuracy rule and prints a
+short report. Exits non-zero if any check fails.
+
+Times are wall-clock per call of the jitted function (dispatch included, median of
+``--iters`` calls after a warm-up); they are a sanity check, not a benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_fp8norm as fp8norm
+from jax_fp8norm import testing
+
+DEFAULT_SHAPES = ((16, 4096), (512, 4096), (256, 8192), (64, 7168))
+DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+
+
+def _median_seconds(fn, args, iters: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _agreement(out, ref) -> str:
+    y, y_ref = np.asarray(out[0]), np.asarray(ref[0])
+    step = np.abs(testing.fp8_code_index(y) - testing.fp8_code_index(y_ref))
+    scale_ulp = testing.ulp_distance(np.asarray(out[1]), np.asarray(ref[1])).max()
+    return f"identical {np.mean(step == 0):8.4%}  max step {step.max()}  scale ulp {scale_ulp:.0f}"
+
+
+def _run_shape(rows: int, hidden: int, dtype, iters: int) -> bool:
+    key = jax.random.PRNGKey(rows * 131 + hidden)
+    kx, kr, kg = jax.random.split(key, 3)
+    x = jax.random.normal(kx, (rows, hidden), dtype)
+    residual = jax.random.normal(kr, (rows, hidden), dtype)
+    gamma = 1.0 + 0.1 * jax.random.normal(kg, (hidden,), jnp.float32)
+    ok = True
+    for name, op, ref_op, args in (
+        ("rms_norm_fp8", fp8norm.rms_norm_fp8, fp8norm.reference.rms_norm_fp8, (x, gamma)),
+        (
+            "add_rms_norm_fp8",
+            fp8norm.add_rms_norm_fp8,
+            fp8norm.reference.add_rms_norm_fp8,
+            (x, residual, gamma),
+        ),
+    ):
+        kernel, reference = jax.jit(op), jax.jit(ref_op)
+        out, ref = kernel(*args), reference(*args)
+        try:
+            testing.assert_matches_reference(out, ref)
+            verdict = "ok"
+        except AssertionError as error:
+            verdict, ok = f"FAILED: {error}", False
+        t_kernel = _median_seconds(kernel, args, iters)
+        t_ref = _median_seconds(reference, args, iters)
+        print(
+            f"{name:>17} {rows:6d} x {hidden:<6d} {_agreement(out, ref)}  "
+            f"kernel {t_kernel * 1e6:9.1f} us  jnp {t_ref * 1e6:9.1f} us  {verdict}"
+        )
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jax_fp8norm", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="x dtype")
+    parser.add_argument(
+        "--shape", action="append", metavar="ROWSxHIDDEN", help="repeatable; default: a few model shapes"
+    )
+    parser.add_argument("--iters", type=int, default=20, help="timed calls per op and shape")
+    args = parser.parse_args(argv)
+    shapes = (
+        [tuple(int(v) for v in s.lower().split("x")) for s in args.shape]
+        if args.shape
+        else DEFAULT_SHAPES
+    )
+    device = jax.devices()[0]
+    print(
+        f"jax_fp8norm {fp8norm.__version__} on {jax.default_backend()} ({device.device_kind}); "
+        f"jax {jax.__version__}; CUDA kernels built: {fp8norm.built_with_cuda()}"
+    )
+    print(f"x {args.dtype}, gamma float32, y float8_e4m3fn, scales float32; reference: jnp twin")
+    ok = all(_run_shape(rows, hidden, DTYPES[args.dtype], args.iters) for rows, hidden in shapes)
+    print("all checks passed" if ok else "SOME CHECKS FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
