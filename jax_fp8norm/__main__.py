@@ -74,10 +74,15 @@ def _run_shape(rows: int, hidden: int, dtype, iters: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jax_fp8norm", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m jax_fp8norm", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="x dtype")
     parser.add_argument(
-        "--shape", action="append", metavar="ROWSxHIDDEN", help="repeatable; default: a few model shapes"
+        "--shape",
+        action="append",
+        metavar="ROWSxHIDDEN",
+        help="repeatable; default: a few model shapes",
     )
     parser.add_argument("--iters", type=int, default=20, help="timed calls per op and shape")
     args = parser.parse_args(argv)

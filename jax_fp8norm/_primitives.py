@@ -19,7 +19,7 @@ ROUND_TARGET = "fp8norm_round"
 TARGETS = (RMS_NORM_FP8_TARGET, ADD_RMS_NORM_FP8_TARGET, ROUND_TARGET)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted_bind(prim: Primitive, params: tuple) -> callable:
     return jax.jit(functools.partial(prim.bind, **dict(params)))
 

@@ -35,7 +35,9 @@ struct TaskQueue {
       ++ran;
     }
     if (ran > 0 && finished.fetch_add(ran) + ran == num_tasks) {
-      { std::lock_guard<std::mutex> lock(mutex); }
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+      }
       all_finished.notify_all();
     }
   }
@@ -62,8 +64,8 @@ ffi::Error RmsNormFp8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
                           ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
                           float eps, float weight_offset, float scale_ub) {
   RmsNormFp8Args args;
-  ffi::Error status = DecodeRmsNormFp8(x, nullptr, gamma, y, scales, nullptr, eps,
-                                       weight_offset, scale_ub, &args);
+  ffi::Error status =
+      DecodeRmsNormFp8(x, nullptr, gamma, y, scales, nullptr, eps, weight_offset, scale_ub, &args);
   if (status.failure()) return status;
   RmsNormFp8Cpu(args, PoolParallelFor(pool));
   return ffi::Error::Success();

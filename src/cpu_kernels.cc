@@ -79,8 +79,7 @@ uint32_t NormalizeRow(float* h, const float* gamma_plus_offset, float r, int64_t
 // y is a byte pointer, which may alias anything: __restrict tells the vectoriser it
 // does not alias the scratch row.
 template <Fp8Format kOut>
-void QuantizeRow(const float* __restrict normed, float recip, uint8_t* __restrict y,
-                 int64_t n) {
+void QuantizeRow(const float* __restrict normed, float recip, uint8_t* __restrict y, int64_t n) {
   for (int64_t j = 0; j < n; ++j) y[j] = QuantizeElement<kOut>(normed[j], recip);
 }
 
@@ -146,12 +145,10 @@ void RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   std::vector<float> gamma_plus_offset(a.hidden);
   switch (a.gamma_type) {
     case FloatType::kF16:
-      GammaPlusOffset<F16>(a.gamma, a.constants.weight_offset, a.hidden,
-                           gamma_plus_offset.data());
+      GammaPlusOffset<F16>(a.gamma, a.constants.weight_offset, a.hidden, gamma_plus_offset.data());
       break;
     case FloatType::kBF16:
-      GammaPlusOffset<BF16>(a.gamma, a.constants.weight_offset, a.hidden,
-                            gamma_plus_offset.data());
+      GammaPlusOffset<BF16>(a.gamma, a.constants.weight_offset, a.hidden, gamma_plus_offset.data());
       break;
     default:
       GammaPlusOffset<float>(a.gamma, a.constants.weight_offset, a.hidden,

@@ -15,16 +15,15 @@ namespace {
 
 ffi::Error CudaStatus(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("jax_fp8norm: ") + what + ": " +
-                              cudaGetErrorString(err));
+  return ffi::Error::Internal(std::string("jax_fp8norm: ") + what + ": " + cudaGetErrorString(err));
 }
 
 ffi::Error RmsNormFp8Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
                           ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
                           float eps, float weight_offset, float scale_ub) {
   RmsNormFp8Args args;
-  ffi::Error status = DecodeRmsNormFp8(x, nullptr, gamma, y, scales, nullptr, eps,
-                                       weight_offset, scale_ub, &args);
+  ffi::Error status =
+      DecodeRmsNormFp8(x, nullptr, gamma, y, scales, nullptr, eps, weight_offset, scale_ub, &args);
   if (status.failure()) return status;
   return CudaStatus(LaunchRmsNormFp8(stream, args), "rms_norm_fp8 launch");
 }

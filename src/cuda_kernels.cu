@@ -60,8 +60,8 @@ __device__ __forceinline__ uint32_t WarpMax(uint32_t v) {
 // Block-wide reduction; every thread gets the result. The partial and result slots are
 // separate so that back-to-back calls need no extra barrier.
 template <typename T, typename WarpOp>
-__device__ __forceinline__ T BlockReduce(T v, T identity, WarpOp warp_op,
-                                         T* partial /*[32]*/, T* result /*[1]*/) {
+__device__ __forceinline__ T BlockReduce(T v, T identity, WarpOp warp_op, T* partial /*[32]*/,
+                                         T* result /*[1]*/) {
   const int lane = threadIdx.x % kWarp;
   const int warp = threadIdx.x / kWarp;
   const int num_warps = (blockDim.x + kWarp - 1) / kWarp;
@@ -160,8 +160,8 @@ __device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
     }
   }
   acc = BlockReduce(
-      acc, SumOfSquares{0.0f, 0.0f}, [](SumOfSquares v) { return WarpSum(v); },
-      scratch.sum_partial, &scratch.sum_result);
+      acc, SumOfSquares{0.0f, 0.0f}, [](SumOfSquares v) { return WarpSum(v); }, scratch.sum_partial,
+      &scratch.sum_result);
   const float sum_sq = Total(acc);
   const float r = InverseRms(sum_sq, n, a.constants.eps);
 
@@ -185,8 +185,7 @@ __device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
     }
   }
   amax = BlockReduce(
-      amax, 0u, [](uint32_t v) { return WarpMax(v); }, scratch.max_partial,
-      &scratch.max_result);
+      amax, 0u, [](uint32_t v) { return WarpMax(v); }, scratch.max_partial, &scratch.max_result);
   const RowScale s = ComputeRowScale(sum_sq, amax, kOut, a.scale_type, a.constants);
   if (threadIdx.x == 0) {
     switch (a.scale_type) {
@@ -264,9 +263,7 @@ __global__ void RoundKernel(const RoundArgs a) {
 
 size_t FloatTypeBytes(FloatType type) { return type == FloatType::kF32 ? 4 : 2; }
 
-bool Aligned(const void* p, size_t bytes) {
-  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
-}
+bool Aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // Shared memory a block may opt into on the current device, cached per device.
 cudaError_t MaxSharedBytes(size_t* bytes) {
@@ -290,15 +287,15 @@ cudaError_t Launch(cudaStream_t stream, const RmsNormFp8Args& a) {
   constexpr int kVec = kVecOf<TIn>;
   // The 16-byte path needs every row start aligned: hidden a multiple of the vector
   // width and each base pointer aligned to the width of its own vector.
-  const bool vectorized =
-      a.hidden % kVec == 0 && Aligned(a.x, kVectorBytes) &&
-      (a.residual == nullptr || Aligned(a.residual, kVectorBytes)) &&
-      (a.residual_out == nullptr || Aligned(a.residual_out, kVectorBytes)) &&
-      Aligned(a.gamma, kVec * FloatTypeBytes(a.gamma_type)) && Aligned(a.y, kVec);
+  const bool vectorized = a.hidden % kVec == 0 && Aligned(a.x, kVectorBytes) &&
+                          (a.residual == nullptr || Aligned(a.residual, kVectorBytes)) &&
+                          (a.residual_out == nullptr || Aligned(a.residual_out, kVectorBytes)) &&
+                          Aligned(a.gamma, kVec * FloatTypeBytes(a.gamma_type)) &&
+                          Aligned(a.y, kVec);
   const int64_t num_vecs = vectorized ? a.hidden / kVec : a.hidden;
   // One vector per thread up to the block limit: the most bytes in flight per row.
-  const int threads = static_cast<int>(
-      std::min<int64_t>(kMaxThreads, std::max<int64_t>(kWarp, (num_vecs + kWarp - 1) / kWarp * kWarp)));
+  const int threads = static_cast<int>(std::min<int64_t>(
+      kMaxThreads, std::max<int64_t>(kWarp, (num_vecs + kWarp - 1) / kWarp * kWarp)));
   // Rows beyond the grid limit are strided over the blocks.
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(a.rows, int64_t{1} << 30));
 

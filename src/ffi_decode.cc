@@ -48,8 +48,7 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
     return Invalid("residual and residual_out go together");
   }
   if (residual != nullptr) {
-    if (residual->element_type() != x.element_type() ||
-        !(residual->dimensions() == dims)) {
+    if (residual->element_type() != x.element_type() || !(residual->dimensions() == dims)) {
       return Invalid("residual must have the shape and dtype of x");
     }
     if ((*residual_out)->element_type() != x.element_type() ||

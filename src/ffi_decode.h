@@ -17,7 +17,6 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
                             ffi::Result<ffi::AnyBuffer>* residual_out, float eps,
                             float weight_offset, float scale_ub, RmsNormFp8Args* args);
 
-ffi::Error DecodeRound(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out,
-                       RoundArgs* args);
+ffi::Error DecodeRound(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out, RoundArgs* args);
 
 }  // namespace fp8norm

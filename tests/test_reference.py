@@ -116,9 +116,7 @@ def test_reference_edge_rows_match_float64():
 def test_reference_large_hidden_matches_float64():
     x = random_rows(37, (4, 65536), jnp.float16)
     gamma = random_gamma(38, 65536, jnp.bfloat16)
-    assert_matches_reference(
-        fp8norm.reference.rms_norm_fp8(x, gamma), numpy_rms_norm_fp8(x, gamma)
-    )
+    assert_matches_reference(fp8norm.reference.rms_norm_fp8(x, gamma), numpy_rms_norm_fp8(x, gamma))
 
 
 def test_dequantised_output_approximates_rmsnorm():

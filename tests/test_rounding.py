@@ -48,9 +48,9 @@ def _boundary_inputs(dtype) -> np.ndarray:
 
 def _same(actual: np.ndarray, expected: np.ndarray) -> np.ndarray:
     a, e = actual.astype(np.float64), expected.astype(np.float64)
-    return (actual.view(np.uint8) == expected.view(np.uint8)).reshape(
-        actual.shape + (-1,)
-    ).all(-1) | (np.isnan(a) & np.isnan(e))
+    return (actual.view(np.uint8) == expected.view(np.uint8)).reshape(actual.shape + (-1,)).all(
+        -1
+    ) | (np.isnan(a) & np.isnan(e))
 
 
 @pytest.mark.parametrize("dtype", TARGETS, ids=lambda d: jnp.dtype(d).name)

@@ -103,7 +103,12 @@ def test_traced_keyword_is_refused_under_jit():
 
 def test_valid_keywords_are_accepted():
     y, scales = fp8norm.rms_norm_fp8(
-        X, GAMMA, eps=0, weight_offset=1, scale_ub=float("inf"), out_dtype="float8_e4m3fnuz",
+        X,
+        GAMMA,
+        eps=0,
+        weight_offset=1,
+        scale_ub=float("inf"),
+        out_dtype="float8_e4m3fnuz",
         scale_dtype=np.dtype("float16"),
     )
     assert y.dtype == jnp.float8_e4m3fnuz and scales.dtype == jnp.float16
