@@ -3,6 +3,9 @@
     import jax_fp8norm as fp8norm
     y, scales = fp8norm.rms_norm_fp8(x, gamma)
     y, scales, residual_out = fp8norm.add_rms_norm_fp8(x, residual, gamma)
+    # inside jax.shard_map, x a partial sum over the mesh axis "tp":
+    y, scales, residual_out = fp8norm.allreduce_residual_rms_norm_fp8(
+        x, residual, gamma, axis_name="tp")
 
 The contract is docs/spec.md; :mod:`jax_fp8norm.reference` holds the pure-jnp twins.
 """
@@ -10,15 +13,22 @@ The contract is docs/spec.md; :mod:`jax_fp8norm.reference` holds the pure-jnp tw
 from jax_fp8norm import reference, testing
 from jax_fp8norm._ffi import built_with_cuda
 from jax_fp8norm._primitives import TARGETS as FFI_TARGETS
-from jax_fp8norm.ops import add_rms_norm_fp8, rms_norm_fp8
+from jax_fp8norm.ops import (
+    add_rms_norm_fp8,
+    allreduce_residual_rms_norm_fp8,
+    rms_norm_fp8,
+    sharded_allreduce_residual_rms_norm_fp8,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FFI_TARGETS",
     "add_rms_norm_fp8",
+    "allreduce_residual_rms_norm_fp8",
     "built_with_cuda",
     "reference",
     "rms_norm_fp8",
+    "sharded_allreduce_residual_rms_norm_fp8",
     "testing",
 ]

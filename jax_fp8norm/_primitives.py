@@ -50,13 +50,14 @@ def _unavailable_cuda_lowering(ctx, *args, **params):
 
 
 def _norm_abstract_eval(*avals, eps, weight_offset, scale_ub, out_dtype, scale_dtype):
+    # update() keeps x's sharding and manual axes (shard_map), which the outputs share.
     x = avals[0]
     outs = [
-        jax.core.ShapedArray(x.shape, out_dtype),
-        jax.core.ShapedArray(x.shape[:-1] + (1,), scale_dtype),
+        x.update(shape=x.shape, dtype=np.dtype(out_dtype), weak_type=False),
+        x.update(shape=x.shape[:-1] + (1,), dtype=np.dtype(scale_dtype), weak_type=False),
     ]
-    if len(avals) == 3:  # x, residual, gamma
-        outs.append(jax.core.ShapedArray(x.shape, x.dtype))
+    if len(avals) == 3:  # x, residual, gamma: residual_out has the residual's dtype
+        outs.append(x.update(shape=x.shape, dtype=avals[1].dtype, weak_type=False))
     return outs
 
 
@@ -83,7 +84,7 @@ add_rms_norm_fp8_p = _make_norm_primitive("fp8norm_add_rms_norm_fp8", ADD_RMS_NO
 # Element-wise float32 -> float16 / bfloat16 / FP8 rounding with the kernels' own code;
 # used by tests to check every rounding boundary on each platform.
 round_p = Primitive("fp8norm_round")
-round_p.def_abstract_eval(lambda x, *, dtype: jax.core.ShapedArray(x.shape, dtype))
+round_p.def_abstract_eval(lambda x, *, dtype: x.update(dtype=np.dtype(dtype), weak_type=False))
 
 
 def _round_lowering(target: str):

@@ -14,6 +14,7 @@ import math
 import numbers
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -143,3 +144,38 @@ def make_params(
         out_dtype=out,
         scale_dtype=scale,
     )
+
+
+def check_reduce_dtype(reduce_dtype: Any, x_dtype: Any) -> np.dtype:
+    """The all-reduce's dtype: the input's (None) or float32."""
+    if reduce_dtype is None:
+        return np.dtype(x_dtype)
+    try:
+        dtype = np.dtype(reduce_dtype)
+    except TypeError:
+        raise TypeError(f"reduce_dtype must be None or float32, got {reduce_dtype!r}") from None
+    if dtype not in (np.dtype(x_dtype), np.dtype(jnp.float32)):
+        raise TypeError(f"reduce_dtype must be None, x.dtype or float32, got {dtype}")
+    return dtype
+
+
+def check_axis_name(axis_name: Any) -> tuple[Any, ...]:
+    """Checks that every named axis is bound here (inside shard_map over a mesh that has it);
+    returns the names as a tuple."""
+    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    if not names:
+        raise ValueError("axis_name must name at least one mesh axis")
+    for name in names:
+        try:
+            hash(name)
+        except TypeError:
+            raise TypeError(f"axis_name must be a mesh axis name, got {name!r}") from None
+        try:
+            jax.lax.axis_size(name)
+        except NameError:
+            raise ValueError(
+                f"axis_name {name!r} is not bound here: call allreduce_residual_rms_norm_fp8 "
+                "inside jax.shard_map over a mesh with that axis (or use "
+                "sharded_allreduce_residual_rms_norm_fp8 with the mesh)"
+            ) from None
+    return names

@@ -11,7 +11,17 @@ import jax
 import jax.numpy as jnp
 
 from jax_fp8norm._primitives import add_rms_norm_fp8_p, rms_norm_fp8_p, round_p
-from jax_fp8norm._validation import FLOAT_DTYPES, OUT_DTYPES, check_arrays, make_params
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_fp8norm._validation import (
+    FLOAT_DTYPES,
+    OUT_DTYPES,
+    check_arrays,
+    check_axis_name,
+    check_reduce_dtype,
+    make_params,
+)
 from jax_fp8norm.reference import DEFAULT_EPS
 
 
@@ -89,6 +99,113 @@ def add_rms_norm_fp8(
     )
     y, scales, residual_out = add_rms_norm_fp8_p.bind(x, residual, gamma, **p.as_dict())
     return y, scales, residual_out
+
+
+def allreduce_residual_rms_norm_fp8(
+    x: jax.Array,
+    residual: jax.Array,
+    gamma: jax.Array,
+    *,
+    axis_name,
+    eps: float = DEFAULT_EPS,
+    weight_offset: float = 0.0,
+    scale_ub: float | None = None,
+    out_dtype=jnp.float8_e4m3fn,
+    scale_dtype=jnp.float32,
+    reduce_dtype=None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Tensor-parallel all-reduce of partial sums, then :func:`add_rms_norm_fp8`, fused.
+
+    Call inside ``jax.shard_map`` (or wherever ``axis_name`` is bound). ``h`` is the sum of
+    ``x`` over the axis, an XLA all-reduce (NCCL on GPUs); then one kernel adds the
+    residual, normalises and quantises, reading ``h`` once and writing ``residual_out``
+    in the same pass. The outputs are identical on every device of the axis.
+
+    Args:
+      x: ``[..., N]`` this device's partial sum (e.g. a row-parallel matmul's output),
+        float32, float16 or bfloat16.
+      residual: ``[..., N]``, the dtype of ``x``, the same on every device.
+      gamma: ``[N]``, the same on every device.
+      axis_name: the mesh axis (or a tuple of axes) to reduce over.
+      reduce_dtype: None to all-reduce in ``x.dtype`` (the bytes a tensor-parallel layer
+        already moves), or ``jnp.float32`` to all-reduce, and add the residual, in
+        float32.
+      The other keywords: as for :func:`rms_norm_fp8`.
+
+    Returns:
+      ``(y, scales, residual_out)`` as for :func:`add_rms_norm_fp8`; ``residual_out``
+      has the residual's dtype.
+    """
+    check_arrays(x, gamma, residual)
+    p = make_params(
+        x.dtype,
+        eps=eps,
+        weight_offset=weight_offset,
+        scale_ub=scale_ub,
+        out_dtype=out_dtype,
+        scale_dtype=scale_dtype,
+    )
+    reduce = check_reduce_dtype(reduce_dtype, x.dtype)
+    names = check_axis_name(axis_name)
+    h = jax.lax.psum(x.astype(reduce), names)
+    y, scales, residual_out = add_rms_norm_fp8_p.bind(h, residual, gamma, **p.as_dict())
+    return y, scales, residual_out
+
+
+def sharded_allreduce_residual_rms_norm_fp8(
+    partials: jax.Array,
+    residual: jax.Array,
+    gamma: jax.Array,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name: str,
+    **kwargs,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`allreduce_residual_rms_norm_fp8` for callers outside ``shard_map``.
+
+    Args:
+      partials: ``[mesh.shape[axis_name], ..., N]``: device ``i``'s partial sum at index
+        ``i`` of the leading axis, which is sharded over ``axis_name`` (placed so if it is
+        not already).
+      residual: ``[..., N]``, replicated. gamma: ``[N]``, replicated.
+      mesh, axis_name: the mesh and the axis to reduce over.
+      kwargs: the keywords of :func:`allreduce_residual_rms_norm_fp8`.
+
+    Returns:
+      ``(y, scales, residual_out)``, replicated over the mesh.
+    """
+    if axis_name not in mesh.shape:
+        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
+    if len(partials.shape) < 2 or partials.shape[0] != mesh.shape[axis_name]:
+        raise ValueError(
+            f"partials must have shape ({mesh.shape[axis_name]}, ..., N), one partial sum "
+            f"per device of {axis_name!r}; got {tuple(partials.shape)}"
+        )
+
+    def per_device(local_partials, residual, gamma):
+        return allreduce_residual_rms_norm_fp8(
+            local_partials[0], residual, gamma, axis_name=axis_name, **kwargs
+        )
+
+    stacked, replicated = NamedSharding(mesh, P(axis_name)), NamedSharding(mesh, P())
+    fn = jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(P(axis_name), P(), P()),
+        out_specs=(P(), P(), P()),
+    )
+    return fn(_place(partials, stacked), _place(residual, replicated), _place(gamma, replicated))
+
+
+def _place(value, sharding):
+    """Puts a concrete array where shard_map expects it; under jit, jax.sharding.reshard
+    does the same for explicit mesh axes and with_sharding_constraint for automatic ones."""
+    if not isinstance(value, jax.core.Tracer):
+        return jax.device_put(value, sharding)
+    explicit = jax.sharding.AxisType.Explicit in tuple(sharding.mesh.axis_types)
+    if explicit:
+        return jax.sharding.reshard(value, sharding)
+    return jax.lax.with_sharding_constraint(value, sharding)
 
 
 def round_float32(x: jax.Array, dtype) -> jax.Array:

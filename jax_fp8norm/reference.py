@@ -11,7 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fp8norm._validation import NormParams, check_arrays, make_params
+from jax_fp8norm._validation import (
+    NormParams,
+    check_arrays,
+    check_axis_name,
+    check_reduce_dtype,
+    make_params,
+)
 
 DEFAULT_EPS = 1e-6
 
@@ -120,6 +126,40 @@ def add_rms_norm_fp8(
         out_dtype=out_dtype,
         scale_dtype=scale_dtype,
     )
-    h = jnp.asarray(x).astype(jnp.float32) + jnp.asarray(residual).astype(jnp.float32)
-    y, scales = quantize_rows(h, jnp.asarray(gamma), p)
-    return y, scales, h.astype(x.dtype)
+    return _add_quantize(jnp.asarray(x), jnp.asarray(residual), jnp.asarray(gamma), p)
+
+
+def _add_quantize(x, residual, gamma, p: NormParams):
+    """h = x + residual in float32; (y, scales) of the unrounded h; h in residual's dtype."""
+    h = x.astype(jnp.float32) + residual.astype(jnp.float32)
+    y, scales = quantize_rows(h, gamma, p)
+    return y, scales, h.astype(residual.dtype)
+
+
+def allreduce_residual_rms_norm_fp8(
+    x: jax.Array,
+    residual: jax.Array,
+    gamma: jax.Array,
+    *,
+    axis_name,
+    eps: float = DEFAULT_EPS,
+    weight_offset: float = 0.0,
+    scale_ub: float | None = None,
+    out_dtype=jnp.float8_e4m3fn,
+    scale_dtype=jnp.float32,
+    reduce_dtype=None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Reference of :func:`jax_fp8norm.allreduce_residual_rms_norm_fp8`; same arguments."""
+    check_arrays(x, gamma, residual)
+    p = make_params(
+        x.dtype,
+        eps=eps,
+        weight_offset=weight_offset,
+        scale_ub=scale_ub,
+        out_dtype=out_dtype,
+        scale_dtype=scale_dtype,
+    )
+    reduce = check_reduce_dtype(reduce_dtype, x.dtype)
+    names = check_axis_name(axis_name)
+    h = jax.lax.psum(jnp.asarray(x).astype(reduce), names)
+    return _add_quantize(h, jnp.asarray(residual), jnp.asarray(gamma), p)

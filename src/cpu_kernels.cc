@@ -27,9 +27,9 @@ float* ScratchRow(int64_t hidden) {
   return scratch.data();
 }
 
-// h = x (+ residual); residual_out = T(h); returns sum(h * h).
-template <typename TIn>
-float LoadRow(const TIn* x, const TIn* residual, TIn* residual_out, float* h, int64_t n) {
+// h = x (+ residual); residual_out = h rounded to the residual's dtype; returns sum(h * h).
+template <typename TIn, typename TRes>
+float LoadRow(const TIn* x, const TRes* residual, TRes* residual_out, float* h, int64_t n) {
   SumOfSquares acc[kLanes] = {};
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
@@ -47,7 +47,7 @@ float LoadRow(const TIn* x, const TIn* residual, TIn* residual_out, float* h, in
     AddSquare(acc[k], v);
   }
   if (residual_out != nullptr) {
-    for (int64_t i = 0; i < n; ++i) residual_out[i] = FromFloat<TIn>(h[i]);
+    for (int64_t i = 0; i < n; ++i) residual_out[i] = FromFloat<TRes>(h[i]);
   }
   for (int64_t width = kLanes / 2; width > 0; width /= 2) {
     for (int64_t k = 0; k < width; ++k) acc[k] = Combine(acc[k], acc[k + width]);
@@ -96,17 +96,17 @@ void StoreScale(void* scales, FloatType type, int64_t row, float scale) {
   }
 }
 
-template <typename TIn, Fp8Format kOut>
+template <typename TIn, typename TRes, Fp8Format kOut>
 void QuantizeRows(const RmsNormFp8Args& a, const float* gamma_plus_offset, int64_t begin,
                   int64_t end) {
   const int64_t n = a.hidden;
   float* h = ScratchRow(n);
   for (int64_t row = begin; row < end; ++row) {
     const int64_t offset = row * n;
-    const TIn* residual =
-        a.residual != nullptr ? static_cast<const TIn*>(a.residual) + offset : nullptr;
-    TIn* residual_out =
-        a.residual_out != nullptr ? static_cast<TIn*>(a.residual_out) + offset : nullptr;
+    const TRes* residual =
+        a.residual != nullptr ? static_cast<const TRes*>(a.residual) + offset : nullptr;
+    TRes* residual_out =
+        a.residual_out != nullptr ? static_cast<TRes*>(a.residual_out) + offset : nullptr;
     const float sum_sq =
         LoadRow(static_cast<const TIn*>(a.x) + offset, residual, residual_out, h, n);
     const float r = InverseRms(sum_sq, n, a.constants.eps);
@@ -123,13 +123,33 @@ void GammaPlusOffset(const void* gamma, float weight_offset, int64_t n, float* o
   for (int64_t j = 0; j < n; ++j) out[j] = ToFloat(g[j]) + weight_offset;
 }
 
-template <typename TIn>
+template <typename TIn, typename TRes>
 void DispatchOutput(const RmsNormFp8Args& a, const float* gamma_plus_offset, int64_t begin,
                     int64_t end) {
   if (a.out_format == Fp8Format::kE4M3FN) {
-    QuantizeRows<TIn, Fp8Format::kE4M3FN>(a, gamma_plus_offset, begin, end);
+    QuantizeRows<TIn, TRes, Fp8Format::kE4M3FN>(a, gamma_plus_offset, begin, end);
   } else {
-    QuantizeRows<TIn, Fp8Format::kE4M3FNUZ>(a, gamma_plus_offset, begin, end);
+    QuantizeRows<TIn, TRes, Fp8Format::kE4M3FNUZ>(a, gamma_plus_offset, begin, end);
+  }
+}
+
+// The residual shares the input's dtype, except after a float32 all-reduce, where a
+// float32 x meets a 16-bit residual stream.
+void DispatchTypes(const RmsNormFp8Args& a, const float* gamma_plus_offset, int64_t begin,
+                   int64_t end) {
+  switch (a.input_type) {
+    case FloatType::kF16:
+      return DispatchOutput<F16, F16>(a, gamma_plus_offset, begin, end);
+    case FloatType::kBF16:
+      return DispatchOutput<BF16, BF16>(a, gamma_plus_offset, begin, end);
+    default:
+      if (a.residual != nullptr && a.residual_type == FloatType::kBF16) {
+        return DispatchOutput<float, BF16>(a, gamma_plus_offset, begin, end);
+      }
+      if (a.residual != nullptr && a.residual_type == FloatType::kF16) {
+        return DispatchOutput<float, F16>(a, gamma_plus_offset, begin, end);
+      }
+      return DispatchOutput<float, float>(a, gamma_plus_offset, begin, end);
   }
 }
 
@@ -160,16 +180,7 @@ void RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   parallel_for(num_tasks, [&](int64_t task) {
     const int64_t begin = task * rows_per_task;
     const int64_t end = std::min(a.rows, begin + rows_per_task);
-    switch (a.input_type) {
-      case FloatType::kF16:
-        DispatchOutput<F16>(a, gw, begin, end);
-        break;
-      case FloatType::kBF16:
-        DispatchOutput<BF16>(a, gw, begin, end);
-        break;
-      default:
-        DispatchOutput<float>(a, gw, begin, end);
-    }
+    DispatchTypes(a, gw, begin, end);
   });
 }
 

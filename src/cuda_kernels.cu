@@ -30,6 +30,10 @@ constexpr int kVectorBytes = 16;
 // Shared memory a block may use without opting in.
 constexpr size_t kDefaultSharedBytes = 48 * 1024;
 
+__host__ __device__ __forceinline__ size_t FloatTypeBytes(FloatType type) {
+  return type == FloatType::kF32 ? 4 : 2;
+}
+
 template <typename T, int kCount>
 struct alignas(sizeof(T) * kCount) Vec {
   T v[kCount];
@@ -94,31 +98,46 @@ __device__ __forceinline__ void StoreVec(TIn* p, int64_t i, const float (&in)[kV
   reinterpret_cast<Vec<TIn, kVec>*>(p)[i] = v;
 }
 
-// gamma's dtype is a run-time value: one uniform branch per vector, instead of a
-// template parameter that would triple the number of kernels compiled per architecture.
+// gamma's and the residual's dtypes are run-time values: one uniform branch per vector,
+// instead of template parameters that would multiply the kernels compiled per architecture.
 template <int kVec>
-__device__ __forceinline__ void LoadGamma(const void* gamma, FloatType type, int64_t i,
-                                          float (&out)[kVec]) {
+__device__ __forceinline__ void LoadAny(const void* p, FloatType type, int64_t i,
+                                        float (&out)[kVec]) {
   switch (type) {
     case FloatType::kF16:
-      LoadVec<F16, kVec>(static_cast<const F16*>(gamma), i, out);
+      LoadVec<F16, kVec>(static_cast<const F16*>(p), i, out);
       break;
     case FloatType::kBF16:
-      LoadVec<BF16, kVec>(static_cast<const BF16*>(gamma), i, out);
+      LoadVec<BF16, kVec>(static_cast<const BF16*>(p), i, out);
       break;
     default:
-      LoadVec<float, kVec>(static_cast<const float*>(gamma), i, out);
+      LoadVec<float, kVec>(static_cast<const float*>(p), i, out);
+  }
+}
+
+template <int kVec>
+__device__ __forceinline__ void StoreAny(void* p, FloatType type, int64_t i,
+                                         const float (&in)[kVec]) {
+  switch (type) {
+    case FloatType::kF16:
+      StoreVec<F16, kVec>(static_cast<F16*>(p), i, in);
+      break;
+    case FloatType::kBF16:
+      StoreVec<BF16, kVec>(static_cast<BF16*>(p), i, in);
+      break;
+    default:
+      StoreVec<float, kVec>(static_cast<float*>(p), i, in);
   }
 }
 
 // h for vector i of the row: x (+ residual).
 template <typename TIn, int kVec>
-__device__ __forceinline__ void LoadH(const TIn* x, const TIn* residual, int64_t i,
-                                      float (&h)[kVec]) {
+__device__ __forceinline__ void LoadH(const TIn* x, const void* residual, FloatType residual_type,
+                                      int64_t i, float (&h)[kVec]) {
   LoadVec<TIn, kVec>(x, i, h);
   if (residual != nullptr) {
     float r[kVec];
-    LoadVec<TIn, kVec>(residual, i, r);
+    LoadAny<kVec>(residual, residual_type, i, r);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) h[k] += r[k];
   }
@@ -141,18 +160,22 @@ __device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
   const int64_t num_vecs = n / kVec;
   const int64_t offset = row * n;
   const TIn* x = static_cast<const TIn*>(a.x) + offset;
-  const TIn* residual =
-      a.residual != nullptr ? static_cast<const TIn*>(a.residual) + offset : nullptr;
-  TIn* residual_out =
-      a.residual_out != nullptr ? static_cast<TIn*>(a.residual_out) + offset : nullptr;
+  const size_t residual_bytes = FloatTypeBytes(a.residual_type);
+  const void* residual =
+      a.residual != nullptr
+          ? static_cast<const char*>(a.residual) + offset * residual_bytes
+          : nullptr;
+  void* residual_out =
+      a.residual_out != nullptr ? static_cast<char*>(a.residual_out) + offset * residual_bytes
+                                : nullptr;
   uint8_t* y = static_cast<uint8_t*>(a.y) + offset;
 
   // Sweep 1: h, residual_out, sum of squares.
   SumOfSquares acc{0.0f, 0.0f};
   for (int64_t i = threadIdx.x; i < num_vecs; i += blockDim.x) {
     float h[kVec];
-    LoadH<TIn, kVec>(x, residual, i, h);
-    if (residual_out != nullptr) StoreVec<TIn, kVec>(residual_out, i, h);
+    LoadH<TIn, kVec>(x, residual, a.residual_type, i, h);
+    if (residual_out != nullptr) StoreAny<kVec>(residual_out, a.residual_type, i, h);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       AddSquare(acc, h[k]);
@@ -173,10 +196,10 @@ __device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
 #pragma unroll
       for (int k = 0; k < kVec; ++k) h[k] = cache[k * num_vecs + i];
     } else {
-      LoadH<TIn, kVec>(x, residual, i, h);
+      LoadH<TIn, kVec>(x, residual, a.residual_type, i, h);
     }
     float g[kVec];
-    LoadGamma<kVec>(a.gamma, a.gamma_type, i, g);
+    LoadAny<kVec>(a.gamma, a.gamma_type, i, g);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       const float normed = (h[k] * r) * (g[k] + a.constants.weight_offset);
@@ -207,9 +230,9 @@ __device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
 #pragma unroll
       for (int k = 0; k < kVec; ++k) normed[k] = cache[k * num_vecs + i];
     } else {
-      LoadH<TIn, kVec>(x, residual, i, normed);
+      LoadH<TIn, kVec>(x, residual, a.residual_type, i, normed);
       float g[kVec];
-      LoadGamma<kVec>(a.gamma, a.gamma_type, i, g);
+      LoadAny<kVec>(a.gamma, a.gamma_type, i, g);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
         normed[k] = (normed[k] * r) * (g[k] + a.constants.weight_offset);
@@ -261,8 +284,6 @@ __global__ void RoundKernel(const RoundArgs a) {
 
 // ----------------------------------------------------------------- launch
 
-size_t FloatTypeBytes(FloatType type) { return type == FloatType::kF32 ? 4 : 2; }
-
 bool Aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // Shared memory a block may opt into on the current device, cached per device.
@@ -288,8 +309,9 @@ cudaError_t Launch(cudaStream_t stream, const RmsNormFp8Args& a) {
   // The 16-byte path needs every row start aligned: hidden a multiple of the vector
   // width and each base pointer aligned to the width of its own vector.
   const bool vectorized = a.hidden % kVec == 0 && Aligned(a.x, kVectorBytes) &&
-                          (a.residual == nullptr || Aligned(a.residual, kVectorBytes)) &&
-                          (a.residual_out == nullptr || Aligned(a.residual_out, kVectorBytes)) &&
+                          (a.residual == nullptr || Aligned(a.residual, kVec * FloatTypeBytes(a.residual_type))) &&
+                          (a.residual_out == nullptr ||
+                           Aligned(a.residual_out, kVec * FloatTypeBytes(a.residual_type))) &&
                           Aligned(a.gamma, kVec * FloatTypeBytes(a.gamma_type)) &&
                           Aligned(a.y, kVec);
   const int64_t num_vecs = vectorized ? a.hidden / kVec : a.hidden;

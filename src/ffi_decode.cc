@@ -47,13 +47,17 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
   if ((residual == nullptr) != (residual_out == nullptr)) {
     return Invalid("residual and residual_out go together");
   }
+  FloatType residual_type = *input_type;
   if (residual != nullptr) {
-    if (residual->element_type() != x.element_type() || !(residual->dimensions() == dims)) {
-      return Invalid("residual must have the shape and dtype of x");
+    const auto type = FloatTypeOf(residual->element_type());
+    if (!type || (*type != *input_type && *input_type != FloatType::kF32)) {
+      return Invalid("residual must have the dtype of x (or x must be float32)");
     }
-    if ((*residual_out)->element_type() != x.element_type() ||
+    residual_type = *type;
+    if (!(residual->dimensions() == dims)) return Invalid("residual must have the shape of x");
+    if ((*residual_out)->element_type() != residual->element_type() ||
         !((*residual_out)->dimensions() == dims)) {
-      return Invalid("residual_out must have the shape and dtype of x");
+      return Invalid("residual_out must have the shape and dtype of residual");
     }
   }
 
@@ -90,6 +94,7 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
       rows,
       hidden,
       *input_type,
+      residual_type,
       *gamma_type,
       *scale_type,
       out_format,

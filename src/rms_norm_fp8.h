@@ -12,14 +12,17 @@ namespace fp8norm {
 
 struct RmsNormFp8Args {
   const void* x;         // [rows, hidden], input_type
-  const void* residual;  // [rows, hidden], input_type; null for rms_norm_fp8
+  const void* residual;  // [rows, hidden], residual_type; null for rms_norm_fp8
   const void* gamma;     // [hidden], gamma_type
   void* y;               // [rows, hidden], FP8 in out_format
   void* scales;          // [rows], scale_type
-  void* residual_out;    // [rows, hidden], input_type; null when residual is null
+  void* residual_out;    // [rows, hidden], residual_type; null when residual is null
   int64_t rows;
   int64_t hidden;
   FloatType input_type;
+  // The input's dtype, or a 16-bit type when x is float32: the sum of a float32
+  // all-reduce added to a bfloat16 / float16 residual stream.
+  FloatType residual_type;
   FloatType gamma_type;
   FloatType scale_type;
   Fp8Format out_format;

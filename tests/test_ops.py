@@ -234,3 +234,29 @@ def test_bitwise_equal_to_reference(platform, x_dtype, shape):
     (out, ref) = check_rms(platform, x, gamma)
     for a, b in zip(out, ref, strict=True):
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+@pytest.mark.parametrize("residual_dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
+def test_float32_sum_with_16bit_residual(platform, residual_dtype):
+    # The path a float32 all-reduce takes: a float32 x meets a 16-bit residual stream, and
+    # residual_out comes back in the residual's dtype.
+    from jax_fp8norm._primitives import add_rms_norm_fp8_p
+    from jax_fp8norm._validation import make_params
+
+    x = random_rows(44, (19, 1030), jnp.float32)
+    residual = random_rows(45, (19, 1030), residual_dtype)
+    gamma = random_gamma(46, 1030, jnp.float32)
+    p = make_params(
+        residual_dtype,
+        eps=1e-6,
+        weight_offset=0.0,
+        scale_ub=None,
+        out_dtype=jnp.float8_e4m3fn,
+        scale_dtype=jnp.float32,
+    )
+    out = run_on(platform, lambda *a: add_rms_norm_fp8_p.bind(*a, **p.as_dict()), x, residual, gamma)
+    h = x + residual.astype(np.float32)
+    ref = fp8norm.reference.add_rms_norm_fp8(h, np.zeros_like(h), gamma, eps=1e-6)
+    assert out[2].dtype == jnp.dtype(residual_dtype)
+    np.testing.assert_array_equal(out[2], h.astype(residual_dtype))
+    assert_matches_reference(out[:2], [np.asarray(r) for r in ref[:2]])

@@ -1,0 +1,230 @@
+"""allreduce_residual_rms_norm_fp8 under shard_map, on 8 virtual CPU devices.
+
+The virtual devices must be requested before jax starts, so in a normal test session this
+module only runs itself again in a subprocess with XLA_FLAGS set, leaving the other
+modules' single-device session alone; the subprocess runs the real cases.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import random_gamma, random_rows
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_fp8norm as fp8norm
+from jax_fp8norm.testing import assert_matches_reference
+
+NUM_DEVICES = 8
+HAVE_DEVICES = len(jax.devices("cpu")) >= NUM_DEVICES
+
+
+if not HAVE_DEVICES:
+
+    def test_on_eight_virtual_cpu_devices():
+        flags = os.environ.get("XLA_FLAGS", "")
+        env = dict(
+            os.environ,
+            XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={NUM_DEVICES}".strip(),
+        )
+        here = os.path.dirname(os.path.abspath(__file__))
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+            cwd=here,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            check=False,
+        )
+        summary = result.stdout[-6000:] + result.stderr[-3000:]
+        assert result.returncode == 0, summary
+        assert re.search(r"\d+ passed", result.stdout), summary
+        assert "failed" not in result.stdout.splitlines()[-1], summary
+
+else:
+
+    def _mesh(size: int) -> jax.sharding.Mesh:
+        return jax.make_mesh((size,), ("tp",), devices=jax.devices("cpu")[:size])
+
+    def _run(op, mesh, partials, residual, gamma, **kw):
+        """op inside shard_map: each device gets its own partial sum."""
+
+        def per_device(p, r, g):
+            return op(p[0], r, g, axis_name="tp", **kw)
+
+        fn = jax.shard_map(
+            per_device, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(), P(), P())
+        )
+        placed = (
+            jax.device_put(partials, NamedSharding(mesh, P("tp"))),
+            jax.device_put(residual, NamedSharding(mesh, P())),
+            jax.device_put(gamma, NamedSharding(mesh, P())),
+        )
+        return jax.jit(fn)(*placed)
+
+    def _inputs(size, rows, hidden, dtype=jnp.bfloat16):
+        partials = random_rows(rows * 7 + size, (size, rows, hidden), dtype, spread=0.5)
+        residual = random_rows(rows + 1, (rows, hidden), dtype, spread=0.5)
+        gamma = random_gamma(hidden, hidden, jnp.float32)
+        return partials, residual, gamma
+
+    def _assert_same_on_every_device(outputs):
+        for out in outputs:
+            shards = [np.asarray(s.data).view(np.uint8) for s in out.addressable_shards]
+            assert len(shards) >= 1
+            for shard in shards[1:]:
+                np.testing.assert_array_equal(shard, shards[0])
+
+    @pytest.mark.parametrize("size", [1, 2, 4, 8])
+    @pytest.mark.parametrize("rows", [1, 8, 17, 20, 1024])
+    @pytest.mark.parametrize("hidden", [4096, 8192])
+    @pytest.mark.parametrize("reduce_dtype", [None, jnp.float32], ids=["x_dtype", "float32"])
+    def test_matches_reference(size, rows, hidden, reduce_dtype):
+        mesh = _mesh(size)
+        partials, residual, gamma = _inputs(size, rows, hidden)
+        kw = dict(reduce_dtype=reduce_dtype)
+        out = _run(fp8norm.allreduce_residual_rms_norm_fp8, mesh, partials, residual, gamma, **kw)
+        ref = _run(
+            fp8norm.reference.allreduce_residual_rms_norm_fp8,
+            mesh,
+            partials,
+            residual,
+            gamma,
+            **kw,
+        )
+        assert out[0].shape == (rows, hidden) and out[0].dtype == jnp.float8_e4m3fn
+        assert out[1].shape == (rows, 1) and out[2].dtype == jnp.bfloat16
+        assert_matches_reference([np.asarray(o) for o in out], [np.asarray(r) for r in ref])
+        _assert_same_on_every_device(out)
+
+    @pytest.mark.parametrize("size", [2, 8])
+    def test_float32_reduction_matches_the_unsharded_sum(size):
+        # In float32 the sum of the partials, added to the residual in float32, is the
+        # add_rms_norm_fp8 of that sum: compare with the reference on one device.
+        partials, residual, gamma = _inputs(size, 20, 4096)
+        out = _run(
+            fp8norm.allreduce_residual_rms_norm_fp8,
+            _mesh(size),
+            partials,
+            residual,
+            gamma,
+            reduce_dtype=jnp.float32,
+        )
+        total = partials.astype(np.float32).sum(0)
+        h = total + residual.astype(np.float32)
+        ref = fp8norm.reference.add_rms_norm_fp8(h, np.zeros_like(h), gamma)
+        ref = [np.asarray(ref[0]), np.asarray(ref[1]), h.astype(jnp.bfloat16)]
+        assert_matches_reference([np.asarray(o) for o in out], ref)
+
+    def test_keywords_and_dtypes_pass_through():
+        mesh = _mesh(4)
+        partials, residual, gamma = _inputs(4, 8, 512, jnp.float16)
+        kw = dict(
+            scale_ub=0.05,
+            weight_offset=1.0,
+            out_dtype=jnp.float8_e4m3fnuz,
+            scale_dtype=jnp.bfloat16,
+        )
+        out = _run(fp8norm.allreduce_residual_rms_norm_fp8, mesh, partials, residual, gamma, **kw)
+        ref = _run(
+            fp8norm.reference.allreduce_residual_rms_norm_fp8,
+            mesh,
+            partials,
+            residual,
+            gamma,
+            **kw,
+        )
+        assert out[0].dtype == jnp.float8_e4m3fnuz and out[1].dtype == jnp.bfloat16
+        assert_matches_reference([np.asarray(o) for o in out], [np.asarray(r) for r in ref])
+
+    def test_sharded_wrapper_for_callers_outside_shard_map():
+        mesh = _mesh(8)
+        partials, residual, gamma = _inputs(8, 17, 4096)
+        out = fp8norm.sharded_allreduce_residual_rms_norm_fp8(
+            partials, residual, gamma, mesh=mesh, axis_name="tp"
+        )
+        ref = _run(
+            fp8norm.reference.allreduce_residual_rms_norm_fp8, mesh, partials, residual, gamma
+        )
+        assert_matches_reference([np.asarray(o) for o in out], [np.asarray(r) for r in ref])
+        assert all(o.sharding.is_fully_replicated for o in out)
+        _assert_same_on_every_device(out)
+        # The same under an outer jit.
+        jitted = jax.jit(
+            lambda p, r, g: fp8norm.sharded_allreduce_residual_rms_norm_fp8(
+                p, r, g, mesh=mesh, axis_name="tp"
+            )
+        )(partials, residual, gamma)
+        for a, b in zip(jitted, out, strict=True):
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+    @pytest.mark.parametrize("reduce_dtype", [None, jnp.float32], ids=["x_dtype", "float32"])
+    def test_compiled_hlo_is_one_all_reduce_and_the_custom_call(reduce_dtype):
+        mesh = _mesh(8)
+        partials, residual, gamma = _inputs(8, 64, 4096)
+
+        def fn(p, r, g):
+            return fp8norm.sharded_allreduce_residual_rms_norm_fp8(
+                p, r, g, mesh=mesh, axis_name="tp", reduce_dtype=reduce_dtype
+            )
+
+        hlo = jax.jit(fn).lower(partials, residual, gamma).compile().as_text()
+        assert len(re.findall(r"\ball-reduce(?:-start)?\(", hlo)) == 1, hlo
+        assert hlo.count('custom_call_target="fp8norm_add_rms_norm_fp8"') == 1, hlo
+        for op in ("all-gather", "all-to-all", "reduce-scatter", "transpose(", " copy("):
+            assert op not in hlo, (op, hlo)
+
+    def test_unknown_axis_name():
+        mesh = _mesh(2)
+        partials, residual, gamma = _inputs(2, 4, 256)
+
+        def bad(p, r, g, axis_name):
+            return fp8norm.allreduce_residual_rms_norm_fp8(p, r, g, axis_name="dp")
+
+        with pytest.raises(ValueError, match="axis_name 'dp' is not bound"):
+            _run(bad, mesh, partials, residual, gamma)
+        with pytest.raises(ValueError, match="axis_name 'tp' is not bound"):
+            fp8norm.allreduce_residual_rms_norm_fp8(
+                partials[0], residual, gamma, axis_name="tp"
+            )
+        with pytest.raises(ValueError, match="axis_name 'dp' is not an axis of the mesh"):
+            fp8norm.sharded_allreduce_residual_rms_norm_fp8(
+                partials, residual, gamma, mesh=mesh, axis_name="dp"
+            )
+
+    @pytest.mark.parametrize(
+        "residual,error,match",
+        [
+            (np.zeros((4, 255), jnp.bfloat16), ValueError, "residual must have the shape"),
+            (np.zeros((4, 256), np.float32), TypeError, "residual must have the dtype"),
+        ],
+    )
+    def test_bad_residual(residual, error, match):
+        partials, _, gamma = _inputs(2, 4, 256)
+        with pytest.raises(error, match=match):
+            _run(fp8norm.allreduce_residual_rms_norm_fp8, _mesh(2), partials, residual, gamma)
+
+    def test_bad_reduce_dtype_and_partials():
+        partials, residual, gamma = _inputs(2, 4, 256)
+        with pytest.raises(TypeError, match="reduce_dtype must be"):
+            _run(
+                fp8norm.allreduce_residual_rms_norm_fp8,
+                _mesh(2),
+                partials,
+                residual,
+                gamma,
+                reduce_dtype=jnp.int8,
+            )
+        with pytest.raises(ValueError, match="partials must have shape"):
+            fp8norm.sharded_allreduce_residual_rms_norm_fp8(
+                partials[:1], residual, gamma, mesh=_mesh(2), axis_name="tp"
+            )
