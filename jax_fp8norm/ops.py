@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
-from jax_fp8norm._primitives import add_rms_norm_fp8_p, rms_norm_fp8_p, round_p
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_fp8norm._primitives import add_rms_norm_fp8_p, rms_norm_fp8_p, round_p
 from jax_fp8norm._validation import (
     FLOAT_DTYPES,
     OUT_DTYPES,

@@ -165,7 +165,9 @@ else:
             )
         )(partials, residual, gamma)
         for a, b in zip(jitted, out, strict=True):
-            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+            np.testing.assert_array_equal(
+                np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)
+            )
 
     @pytest.mark.parametrize("reduce_dtype", [None, jnp.float32], ids=["x_dtype", "float32"])
     def test_compiled_hlo_is_one_all_reduce_and_the_custom_call(reduce_dtype):
@@ -193,9 +195,7 @@ else:
         with pytest.raises(ValueError, match="axis_name 'dp' is not bound"):
             _run(bad, mesh, partials, residual, gamma)
         with pytest.raises(ValueError, match="axis_name 'tp' is not bound"):
-            fp8norm.allreduce_residual_rms_norm_fp8(
-                partials[0], residual, gamma, axis_name="tp"
-            )
+            fp8norm.allreduce_residual_rms_norm_fp8(partials[0], residual, gamma, axis_name="tp")
         with pytest.raises(ValueError, match="axis_name 'dp' is not an axis of the mesh"):
             fp8norm.sharded_allreduce_residual_rms_norm_fp8(
                 partials, residual, gamma, mesh=mesh, axis_name="dp"

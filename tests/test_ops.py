@@ -254,9 +254,11 @@ def test_float32_sum_with_16bit_residual(platform, residual_dtype):
         out_dtype=jnp.float8_e4m3fn,
         scale_dtype=jnp.float32,
     )
-    out = run_on(platform, lambda *a: add_rms_norm_fp8_p.bind(*a, **p.as_dict()), x, residual, gamma)
+    out = run_on(
+        platform, lambda *a: add_rms_norm_fp8_p.bind(*a, **p.as_dict()), x, residual, gamma
+    )
     h = x + residual.astype(np.float32)
-    ref = fp8norm.reference.add_rms_norm_fp8(h, np.zeros_like(h), gamma, eps=1e-6)
+    ref = fp8norm.reference.add_rms_norm_fp8(h, np.zeros_like(h), gamma, eps=p.eps)
     assert out[2].dtype == jnp.dtype(residual_dtype)
     np.testing.assert_array_equal(out[2], h.astype(residual_dtype))
     assert_matches_reference(out[:2], [np.asarray(r) for r in ref[:2]])
