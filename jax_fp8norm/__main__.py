@@ -1,6 +1,7 @@
 """``python -m jax_fp8norm``: runs both ops on the default backend on model-sized shapes,
 checks them against the pure-jnp reference with the spec's accuracy rule and prints a
-short report. Exits non-zero if any check fails.
+short report. Exits non-zero if any check fails. ``--tp N`` runs the tensor-parallel
+Llama block example (jax_fp8norm/examples/llama_tp_block.py) instead.
 
 Times are wall-clock per call of the jitted function (dispatch included, median of
 ``--iters`` calls after a warm-up); they are a sanity check, not a benchmark.
@@ -85,7 +86,20 @@ def main(argv: list[str] | None = None) -> int:
         help="repeatable; default: a few model shapes",
     )
     parser.add_argument("--iters", type=int, default=20, help="timed calls per op and shape")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        metavar="N",
+        help="instead: run the tensor-parallel Llama block example on N devices "
+        "(N virtual CPU devices when there are fewer than N GPUs)",
+    )
     args = parser.parse_args(argv)
+    if args.tp is not None:
+        # Virtual CPU devices must be requested before jax's backends start.
+        jax.config.update("jax_num_cpu_devices", max(args.tp, 1))
+        from jax_fp8norm.examples import llama_tp_block
+
+        return llama_tp_block.report(args.tp)
     shapes = (
         [tuple(int(v) for v in s.lower().split("x")) for s in args.shape]
         if args.shape

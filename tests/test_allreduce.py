@@ -228,3 +228,13 @@ else:
             fp8norm.sharded_allreduce_residual_rms_norm_fp8(
                 partials[:1], residual, gamma, mesh=_mesh(2), axis_name="tp"
             )
+
+    @pytest.mark.parametrize("tp", [1, 8])
+    def test_llama_block_example(tp):
+        from jax_fp8norm.examples import llama_tp_block
+
+        errors = llama_tp_block.run(tp)
+        assert errors["platform"] == "cpu"
+        assert errors["residual"] <= llama_tp_block.RESIDUAL_TOLERANCE
+        assert errors["next_input"] <= llama_tp_block.NEXT_INPUT_TOLERANCE
+        assert errors["devices_identical"] == 1.0

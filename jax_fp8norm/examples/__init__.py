@@ -1,0 +1,1 @@
+"""Runnable examples of jax_fp8norm in real models."""
