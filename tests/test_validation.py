@@ -151,9 +151,14 @@ def test_cpu_handler_refuses_inconsistent_buffers(outs, args, kw, match):
     assert "jax_fp8norm" in str(info.value)
 
 
-def test_cpu_handler_refuses_mismatched_residual():
-    outs = GOOD_OUTS + (_sds((4, 16), jnp.bfloat16),)
-    with pytest.raises(Exception, match="residual must have the shape and dtype of x"):
-        jax.block_until_ready(
-            _ffi("fp8norm_add_rms_norm_fp8", outs, X, X.astype(jnp.float32), GAMMA)
-        )
+@pytest.mark.parametrize(
+    "residual,match",
+    [
+        (X.astype(jnp.float32), "residual must have the dtype of x"),
+        (jnp.ones((4, 8), jnp.bfloat16), "residual must have the shape of x"),
+    ],
+)
+def test_cpu_handler_refuses_mismatched_residual(residual, match):
+    outs = GOOD_OUTS + (_sds(residual.shape, residual.dtype),)
+    with pytest.raises(Exception, match=match):
+        jax.block_until_ready(_ffi("fp8norm_add_rms_norm_fp8", outs, X, residual, GAMMA))
