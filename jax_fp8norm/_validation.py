@@ -146,6 +146,12 @@ def make_params(
     )
 
 
+def validate(x: Any, gamma: Any, residual: Any = None, **static: Any) -> NormParams:
+    """check_arrays and make_params together: every public op's first step."""
+    check_arrays(x, gamma, residual)
+    return make_params(x.dtype, **static)
+
+
 def check_reduce_dtype(reduce_dtype: Any, x_dtype: Any) -> np.dtype:
     """The all-reduce's dtype: the input's (None) or float32."""
     if reduce_dtype is None:

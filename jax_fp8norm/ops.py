@@ -16,10 +16,9 @@ from jax_fp8norm._primitives import add_rms_norm_fp8_p, rms_norm_fp8_p, round_p
 from jax_fp8norm._validation import (
     FLOAT_DTYPES,
     OUT_DTYPES,
-    check_arrays,
     check_axis_name,
     check_reduce_dtype,
-    make_params,
+    validate,
 )
 from jax_fp8norm.reference import DEFAULT_EPS
 
@@ -52,9 +51,9 @@ def rms_norm_fp8(
       ``(y, scales)``: ``y`` is ``[..., N]`` in ``out_dtype``; ``scales`` is
       ``[..., 1]`` in ``scale_dtype``. ``f32(y) * f32(scales)`` dequantises.
     """
-    check_arrays(x, gamma)
-    p = make_params(
-        x.dtype,
+    p = validate(
+        x,
+        gamma,
         eps=eps,
         weight_offset=weight_offset,
         scale_ub=scale_ub,
@@ -87,9 +86,10 @@ def add_rms_norm_fp8(
       computed from the unrounded float32 ``h``; ``residual_out`` is ``h`` rounded to
       ``x.dtype`` (the next layer's residual).
     """
-    check_arrays(x, gamma, residual)
-    p = make_params(
-        x.dtype,
+    p = validate(
+        x,
+        gamma,
+        residual,
         eps=eps,
         weight_offset=weight_offset,
         scale_ub=scale_ub,
@@ -135,9 +135,10 @@ def allreduce_residual_rms_norm_fp8(
       ``(y, scales, residual_out)`` as for :func:`add_rms_norm_fp8`; ``residual_out``
       has the residual's dtype.
     """
-    check_arrays(x, gamma, residual)
-    p = make_params(
-        x.dtype,
+    p = validate(
+        x,
+        gamma,
+        residual,
         eps=eps,
         weight_offset=weight_offset,
         scale_ub=scale_ub,

@@ -13,10 +13,9 @@ import numpy as np
 
 from jax_fp8norm._validation import (
     NormParams,
-    check_arrays,
     check_axis_name,
     check_reduce_dtype,
-    make_params,
+    validate,
 )
 
 DEFAULT_EPS = 1e-6
@@ -93,9 +92,9 @@ def rms_norm_fp8(
     scale_dtype=jnp.float32,
 ) -> tuple[jax.Array, jax.Array]:
     """Reference of :func:`jax_fp8norm.rms_norm_fp8`; same arguments and results."""
-    check_arrays(x, gamma)
-    p = make_params(
-        x.dtype,
+    p = validate(
+        x,
+        gamma,
         eps=eps,
         weight_offset=weight_offset,
         scale_ub=scale_ub,
@@ -117,9 +116,10 @@ def add_rms_norm_fp8(
     scale_dtype=jnp.float32,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Reference of :func:`jax_fp8norm.add_rms_norm_fp8`; same arguments and results."""
-    check_arrays(x, gamma, residual)
-    p = make_params(
-        x.dtype,
+    p = validate(
+        x,
+        gamma,
+        residual,
         eps=eps,
         weight_offset=weight_offset,
         scale_ub=scale_ub,
@@ -150,9 +150,10 @@ def allreduce_residual_rms_norm_fp8(
     reduce_dtype=None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Reference of :func:`jax_fp8norm.allreduce_residual_rms_norm_fp8`; same arguments."""
-    check_arrays(x, gamma, residual)
-    p = make_params(
-        x.dtype,
+    p = validate(
+        x,
+        gamma,
+        residual,
         eps=eps,
         weight_offset=weight_offset,
         scale_ub=scale_ub,

@@ -71,6 +71,19 @@ else:
         )
         return jax.jit(fn)(*placed)
 
+    def _kernel_and_reference(mesh, partials, residual, gamma, **kw):
+        """The op and its reference twin under the same shard_map, as NumPy."""
+        return [
+            _run(op, mesh, partials, residual, gamma, **kw)
+            for op in (
+                fp8norm.allreduce_residual_rms_norm_fp8,
+                fp8norm.reference.allreduce_residual_rms_norm_fp8,
+            )
+        ]
+
+    def _numpy(outputs):
+        return [np.asarray(o) for o in outputs]
+
     def _inputs(size, rows, hidden, dtype=jnp.bfloat16):
         partials = random_rows(rows * 7 + size, (size, rows, hidden), dtype, spread=0.5)
         residual = random_rows(rows + 1, (rows, hidden), dtype, spread=0.5)
@@ -91,19 +104,10 @@ else:
     def test_matches_reference(size, rows, hidden, reduce_dtype):
         mesh = _mesh(size)
         partials, residual, gamma = _inputs(size, rows, hidden)
-        kw = dict(reduce_dtype=reduce_dtype)
-        out = _run(fp8norm.allreduce_residual_rms_norm_fp8, mesh, partials, residual, gamma, **kw)
-        ref = _run(
-            fp8norm.reference.allreduce_residual_rms_norm_fp8,
-            mesh,
-            partials,
-            residual,
-            gamma,
-            **kw,
-        )
+        out, ref = _kernel_and_reference(mesh, partials, residual, gamma, reduce_dtype=reduce_dtype)
         assert out[0].shape == (rows, hidden) and out[0].dtype == jnp.float8_e4m3fn
         assert out[1].shape == (rows, 1) and out[2].dtype == jnp.bfloat16
-        assert_matches_reference([np.asarray(o) for o in out], [np.asarray(r) for r in ref])
+        assert_matches_reference(_numpy(out), _numpy(ref))
         _assert_same_on_every_device(out)
 
     @pytest.mark.parametrize("size", [2, 8])
@@ -123,7 +127,7 @@ else:
         h = total + residual.astype(np.float32)
         ref = fp8norm.reference.add_rms_norm_fp8(h, np.zeros_like(h), gamma)
         ref = [np.asarray(ref[0]), np.asarray(ref[1]), h.astype(jnp.bfloat16)]
-        assert_matches_reference([np.asarray(o) for o in out], ref)
+        assert_matches_reference(_numpy(out), ref)
 
     def test_keywords_and_dtypes_pass_through():
         mesh = _mesh(4)
@@ -134,17 +138,9 @@ else:
             out_dtype=jnp.float8_e4m3fnuz,
             scale_dtype=jnp.bfloat16,
         )
-        out = _run(fp8norm.allreduce_residual_rms_norm_fp8, mesh, partials, residual, gamma, **kw)
-        ref = _run(
-            fp8norm.reference.allreduce_residual_rms_norm_fp8,
-            mesh,
-            partials,
-            residual,
-            gamma,
-            **kw,
-        )
+        out, ref = _kernel_and_reference(mesh, partials, residual, gamma, **kw)
         assert out[0].dtype == jnp.float8_e4m3fnuz and out[1].dtype == jnp.bfloat16
-        assert_matches_reference([np.asarray(o) for o in out], [np.asarray(r) for r in ref])
+        assert_matches_reference(_numpy(out), _numpy(ref))
 
     def test_sharded_wrapper_for_callers_outside_shard_map():
         mesh = _mesh(8)
@@ -155,7 +151,7 @@ else:
         ref = _run(
             fp8norm.reference.allreduce_residual_rms_norm_fp8, mesh, partials, residual, gamma
         )
-        assert_matches_reference([np.asarray(o) for o in out], [np.asarray(r) for r in ref])
+        assert_matches_reference(_numpy(out), _numpy(ref))
         assert all(o.sharding.is_fully_replicated for o in out)
         _assert_same_on_every_device(out)
         # The same under an outer jit.
