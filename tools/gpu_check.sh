@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check, to run on a machine with an NVIDIA GPU from the repository root:
 #   builds the package for sm_90a against the installed jax, runs the whole test suite
-#   with the GPU required, and runs the main job. Logs go to $OUT (default ./gpu_check_logs).
+#   with the GPU required, and runs the main job and the tensor-parallel example.
+#   Logs go to $OUT (default ./gpu_check_logs).
 # Usage: OUT=/some/dir bash tools/gpu_check.sh [extra CUDA architectures, e.g. 90a-real]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,5 +31,9 @@ tail -5 "$OUT/pytest.log"
 echo "== main job"
 python3 -m jax_fp8norm > "$OUT/main_job.log" 2>&1 || status=1
 cat "$OUT/main_job.log"
+
+echo "== tensor-parallel example on the GPU (tp=1)"
+python3 -m jax_fp8norm --tp 1 > "$OUT/example_tp1.log" 2>&1 || status=1
+cat "$OUT/example_tp1.log"
 
 exit $status

@@ -170,10 +170,15 @@ def relative_error(actual, expected) -> float:
     return float(np.linalg.norm(a - e) / np.linalg.norm(e))
 
 
-def run(tp: int, config: Config = Config(), seed: int = 0) -> dict[str, float]:
-    """Runs the block on ``tp`` devices and checks it; returns the measured errors."""
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    devices = gpus[:tp] if len(gpus) >= tp else jax.devices("cpu")[:tp]
+def run(
+    tp: int, config: Config = Config(), seed: int = 0, platform: str | None = None
+) -> dict[str, float]:
+    """Runs the block on ``tp`` devices of ``platform`` (default: GPUs when there are
+    enough, else CPU devices) and checks it; returns the measured errors."""
+    if platform is None:
+        gpus = [d for d in jax.devices() if d.platform == "gpu"]
+        platform = "gpu" if len(gpus) >= tp else "cpu"
+    devices = jax.devices(platform)[:tp]
     if len(devices) < tp:
         raise RuntimeError(f"--tp {tp} needs {tp} devices; jax sees {len(devices)}")
     if config.n_heads % tp or config.d_ff % tp:
