@@ -3,7 +3,7 @@
 #   builds the package for sm_90a against the installed jax, runs the whole test suite
 #   with the GPU required, and runs the main job and the tensor-parallel example.
 #   Logs go to $OUT (default ./gpu_check_logs).
-# Usage: OUT=/some/dir bash tools/gpu_check.sh [extra CUDA architectures, e.g. 90a-real]
+# Usage: OUT=/some/dir bash tools/gpu_check.sh [CUDA architectures, default 90a-real]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_logs}
