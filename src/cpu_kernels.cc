@@ -83,19 +83,6 @@ void QuantizeRow(const float* __restrict normed, float recip, uint8_t* __restric
   for (int64_t j = 0; j < n; ++j) y[j] = QuantizeElement<kOut>(normed[j], recip);
 }
 
-void StoreScale(void* scales, FloatType type, int64_t row, float scale) {
-  switch (type) {
-    case FloatType::kF16:
-      static_cast<F16*>(scales)[row] = ToF16(scale);
-      break;
-    case FloatType::kBF16:
-      static_cast<BF16*>(scales)[row] = ToBF16(scale);
-      break;
-    default:
-      static_cast<float*>(scales)[row] = scale;
-  }
-}
-
 template <typename TIn, typename TRes, Fp8Format kOut>
 void QuantizeRows(const RmsNormFp8Args& a, const float* gamma_plus_offset, int64_t begin,
                   int64_t end) {
@@ -112,7 +99,7 @@ void QuantizeRows(const RmsNormFp8Args& a, const float* gamma_plus_offset, int64
     const float r = InverseRms(sum_sq, n, a.constants.eps);
     const uint32_t amax = NormalizeRow(h, gamma_plus_offset, r, n);
     const RowScale s = ComputeRowScale(sum_sq, amax, kOut, a.scale_type, a.constants);
-    StoreScale(a.scales, a.scale_type, row, s.scale);
+    StoreAs(a.scale_type, a.scales, row, s.scale);
     QuantizeRow<kOut>(h, s.recip, static_cast<uint8_t*>(a.y) + offset, n);
   }
 }
@@ -158,7 +145,7 @@ void DispatchTypes(const RmsNormFp8Args& a, const float* gamma_plus_offset, int6
 void RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   if (a.rows == 0) return;
   if (a.hidden == 0) {
-    for (int64_t row = 0; row < a.rows; ++row) StoreScale(a.scales, a.scale_type, row, 0.0f);
+    for (int64_t row = 0; row < a.rows; ++row) StoreAs(a.scale_type, a.scales, row, 0.0f);
     return;
   }
   // gamma + weight_offset once per call, in float32, shared by every row.
@@ -185,23 +172,7 @@ void RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
 }
 
 void RoundCpu(const RoundArgs& a) {
-  for (int64_t i = 0; i < a.count; ++i) {
-    const float v = a.in[i];
-    switch (a.target) {
-      case RoundTarget::kF16:
-        static_cast<F16*>(a.out)[i] = ToF16(v);
-        break;
-      case RoundTarget::kBF16:
-        static_cast<BF16*>(a.out)[i] = ToBF16(v);
-        break;
-      case RoundTarget::kE4M3FN:
-        static_cast<uint8_t*>(a.out)[i] = ToFp8<Fp8Format::kE4M3FN>(v);
-        break;
-      case RoundTarget::kE4M3FNUZ:
-        static_cast<uint8_t*>(a.out)[i] = ToFp8<Fp8Format::kE4M3FNUZ>(v);
-        break;
-    }
-  }
+  for (int64_t i = 0; i < a.count; ++i) RoundElement(a, i);
 }
 
 }  // namespace fp8norm

@@ -161,13 +161,12 @@ __device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
   const int64_t offset = row * n;
   const TIn* x = static_cast<const TIn*>(a.x) + offset;
   const size_t residual_bytes = FloatTypeBytes(a.residual_type);
-  const void* residual =
-      a.residual != nullptr
-          ? static_cast<const char*>(a.residual) + offset * residual_bytes
-          : nullptr;
-  void* residual_out =
-      a.residual_out != nullptr ? static_cast<char*>(a.residual_out) + offset * residual_bytes
-                                : nullptr;
+  const void* residual = a.residual != nullptr
+                             ? static_cast<const char*>(a.residual) + offset * residual_bytes
+                             : nullptr;
+  void* residual_out = a.residual_out != nullptr
+                           ? static_cast<char*>(a.residual_out) + offset * residual_bytes
+                           : nullptr;
   uint8_t* y = static_cast<uint8_t*>(a.y) + offset;
 
   // Sweep 1: h, residual_out, sum of squares.
@@ -211,16 +210,7 @@ __device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
       amax, 0u, [](uint32_t v) { return WarpMax(v); }, scratch.max_partial, &scratch.max_result);
   const RowScale s = ComputeRowScale(sum_sq, amax, kOut, a.scale_type, a.constants);
   if (threadIdx.x == 0) {
-    switch (a.scale_type) {
-      case FloatType::kF16:
-        static_cast<F16*>(a.scales)[row] = ToF16(s.scale);
-        break;
-      case FloatType::kBF16:
-        static_cast<BF16*>(a.scales)[row] = ToBF16(s.scale);
-        break;
-      default:
-        static_cast<float*>(a.scales)[row] = s.scale;
-    }
+    StoreAs(a.scale_type, a.scales, row, s.scale);
   }
 
   // Sweep 3: quantise.
@@ -264,21 +254,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 __global__ void RoundKernel(const RoundArgs a) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < a.count;
        i += int64_t{gridDim.x} * blockDim.x) {
-    const float v = a.in[i];
-    switch (a.target) {
-      case RoundTarget::kF16:
-        static_cast<F16*>(a.out)[i] = ToF16(v);
-        break;
-      case RoundTarget::kBF16:
-        static_cast<BF16*>(a.out)[i] = ToBF16(v);
-        break;
-      case RoundTarget::kE4M3FN:
-        static_cast<uint8_t*>(a.out)[i] = ToFp8<Fp8Format::kE4M3FN>(v);
-        break;
-      case RoundTarget::kE4M3FNUZ:
-        static_cast<uint8_t*>(a.out)[i] = ToFp8<Fp8Format::kE4M3FNUZ>(v);
-        break;
-    }
+    RoundElement(a, i);
   }
 }
 
@@ -308,12 +284,12 @@ cudaError_t Launch(cudaStream_t stream, const RmsNormFp8Args& a) {
   constexpr int kVec = kVecOf<TIn>;
   // The 16-byte path needs every row start aligned: hidden a multiple of the vector
   // width and each base pointer aligned to the width of its own vector.
-  const bool vectorized = a.hidden % kVec == 0 && Aligned(a.x, kVectorBytes) &&
-                          (a.residual == nullptr || Aligned(a.residual, kVec * FloatTypeBytes(a.residual_type))) &&
-                          (a.residual_out == nullptr ||
-                           Aligned(a.residual_out, kVec * FloatTypeBytes(a.residual_type))) &&
-                          Aligned(a.gamma, kVec * FloatTypeBytes(a.gamma_type)) &&
-                          Aligned(a.y, kVec);
+  const bool vectorized =
+      a.hidden % kVec == 0 && Aligned(a.x, kVectorBytes) &&
+      (a.residual == nullptr || Aligned(a.residual, kVec * FloatTypeBytes(a.residual_type))) &&
+      (a.residual_out == nullptr ||
+       Aligned(a.residual_out, kVec * FloatTypeBytes(a.residual_type))) &&
+      Aligned(a.gamma, kVec * FloatTypeBytes(a.gamma_type)) && Aligned(a.y, kVec);
   const int64_t num_vecs = vectorized ? a.hidden / kVec : a.hidden;
   // One vector per thread up to the block limit: the most bytes in flight per row.
   const int threads = static_cast<int>(std::min<int64_t>(

@@ -132,6 +132,20 @@ FP8NORM_HD F16 FromFloat<F16>(float v) {
   return ToF16(v);
 }
 
+// Stores v at p[i], p holding elements of a float type chosen at run time.
+FP8NORM_HD void StoreAs(FloatType type, void* p, int64_t i, float v) {
+  switch (type) {
+    case FloatType::kF16:
+      static_cast<F16*>(p)[i] = ToF16(v);
+      break;
+    case FloatType::kBF16:
+      static_cast<BF16*>(p)[i] = ToBF16(v);
+      break;
+    default:
+      static_cast<float*>(p)[i] = v;
+  }
+}
+
 // Round a float32 to a float type chosen at run time and back: S(v) and T(v) of the spec.
 FP8NORM_HD float RoundTo(FloatType type, float v) {
   switch (type) {

@@ -40,6 +40,21 @@ struct RoundArgs {
   RoundTarget target;
 };
 
+// Element i of a rounding call: the one definition the CPU loop and the CUDA kernel share.
+FP8NORM_HD void RoundElement(const RoundArgs& a, int64_t i) {
+  const float v = a.in[i];
+  switch (a.target) {
+    case RoundTarget::kE4M3FN:
+      static_cast<uint8_t*>(a.out)[i] = ToFp8<Fp8Format::kE4M3FN>(v);
+      break;
+    case RoundTarget::kE4M3FNUZ:
+      static_cast<uint8_t*>(a.out)[i] = ToFp8<Fp8Format::kE4M3FNUZ>(v);
+      break;
+    default:
+      StoreAs(a.target == RoundTarget::kF16 ? FloatType::kF16 : FloatType::kBF16, a.out, i, v);
+  }
+}
+
 // `parallel_for(num_tasks, task)` calls task(i) once for every i in [0, num_tasks), in
 // any order and on any threads, and returns when all calls have returned.
 using ParallelFor = std::function<void(int64_t, const std::function<void(int64_t)>&)>;
