@@ -16,11 +16,9 @@ from jax_fp8norm._primitives import add_rms_norm_fp8_p, rms_norm_fp8_p, round_p
 from jax_fp8norm._validation import (
     FLOAT_DTYPES,
     OUT_DTYPES,
-    check_axis_name,
-    check_reduce_dtype,
     validate,
 )
-from jax_fp8norm.reference import DEFAULT_EPS
+from jax_fp8norm.reference import DEFAULT_EPS, all_reduce
 
 
 def rms_norm_fp8(
@@ -145,9 +143,7 @@ def allreduce_residual_rms_norm_fp8(
         out_dtype=out_dtype,
         scale_dtype=scale_dtype,
     )
-    reduce = check_reduce_dtype(reduce_dtype, x.dtype)
-    names = check_axis_name(axis_name)
-    h = jax.lax.psum(x.astype(reduce), names)
+    h = all_reduce(x, axis_name, reduce_dtype)
     y, scales, residual_out = add_rms_norm_fp8_p.bind(h, residual, gamma, **p.as_dict())
     return y, scales, residual_out
 

@@ -160,7 +160,12 @@ def allreduce_residual_rms_norm_fp8(
         out_dtype=out_dtype,
         scale_dtype=scale_dtype,
     )
-    reduce = check_reduce_dtype(reduce_dtype, x.dtype)
-    names = check_axis_name(axis_name)
-    h = jax.lax.psum(jnp.asarray(x).astype(reduce), names)
+    h = all_reduce(jnp.asarray(x), axis_name, reduce_dtype)
     return _add_quantize(h, jnp.asarray(residual), jnp.asarray(gamma), p)
+
+
+def all_reduce(x: jax.Array, axis_name, reduce_dtype) -> jax.Array:
+    """The all-reduce step of allreduce_residual_rms_norm_fp8, shared with the op: the sum
+    of ``x`` over the bound axis (or axes), in ``x.dtype`` (None) or float32."""
+    reduce = check_reduce_dtype(reduce_dtype, x.dtype)
+    return jax.lax.psum(x.astype(reduce), check_axis_name(axis_name))
