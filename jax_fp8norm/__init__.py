@@ -11,7 +11,7 @@ The contract is docs/spec.md; :mod:`jax_fp8norm.reference` holds the pure-jnp tw
 """
 
 from jax_fp8norm import reference, testing
-from jax_fp8norm._ffi import built_with_cuda
+from jax_fp8norm._ffi import built_with_cuda, cpu_kernel_variant
 from jax_fp8norm._primitives import TARGETS as FFI_TARGETS
 from jax_fp8norm.ops import (
     add_rms_norm_fp8,
@@ -27,6 +27,7 @@ __all__ = [
     "add_rms_norm_fp8",
     "allreduce_residual_rms_norm_fp8",
     "built_with_cuda",
+    "cpu_kernel_variant",
     "reference",
     "rms_norm_fp8",
     "sharded_allreduce_residual_rms_norm_fp8",

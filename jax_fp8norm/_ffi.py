@@ -24,6 +24,13 @@ else:
         jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
 
 
+def cpu_kernel_variant() -> str:
+    """The instruction-set variant of the CPU kernel on this machine: "avx2" (AVX2 + FMA +
+    F16C, x86-64 built with GCC) or "baseline". ``FP8NORM_CPU_ISA=baseline`` in the
+    environment before the first call forces the baseline; both give the same bits."""
+    return _fp8norm_cpu.cpu_kernel_variant()
+
+
 def built_with_cuda() -> bool:
     """Whether this build of jax_fp8norm carries the CUDA kernels."""
     return _fp8norm_cuda is not None

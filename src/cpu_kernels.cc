@@ -1,14 +1,21 @@
 // CPU kernel of rms_norm_fp8 and add_rms_norm_fp8 (docs/spec.md): each row is loaded once
 // into a float32 scratch row that stays in cache, normalised in place and quantised from
-// there. Rows are split into tasks that the caller's thread pool runs in parallel.
+// there (the row loops are in cpu_rows.inc). Rows are split into tasks that the caller's
+// thread pool runs in parallel.
 //
-// The inner loops work on kLanes independent lanes so that the compiler vectorises the
-// sum of squares and the abs-max without reassociating float additions itself. Built
-// with -ffp-contract=off: a fused multiply-add would round differently from the CUDA
-// kernel and the reference.
+// Built with -ffp-contract=off: a multiply-add contracted by the compiler would round
+// differently from the CUDA kernel and the reference. The only FMA is the explicit one
+// of the exact square, whose result is exact either way.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "fp8norm_math.h"
 #include "rms_norm_fp8.h"
@@ -16,7 +23,6 @@
 namespace fp8norm {
 namespace {
 
-constexpr int64_t kLanes = 16;
 // Work per task: enough elements that scheduling costs nothing next to it, few enough
 // that a 4096 x 4096 call still spreads over every core.
 constexpr int64_t kElementsPerTask = int64_t{1} << 17;
@@ -27,117 +33,66 @@ float* ScratchRow(int64_t hidden) {
   return scratch.data();
 }
 
-// h = x (+ residual); residual_out = h rounded to the residual's dtype; returns sum(h * h).
-template <typename TIn, typename TRes>
-float LoadRow(const TIn* x, const TRes* residual, TRes* residual_out, float* h, int64_t n) {
-  SumOfSquares acc[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    for (int64_t k = 0; k < kLanes; ++k) {
-      float v = ToFloat(x[j + k]);
-      if (residual != nullptr) v += ToFloat(residual[j + k]);
-      h[j + k] = v;
-      AddSquare(acc[k], v);
-    }
-  }
-  for (int64_t k = 0; j < n; ++j, ++k) {
-    float v = ToFloat(x[j]);
-    if (residual != nullptr) v += ToFloat(residual[j]);
-    h[j] = v;
-    AddSquare(acc[k], v);
-  }
-  if (residual_out != nullptr) {
-    for (int64_t i = 0; i < n; ++i) residual_out[i] = FromFloat<TRes>(h[i]);
-  }
-  for (int64_t width = kLanes / 2; width > 0; width /= 2) {
-    for (int64_t k = 0; k < width; ++k) acc[k] = Combine(acc[k], acc[k + width]);
-  }
-  return Total(acc[0]);
-}
-
-// h = (h * r) * (gamma + weight_offset) in place; returns the abs-max as ordered bits.
-uint32_t NormalizeRow(float* h, const float* gamma_plus_offset, float r, int64_t n) {
-  uint32_t amax[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    for (int64_t k = 0; k < kLanes; ++k) {
-      const float v = (h[j + k] * r) * gamma_plus_offset[j + k];
-      h[j + k] = v;
-      amax[k] = std::max(amax[k], AbsBits(v));
-    }
-  }
-  for (int64_t k = 0; j < n; ++j, ++k) {
-    const float v = (h[j] * r) * gamma_plus_offset[j];
-    h[j] = v;
-    amax[k] = std::max(amax[k], AbsBits(v));
-  }
-  uint32_t result = 0;
-  for (int64_t k = 0; k < kLanes; ++k) result = std::max(result, amax[k]);
-  return result;
-}
-
-// y is a byte pointer, which may alias anything: __restrict tells the vectoriser it
-// does not alias the scratch row.
-template <Fp8Format kOut>
-void QuantizeRow(const float* __restrict normed, float recip, uint8_t* __restrict y, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) y[j] = QuantizeElement<kOut>(normed[j], recip);
-}
-
-template <typename TIn, typename TRes, Fp8Format kOut>
-void QuantizeRows(const RmsNormFp8Args& a, const float* gamma_plus_offset, int64_t begin,
-                  int64_t end) {
-  const int64_t n = a.hidden;
-  float* h = ScratchRow(n);
-  for (int64_t row = begin; row < end; ++row) {
-    const int64_t offset = row * n;
-    const TRes* residual =
-        a.residual != nullptr ? static_cast<const TRes*>(a.residual) + offset : nullptr;
-    TRes* residual_out =
-        a.residual_out != nullptr ? static_cast<TRes*>(a.residual_out) + offset : nullptr;
-    const float sum_sq =
-        LoadRow(static_cast<const TIn*>(a.x) + offset, residual, residual_out, h, n);
-    const float r = InverseRms(sum_sq, n, a.constants.eps);
-    const uint32_t amax = NormalizeRow(h, gamma_plus_offset, r, n);
-    const RowScale s = ComputeRowScale(sum_sq, amax, kOut, a.scale_type, a.constants);
-    StoreAs(a.scale_type, a.scales, row, s.scale);
-    QuantizeRow<kOut>(h, s.recip, static_cast<uint8_t*>(a.y) + offset, n);
-  }
-}
-
 template <typename TGamma>
 void GammaPlusOffset(const void* gamma, float weight_offset, int64_t n, float* out) {
   const TGamma* g = static_cast<const TGamma*>(gamma);
   for (int64_t j = 0; j < n; ++j) out[j] = ToFloat(g[j]) + weight_offset;
 }
 
-template <typename TIn, typename TRes>
-void DispatchOutput(const RmsNormFp8Args& a, const float* gamma_plus_offset, int64_t begin,
-                    int64_t end) {
-  if (a.out_format == Fp8Format::kE4M3FN) {
-    QuantizeRows<TIn, TRes, Fp8Format::kE4M3FN>(a, gamma_plus_offset, begin, end);
-  } else {
-    QuantizeRows<TIn, TRes, Fp8Format::kE4M3FNUZ>(a, gamma_plus_offset, begin, end);
+// The row loops for the baseline instruction set of the build (SSE2 on x86-64)...
+#define FP8NORM_CPU_ISA baseline
+#define FP8NORM_CPU_FMA false
+#define FP8NORM_CPU_F16C 0
+#include "cpu_rows.inc"
+#undef FP8NORM_CPU_ISA
+#undef FP8NORM_CPU_FMA
+#undef FP8NORM_CPU_F16C
+
+// ...and, on x86-64 with GCC, again for AVX2 + FMA + F16C: twice the vector width, and
+// the exact square in one FMA instead of Dekker's seven operations. Chosen at run time.
+// Everything above this point (the shared math, the standard library) is compiled for
+// the baseline and inlined into these loops, never the other way round.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FP8NORM_CPU_HAS_AVX2_VARIANT 1
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define FP8NORM_CPU_ISA avx2
+#define FP8NORM_CPU_FMA true
+#define FP8NORM_CPU_F16C 1  // the pragma enables the instructions, not the __F16C__ macro
+#include "cpu_rows.inc"
+#undef FP8NORM_CPU_ISA
+#undef FP8NORM_CPU_FMA
+#undef FP8NORM_CPU_F16C
+#pragma GCC pop_options
+#endif
+
+using ProcessRowsFn = void (*)(const RmsNormFp8Args&, const float*, float*, int64_t, int64_t);
+
+struct CpuVariant {
+  ProcessRowsFn process_rows;
+  const char* name;
+};
+
+// The widest variant this CPU runs; FP8NORM_CPU_ISA=baseline in the environment forces
+// the baseline one (the tests hold the two to the same bits).
+CpuVariant SelectVariant() {
+  const char* forced = std::getenv("FP8NORM_CPU_ISA");
+  if (forced != nullptr && std::strcmp(forced, "baseline") == 0) {
+    return {baseline::ProcessRows, "baseline"};
   }
+#if defined(FP8NORM_CPU_HAS_AVX2_VARIANT)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
+    return {avx2::ProcessRows, "avx2"};
+  }
+#endif
+  return {baseline::ProcessRows, "baseline"};
 }
 
-// The residual shares the input's dtype, except after a float32 all-reduce, where a
-// float32 x meets a 16-bit residual stream.
-void DispatchTypes(const RmsNormFp8Args& a, const float* gamma_plus_offset, int64_t begin,
-                   int64_t end) {
-  switch (a.input_type) {
-    case FloatType::kF16:
-      return DispatchOutput<F16, F16>(a, gamma_plus_offset, begin, end);
-    case FloatType::kBF16:
-      return DispatchOutput<BF16, BF16>(a, gamma_plus_offset, begin, end);
-    default:
-      if (a.residual != nullptr && a.residual_type == FloatType::kBF16) {
-        return DispatchOutput<float, BF16>(a, gamma_plus_offset, begin, end);
-      }
-      if (a.residual != nullptr && a.residual_type == FloatType::kF16) {
-        return DispatchOutput<float, F16>(a, gamma_plus_offset, begin, end);
-      }
-      return DispatchOutput<float, float>(a, gamma_plus_offset, begin, end);
-  }
+const CpuVariant& Variant() {
+  static const CpuVariant variant = SelectVariant();
+  return variant;
 }
 
 }  // namespace
@@ -164,12 +119,15 @@ void RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   const int64_t rows_per_task = std::max<int64_t>(1, kElementsPerTask / a.hidden);
   const int64_t num_tasks = (a.rows + rows_per_task - 1) / rows_per_task;
   const float* gw = gamma_plus_offset.data();
+  const ProcessRowsFn process_rows = Variant().process_rows;
   parallel_for(num_tasks, [&](int64_t task) {
     const int64_t begin = task * rows_per_task;
     const int64_t end = std::min(a.rows, begin + rows_per_task);
-    DispatchTypes(a, gw, begin, end);
+    process_rows(a, gw, ScratchRow(a.hidden), begin, end);
   });
 }
+
+const char* CpuKernelVariant() { return Variant().name; }
 
 void RoundCpu(const RoundArgs& a) {
   for (int64_t i = 0; i < a.count; ++i) RoundElement(a, i);

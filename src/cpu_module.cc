@@ -1,8 +1,10 @@
-// Python module of every build: the FFI targets to register for platform "cpu".
+// Python module of every build: the FFI targets to register for platform "cpu", and the
+// name of the CPU kernel variant this machine runs.
 #include <nanobind/nanobind.h>
 
 #include "ffi_capsule.h"
 #include "handlers.h"
+#include "rms_norm_fp8.h"
 
 NB_MODULE(_fp8norm_cpu, m) {
   m.def("registrations", []() {
@@ -12,4 +14,5 @@ NB_MODULE(_fp8norm_cpu, m) {
     targets["fp8norm_round"] = fp8norm::FfiCapsule(fp8norm::RoundCpuHandler);
     return targets;
   });
+  m.def("cpu_kernel_variant", []() { return fp8norm::CpuKernelVariant(); });
 }

@@ -177,7 +177,7 @@ __device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
     if (residual_out != nullptr) StoreAny<kVec>(residual_out, a.residual_type, i, h);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      AddSquare(acc, h[k]);
+      AddSquare<true>(acc.hi, acc.lo, h[k]);
       if (cache != nullptr) cache[k * num_vecs + i] = h[k];
     }
   }

@@ -162,8 +162,6 @@ FP8NORM_HD float RoundTo(FloatType type, float v) {
 // float32 -> FP8 E4M3, round to nearest even.
 // e4m3fn: bias 7, no Inf, NaN = S.1111.111, largest 448.
 // e4m3fnuz: bias 8, no Inf, no -0, NaN = 0x80, largest 240.
-// Values past the largest finite number become NaN, as in ml_dtypes; the kernels clamp
-// first, so only a NaN input produces a NaN code.
 // ---------------------------------------------------------------------------------
 
 template <Fp8Format kFormat>
@@ -172,8 +170,9 @@ template <>
 struct Fp8Traits<Fp8Format::kE4M3FN> {
   static constexpr uint32_t kBias = 7;
   static constexpr uint32_t kMaxCode = 0x7e;
-  static constexpr uint32_t kNanCode = 0x7f;  // the sign bit is kept
+  static constexpr uint32_t kNanCode = 0x7f;
   static constexpr float kMax = 448.0f;
+  static constexpr uint32_t kMaxBits = 0x43e00000u;  // bits of kMax
 };
 template <>
 struct Fp8Traits<Fp8Format::kE4M3FNUZ> {
@@ -181,6 +180,7 @@ struct Fp8Traits<Fp8Format::kE4M3FNUZ> {
   static constexpr uint32_t kMaxCode = 0x7f;
   static constexpr uint32_t kNanCode = 0x80;
   static constexpr float kMax = 240.0f;
+  static constexpr uint32_t kMaxBits = 0x43700000u;
 };
 
 FP8NORM_HD float Fp8Max(Fp8Format format) {
@@ -188,24 +188,47 @@ FP8NORM_HD float Fp8Max(Fp8Format format) {
                                       : Fp8Traits<Fp8Format::kE4M3FNUZ>::kMax;
 }
 
+// The FP8 code of v. kSaturate: magnitudes past the largest finite value (Inf included)
+// become it, with their sign (the kernels' clamp); otherwise they become NaN, as in
+// ml_dtypes. NaN stays NaN either way.
+//
+// One path for normal and subnormal results: with E the float32 exponent of |v|, raised
+// to FP8's smallest normal exponent, adding C = E * 2^20 puts the unit in the last place
+// at FP8's step for that binade, so the FPU's round to nearest even does the rounding;
+// bits(|v| + C) - bits(C) counts steps, a carry into the next binade included. No branch
+// and no float32 subnormal (those round to 0 either way), so it vectorises and gives the
+// same bits with or without denormal flushing.
+template <Fp8Format kFormat, bool kSaturate>
+FP8NORM_HD uint8_t Fp8Code(float v) {
+  using Tr = Fp8Traits<kFormat>;
+  constexpr uint32_t kMinNormalExponent = (127u + 1u - Tr::kBias) << 23;
+  // Past the range: the largest finite value when saturating, else 2^15, whose code is
+  // past kMaxCode while C stays a finite float.
+  constexpr uint32_t kCap = kSaturate ? Tr::kMaxBits : (127u + 15u) << 23;
+  const uint32_t u = BitsOf(v);
+  const uint32_t sign = (u >> 24) & 0x80u;
+  const uint32_t magnitude = u & kF32AbsMask;
+  const uint32_t capped = magnitude < kCap ? magnitude : kCap;
+  const uint32_t exponent = capped & kF32Inf;
+  const uint32_t e = exponent > kMinNormalExponent ? exponent : kMinNormalExponent;
+  const uint32_t c = e + (20u << 23);
+  const uint32_t steps = BitsOf(FloatOf(capped) + FloatOf(c)) - c;
+  const uint32_t code = steps + (e >> 20) - ((127u + 1u - Tr::kBias) << 3);
+  // Signed comparisons: both sides are below 2^31, and SSE / AVX2 compare only signed.
+  const bool nan = (int32_t(magnitude) > int32_t(kF32Inf)) |
+                   (!kSaturate && int32_t(code) > int32_t(Tr::kMaxCode));
+  if (kFormat == Fp8Format::kE4M3FNUZ) {
+    return uint8_t(Select(nan, Tr::kNanCode, Select(code == 0, 0u, code | sign)));
+  }
+  // Saturating (the kernels): a NaN's sign depends on the order a compiler gave the
+  // operands of the multiply that made it, so the kernels write the one positive NaN
+  // code, as the reference does. Otherwise the sign is kept, as in ml_dtypes.
+  return uint8_t(Select(nan, Tr::kNanCode | (kSaturate ? 0u : sign), code | sign));
+}
+
 template <Fp8Format kFormat>
 FP8NORM_HD uint8_t ToFp8(float v) {
-  using Tr = Fp8Traits<kFormat>;
-  uint32_t u = BitsOf(v);
-  const uint32_t sign = u & 0x80000000u;
-  u ^= sign;
-  // Below the smallest normal: round at the subnormal step 2^(-bias-2) by adding a float
-  // whose unit in the last place is that step. Code 8 (the smallest normal) comes out
-  // right when rounding carries.
-  const uint32_t magic = (127u + 21u - Tr::kBias) << 23;
-  const uint32_t subnormal = BitsOf(FloatOf(u) + FloatOf(magic)) - magic;
-  const uint32_t normal = (u + ((Tr::kBias - 127u) << 23) + 0x7ffffu + ((u >> 20) & 1u)) >> 20;
-  const uint32_t code = Select(u < ((127u + 1u - Tr::kBias) << 23), subnormal, normal);
-  const bool nan = (u > kF32Inf) | (code > Tr::kMaxCode);
-  if (kFormat == Fp8Format::kE4M3FNUZ) {
-    return uint8_t(Select(nan, Tr::kNanCode, Select(code == 0, 0u, code | (sign >> 24))));
-  }
-  return uint8_t(Select(nan, Tr::kNanCode, code) | (sign >> 24));
+  return Fp8Code<kFormat, false>(v);
 }
 
 // ---------------------------------------------------------------------------------
@@ -237,27 +260,31 @@ FP8NORM_HD void TwoSum(float a, float b, float& s, float& e) {
   e = (a - (s - b_virtual)) + (b - b_virtual);
 }
 
-// p + e == v * v exactly (while v * v neither overflows nor underflows).
+// p + e == v * v exactly (while v * v neither overflows nor underflows). kUseFma: with a
+// hardware FMA (the GPU; the CPU kernel built for AVX2 + FMA), else Dekker's split of v
+// into 12-bit halves whose products are exact. Both give the same p and e.
+template <bool kUseFma>
 FP8NORM_HD void ExactSquare(float v, float& p, float& e) {
   p = v * v;
-#if defined(__CUDA_ARCH__)
-  e = fmaf(v, v, -p);
-#else
-  // Dekker's split: v = high + low with 12-bit halves whose products are exact. Portable
-  // and vectorisable where a hardware FMA is not guaranteed.
-  const float c = 4097.0f * v;
-  const float high = c - (c - v);
-  const float low = v - high;
-  e = ((high * high - p) + 2.0f * high * low) + low * low;
-#endif
+  if constexpr (kUseFma) {
+    e = fmaf(v, v, -p);
+  } else {
+    const float c = 4097.0f * v;
+    const float high = c - (c - v);
+    const float low = v - high;
+    e = ((high * high - p) + 2.0f * high * low) + low * low;
+  }
 }
 
-FP8NORM_HD void AddSquare(SumOfSquares& acc, float v) {
+// Adds v * v to the pair hi + lo. Takes the two floats rather than a SumOfSquares so that
+// the CPU kernel can keep its lanes' hi and lo in separate arrays (one vector each).
+template <bool kUseFma>
+FP8NORM_HD void AddSquare(float& hi, float& lo, float v) {
   float p, square_error, s, sum_error;
-  ExactSquare(v, p, square_error);
-  TwoSum(acc.hi, p, s, sum_error);
-  acc.hi = s;
-  acc.lo += sum_error + square_error;
+  ExactSquare<kUseFma>(v, p, square_error);
+  TwoSum(hi, p, s, sum_error);
+  hi = s;
+  lo += sum_error + square_error;
 }
 
 FP8NORM_HD SumOfSquares Combine(SumOfSquares a, SumOfSquares b) {
@@ -303,21 +330,10 @@ FP8NORM_HD RowScale ComputeRowScale(float sum_sq, uint32_t amax_bits, Fp8Format 
   return RowScale{scale, recip};
 }
 
-// Clamps to [-fp8_max, fp8_max] on the bits: magnitudes past the range (Inf included)
-// become fp8_max with their sign, while NaN (above Inf) passes, so that a NaN never
-// becomes +-max. Integer-only, so it vectorises alongside the FP8 rounding.
-FP8NORM_HD float ClampToFp8Range(float v, float fp8_max) {
-  const uint32_t u = BitsOf(v);
-  const uint32_t magnitude = u & kF32AbsMask;
-  const uint32_t max_bits = BitsOf(fp8_max);
-  const bool past = (magnitude > max_bits) & (magnitude <= kF32Inf);
-  return FloatOf(Select(past, max_bits, magnitude) | (u & ~kF32AbsMask));
-}
-
+// FP8(clamp(normed * recip, +-FP8_MAX)): the clamp is the saturation of Fp8Code.
 template <Fp8Format kFormat>
 FP8NORM_HD uint8_t QuantizeElement(float normed, float recip) {
-  constexpr float kMax = Fp8Traits<kFormat>::kMax;
-  return ToFp8<kFormat>(ClampToFp8Range(normed * recip, kMax));
+  return Fp8Code<kFormat, true>(normed * recip);
 }
 
 }  // namespace fp8norm

@@ -60,6 +60,8 @@ FP8NORM_HD void RoundElement(const RoundArgs& a, int64_t i) {
 using ParallelFor = std::function<void(int64_t, const std::function<void(int64_t)>&)>;
 
 void RmsNormFp8Cpu(const RmsNormFp8Args& args, const ParallelFor& parallel_for);
+// The instruction-set variant of the CPU row loops in use: "avx2" or "baseline".
+const char* CpuKernelVariant();
 void RoundCpu(const RoundArgs& args);
 
 }  // namespace fp8norm

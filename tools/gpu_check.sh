@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # GPU check, to run on a machine with an NVIDIA GPU from the repository root:
 #   builds the package for sm_90a against the installed jax, runs the whole test suite
-#   with the GPU required, and runs the main job and the tensor-parallel example.
-#   Logs go to $OUT (default ./gpu_check_logs).
+#   with the GPU required, the main job and the tensor-parallel example, then the
+#   benchmark (python -m jax_fp8norm.bench, GPU grid), the kernels' register / spill
+#   report and SASS, and an Nsight Compute profile of the 4096 x 4096 calls when ncu is
+#   installed. Logs go to $OUT (default ./gpu_check_logs).
 # Usage: OUT=/some/dir bash tools/gpu_check.sh [CUDA architectures, default 90a-real]
+#   BENCH_SECONDS (default 300) bounds the benchmark; what it measured so far is kept.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_logs}
@@ -35,5 +38,29 @@ cat "$OUT/main_job.log"
 echo "== tensor-parallel example on the GPU (tp=1)"
 python3 -m jax_fp8norm --tp 1 > "$OUT/example_tp1.log" 2>&1 || status=1
 cat "$OUT/example_tp1.log"
+
+echo "== kernel resources and SASS"
+so=$(python3 -c "import jax_fp8norm._fp8norm_cuda as m; print(m.__file__)")
+cuobjdump --dump-resource-usage "$so" > "$OUT/resource_usage.txt" 2>&1 || true
+cuobjdump --dump-sass "$so" > "$OUT/sass.txt" 2>&1 || true
+grep -E "Function|REG|STACK|SHARED" "$OUT/resource_usage.txt" | head -40
+
+echo "== benchmark (at most ${BENCH_SECONDS:-300} s)"
+timeout "${BENCH_SECONDS:-300}" python3 -m jax_fp8norm.bench \
+  --json "$OUT/bench.json" --png "$OUT/bench.png" > "$OUT/bench.log" 2>&1 || status=1
+tail -60 "$OUT/bench.log"
+
+if command -v ncu > /dev/null; then
+  echo "== Nsight Compute: both ops at 4096 x 4096 bf16"
+  timeout 240 ncu --set full -k "regex:fp8norm|RmsNorm" -c 4 -o "$OUT/ncu" python3 -c "
+import jax, jax.numpy as jnp, jax_fp8norm as f
+x = jax.random.normal(jax.random.PRNGKey(0), (4096, 4096), jnp.bfloat16)
+g = jnp.ones((4096,), jnp.bfloat16)
+for _ in range(2):
+    jax.block_until_ready(jax.jit(f.rms_norm_fp8)(x, g))
+    jax.block_until_ready(jax.jit(f.add_rms_norm_fp8)(x, x, g))
+" > "$OUT/ncu.log" 2>&1 || true
+  tail -5 "$OUT/ncu.log"
+fi
 
 exit $status

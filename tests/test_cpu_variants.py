@@ -1,0 +1,104 @@
+"""The CPU kernel's instruction-set variants (AVX2 + FMA + F16C, and the baseline) give
+the same bits: every dtype combination, hidden sizes that leave a partial lane block, and
+rows of zeros, NaN, Inf, huge, tiny and subnormal values."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fp8norm as fp8norm
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    import jax_fp8norm as fp8norm
+    from jax_fp8norm._primitives import add_rms_norm_fp8_p
+    from jax_fp8norm._validation import make_params
+    jax.config.update("jax_platforms", "cpu")
+
+    def inputs(hidden, dtype, seed):
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal((12, hidden)) * 10.0 ** rng.uniform(-3, 3, (12, 1))
+        x[1] = 0.0
+        x[2, hidden // 2] = np.nan
+        x[3, 0] = np.inf
+        x[4] *= 1e-38
+        x[5] *= 3e37
+        x[6, -1] = 1e4 * np.abs(x[6]).max()
+        residual = rng.standard_normal((12, hidden))
+        gamma = rng.uniform(-2, 2, hidden)
+        return x.astype(dtype), residual.astype(dtype), gamma
+
+    outs = {}
+    dtypes = ("float32", "float16", "bfloat16")
+    for hidden in (1, 15, 16, 17, 100, 4099):
+        for i, dtype in enumerate(dtypes):
+            x, residual, gamma = inputs(hidden, dtype, hidden + i)
+            for gamma_dtype in dtypes:
+                for out_dtype in (jnp.float8_e4m3fn, jnp.float8_e4m3fnuz):
+                    g = gamma.astype(gamma_dtype)
+                    key = f"{hidden}-{dtype}-{gamma_dtype}-{jnp.dtype(out_dtype).name}"
+                    y, s = fp8norm.rms_norm_fp8(x, g, out_dtype=out_dtype, weight_offset=0.5)
+                    y2, s2, r2 = fp8norm.add_rms_norm_fp8(
+                        x, residual, g, out_dtype=out_dtype, scale_dtype=jnp.bfloat16)
+                    for name, v in (("y", y), ("s", s), ("y2", y2), ("s2", s2), ("r2", r2)):
+                        outs[f"{key}-{name}"] = np.asarray(v).view(np.uint8)
+            if dtype != "float32":
+                # A float32 all-reduce's sum meeting a 16-bit residual stream.
+                p = make_params(dtype, eps=1e-6, weight_offset=0.0, scale_ub=None,
+                                out_dtype=jnp.float8_e4m3fn, scale_dtype=jnp.float32)
+                h32 = x.astype(np.float32)
+                y, s, r = add_rms_norm_fp8_p.bind(
+                    h32, residual, gamma.astype(dtype), **p.as_dict())
+                for name, v in (("y", y), ("s", s), ("r", r)):
+                    outs[f"{hidden}-f32-with-{dtype}-{name}"] = np.asarray(v).view(np.uint8)
+    outs["variant"] = np.frombuffer(fp8norm.cpu_kernel_variant().encode(), np.uint8)
+    np.savez(sys.argv[1], **outs)
+    """
+)
+
+
+def _run(tmp_path, name: str, isa: str | None) -> dict:
+    env = dict(os.environ)
+    env.pop("FP8NORM_CPU_ISA", None)
+    if isa is not None:
+        env["FP8NORM_CPU_ISA"] = isa
+    path = tmp_path / f"{name}.npz"
+    subprocess.run([sys.executable, "-c", SCRIPT, str(path)], env=env, check=True, timeout=600)
+    with np.load(path) as data:
+        return {k: data[k] for k in data.files}
+
+
+def test_variants_give_the_same_bits(tmp_path):
+    default = _run(tmp_path, "default", None)
+    baseline = _run(tmp_path, "baseline", "baseline")
+    assert bytes(baseline.pop("variant")).decode() == "baseline"
+    variant = bytes(default.pop("variant")).decode()
+    assert variant in ("avx2", "baseline")
+    assert default.keys() == baseline.keys()
+    differ = [k for k in default if not np.array_equal(default[k], baseline[k])]
+    assert not differ, f"{variant} and baseline differ in {differ[:5]}"
+
+
+def test_variant_name():
+    assert fp8norm.cpu_kernel_variant() in ("avx2", "baseline")
+
+
+@pytest.mark.skipif(fp8norm.cpu_kernel_variant() != "avx2", reason="no AVX2 variant here")
+def test_avx2_variant_matches_reference_on_ties():
+    # Values on FP8 rounding ties after normalisation by an exact power of two.
+    codes = np.arange(0, 0x7F, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)
+    x = np.concatenate([codes, -codes, [448.0]]).astype(np.float32)[None, :]
+    gamma = np.ones(x.shape[-1], np.float32)
+    y, s = fp8norm.rms_norm_fp8(x, gamma)
+    y_ref, s_ref = fp8norm.reference.rms_norm_fp8(x, gamma)
+    np.testing.assert_array_equal(np.asarray(y).view(np.uint8), np.asarray(y_ref).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
