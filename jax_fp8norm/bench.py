@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import platform as host_platform
 import sys
@@ -150,14 +149,14 @@ JAX_IMPLS: dict[str, dict[str, Callable]] = {
 
 
 def serialised(fn: Callable, calls: int) -> Callable:
-    """A jitted program of ``calls`` calls of ``fn`` over a tuple of input sets, each call
-    ordered after the previous one by an optimization_barrier that holds its outputs
-    (so XLA neither reorders, overlaps nor merges calls)."""
+    """A jitted program of ``calls`` calls of ``fn``, call k on input set k, each ordered
+    after the previous one by an optimization_barrier that holds its outputs (so XLA
+    neither reorders nor overlaps calls)."""
 
     def program(input_sets):
         outs = [fn(*input_sets[0])]
         for k in range(1, calls):
-            args, _ = jax.lax.optimization_barrier((input_sets[k % len(input_sets)], outs[-1]))
+            args, _ = jax.lax.optimization_barrier((input_sets[k], outs[-1]))
             outs.append(fn(*args))
         # Every call's outputs are results: XLA drops a call whose outputs are unused.
         return outs
@@ -181,16 +180,17 @@ def device_seconds(fn: Callable, input_sets: Sequence[tuple], calls: int, repeat
     one, many = serialised(fn, 1), serialised(fn, calls)
     inputs = tuple(input_sets)
     t_one = _min_seconds(lambda: jax.block_until_ready(one(inputs[:1])), repeats)
+    assert len(inputs) == calls, "one input set per call"
     t_many = _min_seconds(lambda: jax.block_until_ready(many(inputs)), repeats)
     return max(t_many - t_one, 0.0) / (calls - 1)
 
 
-def _plan(bytes_per_call: int, preset: dict, probe_seconds: float) -> tuple[int, int]:
-    """(K, distinct inputs): K calls take about TARGET_SECONDS; the inputs rotated among
-    span the preset's working set where K allows."""
-    calls = int(min(preset["max_calls"], max(4, TARGET_SECONDS / max(probe_seconds, 1e-7))))
-    distinct = min(calls, max(1, math.ceil(preset["working_set"] / bytes_per_call)))
-    return calls, distinct
+def _plan(bytes_per_call: int, preset: dict, probe_seconds: float) -> int:
+    """K: enough calls that they take about TARGET_SECONDS and that their inputs, one set
+    per call, span the preset's working set, within the preset's limit."""
+    for_time = TARGET_SECONDS / max(probe_seconds, 1e-7)
+    for_working_set = preset["working_set"] / bytes_per_call
+    return int(min(preset["max_calls"], max(4, for_time, for_working_set)))
 
 
 def _inputs(op: str, rows: int, hidden: int, dtype, start: int, stop: int, device) -> list[tuple]:
@@ -297,8 +297,10 @@ def bench_shape(
     first = _inputs(op, rows, hidden, dtype, 0, 1, device)
     probe = jax.jit(JAX_IMPLS["fp8norm"][op])
     probe_seconds = _min_seconds(lambda: jax.block_until_ready(probe(*first[0])), 3)
-    calls, distinct = _plan(nbytes, preset, probe_seconds)
-    input_sets = first + _inputs(op, rows, hidden, dtype, 1, distinct, device)
+    # One input set per call: XLA merges calls whose inputs are the same values, barrier
+    # or not.
+    calls = distinct = _plan(nbytes, preset, probe_seconds)
+    input_sets = first + _inputs(op, rows, hidden, dtype, 1, calls, device)
     results = []
     for impl in impls:
         checked = False

@@ -24,18 +24,22 @@ def test_op_bytes():
 
 @pytest.mark.parametrize("impl", ["fp8norm", "xla_reference"])
 def test_serialised_program_keeps_every_call(impl):
-    x = jnp.ones((4, 64), jnp.bfloat16)
-    gamma = jnp.ones((64,), jnp.bfloat16)
+    fn = bench.JAX_IMPLS[impl]["rms_norm_fp8"]
     calls = 5
-    program = bench.serialised(bench.JAX_IMPLS[impl]["rms_norm_fp8"], calls)
-    hlo = program.lower(((x, gamma), (x + 1, gamma))).compile().as_text()
+    rng = np.random.default_rng(1)
+    input_sets = tuple(
+        (jnp.asarray(rng.standard_normal((4, 64)), jnp.bfloat16), jnp.ones((64,), jnp.bfloat16))
+        for _ in range(calls)
+    )
+    program = bench.serialised(fn, calls)
+    hlo = program.lower(input_sets).compile().as_text()
     if impl == "fp8norm":
         assert hlo.count('custom_call_target="fp8norm_rms_norm_fp8"') == calls
-    outs = program(((x, gamma), (x + 1, gamma)))
+    outs = program(input_sets)
     assert len(outs) == calls
-    # Calls alternate between the two input sets.
-    assert np.array_equal(np.asarray(outs[0][0]), np.asarray(outs[2][0]))
-    assert not np.array_equal(np.asarray(outs[0][1]), np.asarray(outs[1][1]))
+    for args, out in zip(input_sets, outs, strict=True):
+        for got, want in zip(out, jax.jit(fn)(*args), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize("op", bench.OPS)
