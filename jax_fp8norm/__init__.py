@@ -12,6 +12,7 @@ The contract is docs/spec.md; :mod:`jax_fp8norm.reference` holds the pure-jnp tw
 
 from jax_fp8norm import reference, testing
 from jax_fp8norm._ffi import built_with_cuda, cpu_kernel_variant
+from jax_fp8norm._primitives import EXPORT_DISABLED_CHECKS
 from jax_fp8norm._primitives import TARGETS as FFI_TARGETS
 from jax_fp8norm.ops import (
     add_rms_norm_fp8,
@@ -23,6 +24,7 @@ from jax_fp8norm.ops import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "EXPORT_DISABLED_CHECKS",
     "FFI_TARGETS",
     "add_rms_norm_fp8",
     "allreduce_residual_rms_norm_fp8",

@@ -1,14 +1,15 @@
-"""JAX primitives of the ops: abstract evaluation (the shape rule) and lowering to the
-XLA FFI custom calls, per platform. Later rules (batching, partitioning) hang on these."""
+"""JAX primitives of the ops: abstract evaluation (the shape rule), lowering to the XLA FFI
+custom calls per platform, and batching rules (vmap)."""
 
 from __future__ import annotations
 
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import mlir
+from jax.interpreters import batching, mlir
 
 from jax_fp8norm import _ffi
 
@@ -17,6 +18,11 @@ RMS_NORM_FP8_TARGET = "fp8norm_rms_norm_fp8"
 ADD_RMS_NORM_FP8_TARGET = "fp8norm_add_rms_norm_fp8"
 ROUND_TARGET = "fp8norm_round"
 TARGETS = (RMS_NORM_FP8_TARGET, ADD_RMS_NORM_FP8_TARGET, ROUND_TARGET)
+
+# What jax.export must be told to serialise a function that uses the ops: our custom-call
+# targets carry no cross-version compatibility guarantee from XLA, so the caller vouches
+# for them (the deserialising process must import jax_fp8norm, which registers them).
+EXPORT_DISABLED_CHECKS = tuple(jax.export.DisabledSafetyCheck.custom_call(t) for t in TARGETS)
 
 
 @functools.cache
@@ -71,11 +77,38 @@ def _register(prim: Primitive, target: str, make_rule) -> None:
         mlir.register_lowering(prim, _unavailable_cuda_lowering, platform="cuda")
 
 
+def _to_front(value, dim, size):
+    """The batch axis first: moved there, or made by broadcasting an unbatched operand."""
+    if dim is None:
+        return jnp.broadcast_to(value, (size, *value.shape))
+    return jnp.moveaxis(value, dim, 0)
+
+
+def _norm_batching_rule(prim: Primitive):
+    """vmap. Every leading axis of x is a row axis to the kernel, so a batch of x (and
+    residual) with one shared gamma is one kernel call over more rows. A batch of gammas
+    becomes a compiled loop (lax.map), one kernel call per gamma."""
+
+    def rule(args, dims, **params):
+        size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
+        rows = [_to_front(a, d, size) for a, d in zip(args[:-1], dims[:-1], strict=True)]
+        gamma, gamma_dim = args[-1], dims[-1]
+        if gamma_dim is None:
+            outs = prim.bind(*rows, gamma, **params)
+        else:
+            gammas = jnp.moveaxis(gamma, gamma_dim, 0)
+            outs = jax.lax.map(lambda a: prim.bind(*a, **params), (*rows, gammas))
+        return outs, [0] * len(outs)
+
+    return rule
+
+
 def _make_norm_primitive(name: str, target: str) -> Primitive:
     prim = Primitive(name)
     prim.multiple_results = True
     prim.def_abstract_eval(_norm_abstract_eval)
     _register(prim, target, _ffi_lowering)
+    batching.primitive_batchers[prim] = _norm_batching_rule(prim)
     return prim
 
 
@@ -94,3 +127,4 @@ def _round_lowering(target: str):
 
 
 _register(round_p, ROUND_TARGET, _round_lowering)
+batching.defvectorized(round_p)

@@ -72,7 +72,11 @@ def _run(tmp_path, name: str, isa: str | None) -> dict:
     if isa is not None:
         env["FP8NORM_CPU_ISA"] = isa
     path = tmp_path / f"{name}.npz"
-    subprocess.run([sys.executable, "-c", SCRIPT, str(path)], env=env, check=True, timeout=600)
+    # Run outside the repository: `python -c` puts the working directory first on
+    # sys.path, and the source tree has no compiled modules.
+    subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(path)], env=env, cwd=tmp_path, check=True, timeout=600
+    )
     with np.load(path) as data:
         return {k: data[k] for k in data.files}
 

@@ -1,0 +1,149 @@
+"""The ops inside JAX transformations and compilation paths: vmap, AOT lower/compile and
+jax.export. Each is held bit for bit to the same op called without the transformation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import device_of, random_gamma, random_rows
+
+import jax_fp8norm as fp8norm
+
+
+def _bits(outs):
+    return [np.asarray(o).view(np.uint8) for o in outs]
+
+
+def _assert_same(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(_bits(got), _bits(want), strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+def _stack(outs_per_example, axis=0):
+    return [
+        np.stack([np.asarray(o[i]) for o in outs_per_example], axis)
+        for i in range(len(outs_per_example[0]))
+    ]
+
+
+def _custom_calls(fn, *args) -> int:
+    hlo = jax.jit(fn).lower(*args).compile().as_text()
+    return sum(hlo.count(f'custom_call_target="{t}"') for t in fp8norm.FFI_TARGETS)
+
+
+@pytest.mark.parametrize("in_axis", [0, 1, 2])
+def test_vmap_over_x_is_one_kernel_call(platform, in_axis):
+    # A batch of 5 per-example [3, 96] arrays, the batch axis at in_axis.
+    x = np.moveaxis(random_rows(1, (5, 3, 96), jnp.bfloat16), 0, in_axis)
+    gamma = random_gamma(2, 96, jnp.float32)
+    axis = in_axis
+    with jax.default_device(device_of(platform)):
+        fn = jax.vmap(lambda x: fp8norm.rms_norm_fp8(x, gamma, weight_offset=0.5), in_axes=axis)
+        got = jax.jit(fn)(x)
+        per_example = [
+            fp8norm.rms_norm_fp8(np.take(x, b, axis), gamma, weight_offset=0.5)
+            for b in range(x.shape[axis])
+        ]
+        assert _custom_calls(fn, x) == 1
+    _assert_same(got, _stack(per_example))
+
+
+def test_vmap_of_rank1_rows(platform):
+    x = random_rows(3, (7, 128), jnp.float16)
+    gamma = random_gamma(4, 128, jnp.bfloat16)
+    with jax.default_device(device_of(platform)):
+        got = jax.jit(jax.vmap(fp8norm.rms_norm_fp8, in_axes=(0, None)))(x, gamma)
+        want = fp8norm.rms_norm_fp8(x, gamma)
+    assert got[1].shape == (7, 1)
+    _assert_same(got, want)
+
+
+def test_vmap_over_x_and_gamma(platform):
+    x = random_rows(5, (4, 6, 64), jnp.bfloat16)
+    gammas = np.stack([random_gamma(10 + b, 64, jnp.float32) for b in range(4)])
+    with jax.default_device(device_of(platform)):
+        got = jax.jit(jax.vmap(fp8norm.rms_norm_fp8))(x, gammas)
+        per_example = [fp8norm.rms_norm_fp8(x[b], gammas[b]) for b in range(4)]
+    _assert_same(got, _stack(per_example))
+
+
+@pytest.mark.parametrize("in_axes", [(0, 0, None), (0, None, None), (None, 0, 0), (1, 1, None)])
+def test_vmap_add(platform, in_axes):
+    rng_x = random_rows(6, (3, 8, 64), jnp.float32)
+    rng_r = random_rows(7, (3, 8, 64), jnp.float32)
+    x = rng_x if in_axes[0] == 0 else (rng_x[0] if in_axes[0] is None else np.moveaxis(rng_x, 0, 1))
+    residual = (
+        rng_r if in_axes[1] == 0 else (rng_r[0] if in_axes[1] is None else np.moveaxis(rng_r, 0, 1))
+    )
+    gamma = (
+        np.stack([random_gamma(20 + b, 64, jnp.float32) for b in range(3)])
+        if in_axes[2] == 0
+        else random_gamma(20, 64, jnp.float32)
+    )
+
+    def pick(value, axis, b):
+        return value if axis is None else np.take(value, b, axis)
+
+    with jax.default_device(device_of(platform)):
+        got = jax.jit(jax.vmap(fp8norm.add_rms_norm_fp8, in_axes=in_axes))(x, residual, gamma)
+        per_example = [
+            fp8norm.add_rms_norm_fp8(
+                *(pick(v, a, b) for v, a in zip((x, residual, gamma), in_axes, strict=True))
+            )
+            for b in range(3)
+        ]
+    _assert_same(got, _stack(per_example))
+
+
+def test_nested_vmap(platform):
+    x = random_rows(8, (2, 3, 4, 32), jnp.bfloat16)
+    gamma = random_gamma(9, 32, jnp.bfloat16)
+    with jax.default_device(device_of(platform)):
+        fn = jax.vmap(jax.vmap(lambda x: fp8norm.rms_norm_fp8(x, gamma)))
+        got = jax.jit(fn)(x)
+        want = fp8norm.rms_norm_fp8(x, gamma)
+        assert _custom_calls(fn, x) == 1
+    _assert_same(got, want)
+
+
+def test_aot_lower_compile(platform):
+    x = random_rows(11, (16, 256), jnp.bfloat16)
+    residual = random_rows(12, (16, 256), jnp.bfloat16)
+    gamma = random_gamma(13, 256, jnp.float32)
+    device = device_of(platform)
+    x, residual, gamma = (jax.device_put(a, device) for a in (x, residual, gamma))
+    lowered = jax.jit(fp8norm.add_rms_norm_fp8).lower(x, residual, gamma)
+    assert fp8norm.FFI_TARGETS[1] in lowered.as_text()
+    compiled = lowered.compile()
+    _assert_same(compiled(x, residual, gamma), fp8norm.add_rms_norm_fp8(x, residual, gamma))
+
+
+def test_export_round_trip(platform):
+    x = random_rows(14, (2, 8, 512), jnp.bfloat16)
+    gamma = random_gamma(15, 512, jnp.bfloat16)
+
+    def layer(x, gamma):
+        y, scales = fp8norm.rms_norm_fp8(x, gamma, weight_offset=1.0)
+        return y.astype(jnp.float32) * scales
+
+    exported = jax.export.export(
+        jax.jit(layer),
+        platforms=[platform if platform == "cpu" else "cuda"],
+        disabled_checks=fp8norm.EXPORT_DISABLED_CHECKS,
+    )(x, gamma)
+    restored = jax.export.deserialize(exported.serialize())
+    device = device_of(platform)
+    x, gamma = jax.device_put(x, device), jax.device_put(gamma, device)
+    np.testing.assert_array_equal(
+        np.asarray(restored.call(x, gamma)), np.asarray(jax.jit(layer)(x, gamma))
+    )
+
+
+def test_export_without_disabled_checks_names_the_target():
+    x = jnp.ones((2, 64), jnp.float32)
+    gamma = jnp.ones((64,), jnp.float32)
+    with pytest.raises(ValueError, match=fp8norm.FFI_TARGETS[0]):
+        jax.export.export(jax.jit(fp8norm.rms_norm_fp8), platforms=["cpu"])(x, gamma)
