@@ -10,7 +10,8 @@ For each op and shape it times, on the same device:
   clip, cast) a user would otherwise write;
 - ``torch_compile``: ``torch.compile`` of that formula, when torch is importable;
 - ``copy``: an element-wise copy moving the same number of bytes (the ceiling);
-- ``numpy_copy`` (CPU backend only): ``np.copyto`` of the same number of bytes.
+- ``numpy_copy`` (CPU backend only): ``np.copyto`` of the same number of bytes, one pair
+  of buffers (so cache-resident for small shapes).
 
 Time per call is device time: K calls serialised in one jitted program, each fed through
 an ``optimization_barrier`` that holds the previous call's outputs, minus one call,
@@ -419,6 +420,9 @@ def draw(results: Sequence[Result], path: str) -> bool:
     for gi, (op, dtype) in enumerate(groups):
         for hi, hidden in enumerate(hiddens):
             ax = axes[gi][hi]
+            if not any((r.op, r.dtype, r.hidden) == (op, dtype, hidden) for r in results):
+                ax.set_visible(False)  # a spot-check dtype not run at this hidden size
+                continue
             for impl in IMPLS:
                 points = sorted(
                     (r.rows, r.gbps)
