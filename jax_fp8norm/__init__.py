@@ -14,6 +14,7 @@ from jax_fp8norm import reference, testing
 from jax_fp8norm._ffi import built_with_cuda, cpu_kernel_variant
 from jax_fp8norm._primitives import EXPORT_DISABLED_CHECKS
 from jax_fp8norm._primitives import TARGETS as FFI_TARGETS
+from jax_fp8norm.autodiff import add_rms_norm_fp8_dequantized, rms_norm_fp8_dequantized
 from jax_fp8norm.ops import (
     add_rms_norm_fp8,
     allreduce_residual_rms_norm_fp8,
@@ -27,11 +28,13 @@ __all__ = [
     "EXPORT_DISABLED_CHECKS",
     "FFI_TARGETS",
     "add_rms_norm_fp8",
+    "add_rms_norm_fp8_dequantized",
     "allreduce_residual_rms_norm_fp8",
     "built_with_cuda",
     "cpu_kernel_variant",
     "reference",
     "rms_norm_fp8",
+    "rms_norm_fp8_dequantized",
     "sharded_allreduce_residual_rms_norm_fp8",
     "testing",
 ]
