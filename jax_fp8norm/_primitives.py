@@ -1,5 +1,6 @@
 """JAX primitives of the ops: abstract evaluation (the shape rule), lowering to the XLA FFI
-custom calls per platform, and batching rules (vmap)."""
+custom calls per platform, partitioning under jit (custom_partitioning with a Shardy
+sharding rule), and batching rules (vmap)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_fp8norm import _ffi
 
@@ -67,9 +71,8 @@ def _norm_abstract_eval(*avals, eps, weight_offset, scale_ub, out_dtype, scale_d
     return outs
 
 
-def _register(prim: Primitive, target: str, make_rule) -> None:
+def _register_lowerings(prim: Primitive, target: str, make_rule) -> None:
     """The same FFI target name serves every platform; only the handler behind it differs."""
-    prim.def_impl(functools.partial(_eager_impl, prim))
     mlir.register_lowering(prim, make_rule(target), platform="cpu")
     if _ffi.built_with_cuda():
         mlir.register_lowering(prim, make_rule(target), platform="cuda")
@@ -103,12 +106,101 @@ def _norm_batching_rule(prim: Primitive):
     return rule
 
 
+def _row_spec(sharding, rank: int) -> tuple:
+    """The mesh axes of the row dimensions of a rank-``rank`` operand's sharding."""
+    spec = tuple(getattr(sharding, "spec", ()))[: rank - 1]
+    return spec + (None,) * (rank - 1 - len(spec))
+
+
+def _result_shardings(mesh, rows: tuple, num_results: int):
+    # y and residual_out [..., N] and scales [..., 1]: rows as x's, the last axis whole.
+    return tuple(NamedSharding(mesh, P(*rows, None)) for _ in range(num_results))
+
+
+@functools.cache
+def _partitioned(kernel: Primitive, params: tuple, num_operands: int):
+    """kernel.bind wrapped in custom_partitioning: under jit with sharded inputs, XLA runs
+    it on each device's rows (no all-gather when rows are sharded); a hidden axis that is
+    sharded is gathered first, since each row needs all of it."""
+    kwargs = dict(params)
+    num_results = num_operands
+
+    @custom_partitioning
+    def call(*args):
+        return tuple(kernel.bind(*args, **kwargs))
+
+    def shardings(mesh, arg_shapes):
+        rank = len(arg_shapes[0].shape)
+        rows = _row_spec(arg_shapes[0].sharding, rank)
+        row_operands = [NamedSharding(mesh, P(*rows, None))] * (num_operands - 1)
+        return rows, (*row_operands, NamedSharding(mesh, P(None)))
+
+    def partition(mesh, arg_shapes, result_shape):
+        rows, arg_shardings = shardings(mesh, arg_shapes)
+        lower = lambda *args: tuple(kernel.bind(*args, **kwargs))  # noqa: E731
+        return mesh, lower, _result_shardings(mesh, rows, num_results), arg_shardings
+
+    def infer(mesh, arg_shapes, result_shape):
+        rows, _ = shardings(mesh, arg_shapes)
+        return _result_shardings(mesh, rows, num_results)
+
+    rows = "... n, " * (num_operands - 1)
+    results = "... n, ... k" + (", ... n" if num_operands == 3 else "")
+    call.def_partition(
+        partition,
+        infer_sharding_from_operands=infer,
+        sharding_rule=f"{rows}n -> {results}",
+        need_replication_factors=("n",),
+    )
+    return call
+
+
+def _requires_devices_during_lowering(prim: Primitive) -> None:
+    try:
+        from jax._src import dispatch
+    except ImportError:  # without it the lowering falls back to the unpartitioned call
+        return
+    registry = getattr(dispatch, "prim_requires_devices_during_lowering", None)
+    if registry is not None:
+        registry.add(prim)
+
+
+def _partitioned_lowering(kernel: Primitive):
+    def lowering(ctx, *args, **params):
+        # One device, or devices not yet assigned (custom_partitioning needs them): the
+        # kernel's call alone, which XLA leaves whole.
+        axis_context = ctx.module_context.axis_context
+        num_devices = getattr(axis_context, "num_devices", None)
+        unassigned = hasattr(axis_context, "device_assignment") and (
+            axis_context.device_assignment is None
+        )
+        if num_devices == 1 or unassigned:
+            call = functools.partial(kernel.bind, **params)
+        else:
+            call = _partitioned(kernel, tuple(sorted(params.items())), len(args))
+        return mlir.lower_fun(call, multiple_results=True)(ctx, *args)
+
+    return lowering
+
+
 def _make_norm_primitive(name: str, target: str) -> Primitive:
+    """The op's primitive, and beneath it the kernel's. The op's lowering wraps the kernel
+    in custom_partitioning (sharding under plain jit); its batching rule and gradient rule
+    stay on the op, where custom_partitioning would not carry them."""
+    kernel = Primitive(f"{name}_kernel")
+    kernel.multiple_results = True
+    kernel.def_abstract_eval(_norm_abstract_eval)
+    _register_lowerings(kernel, target, _ffi_lowering)
+
     prim = Primitive(name)
     prim.multiple_results = True
     prim.def_abstract_eval(_norm_abstract_eval)
-    _register(prim, target, _ffi_lowering)
+    prim.def_impl(functools.partial(_eager_impl, prim))
+    mlir.register_lowering(prim, _partitioned_lowering(kernel))
     batching.primitive_batchers[prim] = _norm_batching_rule(prim)
+    # custom_partitioning needs the devices while lowering; jax provides them only for
+    # primitives it knows to ask (jax's own custom_partitioning_p is in the same set).
+    _requires_devices_during_lowering(prim)
     return prim
 
 
@@ -126,5 +218,6 @@ def _round_lowering(target: str):
     return lambda ctx, x, *, dtype: rule(ctx, x)
 
 
-_register(round_p, ROUND_TARGET, _round_lowering)
+round_p.def_impl(functools.partial(_eager_impl, round_p))
+_register_lowerings(round_p, ROUND_TARGET, _round_lowering)
 batching.defvectorized(round_p)

@@ -7,6 +7,9 @@ on the GPU. With no GPU the GPU runs skip; with FP8NORM_REQUIRE_GPU=1 they fail 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -77,3 +80,27 @@ def random_rows(seed: int, shape, dtype, *, spread: float = 2.0) -> np.ndarray:
 def random_gamma(seed: int, n: int, dtype) -> np.ndarray:
     rng = np.random.default_rng(seed)
     return rng.uniform(-2.0, 2.0, size=(n,)).astype(jnp.dtype(dtype))
+
+
+def rerun_with_virtual_cpu_devices(test_file: str, num_devices: int) -> None:
+    """Runs the test module ``test_file`` again in a subprocess whose jax has
+    ``num_devices`` virtual CPU devices (they must be requested before jax starts), and
+    fails with its output unless every test there passed."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={num_devices}".strip(),
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
+        cwd=os.path.dirname(os.path.abspath(test_file)),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    summary = result.stdout[-6000:] + result.stderr[-3000:]
+    assert result.returncode == 0, summary
+    assert re.search(r"\d+ passed", result.stdout), summary
+    assert "failed" not in result.stdout.splitlines()[-1], summary

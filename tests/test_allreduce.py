@@ -7,16 +7,13 @@ modules' single-device session alone; the subprocess runs the real cases.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_gamma, random_rows
+from conftest import random_gamma, random_rows, rerun_with_virtual_cpu_devices
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -30,25 +27,7 @@ HAVE_DEVICES = len(jax.devices("cpu")) >= NUM_DEVICES
 if not HAVE_DEVICES:
 
     def test_on_eight_virtual_cpu_devices():
-        flags = os.environ.get("XLA_FLAGS", "")
-        env = dict(
-            os.environ,
-            XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={NUM_DEVICES}".strip(),
-        )
-        here = os.path.dirname(os.path.abspath(__file__))
-        result = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-            cwd=here,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=1800,
-            check=False,
-        )
-        summary = result.stdout[-6000:] + result.stderr[-3000:]
-        assert result.returncode == 0, summary
-        assert re.search(r"\d+ passed", result.stdout), summary
-        assert "failed" not in result.stdout.splitlines()[-1], summary
+        rerun_with_virtual_cpu_devices(__file__, NUM_DEVICES)
 
 else:
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_rows, run_on
+from conftest import device_of, random_rows, run_on
 
 import jax_fp8norm as fp8norm
 from jax_fp8norm.matmul import fp8_matmul, quantize_per_channel
@@ -57,3 +58,19 @@ def test_fp8_matmul_bad_input():
         fp8_matmul(a, jnp.ones((4,), jnp.float32), w, ws)
     with pytest.raises(ValueError, match="w_scales must have shape"):
         fp8_matmul(a, s, w, jnp.ones((4,), jnp.float32))
+
+
+def test_fp8_matmul_is_an_fp8_gemm_on_gpu(platform):
+    # On GPUs with FP8 tensor cores (sm_89 and newer) XLA runs the FP8 dot as a cuBLASLt
+    # FP8 GEMM rather than converting the operands to a wider type first.
+    if platform != "gpu":
+        pytest.skip("a GPU-only check")
+    device = device_of("gpu")
+    if float(getattr(device, "compute_capability", "0")) < 8.9:
+        pytest.skip(f"{device.device_kind} has no FP8 tensor cores")
+    a = jnp.ones((64, 256), jnp.float8_e4m3fn)
+    w = jnp.ones((256, 128), jnp.float8_e4m3fn)
+    a_scales, w_scales = jnp.ones((64, 1), jnp.float32), jnp.ones((128,), jnp.float32)
+    args = [jax.device_put(v, device) for v in (a, a_scales, w, w_scales)]
+    hlo = jax.jit(fp8_matmul).lower(*args).compile().as_text()
+    assert "__cublas$lt$matmul$f8" in hlo, hlo[-3000:]
