@@ -93,66 +93,48 @@ def _add_rms_norm_dequantized(p: NormParams):
     return fn
 
 
-def rms_norm_fp8_dequantized(
-    x: jax.Array,
-    gamma: jax.Array,
-    *,
-    eps: float = DEFAULT_EPS,
-    weight_offset: float = 0.0,
-    scale_ub: float | None = None,
-    out_dtype=jnp.float8_e4m3fn,
-    scale_dtype=jnp.float32,
-) -> jax.Array:
+# The keywords of the ops, with their defaults.
+_KEYWORDS = {
+    "eps": DEFAULT_EPS,
+    "weight_offset": 0.0,
+    "scale_ub": None,
+    "out_dtype": jnp.float8_e4m3fn,
+    "scale_dtype": jnp.float32,
+}
+
+
+def _params(x, gamma, residual, keywords: dict) -> NormParams:
+    unknown = sorted(set(keywords) - set(_KEYWORDS))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {unknown}; expected {sorted(_KEYWORDS)}")
+    return validate(x, gamma, residual, **(_KEYWORDS | keywords))
+
+
+def rms_norm_fp8_dequantized(x: jax.Array, gamma: jax.Array, **keywords) -> jax.Array:
     """``f32(y) * f32(scales)`` of :func:`jax_fp8norm.rms_norm_fp8`, differentiable.
 
     Forward: the fused kernel, then the dequantisation; the value is exactly that of the
     op's outputs. Backward: the straight-through rule (see the module docstring).
 
-    Args and keywords: as for :func:`jax_fp8norm.rms_norm_fp8`.
+    Args: as for :func:`jax_fp8norm.rms_norm_fp8`, keywords included (eps, weight_offset,
+    scale_ub, out_dtype, scale_dtype; the same defaults).
 
     Returns:
       ``[..., N]`` float32.
     """
-    p = validate(
-        x,
-        gamma,
-        eps=eps,
-        weight_offset=weight_offset,
-        scale_ub=scale_ub,
-        out_dtype=out_dtype,
-        scale_dtype=scale_dtype,
-    )
-    return _rms_norm_dequantized(p)(x, gamma)
+    return _rms_norm_dequantized(_params(x, gamma, None, keywords))(x, gamma)
 
 
 def add_rms_norm_fp8_dequantized(
-    x: jax.Array,
-    residual: jax.Array,
-    gamma: jax.Array,
-    *,
-    eps: float = DEFAULT_EPS,
-    weight_offset: float = 0.0,
-    scale_ub: float | None = None,
-    out_dtype=jnp.float8_e4m3fn,
-    scale_dtype=jnp.float32,
+    x: jax.Array, residual: jax.Array, gamma: jax.Array, **keywords
 ) -> tuple[jax.Array, jax.Array]:
     """``(f32(y) * f32(scales), residual_out)`` of :func:`jax_fp8norm.add_rms_norm_fp8`,
     differentiable with the straight-through rule; ``residual_out``'s cotangent flows to
     ``x`` and ``residual`` unchanged.
 
-    Args and keywords: as for :func:`jax_fp8norm.add_rms_norm_fp8`.
+    Args: as for :func:`jax_fp8norm.add_rms_norm_fp8`, keywords included.
 
     Returns:
       ``[..., N]`` float32 and ``[..., N]`` in ``x.dtype``.
     """
-    p = validate(
-        x,
-        gamma,
-        residual,
-        eps=eps,
-        weight_offset=weight_offset,
-        scale_ub=scale_ub,
-        out_dtype=out_dtype,
-        scale_dtype=scale_dtype,
-    )
-    return _add_rms_norm_dequantized(p)(x, residual, gamma)
+    return _add_rms_norm_dequantized(_params(x, gamma, residual, keywords))(x, residual, gamma)

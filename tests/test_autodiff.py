@@ -110,3 +110,12 @@ def test_gradient_elsewhere_is_unaffected():
 
     expected = np.sum(np.asarray(fp8norm.rms_norm_fp8_dequantized(x, gamma)))
     np.testing.assert_allclose(float(jax.grad(loss)(2.0)), expected, rtol=1e-6)
+
+
+def test_dequantized_keywords_are_checked():
+    x = jnp.ones((2, 32), jnp.float32)
+    gamma = jnp.ones((32,), jnp.float32)
+    with pytest.raises(TypeError, match="epsilon"):
+        fp8norm.rms_norm_fp8_dequantized(x, gamma, epsilon=1e-5)
+    with pytest.raises(ValueError, match="eps"):
+        fp8norm.add_rms_norm_fp8_dequantized(x, x, gamma, eps=-1.0)
