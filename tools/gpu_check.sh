@@ -3,10 +3,11 @@
 #   builds the package for sm_90a against the installed jax, runs the whole test suite
 #   with the GPU required, the main job and the tensor-parallel example, then the
 #   benchmark (python -m jax_fp8norm.bench, GPU grid), the kernels' register / spill
-#   report and SASS, and an Nsight Compute profile of the 4096 x 4096 calls when ncu is
-#   installed. Logs go to $OUT (default ./gpu_check_logs).
+#   report and SASS, and on request an Nsight Compute profile of the 4096 x 4096 calls.
+#   Logs go to $OUT (default ./gpu_check_logs).
 # Usage: OUT=/some/dir bash tools/gpu_check.sh [CUDA architectures, default 90a-real]
-#   BENCH_SECONDS (default 300) bounds the benchmark; what it measured so far is kept.
+#   BENCH_SECONDS (default 240) bounds the benchmark; what it measured so far is kept.
+#   NCU=1 adds the Nsight Compute profile (about 4 minutes more).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_logs}
@@ -45,12 +46,12 @@ cuobjdump --dump-resource-usage "$so" > "$OUT/resource_usage.txt" 2>&1 || true
 cuobjdump --dump-sass "$so" > "$OUT/sass.txt" 2>&1 || true
 grep -E "Function|REG|STACK|SHARED" "$OUT/resource_usage.txt" | head -40
 
-echo "== benchmark (at most ${BENCH_SECONDS:-300} s)"
-timeout "${BENCH_SECONDS:-300}" python3 -m jax_fp8norm.bench \
+echo "== benchmark (at most ${BENCH_SECONDS:-240} s)"
+timeout "${BENCH_SECONDS:-240}" python3 -m jax_fp8norm.bench \
   --json "$OUT/bench.json" --png "$OUT/bench.png" > "$OUT/bench.log" 2>&1 || status=1
 tail -60 "$OUT/bench.log"
 
-if command -v ncu > /dev/null; then
+if [ "${NCU:-0}" = 1 ] && command -v ncu > /dev/null; then
   echo "== Nsight Compute: both ops at 4096 x 4096 bf16"
   timeout 240 ncu --set full -k "regex:fp8norm|RmsNorm" -c 4 -o "$OUT/ncu" python3 -c "
 import jax, jax.numpy as jnp, jax_fp8norm as f
