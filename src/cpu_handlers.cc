@@ -52,7 +52,10 @@ ParallelFor PoolParallelFor(ffi::ThreadPool& pool) {
     auto queue = std::make_shared<TaskQueue>();
     queue->task = task;
     queue->num_tasks = num_tasks;
-    const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_tasks - 1);
+    // The caller works too: one helper fewer than the pool's threads keeps one thread
+    // per core (XLA sizes its pool to the cores) instead of oversubscribing them, which
+    // measured 10-20% slower on two cores.
+    const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, num_tasks - 1);
     for (int64_t i = 0; i < helpers; ++i) pool.Schedule([queue] { queue->Drain(); });
     queue->Drain();
     std::unique_lock<std::mutex> lock(queue->mutex);
