@@ -167,14 +167,17 @@ def _requires_devices_during_lowering(prim: Primitive) -> None:
 
 def _partitioned_lowering(kernel: Primitive):
     def lowering(ctx, *args, **params):
-        # One device, or devices not yet assigned (custom_partitioning needs them): the
-        # kernel's call alone, which XLA leaves whole.
+        # One device, devices not yet assigned (custom_partitioning needs them), or
+        # lowering for jax.export (which cannot serialise custom_partitioning's host
+        # callback): the kernel's call alone, which XLA runs unpartitioned.
         axis_context = ctx.module_context.axis_context
         num_devices = getattr(axis_context, "num_devices", None)
         unassigned = hasattr(axis_context, "device_assignment") and (
             axis_context.device_assignment is None
         )
-        if num_devices == 1 or unassigned:
+        lowering_parameters = getattr(ctx.module_context, "lowering_parameters", None)
+        for_export = getattr(lowering_parameters, "for_export", False)
+        if num_devices == 1 or unassigned or for_export:
             call = functools.partial(kernel.bind, **params)
         else:
             call = _partitioned(kernel, tuple(sorted(params.items())), len(args))

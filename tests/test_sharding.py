@@ -122,3 +122,17 @@ else:
         np.testing.assert_array_equal(
             np.asarray(value), np.asarray(y, np.float32) * np.asarray(scales)
         )
+
+    def test_export_of_a_sharded_program():
+        # jax.export cannot serialise custom_partitioning's callback: exported programs
+        # carry the kernel's call unpartitioned, and still give the same bits.
+        pytest.importorskip("flatbuffers", reason="jax.export's serialisation needs flatbuffers")
+        mesh = _mesh()
+        x, gamma = _args(fp8norm.rms_norm_fp8, (64, 512))
+        xs = jax.device_put(x, NamedSharding(mesh, P("d", None)))
+        gs = jax.device_put(gamma, NamedSharding(mesh, P()))
+        exported = jax.export.export(
+            jax.jit(fp8norm.rms_norm_fp8), disabled_checks=fp8norm.EXPORT_DISABLED_CHECKS
+        )(xs, gs)
+        restored = jax.export.deserialize(exported.serialize())
+        _assert_same(restored.call(xs, gs), _single_device(fp8norm.rms_norm_fp8, x, gamma))
