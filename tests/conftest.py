@@ -67,6 +67,13 @@ def reference_on_cpu(fn, *args, **kwargs):
     return tuple(np.asarray(o) for o in outs)
 
 
+def assert_same_bits(got, want) -> None:
+    """Every output of ``got`` equals the one of ``want`` at its position, bit for bit (NaN
+    payloads, signed zeros and FP8 codes included)."""
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+
+
 def random_rows(seed: int, shape, dtype, *, spread: float = 2.0) -> np.ndarray:
     """Normal values with a per-row magnitude spread over 10^[-spread, spread]."""
     rng = np.random.default_rng(seed)

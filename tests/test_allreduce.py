@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_gamma, random_rows, rerun_with_virtual_cpu_devices
+from conftest import assert_same_bits, random_gamma, random_rows, rerun_with_virtual_cpu_devices
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -139,10 +139,7 @@ else:
                 p, r, g, mesh=mesh, axis_name="tp"
             )
         )(partials, residual, gamma)
-        for a, b in zip(jitted, out, strict=True):
-            np.testing.assert_array_equal(
-                np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)
-            )
+        assert_same_bits(jitted, out)
 
     @pytest.mark.parametrize("reduce_dtype", [None, jnp.float32], ids=["x_dtype", "float32"])
     def test_compiled_hlo_is_one_all_reduce_and_the_custom_call(reduce_dtype):

@@ -7,17 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import device_of, random_rows
+from conftest import assert_same_bits, device_of, random_rows
 
 nnx = pytest.importorskip("flax.nnx")
 
 import jax_fp8norm as fp8norm  # noqa: E402
 from jax_fp8norm.nnx import RMSNormFP8  # noqa: E402
-
-
-def _same(got, want):
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
 
 
 def test_module_matches_the_ops(platform):
@@ -29,8 +24,8 @@ def test_module_matches_the_ops(platform):
         norm.weight[...] = norm.weight[...] + 0.25
         gamma = np.full(256, 0.25, np.float32)
         kw = {"weight_offset": 1.0, "scale_dtype": jnp.bfloat16}
-        _same(nnx.jit(lambda m, x: m(x))(norm, x), fp8norm.rms_norm_fp8(x, gamma, **kw))
-        _same(norm(x, residual), fp8norm.add_rms_norm_fp8(x, residual, gamma, **kw))
+        assert_same_bits(nnx.jit(lambda m, x: m(x))(norm, x), fp8norm.rms_norm_fp8(x, gamma, **kw))
+        assert_same_bits(norm(x, residual), fp8norm.add_rms_norm_fp8(x, residual, gamma, **kw))
 
 
 def test_weight_gets_a_gradient():

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_gamma, random_rows, reference_on_cpu, run_on
+from conftest import assert_same_bits, random_gamma, random_rows, reference_on_cpu, run_on
 
 import jax_fp8norm as fp8norm
 from jax_fp8norm.testing import assert_matches_reference
@@ -83,8 +83,7 @@ def test_eager_matches_jit(platform):
     gamma = random_gamma(11, 384, jnp.float32)
     eager, _ = check_rms(platform, x, gamma, jit=False, scale_dtype=jnp.bfloat16)
     jitted, _ = check_rms(platform, x, gamma, jit=True, scale_dtype=jnp.bfloat16)
-    for a, b in zip(eager, jitted, strict=True):
-        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    assert_same_bits(eager, jitted)
 
 
 @pytest.mark.parametrize("weight_offset", [1.0, -0.5, 0.1])
@@ -229,11 +228,9 @@ def test_bitwise_equal_to_reference(platform, x_dtype, shape):
     residual = random_rows(42, shape, x_dtype)
     gamma = random_gamma(43, shape[-1], jnp.bfloat16)
     (out, ref) = check_add(platform, x, residual, gamma, scale_dtype=jnp.bfloat16)
-    for a, b in zip(out, ref, strict=True):
-        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    assert_same_bits(out, ref)
     (out, ref) = check_rms(platform, x, gamma)
-    for a, b in zip(out, ref, strict=True):
-        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    assert_same_bits(out, ref)
 
 
 @pytest.mark.parametrize("residual_dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_gamma, random_rows, rerun_with_virtual_cpu_devices
+from conftest import assert_same_bits, random_gamma, random_rows, rerun_with_virtual_cpu_devices
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -31,13 +31,6 @@ else:
 
     def _mesh(shape=(8,), names=("d",), axis_type=AxisType.Auto):
         return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
-
-    def _bits(outs):
-        return [np.asarray(o).view(np.uint8) for o in outs]
-
-    def _assert_same(got, want):
-        for g, w in zip(_bits(got), _bits(want), strict=True):
-            np.testing.assert_array_equal(g, w)
 
     def _single_device(op, *args):
         cpu0 = jax.devices("cpu")[0]
@@ -76,7 +69,7 @@ else:
         assert hlo.count('custom_call_target="fp8norm_') == 1
         for out in outs:
             assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec), out.ndim), out.sharding
-        _assert_same(outs, _single_device(op, *args))
+        assert_same_bits(outs, _single_device(op, *args))
 
     @pytest.mark.parametrize("op", [fp8norm.rms_norm_fp8, fp8norm.add_rms_norm_fp8])
     @pytest.mark.parametrize(
@@ -89,7 +82,7 @@ else:
         args = _args(op, (16, 1024))
         placed = [jax.device_put(a, NamedSharding(mesh, spec)) for a in args[:-1]]
         placed.append(jax.device_put(args[-1], NamedSharding(mesh, P(spec[-1]))))
-        _assert_same(jax.jit(op)(*placed), _single_device(op, *args))
+        assert_same_bits(jax.jit(op)(*placed), _single_device(op, *args))
 
     def test_rows_sharded_and_gamma_sharded():
         mesh = _mesh((2, 4), ("a", "b"))
@@ -97,7 +90,7 @@ else:
         xs = jax.device_put(x, NamedSharding(mesh, P("a", None)))
         gs = jax.device_put(gamma, NamedSharding(mesh, P("b")))
         outs = jax.jit(fp8norm.rms_norm_fp8)(xs, gs)
-        _assert_same(outs, _single_device(fp8norm.rms_norm_fp8, x, gamma))
+        assert_same_bits(outs, _single_device(fp8norm.rms_norm_fp8, x, gamma))
 
     def test_inside_a_user_shard_map():
         mesh = _mesh()
@@ -109,14 +102,14 @@ else:
             out_specs=(P("d"), P("d")),
         )
         outs = jax.jit(fn)(x, gamma)
-        _assert_same(outs, _single_device(fp8norm.rms_norm_fp8, x, gamma))
+        assert_same_bits(outs, _single_device(fp8norm.rms_norm_fp8, x, gamma))
 
     def test_vmap_and_dequantized_under_sharded_jit():
         mesh = _mesh()
         x, gamma = _args(fp8norm.rms_norm_fp8, (8, 16, 128), jnp.float32)
         xs = jax.device_put(x, NamedSharding(mesh, P("d")))
         batched = jax.jit(jax.vmap(fp8norm.rms_norm_fp8, in_axes=(0, None)))(xs, gamma)
-        _assert_same(batched, _single_device(fp8norm.rms_norm_fp8, x, gamma))
+        assert_same_bits(batched, _single_device(fp8norm.rms_norm_fp8, x, gamma))
         value = jax.jit(fp8norm.rms_norm_fp8_dequantized)(xs, gamma)
         y, scales = _single_device(fp8norm.rms_norm_fp8, x, gamma)
         np.testing.assert_array_equal(
@@ -135,4 +128,4 @@ else:
             jax.jit(fp8norm.rms_norm_fp8), disabled_checks=fp8norm.EXPORT_DISABLED_CHECKS
         )(xs, gs)
         restored = jax.export.deserialize(exported.serialize())
-        _assert_same(restored.call(xs, gs), _single_device(fp8norm.rms_norm_fp8, x, gamma))
+        assert_same_bits(restored.call(xs, gs), _single_device(fp8norm.rms_norm_fp8, x, gamma))

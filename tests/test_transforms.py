@@ -7,19 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import device_of, random_gamma, random_rows
+from conftest import assert_same_bits, device_of, random_gamma, random_rows
 
 import jax_fp8norm as fp8norm
-
-
-def _bits(outs):
-    return [np.asarray(o).view(np.uint8) for o in outs]
-
-
-def _assert_same(got, want):
-    assert len(got) == len(want)
-    for g, w in zip(_bits(got), _bits(want), strict=True):
-        np.testing.assert_array_equal(g, w)
 
 
 def _stack(outs_per_example, axis=0):
@@ -48,7 +38,7 @@ def test_vmap_over_x_is_one_kernel_call(platform, in_axis):
             for b in range(x.shape[axis])
         ]
         assert _custom_calls(fn, x) == 1
-    _assert_same(got, _stack(per_example))
+    assert_same_bits(got, _stack(per_example))
 
 
 def test_vmap_of_rank1_rows(platform):
@@ -58,7 +48,7 @@ def test_vmap_of_rank1_rows(platform):
         got = jax.jit(jax.vmap(fp8norm.rms_norm_fp8, in_axes=(0, None)))(x, gamma)
         want = fp8norm.rms_norm_fp8(x, gamma)
     assert got[1].shape == (7, 1)
-    _assert_same(got, want)
+    assert_same_bits(got, want)
 
 
 def test_vmap_over_x_and_gamma(platform):
@@ -67,7 +57,7 @@ def test_vmap_over_x_and_gamma(platform):
     with jax.default_device(device_of(platform)):
         got = jax.jit(jax.vmap(fp8norm.rms_norm_fp8))(x, gammas)
         per_example = [fp8norm.rms_norm_fp8(x[b], gammas[b]) for b in range(4)]
-    _assert_same(got, _stack(per_example))
+    assert_same_bits(got, _stack(per_example))
 
 
 @pytest.mark.parametrize("in_axes", [(0, 0, None), (0, None, None), (None, 0, 0), (1, 1, None)])
@@ -95,7 +85,7 @@ def test_vmap_add(platform, in_axes):
             )
             for b in range(3)
         ]
-    _assert_same(got, _stack(per_example))
+    assert_same_bits(got, _stack(per_example))
 
 
 def test_nested_vmap(platform):
@@ -106,7 +96,7 @@ def test_nested_vmap(platform):
         got = jax.jit(fn)(x)
         want = fp8norm.rms_norm_fp8(x, gamma)
         assert _custom_calls(fn, x) == 1
-    _assert_same(got, want)
+    assert_same_bits(got, want)
 
 
 def test_aot_lower_compile(platform):
@@ -118,7 +108,7 @@ def test_aot_lower_compile(platform):
     lowered = jax.jit(fp8norm.add_rms_norm_fp8).lower(x, residual, gamma)
     assert fp8norm.FFI_TARGETS[1] in lowered.as_text()
     compiled = lowered.compile()
-    _assert_same(compiled(x, residual, gamma), fp8norm.add_rms_norm_fp8(x, residual, gamma))
+    assert_same_bits(compiled(x, residual, gamma), fp8norm.add_rms_norm_fp8(x, residual, gamma))
 
 
 def test_export_round_trip(platform):
