@@ -29,6 +29,32 @@ def _divide(numerator: jax.Array, denominator) -> jax.Array:
     return numerator / jax.lax.optimization_barrier(denominator)
 
 
+def _round_through(value: jax.Array, dtype) -> jax.Array:
+    """float32 ``value`` rounded to ``dtype`` (float32, float16 or bfloat16; nearest, ties
+    to even, overflow to +-inf, NaN kept), as float32.
+
+    Spelled out in integer and power-of-two arithmetic rather than as a float32 -> 16-bit
+    -> float32 round trip of converts: XLA may drop such a round trip as excess precision
+    (xla_allow_excess_precision, on by default), and its CPU backend did so here."""
+    dtype = np.dtype(dtype)
+    if dtype == np.float32:
+        return value
+    u32 = jnp.uint32
+    bits = jax.lax.bitcast_convert_type(value, u32)
+    # Normal range: drop the low mantissa bits, rounding to nearest even on the integer.
+    dropped = 16 if dtype == np.dtype(jnp.bfloat16) else 13
+    half = u32((1 << (dropped - 1)) - 1)
+    odd = (bits >> dropped) & u32(1)
+    rounded_bits = (bits + half + odd) & ~u32((1 << dropped) - 1)
+    rounded = jax.lax.bitcast_convert_type(rounded_bits, jnp.float32)
+    if dtype == np.dtype(jnp.float16):
+        # float16's subnormals are multiples of 2^-24; its largest finite value is 65504.
+        subnormal = jax.lax.round(value * 2.0**24, jax.lax.RoundingMethod.TO_NEAREST_EVEN)
+        rounded = jnp.where(jnp.abs(value) < 2.0**-14, subnormal * 2.0**-24, rounded)
+        rounded = jnp.where(jnp.abs(rounded) > 65504.0, jnp.copysign(jnp.inf, value), rounded)
+    return jnp.where(jnp.isnan(value), value, rounded)
+
+
 def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
     s = a + b
     b_virtual = s - a
@@ -67,9 +93,9 @@ def quantize_rows(h: jax.Array, gamma: jax.Array, p: NormParams) -> tuple[jax.Ar
     r = jnp.where(denom == 0, f32(0), _divide(jnp.ones_like(denom), jnp.sqrt(denom)))
     normed = (h * r) * (gamma.astype(f32) + f32(p.weight_offset))
     amax = jnp.max(jnp.abs(normed), axis=-1, keepdims=True)
-    bounded = jnp.minimum(amax.astype(p.scale_dtype).astype(f32), f32(p.scale_ub))
-    scale = _divide(bounded, p.fp8_max).astype(p.scale_dtype)
-    scale32 = scale.astype(f32)
+    bounded = jnp.minimum(_round_through(amax, p.scale_dtype), f32(p.scale_ub))
+    scale32 = _round_through(_divide(bounded, p.fp8_max), p.scale_dtype)
+    scale = scale32.astype(p.scale_dtype)  # exact: scale32 is a scale_dtype value
     inverse = _divide(jnp.ones_like(scale32), scale32)
     recip = jnp.where((scale32 == 0) | ~jnp.isfinite(inverse), f32(0), inverse)
     # The barrier keeps XLA from folding normed * (1 / scale) into normed / scale.

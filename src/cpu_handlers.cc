@@ -4,6 +4,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -43,6 +44,20 @@ struct TaskQueue {
   }
 };
 
+// FP8NORM_CPU_THREADS=k in the environment caps the threads one call uses at k (the caller
+// included), for processes that share the machine's cores; unset or not a positive
+// integer, every thread of XLA's pool may work. Read once.
+int64_t MaxThreadsPerCall() {
+  static const int64_t max_threads = [] {
+    const char* text = std::getenv("FP8NORM_CPU_THREADS");
+    if (text == nullptr) return int64_t{0};
+    char* end = nullptr;
+    const long long value = std::strtoll(text, &end, 10);
+    return (end != text && *end == '\0' && value > 0) ? static_cast<int64_t>(value) : int64_t{0};
+  }();
+  return max_threads;
+}
+
 ParallelFor PoolParallelFor(ffi::ThreadPool& pool) {
   return [&pool](int64_t num_tasks, const std::function<void(int64_t)>& task) {
     if (num_tasks <= 1) {
@@ -55,7 +70,8 @@ ParallelFor PoolParallelFor(ffi::ThreadPool& pool) {
     // The caller works too: one helper fewer than the pool's threads keeps one thread
     // per core (XLA sizes its pool to the cores) instead of oversubscribing them, which
     // measured 10-20% slower on two cores.
-    const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, num_tasks - 1);
+    int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, num_tasks - 1);
+    if (MaxThreadsPerCall() > 0) helpers = std::min(helpers, MaxThreadsPerCall() - 1);
     for (int64_t i = 0; i < helpers; ++i) pool.Schedule([queue] { queue->Drain(); });
     queue->Drain();
     std::unique_lock<std::mutex> lock(queue->mutex);

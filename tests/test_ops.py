@@ -219,15 +219,19 @@ def test_constants_reach_the_kernel(platform):
 
 
 @pytest.mark.parametrize("x_dtype", FLOATS, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("shape", [(64, 4096), (33, 1000), (3, 70001)], ids=str)
+@pytest.mark.parametrize("shape", [(64, 4096), (33, 1000), (3, 70001), (4096, 2)], ids=str)
 def test_bitwise_equal_to_reference(platform, x_dtype, shape):
     # Stronger than the spec's rule, and what the kernels deliver: the compensated sum of
     # squares makes each row's sum the correctly rounded one on every path, and every
     # other step is the same IEEE float32 operation, so the outputs agree bit for bit.
+    # 4096 x 2 with 16-bit scales: XLA's CPU backend once fused the reference's scale
+    # rounding away there (a one-code difference in 1% of y).
     x = random_rows(41, shape, x_dtype)
     residual = random_rows(42, shape, x_dtype)
     gamma = random_gamma(43, shape[-1], jnp.bfloat16)
     (out, ref) = check_add(platform, x, residual, gamma, scale_dtype=jnp.bfloat16)
+    assert_same_bits(out, ref)
+    (out, ref) = check_rms(platform, x, gamma, scale_dtype=jnp.float16)
     assert_same_bits(out, ref)
     (out, ref) = check_rms(platform, x, gamma)
     assert_same_bits(out, ref)

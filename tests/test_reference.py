@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -131,3 +132,27 @@ def test_dequantised_output_approximates_rmsnorm():
     # smallest normal step times the scale for small values.
     bound = np.maximum(np.abs(expected) * 2.0**-4, amax / 448 * 2.0**-6) * 1.01
     assert (np.abs(dequantised - expected) <= bound).all()
+
+
+def test_rounding_to_the_scale_dtype_matches_ml_dtypes():
+    # The reference rounds to float16 / bfloat16 in integer arithmetic (XLA may drop a
+    # convert round trip); it must agree with ml_dtypes' conversion everywhere.
+    from jax_fp8norm.reference import _round_through
+
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2**32, 1 << 20, dtype=np.uint64).astype(np.uint32)
+    edges = [0x477FEFFF, 0x477FF000, 0x33000000, 0x33000001, 0x387FFFFF, 0x7F7F8000, 1]
+    values = np.concatenate(
+        [
+            bits.view(np.float32),
+            np.array(edges, np.uint32).view(np.float32),
+            np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504.0, 65520.0], np.float32),
+            (rng.standard_normal(1 << 18) * 10.0 ** rng.uniform(-9, 5, 1 << 18)).astype(np.float32),
+        ]
+    )
+    for dtype in (jnp.bfloat16, jnp.float16):
+        got = np.asarray(jax.jit(lambda v, dtype=dtype: _round_through(v, dtype))(values))
+        with np.errstate(over="ignore", invalid="ignore"):
+            want = values.astype(dtype).astype(np.float32)
+        same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+        assert same.all(), (jnp.dtype(dtype).name, values[~same][:5], got[~same][:5])

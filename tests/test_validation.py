@@ -131,19 +131,20 @@ def _sds(shape, dtype):
 GOOD_OUTS = (_sds((4, 16), jnp.float8_e4m3fn), _sds((4, 1), jnp.float32))
 
 
-@pytest.mark.parametrize(
-    "outs,args,kw,match",
-    [
-        (GOOD_OUTS, (X, jnp.ones((8,), jnp.float32)), {}, "gamma must have shape"),
-        (GOOD_OUTS, (X.astype(jnp.int32), GAMMA), {}, "x must be"),
-        ((_sds((4, 16), jnp.float32), GOOD_OUTS[1]), (X, GAMMA), {}, "y must be"),
-        ((GOOD_OUTS[0], _sds((4, 2), jnp.float32)), (X, GAMMA), {}, "scales must have shape"),
-        ((GOOD_OUTS[0], _sds((4, 1), jnp.int32)), (X, GAMMA), {}, "scales must be"),
-        (GOOD_OUTS, (X, GAMMA), dict(eps=-1.0), "eps must be"),
-        (GOOD_OUTS, (X, GAMMA), dict(scale_ub=0.0), "scale_ub must be"),
-        (GOOD_OUTS, (X, GAMMA), dict(weight_offset=np.inf), "weight_offset must be"),
-    ],
-)
+# Calls that bypass the Python checks: the handler must refuse them with an error.
+HANDLER_CASES = [
+    (GOOD_OUTS, (X, jnp.ones((8,), jnp.float32)), {}, "gamma must have shape"),
+    (GOOD_OUTS, (X.astype(jnp.int32), GAMMA), {}, "x must be"),
+    ((_sds((4, 16), jnp.float32), GOOD_OUTS[1]), (X, GAMMA), {}, "y must be"),
+    ((GOOD_OUTS[0], _sds((4, 2), jnp.float32)), (X, GAMMA), {}, "scales must have shape"),
+    ((GOOD_OUTS[0], _sds((4, 1), jnp.int32)), (X, GAMMA), {}, "scales must be"),
+    (GOOD_OUTS, (X, GAMMA), dict(eps=-1.0), "eps must be"),
+    (GOOD_OUTS, (X, GAMMA), dict(scale_ub=0.0), "scale_ub must be"),
+    (GOOD_OUTS, (X, GAMMA), dict(weight_offset=np.inf), "weight_offset must be"),
+]
+
+
+@pytest.mark.parametrize("outs,args,kw,match", HANDLER_CASES)
 def test_cpu_handler_refuses_inconsistent_buffers(outs, args, kw, match):
     with jax.default_device(jax.devices("cpu")[0]):
         with pytest.raises(Exception, match=match) as info:

@@ -1,0 +1,336 @@
+"""Reliability beyond single calls: very many rows and (on request on the CPU) more than
+2^31 elements, inputs XLA hands over at an offset, threads and devices at once, memory
+over 10,000 calls, bad input in a subprocess, and bit-for-bit determinism."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import (
+    assert_same_bits,
+    device_of,
+    random_gamma,
+    random_rows,
+    reference_on_cpu,
+    rerun_with_virtual_cpu_devices,
+    run_on,
+)
+
+import jax_fp8norm as fp8norm
+from jax_fp8norm.testing import assert_matches_reference
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+HUGE_ON_CPU = os.environ.get("FP8NORM_HUGE_TESTS", "") not in ("", "0")
+
+
+def _check(platform, op, *args, **kw):
+    out = run_on(platform, getattr(fp8norm, op), *args, **kw)
+    ref = reference_on_cpu(getattr(fp8norm.reference, op), *args, **kw)
+    assert_matches_reference(out, ref)
+    return out
+
+
+# ------------------------------------------------------------------ sizes
+
+
+@pytest.mark.parametrize("rows,hidden", [(65536, 2), (70001, 8), (131073, 1)])
+def test_more_rows_than_a_grid_dimension(platform, rows, hidden):
+    # 65535 is the CUDA limit of a grid's y and z dimensions; rows must not be bound by it.
+    x = random_rows(rows, (rows, hidden), jnp.bfloat16)
+    gamma = random_gamma(1, hidden, jnp.float32)
+    _check(platform, "rms_norm_fp8", x, gamma)
+    _check(platform, "add_rms_norm_fp8", x, random_rows(2, (rows, hidden), jnp.bfloat16), gamma)
+
+
+HUGE_ROWS, HUGE_HIDDEN, PERIOD = 16385, 131072, 5  # 2^31 + 131072 elements
+
+
+def _periodic_rows(first_row, num_rows):
+    """bfloat16 rows whose values depend on (row mod PERIOD, column) only."""
+    row = jax.lax.broadcasted_iota(jnp.int32, (num_rows, HUGE_HIDDEN), 0) + first_row
+    col = jax.lax.broadcasted_iota(jnp.int32, (num_rows, HUGE_HIDDEN), 1)
+    phase = row % PERIOD
+    pattern = ((col * 7 + phase * 13) % 251 - 125).astype(jnp.float32)
+    return (pattern * (0.01 * (phase + 1).astype(jnp.float32))).astype(jnp.bfloat16)
+
+
+def test_more_than_2_to_the_31_elements(platform):
+    """16385 x 131072 bfloat16 (4 GiB in, 2 GiB out). Rows repeat with a period of 5, so
+    every row past element 2^31 must equal its twin below it, bit for bit; a 32-bit index
+    would wrap to the wrong row. The first rows are checked against the reference."""
+    if platform == "cpu" and not HUGE_ON_CPU:
+        pytest.skip("about 7 GiB of host memory; FP8NORM_HUGE_TESTS=1 runs it on the CPU")
+    device = device_of(platform)
+    with jax.default_device(device):
+        x = jax.jit(lambda: _periodic_rows(0, HUGE_ROWS))()
+        y, scales = jax.jit(fp8norm.rms_norm_fp8)(x, jnp.ones((HUGE_HIDDEN,), jnp.float32))
+        del x
+        scales = np.asarray(scales)[:, 0]
+        for row in range(HUGE_ROWS):
+            assert scales[row] == scales[row % PERIOD], row
+        for row in (16383, 16384, HUGE_ROWS - 1):  # row 16384 starts at element 2^31
+            twin = row % PERIOD
+            np.testing.assert_array_equal(
+                np.asarray(y[row]).view(np.uint8), np.asarray(y[twin]).view(np.uint8), str(row)
+            )
+        first = np.asarray(jax.jit(lambda: _periodic_rows(0, PERIOD))())
+        head = (np.asarray(y[:PERIOD]), scales[:PERIOD, None])
+    ref = reference_on_cpu(fp8norm.reference.rms_norm_fp8, first, np.ones(HUGE_HIDDEN, np.float32))
+    assert_matches_reference(head, ref)
+
+
+# ------------------------------------------------------------------ buffers at an offset
+
+
+@pytest.mark.parametrize("offset", [0, 1, 3, 8, 13])
+def test_inputs_sliced_at_an_offset_inside_jit(platform, offset):
+    # A contiguous slice of a larger buffer at an element offset that breaks every vector
+    # alignment: XLA may pass it to the custom call as a pointer into that buffer.
+    rows, hidden = 6, 512
+    total = rows * hidden
+    flat = random_rows(offset, (total + 32,), jnp.bfloat16).reshape(-1)
+    flat_residual = random_rows(offset + 1, (total + 32,), jnp.bfloat16).reshape(-1)
+    gamma = random_gamma(offset, hidden, jnp.bfloat16)
+
+    def sliced(v):
+        return jax.lax.slice(v, (offset,), (offset + total,)).reshape(rows, hidden)
+
+    def fn(flat, flat_residual, gamma):
+        x, residual = sliced(flat), sliced(flat_residual)
+        return fp8norm.rms_norm_fp8(x, gamma) + fp8norm.add_rms_norm_fp8(x, residual, gamma)
+
+    out = run_on(platform, fn, flat, flat_residual, gamma)
+    x = flat[offset : offset + total].reshape(rows, hidden)
+    residual = flat_residual[offset : offset + total].reshape(rows, hidden)
+    assert_matches_reference(out[:2], reference_on_cpu(fp8norm.reference.rms_norm_fp8, x, gamma))
+    assert_matches_reference(
+        out[2:], reference_on_cpu(fp8norm.reference.add_rms_norm_fp8, x, residual, gamma)
+    )
+
+
+def test_strided_slices_inside_jit(platform):
+    # Column and row slices of a larger array: XLA makes dense copies or passes offsets.
+    full = random_rows(3, (9, 1030), jnp.float16)
+    gamma = random_gamma(4, 1027, jnp.float32)
+
+    def fn(full, gamma):
+        return fp8norm.rms_norm_fp8(full[1:8, 3:], gamma) + fp8norm.rms_norm_fp8(
+            full[::2, :1027], gamma
+        )
+
+    out = run_on(platform, fn, full, gamma)
+    ref = reference_on_cpu(fp8norm.reference.rms_norm_fp8, full[1:8, 3:], gamma)
+    assert_matches_reference(out[:2], ref)
+    ref = reference_on_cpu(fp8norm.reference.rms_norm_fp8, full[::2, :1027], gamma)
+    assert_matches_reference(out[2:], ref)
+
+
+# ------------------------------------------------------------------ concurrency
+
+THREAD_CASES = [
+    ("rms_norm_fp8", (1, 64), jnp.bfloat16),
+    ("add_rms_norm_fp8", (7, 100), jnp.float16),
+    ("rms_norm_fp8", (33, 1000), jnp.float32),
+    ("add_rms_norm_fp8", (128, 4096), jnp.bfloat16),
+    ("rms_norm_fp8", (3, 70001), jnp.bfloat16),
+    ("rms_norm_fp8", (0, 16), jnp.float16),
+    ("add_rms_norm_fp8", (3, 2, 257), jnp.float32),
+    ("rms_norm_fp8", (512, 512), jnp.bfloat16),
+]
+
+
+def _thread_case_args(i):
+    op, shape, dtype = THREAD_CASES[i]
+    x = random_rows(i, shape, dtype)
+    gamma = random_gamma(i, shape[-1], jnp.float32)
+    if op == "rms_norm_fp8":
+        return op, (x, gamma)
+    return op, (x, random_rows(i + 100, shape, dtype), gamma)
+
+
+def test_eight_threads_at_once(platform):
+    """8 Python threads, each its own op, shape and dtype, 25 calls each, all at once: every
+    result equals (bit for bit) the one computed alone, which matches the reference."""
+    device = device_of(platform)
+    cases = [_thread_case_args(i) for i in range(len(THREAD_CASES))]
+    alone = [_check(platform, op, *args) for op, args in cases]
+    start = threading.Barrier(len(cases))
+
+    def worker(i):
+        op, args = cases[i]
+        placed = [jax.device_put(a, device) for a in args]
+        fn = jax.jit(getattr(fp8norm, op))
+        start.wait()
+        for _ in range(25):
+            assert_same_bits([np.asarray(o) for o in fn(*placed)], alone[i])
+        return i
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        assert sorted(pool.map(worker, range(len(cases)))) == list(range(len(cases)))
+
+
+NUM_VIRTUAL_DEVICES = 8
+
+if len(jax.devices("cpu")) < NUM_VIRTUAL_DEVICES:
+
+    def test_on_eight_virtual_cpu_devices():
+        rerun_with_virtual_cpu_devices(__file__ + "::test_eight_devices_at_once", 8)
+
+else:
+
+    def test_eight_devices_at_once():
+        """One thread per virtual CPU device, each calling on its own device at once, and
+        one call sharded over all eight."""
+        devices = jax.devices("cpu")[:NUM_VIRTUAL_DEVICES]
+        cases = [_thread_case_args(i) for i in range(len(THREAD_CASES))]
+        alone = [_check("cpu", op, *args) for op, args in cases]
+        start = threading.Barrier(len(devices))
+
+        def worker(i):
+            op, args = cases[i]
+            placed = [jax.device_put(a, devices[i]) for a in args]
+            start.wait()
+            for _ in range(10):
+                outs = jax.jit(getattr(fp8norm, op))(*placed)
+                assert {o.devices().pop() for o in outs} == {devices[i]}
+                assert_same_bits([np.asarray(o) for o in outs], alone[i])
+
+        with ThreadPoolExecutor(len(devices)) as pool:
+            list(pool.map(worker, range(len(devices))))
+
+
+# ------------------------------------------------------------------ memory
+
+
+def _host_rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _device_bytes_in_use(device) -> int | None:
+    stats = device.memory_stats()
+    return None if stats is None else stats.get("bytes_in_use")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads /proc (Linux)")
+def test_memory_flat_over_10000_calls(platform):
+    """10,000 jitted calls and 2,000 eager ones (after a warm-up) leave host memory within
+    16 MiB and the device's bytes in use unchanged. Every call's scratch is 16 KiB or more
+    (4096 float32), so a per-call leak would show as 160 MiB or more."""
+    device = device_of(platform)
+    x = jax.device_put(random_rows(1, (8, 4096), jnp.bfloat16), device)
+    residual = jax.device_put(random_rows(2, (8, 4096), jnp.bfloat16), device)
+    gamma = jax.device_put(random_gamma(3, 4096, jnp.float32), device)
+    rms, add = jax.jit(fp8norm.rms_norm_fp8), jax.jit(fp8norm.add_rms_norm_fp8)
+
+    def calls(count):
+        for i in range(count):
+            if i % 2:
+                jax.block_until_ready(rms(x, gamma))
+            else:
+                jax.block_until_ready(add(x, residual, gamma))
+        for _ in range(count // 5):
+            jax.block_until_ready(fp8norm.rms_norm_fp8(x, gamma))
+
+    calls(1000)
+    host_before, device_before = _host_rss_bytes(), _device_bytes_in_use(device)
+    calls(10000)
+    host_growth = _host_rss_bytes() - host_before
+    assert host_growth < 16 * 2**20, f"host memory grew by {host_growth / 2**20:.1f} MiB"
+    if device_before is not None:
+        assert _device_bytes_in_use(device) == device_before
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_bad_input_never_kills_the_process():
+    """Every bad input of the spec, the handler-level refusals and the awkward shapes of
+    tests/bad_input_child.py, in a subprocess: each raises the expected exception or
+    matches the reference, and the process exits normally."""
+    result = subprocess.run(
+        [sys.executable, os.path.join(TESTS_DIR, "bad_input_child.py")],
+        cwd=TESTS_DIR,
+        env=dict(os.environ, PYTHONPATH=TESTS_DIR),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    lines = result.stdout.splitlines()
+    started = [line.split(" ", 1)[1] for line in lines if line.startswith("START ")]
+    passed = [line.split(" ", 1)[1] for line in lines if line.startswith("PASS ")]
+    if result.returncode < 0:
+        pytest.fail(
+            f"killed by {signal.Signals(-result.returncode).name} in case {started[-1]}\n"
+            + result.stderr[-3000:]
+        )
+    failures = [line for line in lines if line.startswith("FAIL ")]
+    assert not failures, "\n".join(failures)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    done = re.search(r"^DONE (\d+)$", result.stdout, re.M)
+    assert done and int(done.group(1)) == len(passed) == len(started) > 150, result.stdout[-2000:]
+
+
+# ------------------------------------------------------------------ determinism
+
+
+def test_same_input_same_bits(platform):
+    x = random_rows(5, (300, 4099), jnp.bfloat16)
+    residual = random_rows(6, (300, 4099), jnp.bfloat16)
+    gamma = random_gamma(7, 4099, jnp.float32)
+    op = fp8norm.add_rms_norm_fp8
+    first = run_on(platform, op, x, residual, gamma)
+    for jit in (True, True, False):
+        assert_same_bits(run_on(platform, op, x, residual, gamma, jit=jit), first)
+
+
+DETERMINISM_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import jax, numpy as np
+    import jax_fp8norm as fp8norm
+    from conftest import random_gamma, random_rows
+    jax.config.update("jax_platforms", "cpu")
+    outs = {}
+    for hidden, rows in ((4099, 700), (70001, 9), (64, 20000)):
+        x = random_rows(hidden, (rows, hidden), "bfloat16")
+        residual = random_rows(hidden + 1, (rows, hidden), "bfloat16")
+        gamma = random_gamma(hidden, hidden, "float32")
+        for name, v in zip("ysr", fp8norm.add_rms_norm_fp8(x, residual, gamma)):
+            outs[f"{hidden}-{name}"] = np.asarray(v).view(np.uint8)
+    np.savez(sys.argv[1], **outs)
+    """
+)
+
+
+def test_same_bits_for_every_cpu_thread_count(tmp_path):
+    """The CPU kernel on 1 thread, 2, and every core: bit-for-bit the same outputs."""
+    counts = sorted({1, 2, os.cpu_count() or 1})
+    results = []
+    for count in counts:
+        path = tmp_path / f"threads{count}.npz"
+        subprocess.run(
+            [sys.executable, "-c", DETERMINISM_SCRIPT, str(path)],
+            cwd=TESTS_DIR,
+            env=dict(os.environ, FP8NORM_CPU_THREADS=str(count), PYTHONPATH=TESTS_DIR),
+            check=True,
+            timeout=600,
+        )
+        with np.load(path) as data:
+            results.append({k: data[k] for k in data.files})
+    for count, result in zip(counts[1:], results[1:], strict=True):
+        assert result.keys() == results[0].keys()
+        for key in result:
+            np.testing.assert_array_equal(result[key], results[0][key], f"{count} threads: {key}")
