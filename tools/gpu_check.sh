@@ -4,6 +4,9 @@
 #   with the GPU required, the main job and the tensor-parallel example, then the
 #   benchmark (python -m jax_fp8norm.bench, GPU grid), the kernels' register / spill
 #   report and SASS, and on request an Nsight Compute profile of the 4096 x 4096 calls.
+#   The tests include the > 2^31-element case and a property-based budget of
+#   FUZZ_EXAMPLES (default 1000) per platform; compute-sanitizer (tools/sanitize_gpu.sh)
+#   follows them unless SANITIZE=0.
 #   Logs go to $OUT (default ./gpu_check_logs).
 # Usage: OUT=/some/dir bash tools/gpu_check.sh [CUDA architectures, default 90a-real]
 #   BENCH_SECONDS (default 240) bounds the benchmark; what it measured so far is kept.
@@ -28,9 +31,14 @@ fi
 echo "== tests (GPU required)"
 # From tests/: python3 -m pytest puts the working directory first on sys.path, and the
 # source tree has no compiled modules.
-(cd tests && FP8NORM_REQUIRE_GPU=1 python3 -m pytest -q -rfE -p no:cacheprovider) \
-  > "$OUT/pytest.log" 2>&1 || status=1
+(cd tests && FP8NORM_REQUIRE_GPU=1 FP8NORM_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-1000} \
+  python3 -m pytest -q -rfE -p no:cacheprovider) > "$OUT/pytest.log" 2>&1 || status=1
 tail -5 "$OUT/pytest.log"
+
+if [ "${SANITIZE:-1}" = 1 ]; then
+  echo "== compute-sanitizer"
+  OUT="$OUT" bash tools/sanitize_gpu.sh || status=1
+fi
 
 echo "== main job"
 python3 -m jax_fp8norm > "$OUT/main_job.log" 2>&1 || status=1
