@@ -7,10 +7,12 @@
 // differently from the CUDA kernel and the reference. The only FMA is the explicit one
 // of the exact square, whose result is exact either way.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -27,9 +29,17 @@ namespace {
 // that a 4096 x 4096 call still spreads over every core.
 constexpr int64_t kElementsPerTask = int64_t{1} << 17;
 
+// This thread's float32 row of `hidden` elements, kept between calls; null when the
+// memory for it cannot be had (the call then fails; the process goes on).
 float* ScratchRow(int64_t hidden) {
   thread_local std::vector<float> scratch;
-  if (static_cast<int64_t>(scratch.size()) < hidden) scratch.resize(hidden);
+  if (static_cast<int64_t>(scratch.size()) < hidden) {
+    try {
+      scratch.resize(hidden);
+    } catch (const std::bad_alloc&) {
+      return nullptr;
+    }
+  }
   return scratch.data();
 }
 
@@ -97,14 +107,19 @@ const CpuVariant& Variant() {
 
 }  // namespace
 
-void RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
-  if (a.rows == 0) return;
+bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
+  if (a.rows == 0) return true;
   if (a.hidden == 0) {
     for (int64_t row = 0; row < a.rows; ++row) StoreAs(a.scale_type, a.scales, row, 0.0f);
-    return;
+    return true;
   }
   // gamma + weight_offset once per call, in float32, shared by every row.
-  std::vector<float> gamma_plus_offset(a.hidden);
+  std::vector<float> gamma_plus_offset;
+  try {
+    gamma_plus_offset.resize(a.hidden);
+  } catch (const std::bad_alloc&) {
+    return false;
+  }
   switch (a.gamma_type) {
     case FloatType::kF16:
       GammaPlusOffset<F16>(a.gamma, a.constants.weight_offset, a.hidden, gamma_plus_offset.data());
@@ -120,11 +135,20 @@ void RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   const int64_t num_tasks = (a.rows + rows_per_task - 1) / rows_per_task;
   const float* gw = gamma_plus_offset.data();
   const ProcessRowsFn process_rows = Variant().process_rows;
+  // A task may run on a pool thread, where an escaping exception would end the process:
+  // a failed allocation is reported through this flag instead.
+  std::atomic<bool> out_of_memory{false};
   parallel_for(num_tasks, [&](int64_t task) {
+    float* scratch = ScratchRow(a.hidden);
+    if (scratch == nullptr) {
+      out_of_memory.store(true, std::memory_order_relaxed);
+      return;
+    }
     const int64_t begin = task * rows_per_task;
     const int64_t end = std::min(a.rows, begin + rows_per_task);
-    process_rows(a, gw, ScratchRow(a.hidden), begin, end);
+    process_rows(a, gw, scratch, begin, end);
   });
+  return !out_of_memory.load();
 }
 
 const char* CpuKernelVariant() { return Variant().name; }

@@ -59,7 +59,9 @@ FP8NORM_HD void RoundElement(const RoundArgs& a, int64_t i) {
 // any order and on any threads, and returns when all calls have returned.
 using ParallelFor = std::function<void(int64_t, const std::function<void(int64_t)>&)>;
 
-void RmsNormFp8Cpu(const RmsNormFp8Args& args, const ParallelFor& parallel_for);
+// False when the host memory for the call's float32 rows could not be allocated; the
+// outputs are then incomplete.
+bool RmsNormFp8Cpu(const RmsNormFp8Args& args, const ParallelFor& parallel_for);
 // The instruction-set variant of the CPU row loops in use: "avx2" or "baseline".
 const char* CpuKernelVariant();
 void RoundCpu(const RoundArgs& args);

@@ -1,6 +1,7 @@
 """Reliability beyond single calls: very many rows and (on request on the CPU) more than
 2^31 elements, inputs XLA hands over at an offset, threads and devices at once, memory
-over 10,000 calls, bad input in a subprocess, and bit-for-bit determinism."""
+over 10,000 calls, bad input and exhausted host memory in a subprocess, and bit-for-bit
+determinism."""
 
 from __future__ import annotations
 
@@ -334,3 +335,54 @@ def test_same_bits_for_every_cpu_thread_count(tmp_path):
         assert result.keys() == results[0].keys()
         for key in result:
             np.testing.assert_array_equal(result[key], results[0][key], f"{count} threads: {key}")
+
+
+OUT_OF_MEMORY_SCRIPT = textwrap.dedent(
+    """
+    import os, resource
+    import jax, jax.numpy as jnp, numpy as np
+    import jax_fp8norm as fp8norm
+    jax.config.update("jax_platforms", "cpu")
+    n = 1 << 25  # two rows: two tasks, one of them on a pool thread
+    x = jnp.ones((2, n), jnp.bfloat16)
+    gamma = jnp.ones((n,), jnp.bfloat16)
+    call = jax.jit(fp8norm.rms_norm_fp8).lower(x, gamma).compile()
+    # Rows of ones: the scale does not depend on the row's length.
+    _, want = jax.jit(fp8norm.reference.rms_norm_fp8)(x[:, :64], gamma[:64])
+    want = float(np.asarray(want)[0, 0])
+    with open("/proc/self/statm") as f:
+        base = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    for headroom in range(0, 640 << 20, 20 << 20):
+        resource.setrlimit(resource.RLIMIT_AS, (base + headroom, resource.RLIM_INFINITY))
+        try:
+            y, scales = call(x, gamma)
+            scales = np.asarray(scales)
+        except Exception as error:
+            message = str(error).splitlines()[0]
+            print("ERROR", headroom >> 20, message[:200], flush=True)
+        else:
+            ok = bool((scales == want).all())
+            print("OK" if ok else "WRONG", headroom >> 20, flush=True)
+        finally:
+            resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY,) * 2)
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="address-space limit (Linux)")
+def test_running_out_of_host_memory_raises():
+    """Address-space limits from none to plenty around a 2 x 2^25 call: every call raises
+    an error or gives the right answer; no allocation failure on a pool thread, where an
+    exception would end the process, gets through."""
+    result = subprocess.run(
+        [sys.executable, "-c", OUT_OF_MEMORY_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0, (lines[-3:], result.stderr[-3000:])
+    assert len(lines) == 32 and not [line for line in lines if line.startswith("WRONG")], lines
+    assert any("jax_fp8norm: out of host memory" in line for line in lines), lines
+    assert lines[-1].startswith("OK"), lines
