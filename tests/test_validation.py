@@ -141,6 +141,13 @@ HANDLER_CASES = [
     (GOOD_OUTS, (X, GAMMA), dict(eps=-1.0), "eps must be"),
     (GOOD_OUTS, (X, GAMMA), dict(scale_ub=0.0), "scale_ub must be"),
     (GOOD_OUTS, (X, GAMMA), dict(weight_offset=np.inf), "weight_offset must be"),
+    (
+        (_sds((), jnp.float8_e4m3fn), _sds((), jnp.float32)),
+        (jnp.float32(1.0), jnp.ones((1,), jnp.float32)),
+        {},
+        "x must have rank >= 1",
+    ),
+    (GOOD_OUTS, (X, jnp.float32(1.0)), {}, "gamma must have shape"),
 ]
 
 
