@@ -376,6 +376,7 @@ def test_running_out_of_host_memory_raises():
     exception would end the process, gets through."""
     result = subprocess.run(
         [sys.executable, "-c", OUT_OF_MEMORY_SCRIPT],
+        cwd=TESTS_DIR,  # not the source tree, whose package has no compiled modules
         capture_output=True,
         text=True,
         timeout=600,
