@@ -34,8 +34,10 @@ def _round_through(value: jax.Array, dtype) -> jax.Array:
     to even, overflow to +-inf, NaN kept), as float32.
 
     Spelled out in integer and power-of-two arithmetic rather than as a float32 -> 16-bit
-    -> float32 round trip of converts: XLA may drop such a round trip as excess precision
-    (xla_allow_excess_precision, on by default), and its CPU backend did so here."""
+    -> float32 round trip of converts. XLA may drop such a round trip as excess precision
+    (xla_allow_excess_precision), and jaxlib 0.10.2's CPU backend skips it in a fused
+    reduction: a max over rows followed by the converts, run as a "ynn_fusion", returns
+    the unrounded values although the converts are still in the optimised HLO."""
     dtype = np.dtype(dtype)
     if dtype == np.float32:
         return value
