@@ -16,11 +16,10 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import random_gamma, random_rows, reference_on_cpu, run_on
+from conftest import check_against_reference, random_gamma, random_rows
 from test_validation import BAD_ARRAYS, BAD_KEYWORDS, GAMMA, HANDLER_CASES, X, _ffi
 
 import jax_fp8norm as fp8norm
-from jax_fp8norm.testing import assert_matches_reference
 
 # Hidden sizes each kernel path treats apart: below one CPU lane block or GPU vector,
 # not a multiple of the vector width, one block of threads and a little more, beyond the
@@ -106,13 +105,8 @@ def shape_cases(platform):
                 x = random_rows(hidden + rows, (rows, hidden), dtype)
                 residual = random_rows(hidden + 7, (rows, hidden), dtype)
                 gamma = random_gamma(rows, hidden, jnp.float32)
-                for op, args in (
-                    ("rms_norm_fp8", (x, gamma)),
-                    ("add_rms_norm_fp8", (x, residual, gamma)),
-                ):
-                    out = run_on(platform, getattr(fp8norm, op), *args)
-                    ref = reference_on_cpu(getattr(fp8norm.reference, op), *args)
-                    assert_matches_reference(out, ref)
+                check_against_reference(platform, "rms_norm_fp8", x, gamma)
+                check_against_reference(platform, "add_rms_norm_fp8", x, residual, gamma)
 
             yield f"{platform}-shape-{rows}x{hidden}-{jnp.dtype(dtype).name}", check
 

@@ -16,8 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_fp8norm.testing import assert_matches_reference
+
 try:
-    import jax_fp8norm  # noqa: F401
+    import jax_fp8norm
 except ImportError as error:
     raise pytest.UsageError(
         f"jax_fp8norm is not importable with its compiled modules ({error}). Install it "
@@ -65,6 +67,15 @@ def reference_on_cpu(fn, *args, **kwargs):
     with jax.default_device(cpu):
         outs = jax.jit(lambda *a: fn(*a, **kwargs))(*placed)
     return tuple(np.asarray(o) for o in outs)
+
+
+def check_against_reference(platform: str, op: str, *args, jit: bool = True, **kwargs):
+    """Runs ``jax_fp8norm.<op>`` on ``platform`` and its twin ``jax_fp8norm.reference.<op>``
+    on the CPU, asserts the spec's accuracy rule and returns ``(outputs, reference)``."""
+    out = run_on(platform, getattr(jax_fp8norm, op), *args, jit=jit, **kwargs)
+    ref = reference_on_cpu(getattr(jax_fp8norm.reference, op), *args, **kwargs)
+    assert_matches_reference(out, ref)
+    return out, ref
 
 
 def assert_same_bits(got, want) -> None:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_same_bits, random_gamma, random_rows, reference_on_cpu, run_on
+from conftest import assert_same_bits, check_against_reference, random_gamma, random_rows, run_on
 
 import jax_fp8norm as fp8norm
 from jax_fp8norm.testing import assert_matches_reference
@@ -20,17 +20,11 @@ FP8_MAX = {jnp.float8_e4m3fn: 448.0, jnp.float8_e4m3fnuz: 240.0}
 
 
 def check_rms(platform, x, gamma, *, jit=True, **kw):
-    out = run_on(platform, fp8norm.rms_norm_fp8, x, gamma, jit=jit, **kw)
-    ref = reference_on_cpu(fp8norm.reference.rms_norm_fp8, x, gamma, **kw)
-    assert_matches_reference(out, ref)
-    return out, ref
+    return check_against_reference(platform, "rms_norm_fp8", x, gamma, jit=jit, **kw)
 
 
 def check_add(platform, x, residual, gamma, *, jit=True, **kw):
-    out = run_on(platform, fp8norm.add_rms_norm_fp8, x, residual, gamma, jit=jit, **kw)
-    ref = reference_on_cpu(fp8norm.reference.add_rms_norm_fp8, x, residual, gamma, **kw)
-    assert_matches_reference(out, ref)
-    return out, ref
+    return check_against_reference(platform, "add_rms_norm_fp8", x, residual, gamma, jit=jit, **kw)
 
 
 @pytest.mark.parametrize(

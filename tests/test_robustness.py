@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from conftest import (
     assert_same_bits,
+    check_against_reference,
     device_of,
     random_gamma,
     random_rows,
@@ -35,13 +36,6 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 HUGE_ON_CPU = os.environ.get("FP8NORM_HUGE_TESTS", "") not in ("", "0")
 
 
-def _check(platform, op, *args, **kw):
-    out = run_on(platform, getattr(fp8norm, op), *args, **kw)
-    ref = reference_on_cpu(getattr(fp8norm.reference, op), *args, **kw)
-    assert_matches_reference(out, ref)
-    return out
-
-
 # ------------------------------------------------------------------ sizes
 
 
@@ -50,8 +44,9 @@ def test_more_rows_than_a_grid_dimension(platform, rows, hidden):
     # 65535 is the CUDA limit of a grid's y and z dimensions; rows must not be bound by it.
     x = random_rows(rows, (rows, hidden), jnp.bfloat16)
     gamma = random_gamma(1, hidden, jnp.float32)
-    _check(platform, "rms_norm_fp8", x, gamma)
-    _check(platform, "add_rms_norm_fp8", x, random_rows(2, (rows, hidden), jnp.bfloat16), gamma)
+    check_against_reference(platform, "rms_norm_fp8", x, gamma)
+    residual = random_rows(2, (rows, hidden), jnp.bfloat16)
+    check_against_reference(platform, "add_rms_norm_fp8", x, residual, gamma)
 
 
 HUGE_ROWS, HUGE_HIDDEN, PERIOD = 16385, 131072, 5  # 2^31 + 131072 elements
@@ -165,7 +160,7 @@ def test_eight_threads_at_once(platform):
     result equals (bit for bit) the one computed alone, which matches the reference."""
     device = device_of(platform)
     cases = [_thread_case_args(i) for i in range(len(THREAD_CASES))]
-    alone = [_check(platform, op, *args) for op, args in cases]
+    alone = [check_against_reference(platform, op, *args)[0] for op, args in cases]
     start = threading.Barrier(len(cases))
 
     def worker(i):
@@ -195,7 +190,7 @@ else:
         one call sharded over all eight."""
         devices = jax.devices("cpu")[:NUM_VIRTUAL_DEVICES]
         cases = [_thread_case_args(i) for i in range(len(THREAD_CASES))]
-        alone = [_check("cpu", op, *args) for op, args in cases]
+        alone = [check_against_reference("cpu", op, *args)[0] for op, args in cases]
         start = threading.Barrier(len(devices))
 
         def worker(i):
