@@ -100,6 +100,29 @@ def random_gamma(seed: int, n: int, dtype) -> np.ndarray:
     return rng.uniform(-2.0, 2.0, size=(n,)).astype(jnp.dtype(dtype))
 
 
+def outputs_of_script(script: str, path, **env: str) -> dict[str, np.ndarray]:
+    """Runs ``python -c script path`` with ``env`` added to the environment (an empty value
+    removes the variable) and returns the arrays the script saved to ``path`` with
+    ``np.savez``. It runs from tests/, importable as conftest there, and away from the
+    source tree, whose package has no compiled modules."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    full_env = dict(os.environ, PYTHONPATH=tests_dir)
+    for name, value in env.items():
+        if value:
+            full_env[name] = value
+        else:
+            full_env.pop(name, None)
+    subprocess.run(
+        [sys.executable, "-c", script, str(path)],
+        env=full_env,
+        cwd=tests_dir,
+        check=True,
+        timeout=600,
+    )
+    with np.load(path) as data:
+        return {k: data[k] for k in data.files}
+
+
 def rerun_with_virtual_cpu_devices(test_file: str, num_devices: int) -> None:
     """Runs the test module ``test_file`` again in a subprocess whose jax has
     ``num_devices`` virtual CPU devices (they must be requested before jax starts), and

@@ -4,14 +4,12 @@ rows of zeros, NaN, Inf, huge, tiny and subnormal values."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import outputs_of_script
 
 import jax_fp8norm as fp8norm
 
@@ -66,23 +64,12 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(tmp_path, name: str, isa: str | None) -> dict:
-    env = dict(os.environ)
-    env.pop("FP8NORM_CPU_ISA", None)
-    if isa is not None:
-        env["FP8NORM_CPU_ISA"] = isa
-    path = tmp_path / f"{name}.npz"
-    # Run outside the repository: `python -c` puts the working directory first on
-    # sys.path, and the source tree has no compiled modules.
-    subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(path)], env=env, cwd=tmp_path, check=True, timeout=600
-    )
-    with np.load(path) as data:
-        return {k: data[k] for k in data.files}
+def _run(tmp_path, name: str, isa: str) -> dict:
+    return outputs_of_script(SCRIPT, tmp_path / f"{name}.npz", FP8NORM_CPU_ISA=isa)
 
 
 def test_variants_give_the_same_bits(tmp_path):
-    default = _run(tmp_path, "default", None)
+    default = _run(tmp_path, "default", "")
     baseline = _run(tmp_path, "baseline", "baseline")
     assert bytes(baseline.pop("variant")).decode() == "baseline"
     variant = bytes(default.pop("variant")).decode()

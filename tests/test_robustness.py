@@ -22,6 +22,7 @@ from conftest import (
     assert_same_bits,
     check_against_reference,
     device_of,
+    outputs_of_script,
     random_gamma,
     random_rows,
     reference_on_cpu,
@@ -314,18 +315,12 @@ DETERMINISM_SCRIPT = textwrap.dedent(
 def test_same_bits_for_every_cpu_thread_count(tmp_path):
     """The CPU kernel on 1 thread, 2, and every core: bit-for-bit the same outputs."""
     counts = sorted({1, 2, os.cpu_count() or 1})
-    results = []
-    for count in counts:
-        path = tmp_path / f"threads{count}.npz"
-        subprocess.run(
-            [sys.executable, "-c", DETERMINISM_SCRIPT, str(path)],
-            cwd=TESTS_DIR,
-            env=dict(os.environ, FP8NORM_CPU_THREADS=str(count), PYTHONPATH=TESTS_DIR),
-            check=True,
-            timeout=600,
+    results = [
+        outputs_of_script(
+            DETERMINISM_SCRIPT, tmp_path / f"threads{count}.npz", FP8NORM_CPU_THREADS=str(count)
         )
-        with np.load(path) as data:
-            results.append({k: data[k] for k in data.files})
+        for count in counts
+    ]
     for count, result in zip(counts[1:], results[1:], strict=True):
         assert result.keys() == results[0].keys()
         for key in result:
