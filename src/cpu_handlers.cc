@@ -73,7 +73,7 @@ ParallelFor PoolParallelFor(ffi::ThreadPool& pool) {
     // per core (XLA sizes its pool to the cores) instead of oversubscribing them, which
     // measured 10-20% slower on two cores.
     int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, num_tasks - 1);
-    if (MaxThreadsPerCall() > 0) helpers = std::min(helpers, MaxThreadsPerCall() - 1);
+    if (const int64_t cap = MaxThreadsPerCall(); cap > 0) helpers = std::min(helpers, cap - 1);
     // A helper that cannot be scheduled (its closure not allocated) leaves its share to
     // the caller: an exception here would unwind past helpers already running the task.
     for (int64_t i = 0; i < helpers; ++i) {
