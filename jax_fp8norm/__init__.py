@@ -14,6 +14,7 @@ from jax_fp8norm import reference, testing
 from jax_fp8norm._ffi import built_with_cuda, cpu_kernel_variant
 from jax_fp8norm._primitives import EXPORT_DISABLED_CHECKS
 from jax_fp8norm._primitives import TARGETS as FFI_TARGETS
+from jax_fp8norm._version import __version__ as __version__
 from jax_fp8norm.autodiff import add_rms_norm_fp8_dequantized, rms_norm_fp8_dequantized
 from jax_fp8norm.ops import (
     add_rms_norm_fp8,
@@ -21,8 +22,6 @@ from jax_fp8norm.ops import (
     rms_norm_fp8,
     sharded_allreduce_residual_rms_norm_fp8,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "EXPORT_DISABLED_CHECKS",

@@ -1,16 +1,36 @@
-"""Loads the compiled extension modules and registers their XLA FFI targets."""
+"""Loads the compiled extension modules and registers their XLA FFI targets.
+
+The modules live in a package of their own, ``jax_fp8norm_kernels``, installed beside
+``jax_fp8norm`` (as jaxlib beside jax). A source tree that comes first on ``sys.path``, as
+with ``python -m jax_fp8norm`` from a clone's root, then still finds the installed ones.
+"""
 
 from __future__ import annotations
 
 import jax
 
-from jax_fp8norm import _fp8norm_cpu
+from jax_fp8norm._version import __version__
+
+try:
+    from jax_fp8norm_kernels import _fp8norm_cpu
+except ImportError as _error:
+    raise ImportError(
+        "jax_fp8norm's compiled modules (jax_fp8norm_kernels) are not installed: run "
+        "`python -m pip install .` in the jax_fp8norm source tree"
+    ) from _error
+
+if _fp8norm_cpu.version != __version__:
+    raise ImportError(
+        f"jax_fp8norm {__version__} found compiled modules of version "
+        f"{_fp8norm_cpu.version} ({_fp8norm_cpu.__file__}): reinstall with "
+        "`python -m pip install .` from the source tree you import"
+    )
 
 for _name, _capsule in _fp8norm_cpu.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 
 try:
-    from jax_fp8norm import _fp8norm_cuda
+    from jax_fp8norm_kernels import _fp8norm_cuda
 except ImportError as _error:
     _fp8norm_cuda = None
     CUDA_UNAVAILABLE_REASON = (

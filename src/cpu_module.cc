@@ -7,6 +7,7 @@
 #include "rms_norm_fp8.h"
 
 NB_MODULE(_fp8norm_cpu, m) {
+  m.attr("version") = FP8NORM_VERSION;
   m.def("registrations", []() {
     nanobind::dict targets;
     targets["fp8norm_rms_norm_fp8"] = fp8norm::FfiCapsule(fp8norm::RmsNormFp8CpuHandler);

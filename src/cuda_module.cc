@@ -5,6 +5,7 @@
 #include "handlers.h"
 
 NB_MODULE(_fp8norm_cuda, m) {
+  m.attr("version") = FP8NORM_VERSION;
   m.def("registrations", []() {
     nanobind::dict targets;
     targets["fp8norm_rms_norm_fp8"] = fp8norm::FfiCapsule(fp8norm::RmsNormFp8CudaHandler);

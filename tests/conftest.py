@@ -22,9 +22,8 @@ try:
     import jax_fp8norm
 except ImportError as error:
     raise pytest.UsageError(
-        f"jax_fp8norm is not importable with its compiled modules ({error}). Install it "
-        "(`pip install .[test]`) and run `pytest` from the repository root; "
-        "`python -m pytest` puts the uncompiled source tree first on sys.path."
+        f"jax_fp8norm is not importable with its compiled modules ({error}). Install it: "
+        '`python -m pip install ".[test]"`.'
     ) from error
 
 REQUIRE_GPU = os.environ.get("FP8NORM_REQUIRE_GPU", "") not in ("", "0")

@@ -32,10 +32,8 @@ fi
 
 if [ "${TESTS:-1}" = 1 ]; then
   echo "== tests (GPU required)"
-  # From tests/: python3 -m pytest puts the working directory first on sys.path, and the
-  # source tree has no compiled modules.
-  (cd tests && FP8NORM_REQUIRE_GPU=1 FP8NORM_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-300} \
-    python3 -m pytest -q -rfE -p no:cacheprovider) > "$OUT/pytest.log" 2>&1 || status=1
+  FP8NORM_REQUIRE_GPU=1 FP8NORM_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-300} \
+    python3 -m pytest -q -rfE -p no:cacheprovider > "$OUT/pytest.log" 2>&1 || status=1
   tail -5 "$OUT/pytest.log"
 fi
 
@@ -53,7 +51,7 @@ python3 -m jax_fp8norm --tp 1 > "$OUT/example_tp1.log" 2>&1 || status=1
 cat "$OUT/example_tp1.log"
 
 echo "== kernel resources and SASS"
-so=$(python3 -c "import jax_fp8norm._fp8norm_cuda as m; print(m.__file__)")
+so=$(python3 -c "import jax_fp8norm_kernels._fp8norm_cuda as m; print(m.__file__)")
 cuobjdump --dump-resource-usage "$so" > "$OUT/resource_usage.txt" 2>&1 || true
 cuobjdump --dump-sass "$so" > "$OUT/sass.txt" 2>&1 || true
 grep -E "Function|REG|STACK|SHARED" "$OUT/resource_usage.txt" | head -40
