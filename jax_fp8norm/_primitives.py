@@ -59,15 +59,47 @@ def _unavailable_cuda_lowering(ctx, *args, **params):
     raise RuntimeError(_ffi.CUDA_UNAVAILABLE_REASON)
 
 
-def _norm_abstract_eval(*avals, eps, weight_offset, scale_ub, out_dtype, scale_dtype):
-    # update() keeps x's sharding and manual axes (shard_map), which the outputs share.
+def _output_sharding(avals):
+    """The sharding every output is declared (and produced) with: x's rows, the last axis
+    whole. Each row needs all of its hidden axis, so a sharded one is gathered before the
+    kernel (see _partitioned) and y, residual_out and scales come out with it replicated;
+    scales' size-1 axis could not be sharded anyway. Under explicit mesh axes these types
+    are checked, so they must say exactly that."""
+    names = ("x", "gamma") if len(avals) == 2 else ("x", "residual", "gamma")
+    for name, aval in zip(names, avals, strict=True):
+        unreduced = getattr(getattr(aval.sharding, "spec", None), "unreduced", None)
+        if unreduced:
+            raise ValueError(
+                f"jax_fp8norm: {name} is unreduced over mesh axes {sorted(unreduced)}, and the "
+                f"norm needs whole values: reduce it first, e.g. "
+                f"jax.sharding.reshard({name}, P(...)) with no unreduced axes, or pass the "
+                "partial sums to allreduce_residual_rms_norm_fp8 inside shard_map"
+            )
     x = avals[0]
+    sharding = x.sharding
+    spec = getattr(sharding, "spec", None)
+    if spec is None:  # no mesh in sight: nothing to declare
+        return sharding
+    return sharding.update(spec=spec.update(partitions=_row_spec(sharding, x.ndim) + (None,)))
+
+
+def _norm_abstract_eval(*avals, eps, weight_offset, scale_ub, out_dtype, scale_dtype):
+    # update() keeps x's manual axes (shard_map), which the outputs share.
+    x = avals[0]
+    sharding = _output_sharding(avals)
     outs = [
-        x.update(shape=x.shape, dtype=np.dtype(out_dtype), weak_type=False),
-        x.update(shape=x.shape[:-1] + (1,), dtype=np.dtype(scale_dtype), weak_type=False),
+        x.update(shape=x.shape, dtype=np.dtype(out_dtype), weak_type=False, sharding=sharding),
+        x.update(
+            shape=x.shape[:-1] + (1,),
+            dtype=np.dtype(scale_dtype),
+            weak_type=False,
+            sharding=sharding,
+        ),
     ]
     if len(avals) == 3:  # x, residual, gamma: residual_out has the residual's dtype
-        outs.append(x.update(shape=x.shape, dtype=avals[1].dtype, weak_type=False))
+        outs.append(
+            x.update(shape=x.shape, dtype=avals[1].dtype, weak_type=False, sharding=sharding)
+        )
     return outs
 
 

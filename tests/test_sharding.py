@@ -18,6 +18,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_fp8norm as fp8norm
+from jax_fp8norm.testing import assert_matches_reference
 
 NUM_DEVICES = 8
 
@@ -71,18 +72,99 @@ else:
             assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec), out.ndim), out.sharding
         assert_same_bits(outs, _single_device(op, *args))
 
+    # (mesh shape, x's shape, x's spec): rows, hidden, both, two sharded row axes of a 3-D
+    # x, and 2-D meshes with both axes on one dimension.
+    SHARDINGS = {
+        "rows": ((8,), (64, 512), P("a", None)),
+        "hidden": ((8,), (16, 1024), P(None, "a")),
+        "rows_and_hidden": ((2, 4), (16, 1024), P("a", "b")),
+        "two_row_axes_3d": ((2, 4), (4, 16, 512), P("a", "b", None)),
+        "2d_mesh_rows": ((2, 4), (32, 256), P(("a", "b"), None)),
+        "2d_mesh_hidden": ((4, 2), (16, 1024), P(None, ("a", "b"))),
+    }
+
+    def _call(op, mode, num_row_operands):
+        if mode == "eager":
+            return op
+        if mode == "jit":
+            return jax.jit(op)
+        return jax.jit(jax.vmap(op, in_axes=(0,) * num_row_operands + (None,)))
+
+    @pytest.mark.parametrize("mode", ["eager", "jit", "vmap"])
     @pytest.mark.parametrize("op", [fp8norm.rms_norm_fp8, fp8norm.add_rms_norm_fp8])
-    @pytest.mark.parametrize(
-        ("mesh_shape", "spec"),
-        [((8,), P(None, "d")), ((2, 4), P("a", "b")), ((4, 2), P(None, ("a", "b")))],
-    )
-    def test_hidden_sharded_inputs_give_the_right_answer(op, mesh_shape, spec):
-        names = ("d",) if len(mesh_shape) == 1 else ("a", "b")
-        mesh = _mesh(mesh_shape, names)
-        args = _args(op, (16, 1024))
+    @pytest.mark.parametrize("case", list(SHARDINGS))
+    @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+    def test_every_sharding_gives_the_single_device_bits(axis_type, case, op, mode):
+        mesh_shape, shape, spec = SHARDINGS[case]
+        mesh = _mesh(mesh_shape, ("a", "b")[: len(mesh_shape)], axis_type)
+        args = _args(op, shape)
         placed = [jax.device_put(a, NamedSharding(mesh, spec)) for a in args[:-1]]
+        # gamma sharded like x's hidden axis, so that a sharded gamma is covered too.
         placed.append(jax.device_put(args[-1], NamedSharding(mesh, P(spec[-1]))))
-        assert_same_bits(jax.jit(op)(*placed), _single_device(op, *args))
+        call = _call(op, mode, len(args) - 1)
+        outs = call(*placed)
+        assert_same_bits(outs, _single_device(op, *args))
+        if axis_type == AxisType.Explicit:
+            # Every output: x's rows, the last axis whole; the declared type says the same.
+            rows = P(*spec[:-1], None)
+            declared = jax.eval_shape(call, *placed)
+            for out, aval in zip(outs, declared, strict=True):
+                assert out.sharding.spec == rows, (out.sharding, rows)
+                assert aval.sharding.spec == rows, (aval.sharding, rows)
+
+    def test_unreduced_input_is_refused_with_the_fix():
+        mesh = _mesh((8,), ("a",), AxisType.Explicit)
+        a = jax.device_put(np.ones((16, 64), np.float32), NamedSharding(mesh, P(None, "a")))
+        b = jax.device_put(np.ones((64, 128), np.float32), NamedSharding(mesh, P("a", None)))
+        gamma = np.ones((128,), np.float32)
+
+        def norm_of_product(a, b, gamma, reduce_first):
+            h = jnp.matmul(a, b, out_sharding=P(None, None, unreduced={"a"}))
+            if reduce_first:
+                h = jax.sharding.reshard(h, P(None, None))
+            return fp8norm.rms_norm_fp8(h, gamma)
+
+        with jax.set_mesh(mesh):
+            with pytest.raises(ValueError, match=r"x is unreduced over mesh axes \['a'\].*reshard"):
+                jax.jit(norm_of_product, static_argnums=3)(a, b, gamma, False)
+            outs = jax.jit(norm_of_product, static_argnums=3)(a, b, gamma, True)
+        product = np.full((16, 128), 64.0, np.float32)
+        assert_same_bits(outs, _single_device(fp8norm.rms_norm_fp8, product, gamma))
+
+    @pytest.mark.parametrize("reduce_dtype", [None, jnp.float32], ids=["x_dtype", "float32"])
+    @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+    def test_allreduce_on_a_2d_mesh(axis_type, reduce_dtype):
+        # Tensor parallel over "tp" (the all-reduce), rows sharded over "dp" (data parallel).
+        mesh = _mesh((2, 4), ("dp", "tp"), axis_type)
+        partials = random_rows(4, (4, 16, 512), jnp.bfloat16, spread=0.5)
+        residual = random_rows(5, (16, 512), jnp.bfloat16, spread=0.5)
+        gamma = random_gamma(6, 512, jnp.float32)
+        placed = (
+            jax.device_put(partials, NamedSharding(mesh, P("tp", "dp"))),
+            jax.device_put(residual, NamedSharding(mesh, P("dp"))),
+            jax.device_put(gamma, NamedSharding(mesh, P())),
+        )
+
+        def run(op):
+            return jax.jit(
+                jax.shard_map(
+                    lambda p, r, g: op(p[0], r, g, axis_name="tp", reduce_dtype=reduce_dtype),
+                    mesh=mesh,
+                    in_specs=(P("tp", "dp"), P("dp"), P()),
+                    out_specs=(P("dp"), P("dp"), P("dp")),
+                )
+            )(*placed)
+
+        outs = run(fp8norm.allreduce_residual_rms_norm_fp8)
+        for out in outs:
+            assert out.sharding.is_equivalent_to(NamedSharding(mesh, P("dp")), out.ndim)
+        # The reference twin under the same shard_map: the same all-reduce, in the same order.
+        want = run(fp8norm.reference.allreduce_residual_rms_norm_fp8)
+        if reduce_dtype is not None:  # and in float32, the sum of the partials on one device
+            h = partials.astype(np.float32).sum(0) + residual.astype(np.float32)
+            y, scales, _ = _single_device(fp8norm.reference.add_rms_norm_fp8, h, 0 * h, gamma)
+            assert_matches_reference([np.asarray(o) for o in want][:2], [y, scales])
+        assert_matches_reference([np.asarray(o) for o in outs], [np.asarray(w) for w in want])
 
     def test_rows_sharded_and_gamma_sharded():
         mesh = _mesh((2, 4), ("a", "b"))
