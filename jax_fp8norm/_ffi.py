@@ -7,6 +7,11 @@ with ``python -m jax_fp8norm`` from a clone's root, then still finds the install
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import warnings
+from collections.abc import Callable
+
 import jax
 
 from jax_fp8norm._version import __version__
@@ -35,8 +40,9 @@ except ImportError as _error:
     _fp8norm_cuda = None
     CUDA_UNAVAILABLE_REASON = (
         "jax_fp8norm was built without CUDA support, so its ops cannot run on a GPU "
-        f"({_error}). Rebuild on a machine with the CUDA toolkit (nvcc), e.g. "
-        "`FP8NORM_CUDA=ON pip install --no-build-isolation .`, or run on the CPU backend."
+        f"({_error}). Install the CUDA toolkit (nvcc; pip's jax[cuda12] / jax[cuda13] "
+        "wheels carry none), put nvcc on PATH and reinstall jax_fp8norm with "
+        "`FP8NORM_CUDA=ON python -m pip install .`, or run on the CPU backend."
     )
 else:
     CUDA_UNAVAILABLE_REASON = ""
@@ -54,3 +60,32 @@ def cpu_kernel_variant() -> str:
 def built_with_cuda() -> bool:
     """Whether this build of jax_fp8norm carries the CUDA kernels."""
     return _fp8norm_cuda is not None
+
+
+def cuda_gpu_visible() -> bool:
+    """Whether jax has, or will have, a CUDA GPU, without starting jax's backends: at import
+    that would come before a user's jax.distributed.initialize and cost seconds. Once the
+    backends are up it asks them; before, it looks for jax's CUDA plugin and the NVIDIA
+    driver's device node."""
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        try:
+            return bool(jax.devices("cuda"))
+        except RuntimeError:
+            return False
+    try:
+        plugin = any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
+    except ImportError:
+        plugin = False
+    return plugin and os.path.exists("/dev/nvidiactl")
+
+
+def warn_if_gpu_without_cuda_kernels(gpu_visible: Callable[[], bool] = cuda_gpu_visible) -> None:
+    """One warning at import when jax sees a CUDA GPU and this build has no CUDA kernels;
+    lowering for the GPU still raises CUDA_UNAVAILABLE_REASON."""
+    if not built_with_cuda() and gpu_visible():
+        warnings.warn(CUDA_UNAVAILABLE_REASON, RuntimeWarning, stacklevel=2)
+
+
+warn_if_gpu_without_cuda_kernels()

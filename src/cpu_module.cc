@@ -1,7 +1,10 @@
-// Python module of every build: the FFI targets to register for platform "cpu", and the
-// name of the CPU kernel variant this machine runs.
+// Python module of every build: the FFI targets to register for platform "cpu", the
+// name of the CPU kernel variant this machine runs, and the CUDA driver check's message
+// logic (for tests; the CUDA module runs it with the real versions).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 
+#include "cuda_driver_check.h"
 #include "ffi_capsule.h"
 #include "handlers.h"
 #include "rms_norm_fp8.h"
@@ -16,4 +19,6 @@ NB_MODULE(_fp8norm_cpu, m) {
     return targets;
   });
   m.def("cpu_kernel_variant", []() { return fp8norm::CpuKernelVariant(); });
+  m.def("cuda_driver_problem", &fp8norm::CudaDriverProblem, nanobind::arg("runtime_version"),
+        nanobind::arg("driver_version"));
 }

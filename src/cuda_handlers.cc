@@ -1,10 +1,17 @@
 // XLA FFI handlers for the CUDA kernels: decode and check the buffers, then enqueue the
 // kernel on XLA's stream. Marked command-buffer compatible: they only enqueue
 // stream-ordered work, so XLA may capture them into CUDA graphs.
+//
+// Which GPU: in a process that drives several GPUs (tensor parallelism), each call runs
+// for the device XLA passes as the FFI DeviceOrdinal, whose stream it gets. The handlers
+// make that device current for the launch (and restore the caller's), and the launch
+// reads that device's shared-memory limit, so neither depends on which device the
+// calling thread happened to have current.
 #include <cuda_runtime_api.h>
 
 #include <string>
 
+#include "cuda_driver_check.h"
 #include "cuda_kernels.h"
 #include "ffi_decode.h"
 #include "handlers.h"
@@ -18,33 +25,78 @@ ffi::Error CudaStatus(cudaError_t err, const char* what) {
   return ffi::Error::Internal(std::string("jax_fp8norm: ") + what + ": " + cudaGetErrorString(err));
 }
 
-ffi::Error RmsNormFp8Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
-                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
-                          float eps, float weight_offset, float scale_ub) {
+// The driver against the runtime this module links, once per process: a driver too old
+// otherwise fails the first launch with a message that names neither version.
+ffi::Error CheckCudaDriver() {
+  static const std::string problem = [] {
+    int runtime_version = 0;
+    int driver_version = 0;
+    cudaRuntimeGetVersion(&runtime_version);
+    if (cudaDriverGetVersion(&driver_version) != cudaSuccess) driver_version = 0;
+    cudaGetLastError();  // a failed query must not fail a later launch's error check
+    return CudaDriverProblem(runtime_version, driver_version);
+  }();
+  if (problem.empty()) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, problem);
+}
+
+// Makes `device` current for the lifetime of the guard and restores the previous one.
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int device) {
+    status_ = cudaGetDevice(&previous_);
+    if (status_ == cudaSuccess && previous_ != device) status_ = cudaSetDevice(device);
+  }
+  ~ScopedDevice() {
+    if (status_ == cudaSuccess) cudaSetDevice(previous_);
+  }
+  cudaError_t status() const { return status_; }
+
+ private:
+  int previous_ = 0;
+  cudaError_t status_;
+};
+
+template <typename Launch>
+ffi::Error LaunchOn(int32_t device, const char* what, Launch launch) {
+  ffi::Error status = CheckCudaDriver();
+  if (status.failure()) return status;
+  ScopedDevice current(device);
+  if (current.status() != cudaSuccess) return CudaStatus(current.status(), "selecting the GPU");
+  return CudaStatus(launch(device), what);
+}
+
+ffi::Error RmsNormFp8Impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                          ffi::AnyBuffer gamma, ffi::Result<ffi::AnyBuffer> y,
+                          ffi::Result<ffi::AnyBuffer> scales, float eps, float weight_offset,
+                          float scale_ub) {
   RmsNormFp8Args args;
   ffi::Error status =
       DecodeRmsNormFp8(x, nullptr, gamma, y, scales, nullptr, eps, weight_offset, scale_ub, &args);
   if (status.failure()) return status;
-  return CudaStatus(LaunchRmsNormFp8(stream, args), "rms_norm_fp8 launch");
+  return LaunchOn(device, "rms_norm_fp8 launch",
+                  [&](int d) { return LaunchRmsNormFp8(stream, d, args); });
 }
 
-ffi::Error AddRmsNormFp8Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer residual,
-                             ffi::AnyBuffer gamma, ffi::Result<ffi::AnyBuffer> y,
-                             ffi::Result<ffi::AnyBuffer> scales,
+ffi::Error AddRmsNormFp8Impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                             ffi::AnyBuffer residual, ffi::AnyBuffer gamma,
+                             ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
                              ffi::Result<ffi::AnyBuffer> residual_out, float eps,
                              float weight_offset, float scale_ub) {
   RmsNormFp8Args args;
   ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, y, scales, &residual_out, eps,
                                        weight_offset, scale_ub, &args);
   if (status.failure()) return status;
-  return CudaStatus(LaunchRmsNormFp8(stream, args), "add_rms_norm_fp8 launch");
+  return LaunchOn(device, "add_rms_norm_fp8 launch",
+                  [&](int d) { return LaunchRmsNormFp8(stream, d, args); });
 }
 
-ffi::Error RoundImpl(cudaStream_t stream, ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error RoundImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer in,
+                     ffi::Result<ffi::AnyBuffer> out) {
   RoundArgs args;
   ffi::Error status = DecodeRound(in, out, &args);
   if (status.failure()) return status;
-  return CudaStatus(LaunchRound(stream, args), "round launch");
+  return LaunchOn(device, "round launch", [&](int) { return LaunchRound(stream, args); });
 }
 
 }  // namespace
@@ -52,6 +104,7 @@ ffi::Error RoundImpl(cudaStream_t stream, ffi::AnyBuffer in, ffi::Result<ffi::An
 XLA_FFI_DEFINE_HANDLER(kRmsNormFp8Cuda, RmsNormFp8Impl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Ctx<ffi::DeviceOrdinal>()
                            .Arg<ffi::AnyBuffer>()  // x
                            .Arg<ffi::AnyBuffer>()  // gamma
                            .Ret<ffi::AnyBuffer>()  // y
@@ -64,6 +117,7 @@ XLA_FFI_DEFINE_HANDLER(kRmsNormFp8Cuda, RmsNormFp8Impl,
 XLA_FFI_DEFINE_HANDLER(kAddRmsNormFp8Cuda, AddRmsNormFp8Impl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Ctx<ffi::DeviceOrdinal>()
                            .Arg<ffi::AnyBuffer>()  // x
                            .Arg<ffi::AnyBuffer>()  // residual
                            .Arg<ffi::AnyBuffer>()  // gamma
@@ -78,6 +132,7 @@ XLA_FFI_DEFINE_HANDLER(kAddRmsNormFp8Cuda, AddRmsNormFp8Impl,
 XLA_FFI_DEFINE_HANDLER(kRoundCuda, RoundImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Ctx<ffi::DeviceOrdinal>()
                            .Arg<ffi::AnyBuffer>()
                            .Ret<ffi::AnyBuffer>(),
                        {ffi::Traits::kCmdBufferCompatible});

@@ -262,13 +262,11 @@ __global__ void RoundKernel(const RoundArgs a) {
 
 bool Aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
-// Shared memory a block may opt into on the current device, cached per device.
-cudaError_t MaxSharedBytes(size_t* bytes) {
+// Shared memory a block may opt into on `device`, cached per device.
+cudaError_t MaxSharedBytes(int device, size_t* bytes) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> cached[kMaxDevices] = {};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
+  cudaError_t err = cudaSuccess;
   int value = device < kMaxDevices ? cached[device].load(std::memory_order_relaxed) : 0;
   if (value == 0) {
     err = cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
@@ -280,7 +278,7 @@ cudaError_t MaxSharedBytes(size_t* bytes) {
 }
 
 template <typename TIn, Fp8Format kOut>
-cudaError_t Launch(cudaStream_t stream, const RmsNormFp8Args& a) {
+cudaError_t Launch(cudaStream_t stream, int device, const RmsNormFp8Args& a) {
   constexpr int kVec = kVecOf<TIn>;
   // The 16-byte path needs every row start aligned: hidden a multiple of the vector
   // width and each base pointer aligned to the width of its own vector.
@@ -298,7 +296,7 @@ cudaError_t Launch(cudaStream_t stream, const RmsNormFp8Args& a) {
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(a.rows, int64_t{1} << 30));
 
   size_t max_shared = 0;
-  cudaError_t err = MaxSharedBytes(&max_shared);
+  cudaError_t err = MaxSharedBytes(device, &max_shared);
   if (err != cudaSuccess) return err;
   const size_t cache_bytes = static_cast<size_t>(a.hidden) * sizeof(float);
   const bool cached = cache_bytes + sizeof(SharedScratch) <= max_shared;
@@ -314,14 +312,14 @@ cudaError_t Launch(cudaStream_t stream, const RmsNormFp8Args& a) {
 }
 
 template <typename TIn>
-cudaError_t DispatchOutput(cudaStream_t stream, const RmsNormFp8Args& a) {
-  return a.out_format == Fp8Format::kE4M3FN ? Launch<TIn, Fp8Format::kE4M3FN>(stream, a)
-                                            : Launch<TIn, Fp8Format::kE4M3FNUZ>(stream, a);
+cudaError_t DispatchOutput(cudaStream_t stream, int device, const RmsNormFp8Args& a) {
+  return a.out_format == Fp8Format::kE4M3FN ? Launch<TIn, Fp8Format::kE4M3FN>(stream, device, a)
+                                            : Launch<TIn, Fp8Format::kE4M3FNUZ>(stream, device, a);
 }
 
 }  // namespace
 
-cudaError_t LaunchRmsNormFp8(cudaStream_t stream, const RmsNormFp8Args& a) {
+cudaError_t LaunchRmsNormFp8(cudaStream_t stream, int device, const RmsNormFp8Args& a) {
   if (a.rows == 0) return cudaSuccess;
   if (a.hidden == 0) {
     // Zero bits are 0.0 in every scale dtype.
@@ -330,11 +328,11 @@ cudaError_t LaunchRmsNormFp8(cudaStream_t stream, const RmsNormFp8Args& a) {
   }
   switch (a.input_type) {
     case FloatType::kF16:
-      return DispatchOutput<F16>(stream, a);
+      return DispatchOutput<F16>(stream, device, a);
     case FloatType::kBF16:
-      return DispatchOutput<BF16>(stream, a);
+      return DispatchOutput<BF16>(stream, device, a);
     default:
-      return DispatchOutput<float>(stream, a);
+      return DispatchOutput<float>(stream, device, a);
   }
 }
 

@@ -8,9 +8,10 @@
 
 namespace fp8norm {
 
-// Enqueues rms_norm_fp8 (args.residual == null) or add_rms_norm_fp8 on `stream`. Only
-// stream-ordered work: safe inside CUDA graph capture. Returns the launch status.
-cudaError_t LaunchRmsNormFp8(cudaStream_t stream, const RmsNormFp8Args& args);
+// Enqueues rms_norm_fp8 (args.residual == null) or add_rms_norm_fp8 on `stream`, which
+// belongs to `device`, the current device. Only stream-ordered work: safe inside CUDA
+// graph capture. Returns the launch status.
+cudaError_t LaunchRmsNormFp8(cudaStream_t stream, int device, const RmsNormFp8Args& args);
 
 cudaError_t LaunchRound(cudaStream_t stream, const RoundArgs& args);
 

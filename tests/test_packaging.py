@@ -4,8 +4,12 @@ comes first on sys.path, and the compiled modules' version check."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import warnings
+
+import pytest
 
 import jax_fp8norm
 
@@ -44,3 +48,77 @@ def test_compiled_modules_carry_the_package_version():
         from jax_fp8norm_kernels import _fp8norm_cuda
 
         assert _fp8norm_cuda.version == jax_fp8norm.__version__
+
+
+def test_gpu_without_cuda_kernels_warns_once_naming_the_fix(monkeypatch):
+    from jax_fp8norm import _ffi
+
+    monkeypatch.setattr(_ffi, "_fp8norm_cuda", None)
+    monkeypatch.setattr(_ffi, "CUDA_UNAVAILABLE_REASON", "built without CUDA: reinstall")
+    with pytest.warns(RuntimeWarning, match="built without CUDA: reinstall") as record:
+        _ffi.warn_if_gpu_without_cuda_kernels(gpu_visible=lambda: True)
+    assert len(record) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _ffi.warn_if_gpu_without_cuda_kernels(gpu_visible=lambda: False)
+
+
+def test_the_reason_names_the_fix():
+    from jax_fp8norm import _ffi
+
+    if jax_fp8norm.built_with_cuda():
+        assert _ffi.CUDA_UNAVAILABLE_REASON == ""
+    else:
+        assert "FP8NORM_CUDA=ON python -m pip install ." in _ffi.CUDA_UNAVAILABLE_REASON
+
+
+def test_gpu_detection_does_not_start_jax_backends():
+    # At import, before a user's jax.distributed.initialize, the check must not start jax.
+    script = (
+        "from jax._src import xla_bridge; import jax_fp8norm;"
+        "print(xla_bridge.backends_are_initialized())"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert result.stdout.split() == ["False"], result.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("runtime", "driver", "expected"),
+    [
+        (13000, 13000, None),
+        (13000, 13020, None),
+        (12080, 12020, None),  # an older minor version: CUDA's minor-version compatibility
+        (12040, 13000, None),
+        (13000, 12080, ["CUDA up to 12.8", "CUDA 13.0 runtime", "Update the NVIDIA driver"]),
+        (12060, 11080, ["CUDA up to 11.8", "CUDA 12.6 runtime", "FP8NORM_CUDA=ON"]),
+        (13000, 0, ["no CUDA driver", "CUDA 13.0"]),
+    ],
+)
+def test_cuda_driver_check_message(runtime, driver, expected):
+    from jax_fp8norm_kernels import _fp8norm_cpu
+
+    problem = _fp8norm_cpu.cuda_driver_problem(runtime, driver)
+    if expected is None:
+        assert problem == ""
+    else:
+        for part in expected:
+            assert part in problem, problem
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="needs cmake on PATH")
+def test_build_without_a_cuda_compiler_warns(tmp_path):
+    pytest.importorskip("nanobind")
+    env = dict(os.environ, CUDACXX=str(tmp_path / "no-nvcc"), FP8NORM_CUDA="AUTO")
+    result = subprocess.run(
+        ["cmake", "-S", REPO_ROOT, "-B", str(tmp_path), f"-DPython_EXECUTABLE={sys.executable}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "CMake Warning" in result.stderr and "no CUDA compiler" in result.stderr
+    assert "FP8NORM_CUDA=ON python -m pip install" in " ".join(result.stderr.split())

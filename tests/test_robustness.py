@@ -207,6 +207,31 @@ else:
             list(pool.map(worker, range(len(devices))))
 
 
+def test_every_gpu_at_once(platform):
+    """One thread per GPU, each calling on its own GPU at once: each call must launch on
+    the device that owns XLA's stream and size its shared memory by that device's limit
+    (the hidden sizes include rows cached with opted-in shared memory, 14336 bf16 and
+    12189 float32, and one too long to cache). On the CPU: the same over its devices."""
+    devices = jax.devices("gpu" if platform == "gpu" else "cpu")
+    shapes = [((64, 14336), jnp.bfloat16), ((9, 12189), jnp.float32), ((3, 70001), jnp.bfloat16)]
+    cases = []
+    for i, (shape, dtype) in enumerate(shapes):
+        args = (random_rows(i, shape, dtype), random_gamma(i, shape[-1], jnp.float32))
+        cases.append((args, reference_on_cpu(fp8norm.reference.rms_norm_fp8, *args)))
+    start = threading.Barrier(len(devices))
+
+    def worker(device):
+        start.wait()
+        for args, want in cases:
+            placed = [jax.device_put(a, device) for a in args]
+            outs = jax.jit(fp8norm.rms_norm_fp8)(*placed)
+            assert {o.devices().pop() for o in outs} == {device}
+            assert_matches_reference([np.asarray(o) for o in outs], want)
+
+    with ThreadPoolExecutor(len(devices)) as pool:
+        list(pool.map(worker, devices))
+
+
 # ------------------------------------------------------------------ memory
 
 
