@@ -112,6 +112,23 @@ else:
                 assert out.sharding.spec == rows, (out.sharding, rows)
                 assert aval.sharding.spec == rows, (aval.sharding, rows)
 
+    def test_explicit_axes_residual_unlike_x_and_vmap_over_a_sharded_axis():
+        mesh = _mesh((8,), ("a",), AxisType.Explicit)
+        x, residual, gamma = _args(fp8norm.add_rms_norm_fp8, (16, 256))
+        outs = jax.jit(fp8norm.add_rms_norm_fp8)(
+            jax.device_put(x, NamedSharding(mesh, P("a", None))),
+            jax.device_put(residual, NamedSharding(mesh, P(None, "a"))),
+            gamma,
+        )
+        assert [o.sharding.spec for o in outs] == [P("a", None)] * 3  # x's rows decide
+        assert_same_bits(outs, _single_device(fp8norm.add_rms_norm_fp8, x, residual, gamma))
+        x3 = random_rows(7, (4, 8, 256), jnp.float32)
+        x3s = jax.device_put(x3, NamedSharding(mesh, P(None, "a", None)))
+        per_column = jax.vmap(fp8norm.rms_norm_fp8, in_axes=(1, None))
+        outs = jax.jit(per_column)(x3s, gamma)
+        assert [o.sharding.spec for o in outs] == [P("a", None, None)] * 2
+        assert_same_bits(outs, _single_device(per_column, x3, gamma))
+
     def test_unreduced_input_is_refused_with_the_fix():
         mesh = _mesh((8,), ("a",), AxisType.Explicit)
         a = jax.device_put(np.ones((16, 64), np.float32), NamedSharding(mesh, P(None, "a")))
