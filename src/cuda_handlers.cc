@@ -40,20 +40,26 @@ ffi::Error CheckCudaDriver() {
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition, problem);
 }
 
-// Makes `device` current for the lifetime of the guard and restores the previous one.
+// Makes `device` current for the lifetime of the guard and restores the previous one;
+// no runtime call beyond cudaGetDevice when it already is current (the usual case).
 class ScopedDevice {
  public:
   explicit ScopedDevice(int device) {
     status_ = cudaGetDevice(&previous_);
-    if (status_ == cudaSuccess && previous_ != device) status_ = cudaSetDevice(device);
+    if (status_ == cudaSuccess && previous_ != device) {
+      status_ = cudaSetDevice(device);
+      switched_ = status_ == cudaSuccess;
+    }
+    if (status_ != cudaSuccess) cudaGetLastError();  // the error is returned, not left set
   }
   ~ScopedDevice() {
-    if (status_ == cudaSuccess) cudaSetDevice(previous_);
+    if (switched_) cudaSetDevice(previous_);
   }
   cudaError_t status() const { return status_; }
 
  private:
   int previous_ = 0;
+  bool switched_ = false;
   cudaError_t status_;
 };
 
