@@ -84,6 +84,14 @@ def assert_same_bits(got, want) -> None:
         np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
 
 
+COLLECTIVES = ("all-gather", "all-to-all", "reduce-scatter", "all-reduce", "collective-permute")
+
+
+def collectives_in(hlo: str) -> list[str]:
+    """The cross-device collectives a compiled module's HLO text contains."""
+    return [c for c in COLLECTIVES if re.search(rf"\b{c}(?:-start)?\(", hlo)]
+
+
 def random_rows(seed: int, shape, dtype, *, spread: float = 2.0) -> np.ndarray:
     """Normal values with a per-row magnitude spread over 10^[-spread, spread]."""
     rng = np.random.default_rng(seed)

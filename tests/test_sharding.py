@@ -7,13 +7,17 @@ Like test_allreduce, a normal session reruns this module in a subprocess with th
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_same_bits, random_gamma, random_rows, rerun_with_virtual_cpu_devices
+from conftest import (
+    assert_same_bits,
+    collectives_in,
+    random_gamma,
+    random_rows,
+    rerun_with_virtual_cpu_devices,
+)
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -28,7 +32,6 @@ if len(jax.devices("cpu")) < NUM_DEVICES:
         rerun_with_virtual_cpu_devices(__file__, NUM_DEVICES)
 
 else:
-    COLLECTIVES = ("all-gather", "all-to-all", "reduce-scatter", "all-reduce", "collective-permute")
 
     def _mesh(shape=(8,), names=("d",), axis_type=AxisType.Auto):
         return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
@@ -36,9 +39,6 @@ else:
     def _single_device(op, *args):
         cpu0 = jax.devices("cpu")[0]
         return jax.jit(op)(*(jax.device_put(np.asarray(a), cpu0) for a in args))
-
-    def _collectives(hlo: str) -> list[str]:
-        return [c for c in COLLECTIVES if re.search(rf"\b{c}(?:-start)?\(", hlo)]
 
     def _args(op, shape, dtype=jnp.bfloat16):
         x = random_rows(1, shape, dtype)
@@ -66,7 +66,7 @@ else:
         fn = jax.jit(op)
         outs = fn(*placed)
         hlo = fn.lower(*placed).compile().as_text()
-        assert not _collectives(hlo), _collectives(hlo)
+        assert not collectives_in(hlo), collectives_in(hlo)
         assert hlo.count('custom_call_target="fp8norm_') == 1
         for out in outs:
             assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec), out.ndim), out.sharding
