@@ -18,6 +18,9 @@ if not blocks:
     sys.exit("README.md's '## Set up' section has no ```bash block")
 print("set -euo pipefail")
 for block in blocks:
-    for line in block.strip().splitlines():
-        print(f"echo {shlex.quote('$ ' + line)}")
-        print(line)
+    # One command per line, backslash continuations joined. Each runs in a group that
+    # exits on failure: `set -e` alone would not stop at a failing `pip install .` in
+    # `pip install . && python -m jax_fp8norm`, only at the last command of such a list.
+    for command in block.replace("\\\n", " ").strip().splitlines():
+        print(f"echo {shlex.quote('$ ' + command)}")
+        print(f"{{ {command}\n}} || exit $?")

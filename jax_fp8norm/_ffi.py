@@ -24,13 +24,19 @@ except ImportError as _error:
         "`python -m pip install .` in the jax_fp8norm source tree"
     ) from _error
 
-if _fp8norm_cpu.version != __version__:
-    raise ImportError(
-        f"jax_fp8norm {__version__} found compiled modules of version "
-        f"{_fp8norm_cpu.version} ({_fp8norm_cpu.__file__}): reinstall with "
-        "`python -m pip install .` from the source tree you import"
-    )
 
+def check_version(module) -> None:
+    """Compiled modules of another version may register other targets or read other
+    attributes: refuse them rather than fail later in a kernel call."""
+    if module.version != __version__:
+        raise ImportError(
+            f"jax_fp8norm {__version__} found compiled modules of version {module.version} "
+            f"({module.__file__}): reinstall with `python -m pip install .` from the source "
+            "tree you import"
+        )
+
+
+check_version(_fp8norm_cpu)
 for _name, _capsule in _fp8norm_cpu.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 
@@ -45,6 +51,7 @@ except ImportError as _error:
         "`FP8NORM_CUDA=ON python -m pip install .`, or run on the CPU backend."
     )
 else:
+    check_version(_fp8norm_cuda)
     CUDA_UNAVAILABLE_REASON = ""
     for _name, _capsule in _fp8norm_cuda.registrations().items():
         jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
@@ -67,9 +74,14 @@ def cuda_gpu_visible() -> bool:
     that would come before a user's jax.distributed.initialize and cost seconds. Once the
     backends are up it asks them; before, it looks for jax's CUDA plugin and the NVIDIA
     driver's device node."""
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
+    platforms = jax.config.jax_platforms
+    if platforms and not {"cuda", "gpu"} & set(platforms.split(",")):
+        return False  # jax was told not to use a GPU
+    try:
+        from jax._src.xla_bridge import backends_are_initialized
+    except ImportError:  # a jax without it: the plugin and device node decide
+        backends_are_initialized = lambda: False  # noqa: E731
+    if backends_are_initialized():
         try:
             return bool(jax.devices("cuda"))
         except RuntimeError:

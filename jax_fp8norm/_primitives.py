@@ -59,47 +59,62 @@ def _unavailable_cuda_lowering(ctx, *args, **params):
     raise RuntimeError(_ffi.CUDA_UNAVAILABLE_REASON)
 
 
-def _output_sharding(avals):
-    """The sharding every output is declared (and produced) with: x's rows, the last axis
-    whole. Each row needs all of its hidden axis, so a sharded one is gathered before the
-    kernel (see _partitioned) and y, residual_out and scales come out with it replicated;
-    scales' size-1 axis could not be sharded anyway. Under explicit mesh axes these types
-    are checked, so they must say exactly that."""
+def _unreduced_axes(aval) -> frozenset:
+    """The mesh axes over which ``aval`` holds partial sums: in its sharding under explicit
+    axes, in its manual axis type inside shard_map."""
+    spec_axes = getattr(getattr(aval.sharding, "spec", None), "unreduced", None) or frozenset()
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(spec_axes) | frozenset(getattr(manual, "unreduced", None) or ())
+
+
+def _output_types(avals) -> dict:
+    """What every output's type shares besides its shape and dtype.
+
+    The sharding: x's rows, the last axis whole. Each row needs all of its hidden axis, so
+    a sharded one is gathered before the kernel (see _partitioned) and y, residual_out and
+    scales come out with it replicated; scales' size-1 axis could not be sharded anyway.
+    Under explicit mesh axes these types are checked, so they must say exactly that.
+    Inside shard_map: varying over every manual axis any input varies over. Never
+    unreduced or reduced: the norm is not linear, so a partial sum is refused."""
     names = ("x", "gamma") if len(avals) == 2 else ("x", "residual", "gamma")
     for name, aval in zip(names, avals, strict=True):
-        unreduced = getattr(getattr(aval.sharding, "spec", None), "unreduced", None)
+        unreduced = _unreduced_axes(aval)
         if unreduced:
             raise ValueError(
                 f"jax_fp8norm: {name} is unreduced over mesh axes {sorted(unreduced)}, and the "
                 f"norm needs whole values: reduce it first, e.g. "
-                f"jax.sharding.reshard({name}, P(...)) with no unreduced axes, or pass the "
-                "partial sums to allreduce_residual_rms_norm_fp8 inside shard_map"
+                f"jax.sharding.reshard({name}, P(...)) with no unreduced axes (jax.lax.psum "
+                "inside shard_map), or pass the partial sums to "
+                "allreduce_residual_rms_norm_fp8 inside shard_map"
             )
     x = avals[0]
-    sharding = x.sharding
-    spec = getattr(sharding, "spec", None)
+    types = {"weak_type": False}
+    spec = getattr(x.sharding, "spec", None)
     if spec is None:  # no mesh in sight: nothing to declare
-        return sharding
-    return sharding.update(spec=spec.update(partitions=_row_spec(sharding, x.ndim) + (None,)))
+        types["sharding"] = x.sharding
+    else:
+        rows = _row_spec(x.sharding, x.ndim) + (None,)
+        types["sharding"] = x.sharding.update(
+            spec=spec.update(partitions=rows, unreduced=frozenset(), reduced=frozenset())
+        )
+    manual = getattr(x, "manual_axis_type", None)
+    if manual is not None:
+        varying = frozenset().union(*(a.manual_axis_type.varying for a in avals))
+        types["manual_axis_type"] = type(manual)(
+            varying=varying, unreduced=frozenset(), reduced=frozenset()
+        )
+    return types
 
 
 def _norm_abstract_eval(*avals, eps, weight_offset, scale_ub, out_dtype, scale_dtype):
-    # update() keeps x's manual axes (shard_map), which the outputs share.
     x = avals[0]
-    sharding = _output_sharding(avals)
+    types = _output_types(avals)
     outs = [
-        x.update(shape=x.shape, dtype=np.dtype(out_dtype), weak_type=False, sharding=sharding),
-        x.update(
-            shape=x.shape[:-1] + (1,),
-            dtype=np.dtype(scale_dtype),
-            weak_type=False,
-            sharding=sharding,
-        ),
+        x.update(shape=x.shape, dtype=np.dtype(out_dtype), **types),
+        x.update(shape=x.shape[:-1] + (1,), dtype=np.dtype(scale_dtype), **types),
     ]
     if len(avals) == 3:  # x, residual, gamma: residual_out has the residual's dtype
-        outs.append(
-            x.update(shape=x.shape, dtype=avals[1].dtype, weak_type=False, sharding=sharding)
-        )
+        outs.append(x.update(shape=x.shape, dtype=avals[1].dtype, **types))
     return outs
 
 

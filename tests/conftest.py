@@ -16,8 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_fp8norm.testing import assert_matches_reference
-
 try:
     import jax_fp8norm
 except ImportError as error:
@@ -25,6 +23,8 @@ except ImportError as error:
         f"jax_fp8norm is not importable with its compiled modules ({error}). Install it: "
         '`python -m pip install ".[test]"`.'
     ) from error
+
+from jax_fp8norm.testing import assert_matches_reference
 
 REQUIRE_GPU = os.environ.get("FP8NORM_REQUIRE_GPU", "") not in ("", "0")
 
@@ -110,8 +110,7 @@ def random_gamma(seed: int, n: int, dtype) -> np.ndarray:
 def outputs_of_script(script: str, path, **env: str) -> dict[str, np.ndarray]:
     """Runs ``python -c script path`` with ``env`` added to the environment (an empty value
     removes the variable) and returns the arrays the script saved to ``path`` with
-    ``np.savez``. It runs from tests/, importable as conftest there, and away from the
-    source tree, whose package has no compiled modules."""
+    ``np.savez``. It runs from tests/, with conftest importable."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     full_env = dict(os.environ, PYTHONPATH=tests_dir)
     for name, value in env.items():

@@ -49,7 +49,7 @@ def _kill(child: subprocess.Popen) -> None:
         child.wait()
 
 
-def _run_children(logs_dir) -> tuple[list[int | None], list[str], bool]:
+def _run_children(logs_dir, *extra_args: str) -> tuple[list[int | None], list[str], bool]:
     """Starts the processes, waits for all of them (or the first failure, or the
     deadline) and returns their exit codes (None: killed), outputs and whether the
     deadline passed."""
@@ -62,7 +62,7 @@ def _run_children(logs_dir) -> tuple[list[int | None], list[str], bool]:
             with open(log, "wb") as out:
                 children.append(
                     subprocess.Popen(
-                        [sys.executable, CHILD, str(i), str(port)],
+                        [sys.executable, CHILD, str(i), str(port), *extra_args],
                         cwd=TESTS_DIR,
                         env=_child_env(),
                         stdout=out,
@@ -104,3 +104,12 @@ def test_two_processes_on_one_mesh(tmp_path):
     for i, out in enumerate(outputs):
         assert re.search(rf"^PASS process {i}\b", out, re.MULTILINE), report
         assert "FAIL" not in out, report
+
+
+def test_a_wrong_result_fails(tmp_path):
+    # The same run with one bit of one expected value flipped in process 0's checks: the
+    # harness must report it (and still end both processes).
+    codes, outputs, timed_out = _run_children(tmp_path, "--corrupt")
+    assert not timed_out
+    assert codes[0] == 1, outputs[0][-4000:]
+    assert re.search(r"^FAIL process 0 rows-\w+-bits-vs-one-device", outputs[0], re.MULTILINE)

@@ -4,7 +4,6 @@ comes first on sys.path, and the compiled modules' version check."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import warnings
@@ -36,7 +35,9 @@ def test_imports_from_the_source_tree_root():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     module_file, same = result.stdout.split()
-    assert os.path.dirname(os.path.dirname(module_file)) == REPO_ROOT
+    assert os.path.realpath(os.path.dirname(os.path.dirname(module_file))) == os.path.realpath(
+        REPO_ROOT
+    )
     assert same == "True"
 
 
@@ -107,13 +108,15 @@ def test_cuda_driver_check_message(runtime, driver, expected):
             assert part in problem, problem
 
 
-@pytest.mark.skipif(shutil.which("cmake") is None, reason="needs cmake on PATH")
 def test_build_without_a_cuda_compiler_warns(tmp_path):
-    pytest.importorskip("nanobind")
-    env = dict(os.environ, CUDACXX=str(tmp_path / "no-nvcc"), FP8NORM_CUDA="AUTO")
+    # cmake and nanobind come with the test extra.
+    # CUDACXX naming no compiler hides nvcc; a new session has no terminal, so the copy of
+    # the warning written for pip's users goes nowhere.
+    env = dict(os.environ, CUDACXX=str(tmp_path / "no-nvcc"))
     result = subprocess.run(
         ["cmake", "-S", REPO_ROOT, "-B", str(tmp_path), f"-DPython_EXECUTABLE={sys.executable}"],
         env=env,
+        start_new_session=True,
         capture_output=True,
         text=True,
         timeout=300,

@@ -141,9 +141,19 @@ else:
                 h = jax.sharding.reshard(h, P(None, None))
             return fp8norm.rms_norm_fp8(h, gamma)
 
+        def inside_shard_map(a, b, gamma):
+            h = jnp.matmul(a, b, out_sharding=P(None, None, unreduced={"a"}))
+            return jax.shard_map(
+                fp8norm.rms_norm_fp8,
+                in_specs=(P(None, None, unreduced={"a"}), P()),
+                out_specs=(P(), P()),
+            )(h, gamma)
+
         with jax.set_mesh(mesh):
             with pytest.raises(ValueError, match=r"x is unreduced over mesh axes \['a'\].*reshard"):
                 jax.jit(norm_of_product, static_argnums=3)(a, b, gamma, False)
+            with pytest.raises(ValueError, match=r"x is unreduced over mesh axes \['a'\]"):
+                jax.jit(inside_shard_map)(a, b, gamma)
             outs = jax.jit(norm_of_product, static_argnums=3)(a, b, gamma, True)
         product = np.full((16, 128), 64.0, np.float32)
         assert_same_bits(outs, _single_device(fp8norm.rms_norm_fp8, product, gamma))
