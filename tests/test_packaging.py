@@ -15,6 +15,12 @@ import jax_fp8norm
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=300, check=False, **kwargs
+    )
+
+
 def test_imports_from_the_source_tree_root():
     # `python -c` from the root puts the root first on sys.path, as `python -m` does: the
     # source package is the one imported, and it must find the installed compiled modules.
@@ -25,14 +31,7 @@ def test_imports_from_the_source_tree_root():
         "got, want = f.rms_norm_fp8(x, g), f.reference.rms_norm_fp8(x, g);"
         "print(all(bool((a == b).all()) for a, b in zip(got, want)))"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    result = _run([sys.executable, "-c", script], cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     module_file, same = result.stdout.split()
     assert os.path.realpath(os.path.dirname(os.path.dirname(module_file))) == os.path.realpath(
@@ -79,9 +78,7 @@ def test_gpu_detection_does_not_start_jax_backends():
         "from jax._src import xla_bridge; import jax_fp8norm;"
         "print(xla_bridge.backends_are_initialized())"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
-    )
+    result = _run([sys.executable, "-c", script])
     assert result.stdout.split() == ["False"], result.stderr[-2000:]
 
 
@@ -113,14 +110,10 @@ def test_build_without_a_cuda_compiler_warns(tmp_path):
     # CUDACXX naming no compiler hides nvcc; a new session has no terminal, so the copy of
     # the warning written for pip's users goes nowhere.
     env = dict(os.environ, CUDACXX=str(tmp_path / "no-nvcc"))
-    result = subprocess.run(
+    result = _run(
         ["cmake", "-S", REPO_ROOT, "-B", str(tmp_path), f"-DPython_EXECUTABLE={sys.executable}"],
         env=env,
         start_new_session=True,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "CMake Warning" in result.stderr and "no CUDA compiler" in result.stderr
