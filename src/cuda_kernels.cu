@@ -17,22 +17,11 @@
 #include <cstdint>
 
 #include "cuda_kernels.h"
+#include "cuda_launch_plan.h"
 #include "fp8norm_math.h"
 
 namespace fp8norm {
 namespace {
-
-constexpr int kWarp = 32;
-// 1024 threads (the hardware limit) keep up to 16 KiB of a row in flight per block with
-// 16-byte loads, enough to cover DRAM latency when there are fewer rows than SMs.
-constexpr int kMaxThreads = 1024;
-constexpr int kVectorBytes = 16;
-// Shared memory a block may use without opting in.
-constexpr size_t kDefaultSharedBytes = 48 * 1024;
-
-__host__ __device__ __forceinline__ size_t FloatTypeBytes(FloatType type) {
-  return type == FloatType::kF32 ? 4 : 2;
-}
 
 template <typename T, int kCount>
 struct alignas(sizeof(T) * kCount) Vec {
@@ -260,8 +249,6 @@ __global__ void RoundKernel(const RoundArgs a) {
 
 // ----------------------------------------------------------------- launch
 
-bool Aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
 // Shared memory a block may opt into on `device`, cached per device.
 cudaError_t MaxSharedBytes(int device, size_t* bytes) {
   constexpr int kMaxDevices = 64;
@@ -279,35 +266,19 @@ cudaError_t MaxSharedBytes(int device, size_t* bytes) {
 
 template <typename TIn, Fp8Format kOut>
 cudaError_t Launch(cudaStream_t stream, int device, const RmsNormFp8Args& a) {
-  constexpr int kVec = kVecOf<TIn>;
-  // The 16-byte path needs every row start aligned: hidden a multiple of the vector
-  // width and each base pointer aligned to the width of its own vector.
-  const bool vectorized =
-      a.hidden % kVec == 0 && Aligned(a.x, kVectorBytes) &&
-      (a.residual == nullptr || Aligned(a.residual, kVec * FloatTypeBytes(a.residual_type))) &&
-      (a.residual_out == nullptr ||
-       Aligned(a.residual_out, kVec * FloatTypeBytes(a.residual_type))) &&
-      Aligned(a.gamma, kVec * FloatTypeBytes(a.gamma_type)) && Aligned(a.y, kVec);
-  const int64_t num_vecs = vectorized ? a.hidden / kVec : a.hidden;
-  // One vector per thread up to the block limit: the most bytes in flight per row.
-  const int threads = static_cast<int>(std::min<int64_t>(
-      kMaxThreads, std::max<int64_t>(kWarp, (num_vecs + kWarp - 1) / kWarp * kWarp)));
-  // Rows beyond the grid limit are strided over the blocks.
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(a.rows, int64_t{1} << 30));
-
-  size_t max_shared = 0;
-  cudaError_t err = MaxSharedBytes(device, &max_shared);
+  size_t optin_shared = 0;
+  cudaError_t err = MaxSharedBytes(device, &optin_shared);
   if (err != cudaSuccess) return err;
-  const size_t cache_bytes = static_cast<size_t>(a.hidden) * sizeof(float);
-  const bool cached = cache_bytes + sizeof(SharedScratch) <= max_shared;
-  const size_t dynamic_shared = cached ? cache_bytes : 0;
+  const LaunchPlan plan =
+      PlanRmsNormFp8Launch(a, DeviceLimits{optin_shared, sizeof(SharedScratch)});
   auto kernel = RmsNormFp8Kernel<TIn, kOut>;
-  if (dynamic_shared + sizeof(SharedScratch) > kDefaultSharedBytes) {
+  if (plan.opt_in) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(dynamic_shared));
+                               static_cast<int>(plan.dynamic_shared_bytes));
     if (err != cudaSuccess) return err;
   }
-  kernel<<<blocks, threads, dynamic_shared, stream>>>(a, vectorized, cached);
+  kernel<<<plan.blocks, plan.threads, plan.dynamic_shared_bytes, stream>>>(a, plan.vectorized,
+                                                                           plan.cached);
   return cudaGetLastError();
 }
 

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
@@ -31,6 +32,8 @@ struct BF16 {
 
 // Run-time tags for the float types a kernel does not specialise on.
 enum class FloatType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+FP8NORM_HD size_t FloatTypeBytes(FloatType type) { return type == FloatType::kF32 ? 4 : 2; }
 enum class Fp8Format : int32_t { kE4M3FN = 0, kE4M3FNUZ = 1 };
 
 FP8NORM_HD uint32_t BitsOf(float v) {
