@@ -30,7 +30,7 @@ struct alignas(sizeof(T) * kCount) Vec {
 
 // Elements of TIn per 16-byte load.
 template <typename TIn>
-constexpr int kVecOf = kVectorBytes / int(sizeof(TIn));
+constexpr int kVecOf = VectorWidth(sizeof(TIn));
 
 // ----------------------------------------------------------------- reductions
 
@@ -253,10 +253,10 @@ __global__ void RoundKernel(const RoundArgs a) {
 cudaError_t MaxSharedBytes(int device, size_t* bytes) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> cached[kMaxDevices] = {};
-  cudaError_t err = cudaSuccess;
   int value = device < kMaxDevices ? cached[device].load(std::memory_order_relaxed) : 0;
   if (value == 0) {
-    err = cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    const cudaError_t err =
+        cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
     if (err != cudaSuccess) return err;
     if (device < kMaxDevices) cached[device].store(value, std::memory_order_relaxed);
   }

@@ -27,6 +27,12 @@ constexpr size_t kDefaultSharedBytes = 48 * 1024;
 // (2^31 - 1), and already more blocks than any GPU runs at once.
 constexpr int64_t kMaxBlocks = int64_t{1} << 30;
 
+// Elements per 16-byte load of a type of `element_bytes` bytes; the kernels' template
+// width and the plan's run-time width are both this.
+constexpr int VectorWidth(size_t element_bytes) {
+  return kVectorBytes / static_cast<int>(element_bytes);
+}
+
 struct DeviceLimits {
   size_t optin_shared_bytes;   // cudaDevAttrMaxSharedMemoryPerBlockOptin
   size_t static_shared_bytes;  // the kernel's own __shared__ storage
@@ -49,7 +55,7 @@ inline bool AlignedTo(const void* p, size_t bytes) {
 
 inline LaunchPlan PlanRmsNormFp8Launch(const RmsNormFp8Args& a, const DeviceLimits& limits) {
   LaunchPlan plan{};
-  const int width = kVectorBytes / static_cast<int>(FloatTypeBytes(a.input_type));
+  const int width = VectorWidth(FloatTypeBytes(a.input_type));
   // The vector path needs every row start aligned: hidden a multiple of the vector width
   // and each base pointer aligned to the width of its own vector.
   const size_t residual_vector = width * FloatTypeBytes(a.residual_type);
