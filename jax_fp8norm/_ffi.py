@@ -57,6 +57,26 @@ else:
         jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
 
 
+# The CUDA kernels and handlers compiled for the host against the SIMT emulation
+# (jax_fp8norm.simt): registered on the CPU backend under target names of their own.
+SIMT_TARGET_PREFIX = "fp8norm_simt_"
+try:
+    from jax_fp8norm_kernels import _fp8norm_simt as simt_module
+except ImportError as _error:
+    simt_module = None
+    SIMT_ERROR = str(_error)
+else:
+    check_version(simt_module)
+    SIMT_ERROR = ""
+    for _name, _capsule in simt_module.registrations().items():
+        jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+
+
+def simt_target(target: str) -> str:
+    """The emulated twin of the FFI target ``target``."""
+    return SIMT_TARGET_PREFIX + target.removeprefix("fp8norm_")
+
+
 def cpu_kernel_variant() -> str:
     """The instruction-set variant of the CPU kernel on this machine: "avx2" (AVX2 + FMA +
     F16C, x86-64 built with GCC) or "baseline". ``FP8NORM_CPU_ISA=baseline`` in the

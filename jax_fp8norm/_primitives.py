@@ -15,7 +15,7 @@ from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_fp8norm import _ffi
+from jax_fp8norm import _ffi, simt
 
 # FFI target names, the same on every platform.
 RMS_NORM_FP8_TARGET = "fp8norm_rms_norm_fp8"
@@ -118,9 +118,25 @@ def _norm_abstract_eval(*avals, eps, weight_offset, scale_ub, out_dtype, scale_d
     return outs
 
 
+def clear_caches() -> None:
+    """Forgets the eager calls' compiled functions (see jax_fp8norm.simt)."""
+    _jitted_bind.cache_clear()
+
+
+def _cpu_lowering(target: str, make_rule):
+    """The CPU kernels, or inside jax_fp8norm.simt.kernels() the emulated CUDA ones."""
+    native = make_rule(target)
+    emulated = make_rule(_ffi.simt_target(target))
+
+    def lowering(ctx, *args, **params):
+        return (emulated if simt.active() else native)(ctx, *args, **params)
+
+    return lowering
+
+
 def _register_lowerings(prim: Primitive, target: str, make_rule) -> None:
     """The same FFI target name serves every platform; only the handler behind it differs."""
-    mlir.register_lowering(prim, make_rule(target), platform="cpu")
+    mlir.register_lowering(prim, _cpu_lowering(target, make_rule), platform="cpu")
     if _ffi.built_with_cuda():
         mlir.register_lowering(prim, make_rule(target), platform="cuda")
     else:

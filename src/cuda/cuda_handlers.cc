@@ -7,8 +7,12 @@
 // make that device current for the launch (and restore the caller's), and the launch
 // reads that device's shared-memory limit, so neither depends on which device the
 // calling thread happened to have current.
+//
+// The SIMT emulation compiles this file too (src/simt/simt_handlers.cc), against its own
+// runtime, so that the same handlers run the emulated kernels on XLA's CPU backend.
 #include <cuda_runtime_api.h>
 
+#include <optional>
 #include <string>
 
 #include "cuda_driver_check.h"
@@ -16,6 +20,34 @@
 #include "ffi_decode.h"
 #include "handlers.h"
 #include "xla/ffi/api/ffi.h"
+
+namespace fp8norm {
+
+// Where a call's kernels go: XLA's stream for the call and the GPU it belongs to.
+struct GpuTarget {
+  cudaStream_t stream;
+  int32_t device;
+};
+
+}  // namespace fp8norm
+
+template <>
+struct xla::ffi::CtxDecoding<fp8norm::GpuTarget> {
+  using Type = fp8norm::GpuTarget;
+  static std::optional<Type> Decode(const XLA_FFI_Api* api, XLA_FFI_ExecutionContext* ctx,
+                                    DiagnosticEngine& diagnostic) {
+#if defined(FP8NORM_SIMT)
+    // The CPU backend has no stream: the emulated device runs each launch to completion
+    // on the calling thread.
+    return Type{nullptr, 0};
+#else
+    const auto stream = CtxDecoding<PlatformStream<cudaStream_t>>::Decode(api, ctx, diagnostic);
+    const auto device = CtxDecoding<DeviceOrdinal>::Decode(api, ctx, diagnostic);
+    if (!stream.has_value() || !device.has_value()) return std::nullopt;
+    return Type{*stream, *device};
+#endif
+  }
+};
 
 namespace fp8norm {
 namespace {
@@ -72,7 +104,7 @@ ffi::Error LaunchOn(int32_t device, const char* what, Launch launch) {
   return CudaStatus(launch(device), what);
 }
 
-ffi::Error RmsNormFp8Impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+ffi::Error RmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x,
                           ffi::AnyBuffer gamma, ffi::Result<ffi::AnyBuffer> y,
                           ffi::Result<ffi::AnyBuffer> scales, float eps, float weight_offset,
                           float scale_ub) {
@@ -80,11 +112,11 @@ ffi::Error RmsNormFp8Impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
   ffi::Error status =
       DecodeRmsNormFp8(x, nullptr, gamma, y, scales, nullptr, eps, weight_offset, scale_ub, &args);
   if (status.failure()) return status;
-  return LaunchOn(device, "rms_norm_fp8 launch",
-                  [&](int d) { return LaunchRmsNormFp8(stream, d, args); });
+  return LaunchOn(gpu.device, "rms_norm_fp8 launch",
+                  [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
 }
 
-ffi::Error AddRmsNormFp8Impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+ffi::Error AddRmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x,
                              ffi::AnyBuffer residual, ffi::AnyBuffer gamma,
                              ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
                              ffi::Result<ffi::AnyBuffer> residual_out, float eps,
@@ -93,24 +125,23 @@ ffi::Error AddRmsNormFp8Impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, y, scales, &residual_out, eps,
                                        weight_offset, scale_ub, &args);
   if (status.failure()) return status;
-  return LaunchOn(device, "add_rms_norm_fp8 launch",
-                  [&](int d) { return LaunchRmsNormFp8(stream, d, args); });
+  return LaunchOn(gpu.device, "add_rms_norm_fp8 launch",
+                  [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
 }
 
-ffi::Error RoundImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer in,
+ffi::Error RoundImpl(GpuTarget gpu, ffi::AnyBuffer in,
                      ffi::Result<ffi::AnyBuffer> out) {
   RoundArgs args;
   ffi::Error status = DecodeRound(in, out, &args);
   if (status.failure()) return status;
-  return LaunchOn(device, "round launch", [&](int) { return LaunchRound(stream, args); });
+  return LaunchOn(gpu.device, "round launch", [&](int) { return LaunchRound(gpu.stream, args); });
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER(kRmsNormFp8Cuda, RmsNormFp8Impl,
                        ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
+                           .Ctx<GpuTarget>()
                            .Arg<ffi::AnyBuffer>()  // x
                            .Arg<ffi::AnyBuffer>()  // gamma
                            .Ret<ffi::AnyBuffer>()  // y
@@ -122,8 +153,7 @@ XLA_FFI_DEFINE_HANDLER(kRmsNormFp8Cuda, RmsNormFp8Impl,
 
 XLA_FFI_DEFINE_HANDLER(kAddRmsNormFp8Cuda, AddRmsNormFp8Impl,
                        ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
+                           .Ctx<GpuTarget>()
                            .Arg<ffi::AnyBuffer>()  // x
                            .Arg<ffi::AnyBuffer>()  // residual
                            .Arg<ffi::AnyBuffer>()  // gamma
@@ -137,8 +167,7 @@ XLA_FFI_DEFINE_HANDLER(kAddRmsNormFp8Cuda, AddRmsNormFp8Impl,
 
 XLA_FFI_DEFINE_HANDLER(kRoundCuda, RoundImpl,
                        ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
+                           .Ctx<GpuTarget>()
                            .Arg<ffi::AnyBuffer>()
                            .Ret<ffi::AnyBuffer>(),
                        {ffi::Traits::kCmdBufferCompatible});

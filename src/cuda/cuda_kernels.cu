@@ -10,14 +10,19 @@
 // for shared memory re-read x (and residual) in sweeps 2 and 3.
 //
 // Every element-wise and per-row formula comes from fp8norm_math.h, shared with the CPU.
+//
+// nvcc compiles this file for GPUs; the host compiler compiles it unchanged for the SIMT
+// emulation (src/simt, docs/simt.md), which runs the same kernels on the CPU in every test
+// run. Global memory and the dynamic shared region are reached through device_memory.h so
+// that the emulation can check and count each access.
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 
 #include "cuda_kernels.h"
 #include "cuda_launch_plan.h"
+#include "device_memory.h"
 #include "fp8norm_math.h"
 
 namespace fp8norm {
@@ -74,7 +79,7 @@ __device__ __forceinline__ T BlockReduce(T v, T identity, WarpOp warp_op, T* par
 
 template <typename TIn, int kVec>
 __device__ __forceinline__ void LoadVec(const TIn* p, int64_t i, float (&out)[kVec]) {
-  const Vec<TIn, kVec> v = reinterpret_cast<const Vec<TIn, kVec>*>(p)[i];
+  const Vec<TIn, kVec> v = LoadGlobal(reinterpret_cast<const Vec<TIn, kVec>*>(p) + i);
 #pragma unroll
   for (int k = 0; k < kVec; ++k) out[k] = ToFloat(v.v[k]);
 }
@@ -84,7 +89,7 @@ __device__ __forceinline__ void StoreVec(TIn* p, int64_t i, const float (&in)[kV
   Vec<TIn, kVec> v;
 #pragma unroll
   for (int k = 0; k < kVec; ++k) v.v[k] = FromFloat<TIn>(in[k]);
-  reinterpret_cast<Vec<TIn, kVec>*>(p)[i] = v;
+  StoreGlobal(reinterpret_cast<Vec<TIn, kVec>*>(p) + i, v);
 }
 
 // gamma's and the residual's dtypes are run-time values: one uniform branch per vector,
@@ -199,7 +204,8 @@ __device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
       amax, 0u, [](uint32_t v) { return WarpMax(v); }, scratch.max_partial, &scratch.max_result);
   const RowScale s = ComputeRowScale(sum_sq, amax, kOut, a.scale_type, a.constants);
   if (threadIdx.x == 0) {
-    StoreAs(a.scale_type, a.scales, row, s.scale);
+    const float scale[1] = {s.scale};
+    StoreAny<1>(a.scales, a.scale_type, row, scale);
   }
 
   // Sweep 3: quantise.
@@ -220,7 +226,7 @@ __device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
     Vec<uint8_t, kVec> q;
 #pragma unroll
     for (int k = 0; k < kVec; ++k) q.v[k] = QuantizeElement<kOut>(normed[k], s.recip);
-    reinterpret_cast<Vec<uint8_t, kVec>*>(y)[i] = q;
+    StoreGlobal(reinterpret_cast<Vec<uint8_t, kVec>*>(y) + i, q);
   }
 }
 
@@ -229,7 +235,7 @@ __device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
 template <typename TIn, Fp8Format kOut>
 __global__ void __launch_bounds__(kMaxThreads)
     RmsNormFp8Kernel(const RmsNormFp8Args a, const bool vectorized, const bool cached) {
-  extern __shared__ float cache[];
+  float* const cache = DynamicShared<float>();
   __shared__ SharedScratch scratch;
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     if (vectorized) {
@@ -249,37 +255,45 @@ __global__ void RoundKernel(const RoundArgs a) {
 
 // ----------------------------------------------------------------- launch
 
-// Shared memory a block may opt into on `device`, cached per device.
-cudaError_t MaxSharedBytes(int device, size_t* bytes) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cached[kMaxDevices] = {};
-  int value = device < kMaxDevices ? cached[device].load(std::memory_order_relaxed) : 0;
-  if (value == 0) {
-    const cudaError_t err =
-        cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    if (err != cudaSuccess) return err;
-    if (device < kMaxDevices) cached[device].store(value, std::memory_order_relaxed);
-  }
-  *bytes = static_cast<size_t>(value);
+// The limits of `device` the launch plan needs. Both are attribute reads, answered by
+// the runtime from its own tables.
+cudaError_t QueryLimits(int device, DeviceLimits* limits) {
+  int optin_shared = 0;
+  int max_grid_x = 0;
+  cudaError_t err =
+      cudaDeviceGetAttribute(&optin_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&max_grid_x, cudaDevAttrMaxGridDimX, device);
+  if (err != cudaSuccess) return err;
+  limits->optin_shared_bytes = static_cast<size_t>(optin_shared);
+  limits->max_blocks = std::min<int64_t>(kMaxBlocks, max_grid_x);
   return cudaSuccess;
+}
+
+template <typename Kernel, typename... Args>
+cudaError_t LaunchKernel(Kernel kernel, unsigned blocks, int threads, size_t dynamic_shared_bytes,
+                         cudaStream_t stream, const Args&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.dynamicSmemBytes = dynamic_shared_bytes;
+  config.stream = stream;
+  return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
 template <typename TIn, Fp8Format kOut>
 cudaError_t Launch(cudaStream_t stream, int device, const RmsNormFp8Args& a) {
-  size_t optin_shared = 0;
-  cudaError_t err = MaxSharedBytes(device, &optin_shared);
+  DeviceLimits limits{0, sizeof(SharedScratch)};
+  cudaError_t err = QueryLimits(device, &limits);
   if (err != cudaSuccess) return err;
-  const LaunchPlan plan =
-      PlanRmsNormFp8Launch(a, DeviceLimits{optin_shared, sizeof(SharedScratch)});
+  const LaunchPlan plan = PlanRmsNormFp8Launch(a, limits);
   auto kernel = RmsNormFp8Kernel<TIn, kOut>;
   if (plan.opt_in) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(plan.dynamic_shared_bytes));
     if (err != cudaSuccess) return err;
   }
-  kernel<<<plan.blocks, plan.threads, plan.dynamic_shared_bytes, stream>>>(a, plan.vectorized,
-                                                                           plan.cached);
-  return cudaGetLastError();
+  return LaunchKernel(kernel, plan.blocks, plan.threads, plan.dynamic_shared_bytes, stream, a,
+                      plan.vectorized, plan.cached);
 }
 
 template <typename TIn>
@@ -312,8 +326,7 @@ cudaError_t LaunchRound(cudaStream_t stream, const RoundArgs& a) {
   constexpr int kThreads = 256;
   const unsigned blocks =
       static_cast<unsigned>(std::min<int64_t>((a.count + kThreads - 1) / kThreads, 65535));
-  RoundKernel<<<blocks, kThreads, 0, stream>>>(a);
-  return cudaGetLastError();
+  return LaunchKernel(RoundKernel, blocks, kThreads, 0, stream, a);
 }
 
 }  // namespace fp8norm

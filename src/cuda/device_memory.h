@@ -1,0 +1,56 @@
+// How the CUDA kernels touch memory other than registers: global loads and stores, and
+// the dynamic shared region. On the GPU each is the plain access; in the SIMT emulation
+// (src/simt, docs/simt.md) each global access is first checked against the launch's
+// buffers (one outside them fails the launch and is not performed) and counted for the
+// per-warp memory accounting, and the dynamic region is the block's emulated one.
+#pragma once
+
+#if defined(__CUDACC__)
+
+namespace fp8norm {
+
+template <typename T>
+__device__ __forceinline__ T LoadGlobal(const T* p) {
+  return *p;
+}
+
+template <typename T>
+__device__ __forceinline__ void StoreGlobal(T* p, const T& value) {
+  *p = value;
+}
+
+// The launch's dynamic shared memory (its third launch parameter), 16-byte aligned.
+template <typename T>
+__device__ __forceinline__ T* DynamicShared() {
+  extern __shared__ __align__(16) unsigned char dynamic_shared[];
+  return reinterpret_cast<T*>(dynamic_shared);
+}
+
+}  // namespace fp8norm
+
+#else  // the SIMT emulation
+
+#include <cuda_runtime.h>
+
+namespace fp8norm {
+
+// `site` (the calling line) tells apart the warp-wide requests of different loads.
+template <typename T>
+inline T LoadGlobal(const T* p, int site = __builtin_LINE()) {
+  if (!simt::RecordGlobalAccess(p, sizeof(T), false, site)) return T{};
+  return *p;
+}
+
+template <typename T>
+inline void StoreGlobal(T* p, const T& value, int site = __builtin_LINE()) {
+  if (simt::RecordGlobalAccess(p, sizeof(T), true, site)) *p = value;
+}
+
+template <typename T>
+inline T* DynamicShared() {
+  return static_cast<T*>(simt::DynamicSharedMemory());
+}
+
+}  // namespace fp8norm
+
+#endif

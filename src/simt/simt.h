@@ -1,0 +1,68 @@
+// Host-side controls of the SIMT emulation (docs/simt.md): the emulated device's limits,
+// the global buffers a launch may touch, and what each launch did with global memory.
+// Used by the Python module of the emulated kernels and by the sanitizer driver.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace simt {
+
+struct DeviceLimits {
+  int max_threads_per_block = 1024;
+  int64_t max_grid_x = 2147483647;
+  int shared_per_block = 48 * 1024;      // without opting in
+  int shared_per_block_optin = 232448;  // Hopper's 227 KiB
+};
+
+void SetDeviceLimits(const DeviceLimits& limits);
+DeviceLimits GetDeviceLimits();
+
+// Seeds the order in which each block's threads are resumed (reproducible for one seed).
+void SetScheduleSeed(uint64_t seed);
+
+// What one launch did with one global buffer. A request is one warp-wide access: the
+// accesses the warp's lanes make at one place of the source between two points where the
+// warp meets (shuffles, barriers). `sectors` counts the 32-byte sectors each request
+// touched; `min_sectors` the fewest that could hold the bytes it asked for, from where
+// they start: a fully coalesced kernel has the two equal.
+struct BufferStats {
+  std::string name;
+  uint64_t bytes = 0;  // the buffer's size
+  uint64_t bytes_read = 0;
+  uint64_t bytes_written = 0;
+  uint64_t requests = 0;
+  uint64_t sectors = 0;
+  uint64_t min_sectors = 0;
+  uint32_t widest_access = 0;  // bytes of the widest single load or store
+};
+
+struct LaunchRecord {
+  std::string error;   // empty when the launch succeeded
+  unsigned blocks = 0;
+  unsigned threads = 0;
+  size_t dynamic_shared_bytes = 0;
+  uint64_t barriers = 0;  // completed __syncthreads, summed over blocks
+  uint64_t shuffles = 0;  // completed warp shuffles, summed over warps
+  std::vector<BufferStats> buffers;
+};
+
+// The global buffers the calling OS thread's launches may touch, while the guard lives.
+// With buffers registered, any access outside all of them fails the launch (without
+// being performed); with none, accesses are not checked.
+class ScopedBuffers {
+ public:
+  ScopedBuffers() = default;
+  ~ScopedBuffers();
+  ScopedBuffers(const ScopedBuffers&) = delete;
+  ScopedBuffers& operator=(const ScopedBuffers&) = delete;
+  void Add(const char* name, const void* base, size_t bytes);
+};
+
+// Every launch recorded since the last call, from every OS thread, oldest first (the
+// latest 4096 at most).
+std::vector<LaunchRecord> TakeLaunches();
+
+}  // namespace simt

@@ -1,0 +1,106 @@
+// Python module of the SIMT emulation (docs/simt.md): the CUDA handlers and kernels run on
+// the CPU, registered for platform "cpu" under their own target names, and the emulated
+// device's controls and memory accounting for tests.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+
+#include "ffi_capsule.h"
+#include "handlers.h"
+#include "simt.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace {
+
+// Runs `handler` with every buffer of the call frame registered as the launch's global
+// memory, under the names of the op's arguments and results: an access outside them
+// fails the launch, and the accounting reports per buffer.
+XLA_FFI_Error* WithBuffers(XLA_FFI_CallFrame* frame, XLA_FFI_Handler* handler,
+                           std::initializer_list<const char*> names) {
+  simt::ScopedBuffers buffers;
+  auto name = names.begin();
+  const auto add = [&](int64_t count, const auto* types, void* const* buffers_of) {
+    for (int64_t i = 0; i < count; ++i, ++name) {
+      if (name == names.end()) return;
+      if (static_cast<int>(types[i]) != XLA_FFI_ArgType_BUFFER) continue;
+      const auto* buffer = static_cast<const XLA_FFI_Buffer*>(buffers_of[i]);
+      size_t bytes = xla::ffi::ByteWidth(static_cast<xla::ffi::DataType>(buffer->dtype));
+      for (int64_t d = 0; d < buffer->rank; ++d) bytes *= static_cast<size_t>(buffer->dims[d]);
+      buffers.Add(*name, buffer->data, bytes);
+    }
+  };
+  add(frame->args.size, frame->args.types, frame->args.args);
+  add(frame->rets.size, frame->rets.types, frame->rets.rets);
+  return handler(frame);
+}
+
+XLA_FFI_Error* RmsNormFp8(XLA_FFI_CallFrame* frame) {
+  return WithBuffers(frame, fp8norm::RmsNormFp8CudaHandler, {"x", "gamma", "y", "scales"});
+}
+XLA_FFI_Error* AddRmsNormFp8(XLA_FFI_CallFrame* frame) {
+  return WithBuffers(frame, fp8norm::AddRmsNormFp8CudaHandler,
+                     {"x", "residual", "gamma", "y", "scales", "residual_out"});
+}
+XLA_FFI_Error* Round(XLA_FFI_CallFrame* frame) {
+  return WithBuffers(frame, fp8norm::RoundCudaHandler, {"in", "out"});
+}
+
+}  // namespace
+
+NB_MODULE(_fp8norm_simt, m) {
+  m.attr("version") = FP8NORM_VERSION;
+  m.def("registrations", []() {
+    nanobind::dict targets;
+    targets["fp8norm_simt_rms_norm_fp8"] = fp8norm::FfiCapsule(RmsNormFp8);
+    targets["fp8norm_simt_add_rms_norm_fp8"] = fp8norm::FfiCapsule(AddRmsNormFp8);
+    targets["fp8norm_simt_round"] = fp8norm::FfiCapsule(Round);
+    return targets;
+  });
+  m.def(
+      "set_device_limits",
+      [](int max_threads_per_block, int64_t max_grid_x, int shared_per_block,
+         int shared_per_block_optin) {
+        simt::SetDeviceLimits(simt::DeviceLimits{max_threads_per_block, max_grid_x,
+                                                 shared_per_block, shared_per_block_optin});
+      },
+      nanobind::arg("max_threads_per_block"), nanobind::arg("max_grid_x"),
+      nanobind::arg("shared_per_block"), nanobind::arg("shared_per_block_optin"));
+  m.def("device_limits", []() {
+    const simt::DeviceLimits l = simt::GetDeviceLimits();
+    nanobind::dict out;
+    out["max_threads_per_block"] = l.max_threads_per_block;
+    out["max_grid_x"] = l.max_grid_x;
+    out["shared_per_block"] = l.shared_per_block;
+    out["shared_per_block_optin"] = l.shared_per_block_optin;
+    return out;
+  });
+  m.def("set_schedule_seed", &simt::SetScheduleSeed, nanobind::arg("seed"));
+  m.def("take_launches", []() {
+    nanobind::list out;
+    for (const simt::LaunchRecord& r : simt::TakeLaunches()) {
+      nanobind::dict launch;
+      launch["error"] = r.error;
+      launch["blocks"] = r.blocks;
+      launch["threads"] = r.threads;
+      launch["dynamic_shared_bytes"] = r.dynamic_shared_bytes;
+      launch["barriers"] = r.barriers;
+      launch["shuffles"] = r.shuffles;
+      nanobind::dict buffers;
+      for (const simt::BufferStats& b : r.buffers) {
+        nanobind::dict stats;
+        stats["bytes"] = b.bytes;
+        stats["bytes_read"] = b.bytes_read;
+        stats["bytes_written"] = b.bytes_written;
+        stats["requests"] = b.requests;
+        stats["sectors"] = b.sectors;
+        stats["min_sectors"] = b.min_sectors;
+        stats["widest_access"] = b.widest_access;
+        buffers[b.name.c_str()] = stats;
+      }
+      launch["buffers"] = buffers;
+      out.append(launch);
+    }
+    return out;
+  });
+}

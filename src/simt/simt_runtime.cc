@@ -1,0 +1,703 @@
+// The SIMT emulation's runtime: runs a CUDA launch of the kernels in src/cuda on the CPU,
+// and implements the part of the CUDA runtime API those kernels and their launch use.
+//
+// Threads are fibers, not OS threads. A block's threads meet dozens of times per row
+// (every shuffle step, every barrier); with up to 1024 OS threads on a 2-core machine each
+// meeting would cost thousands of kernel context switches, where a fiber switch costs a
+// few nanoseconds. Fibers also make the interleaving a choice of ours: every thread runs
+// until it reaches a shuffle or a barrier, and the threads ready to go on are resumed in a
+// seeded random order each time, so a kernel that assumes an order (a missing barrier, a
+// result slot read before it is written) computes wrong bits in a test. Under
+// ThreadSanitizer each fiber is a thread of its own whose only orderings with the others
+// are the ones CUDA promises (a barrier, the start and end of a block), so the same bug
+// is also reported as a data race. Blocks run one after another, last block first.
+//
+// A warp's lanes meet at each shuffle: a shuffle completes when every lane of its mask
+// has arrived, and a lane named in the mask that has exited or waits elsewhere is reported
+// as an error when nothing can run, never a hang. A barrier completes when every thread
+// of the block has arrived.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "fiber.h"
+#include "simt.h"
+
+#if defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define SIMT_TSAN 1
+#endif
+#if __has_feature(address_sanitizer)
+#define SIMT_ASAN 1
+#endif
+#endif
+#if defined(__SANITIZE_THREAD__)
+#define SIMT_TSAN 1
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+#define SIMT_ASAN 1
+#endif
+
+#if SIMT_TSAN
+#include <sanitizer/tsan_interface.h>
+extern "C" void AnnotateIgnoreReadsBegin(const char* file, int line);
+extern "C" void AnnotateIgnoreReadsEnd(const char* file, int line);
+extern "C" void AnnotateIgnoreWritesBegin(const char* file, int line);
+extern "C" void AnnotateIgnoreWritesEnd(const char* file, int line);
+#endif
+
+thread_local uint3 threadIdx;
+thread_local uint3 blockIdx;
+thread_local dim3 blockDim;
+thread_local dim3 gridDim;
+
+namespace simt {
+namespace {
+
+#if SIMT_TSAN
+// The emulation's own bookkeeping is shared by all fibers of a block, ordered by the
+// scheduler rather than by anything ThreadSanitizer sees: hidden from it, so that it
+// reports only the kernel's own accesses.
+struct Bookkeeping {
+  Bookkeeping() {
+    AnnotateIgnoreReadsBegin(__FILE__, __LINE__);
+    AnnotateIgnoreWritesBegin(__FILE__, __LINE__);
+  }
+  ~Bookkeeping() {
+    AnnotateIgnoreWritesEnd(__FILE__, __LINE__);
+    AnnotateIgnoreReadsEnd(__FILE__, __LINE__);
+  }
+};
+void Release(void* sync) { __tsan_release(sync); }
+void Acquire(void* sync) { __tsan_acquire(sync); }
+#else
+struct Bookkeeping {
+  Bookkeeping() {}  // user-provided, so that an unused guard draws no warning
+};
+void Release(void*) {}
+void Acquire(void*) {}
+#endif
+
+#if SIMT_ASAN || SIMT_TSAN
+constexpr size_t kStackBytes = 512 * 1024;  // instrumented frames are several times larger
+#else
+constexpr size_t kStackBytes = 64 * 1024;
+#endif
+constexpr unsigned kWarpSize = 32;
+constexpr unsigned kSectorShift = 5;  // 32-byte sectors
+
+enum class Wait { kNone, kBarrier, kShuffle, kDone, kAborted };
+
+struct Access {
+  int key;  // source line * 2 + write
+  bool write;
+  uint32_t bytes;
+  uintptr_t address;
+  int buffer;  // index into the launch's buffers, or -1
+};
+
+struct Buffer {
+  std::string name;
+  uintptr_t base;
+  size_t bytes;
+};
+
+struct ThreadState {
+  std::unique_ptr<Fiber> fiber;
+  unsigned index = 0;
+  Wait wait = Wait::kNone;
+  uint64_t shuffles = 0;     // shuffles this thread has entered in this block
+  std::vector<Access> log;   // global accesses since its warp last met
+};
+
+// Double-buffered: a lane at its shuffle n + 2 knows every lane has left shuffle n.
+struct Exchange {
+  uint64_t generation = ~uint64_t{0};
+  uint32_t mask = 0;
+  uint32_t arrived = 0;
+  uint32_t values[kWarpSize] = {};
+};
+
+struct WarpState {
+  Exchange exchange[2];
+};
+
+struct Shared {
+  std::mutex mutex;
+  DeviceLimits limits;
+  uint64_t seed = 0x9e3779b97f4a7c15ull;
+  std::unordered_map<const void*, int> max_dynamic_shared;  // per kernel
+  std::deque<LaunchRecord> launches;
+};
+
+Shared& Global() {
+  static Shared* shared = new Shared;  // never destroyed: launches may run at exit
+  return *shared;
+}
+
+void Keep(LaunchRecord record) {
+  Shared& g = Global();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  g.launches.push_back(std::move(record));
+  if (g.launches.size() > 4096) g.launches.pop_front();
+}
+
+void ThreadMain(void* argument);
+
+// One per OS thread: the fibers of the block it runs, and the launch in progress.
+struct Executor {
+  Fiber main;
+  std::vector<std::unique_ptr<ThreadState>> threads;
+  std::vector<WarpState> warps;
+  std::vector<Buffer> buffers;
+
+  // The launch in progress.
+  ThreadBody body = nullptr;
+  const void* bound = nullptr;
+  unsigned num_threads = 0;
+  unsigned barrier_arrived = 0;
+  std::unique_ptr<unsigned char[]> dynamic_shared;
+  ThreadState* current = nullptr;
+  std::string error;
+  LaunchRecord record;
+  uint64_t rng = 0;
+
+  // Addresses ThreadSanitizer's happens-before annotations name.
+  char block_start = 0, block_end = 0, barrier = 0;
+
+  // The last failed launch's description, for cudaGetErrorString.
+  std::string last_failure;
+  cudaError_t last_error = cudaSuccess;
+
+  uint64_t Random() {
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return rng;
+  }
+
+  void Fail(const std::string& message) {
+    if (error.empty()) error = message;
+  }
+
+  std::string Where() const {
+    char text[96];
+    std::snprintf(text, sizeof(text), "thread %u of block %u", current ? current->index : 0u,
+                  blockIdx.x);
+    return text;
+  }
+
+  void EnsureThreads(unsigned count) {
+    while (threads.size() < count) {
+      auto state = std::make_unique<ThreadState>();
+      state->index = static_cast<unsigned>(threads.size());
+      state->fiber = std::make_unique<Fiber>(&ThreadMain, state.get(), kStackBytes);
+      threads.push_back(std::move(state));
+    }
+    warps.resize((count + kWarpSize - 1) / kWarpSize);
+  }
+
+  void Yield() { current->fiber->SwitchTo(main); }
+
+  // The accesses warp `w` made since it last met, grouped into warp-wide requests.
+  void CloseWarpEpoch(unsigned w) {
+    struct Item {
+      int key;
+      uint32_t occurrence;
+      uintptr_t address;
+      uint32_t bytes;
+      int buffer;
+    };
+    std::vector<Item> items;
+    std::vector<std::pair<int, uint32_t>> counts;
+    const unsigned end = std::min(num_threads, (w + 1) * kWarpSize);
+    for (unsigned t = w * kWarpSize; t < end; ++t) {
+      std::vector<Access>& log = threads[t]->log;
+      counts.clear();
+      for (const Access& a : log) {
+        auto it = std::find_if(counts.begin(), counts.end(),
+                               [&](const auto& c) { return c.first == a.key; });
+        if (it == counts.end()) it = counts.insert(counts.end(), {a.key, 0u});
+        items.push_back({a.key, it->second++, a.address, a.bytes, a.buffer});
+      }
+      log.clear();
+    }
+    std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+      if (a.key != b.key) return a.key < b.key;
+      if (a.occurrence != b.occurrence) return a.occurrence < b.occurrence;
+      return a.address < b.address;
+    });
+    for (size_t i = 0; i < items.size();) {
+      size_t j = i;
+      uint64_t sectors = 0, union_bytes = 0;
+      uintptr_t covered_end = 0;          // end of the byte union so far
+      uintptr_t last_sector = ~uintptr_t{0};  // last sector counted so far
+      for (; j < items.size() && items[j].key == items[i].key &&
+             items[j].occurrence == items[i].occurrence;
+           ++j) {
+        const uintptr_t lo = items[j].address, hi = lo + items[j].bytes;
+        uintptr_t first = lo >> kSectorShift;
+        const uintptr_t last = (hi - 1) >> kSectorShift;
+        if (last_sector != ~uintptr_t{0} && first <= last_sector) first = last_sector + 1;
+        if (first <= last) sectors += last - first + 1;
+        if (last_sector == ~uintptr_t{0} || last > last_sector) last_sector = last;
+        const uintptr_t from = std::max(lo, covered_end);
+        if (hi > from) union_bytes += hi - from;
+        covered_end = std::max(covered_end, hi);
+      }
+      if (items[i].buffer >= 0) {
+        BufferStats& stats = record.buffers[items[i].buffer];
+        const uintptr_t lo = items[i].address;
+        stats.requests += 1;
+        stats.sectors += sectors;
+        stats.min_sectors += ((lo + union_bytes - 1) >> kSectorShift) - (lo >> kSectorShift) + 1;
+      }
+      i = j;
+    }
+  }
+
+  void CloseAllWarpEpochs() {
+    for (unsigned w = 0; w < warps.size(); ++w) CloseWarpEpoch(w);
+  }
+
+  void RestartAll() {
+    for (auto& t : threads) t->fiber->Restart();
+  }
+
+  // Runs block `b` to completion; false when it failed (error says why).
+  bool RunBlock(unsigned b, size_t dynamic_bytes) {
+    blockIdx = uint3{b, 0, 0};
+    for (unsigned t = 0; t < num_threads; ++t) {
+      ThreadState& s = *threads[t];
+      s.wait = Wait::kNone;
+      s.shuffles = 0;
+      s.log.clear();
+    }
+    for (WarpState& w : warps) w = WarpState{};
+    barrier_arrived = 0;
+    // Exactly the launch's size, so that AddressSanitizer flags one byte past it; filled
+    // with NaN bits, as shared memory holds whatever the previous block left.
+    dynamic_shared.reset(new unsigned char[dynamic_bytes]);
+    std::memset(dynamic_shared.get(), 0xff, dynamic_bytes);
+    Release(&block_start);
+
+    std::vector<ThreadState*> ready;
+    for (;;) {
+      ready.clear();
+      bool all_done = true;
+      for (unsigned t = 0; t < num_threads; ++t) {
+        ThreadState* s = threads[t].get();
+        if (s->wait == Wait::kNone) ready.push_back(s);
+        if (s->wait != Wait::kDone) all_done = false;
+      }
+      if (all_done) break;
+      if (ready.empty()) {
+        Fail(DescribeDeadlock());
+        return false;
+      }
+      for (size_t i = ready.size(); i > 1; --i) std::swap(ready[i - 1], ready[Random() % i]);
+      for (ThreadState* s : ready) {
+        {
+          Bookkeeping hidden;
+          current = s;
+          threadIdx = uint3{s->index, 0, 0};
+        }
+        main.SwitchTo(*s->fiber);
+        current = nullptr;
+        if (!error.empty()) return false;
+      }
+    }
+    CloseAllWarpEpochs();
+    Acquire(&block_end);
+    return true;
+  }
+
+  std::string DescribeDeadlock() const {
+    std::string waiting_barrier, waiting_shuffle, exited;
+    auto add = [](std::string& list, unsigned t) {
+      if (list.size() > 200) return;
+      list += (list.empty() ? "" : ", ") + std::to_string(t);
+    };
+    for (unsigned t = 0; t < num_threads; ++t) {
+      const ThreadState& s = *threads[t];
+      if (s.wait == Wait::kBarrier) add(waiting_barrier, t);
+      if (s.wait == Wait::kShuffle) add(waiting_shuffle, t);
+      if (s.wait == Wait::kDone) add(exited, t);
+    }
+    std::string message = "deadlock in block " + std::to_string(blockIdx.x) + ":";
+    if (!waiting_shuffle.empty()) {
+      message += " threads {" + waiting_shuffle +
+                 "} wait in __shfl_xor_sync for lanes of their mask that never arrive;";
+    }
+    if (!waiting_barrier.empty()) {
+      message += " threads {" + waiting_barrier + "} wait at __syncthreads;";
+    }
+    if (!exited.empty()) message += " threads {" + exited + "} have exited;";
+    return message;
+  }
+};
+
+thread_local Executor executor;
+
+void ThreadMain(void* argument) {
+  auto* self = static_cast<ThreadState*>(argument);
+  Executor& ex = executor;
+  self->fiber->Started();
+  for (;;) {
+    Acquire(&ex.block_start);
+    ex.body(ex.bound);
+    Release(&ex.block_end);
+    {
+      Bookkeeping hidden;
+      self->wait = Wait::kDone;
+    }
+    ex.Yield();
+  }
+}
+
+cudaError_t SetError(cudaError_t error) {
+  if (error != cudaSuccess) executor.last_error = error;
+  return error;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ device side
+
+void* DynamicSharedMemory() { return executor.dynamic_shared.get(); }
+
+bool RecordGlobalAccess(const void* address, size_t bytes, bool write, int site) {
+  Executor& ex = executor;
+  if (ex.current == nullptr) return true;  // not inside a launch
+  Bookkeeping hidden;
+  const auto at = reinterpret_cast<uintptr_t>(address);
+  int found = -1;
+  for (size_t i = 0; i < ex.buffers.size(); ++i) {
+    const Buffer& b = ex.buffers[i];
+    if (at >= b.base && at + bytes <= b.base + b.bytes) found = static_cast<int>(i);
+  }
+  if (found < 0 && !ex.buffers.empty()) {
+    char text[160];
+    std::snprintf(text, sizeof(text), "%s %s %zu bytes at %p, outside every buffer of the launch",
+                  ex.Where().c_str(), write ? "writes" : "reads", bytes, address);
+    std::string message = text;
+    for (const Buffer& b : ex.buffers) {
+      std::snprintf(text, sizeof(text), "; %s is [%p, +%zu)", b.name.c_str(),
+                    reinterpret_cast<void*>(b.base), b.bytes);
+      message += text;
+    }
+    ex.Fail(message);
+    return false;
+  }
+  if (found >= 0) {
+    BufferStats& stats = ex.record.buffers[found];
+    (write ? stats.bytes_written : stats.bytes_read) += bytes;
+    stats.widest_access = std::max<uint32_t>(stats.widest_access, static_cast<uint32_t>(bytes));
+  }
+  ex.current->log.push_back(
+      {site * 2 + (write ? 1 : 0), write, static_cast<uint32_t>(bytes), at, found});
+  return true;
+}
+
+void SyncThreads() {
+  Executor& ex = executor;
+  Release(&ex.barrier);
+  {
+    Bookkeeping hidden;
+    ex.current->wait = Wait::kBarrier;
+    if (++ex.barrier_arrived == ex.num_threads) {
+      for (unsigned t = 0; t < ex.num_threads; ++t) ex.threads[t]->wait = Wait::kNone;
+      ex.barrier_arrived = 0;
+      ex.record.barriers += 1;
+      ex.CloseAllWarpEpochs();
+    }
+  }
+  ex.Yield();
+  Acquire(&ex.barrier);
+}
+
+uint32_t ShuffleXor(uint32_t mask, uint32_t value, int lane_mask, int width) {
+  Executor& ex = executor;
+  ThreadState* self = ex.current;
+  const unsigned lane = self->index % kWarpSize;
+  const unsigned warp = self->index / kWarpSize;
+  Exchange* exchange = nullptr;
+  unsigned source = 0;
+  {
+    Bookkeeping hidden;
+    const unsigned lanes = std::min(kWarpSize, ex.num_threads - warp * kWarpSize);
+    const uint32_t existing = lanes == kWarpSize ? ~0u : (1u << lanes) - 1;
+    source = lane ^ static_cast<unsigned>(lane_mask);
+    char text[200];
+    text[0] = '\0';
+    if (width != static_cast<int>(kWarpSize)) {
+      std::snprintf(text, sizeof(text), "%s: __shfl_xor_sync with width %d (only 32 is emulated)",
+                    ex.Where().c_str(), width);
+    } else if ((mask >> lane & 1u) == 0) {
+      std::snprintf(text, sizeof(text), "%s: __shfl_xor_sync mask 0x%08x leaves out lane %u itself",
+                    ex.Where().c_str(), mask, lane);
+    } else if ((mask & ~existing) != 0) {
+      std::snprintf(text, sizeof(text),
+                    "%s: __shfl_xor_sync mask 0x%08x names lanes beyond the block's %u threads",
+                    ex.Where().c_str(), mask, ex.num_threads);
+    } else if (source >= kWarpSize || (mask >> source & 1u) == 0) {
+      std::snprintf(text, sizeof(text),
+                    "%s: __shfl_xor_sync reads lane %u, which mask 0x%08x leaves out",
+                    ex.Where().c_str(), source, mask);
+    } else {
+      const uint64_t n = self->shuffles++;
+      exchange = &ex.warps[warp].exchange[n & 1];
+      if (exchange->generation != n) {
+        exchange->generation = n;
+        exchange->mask = mask;
+        exchange->arrived = 0;
+      } else if (exchange->mask != mask) {
+        std::snprintf(text, sizeof(text),
+                      "%s: lanes of warp %u meet at a __shfl_xor_sync with masks 0x%08x and "
+                      "0x%08x",
+                      ex.Where().c_str(), warp, exchange->mask, mask);
+      }
+      if (text[0] == '\0') {
+        exchange->values[lane] = value;
+        exchange->arrived |= 1u << lane;
+        self->wait = Wait::kShuffle;
+        if (exchange->arrived == mask) {
+          for (unsigned l = 0; l < kWarpSize; ++l) {
+            if (mask >> l & 1u) ex.threads[warp * kWarpSize + l]->wait = Wait::kNone;
+          }
+          ex.record.shuffles += 1;
+          ex.CloseWarpEpoch(warp);
+        }
+      }
+    }
+    if (text[0] != '\0') {
+      ex.Fail(text);
+      self->wait = Wait::kAborted;
+    }
+  }
+  ex.Yield();  // an aborted thread is never resumed
+  Bookkeeping hidden;
+  return exchange->values[source];
+}
+
+cudaError_t SetMaxDynamicShared(const void* kernel, int bytes) {
+  Shared& g = Global();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  if (bytes < 0 || bytes > g.limits.shared_per_block_optin) return SetError(cudaErrorInvalidValue);
+  g.max_dynamic_shared[kernel] = bytes;
+  return cudaSuccess;
+}
+
+cudaError_t Launch(const void* kernel, const cudaLaunchConfig_t& config, ThreadBody thread_body,
+                   const void* kernel_and_args) {
+  Executor& ex = executor;
+  if (ex.current != nullptr) return SetError(cudaErrorInvalidConfiguration);  // from a kernel
+  DeviceLimits limits;
+  int allowed_dynamic = 0;
+  uint64_t seed = 0;
+  {
+    Shared& g = Global();
+    std::lock_guard<std::mutex> lock(g.mutex);
+    limits = g.limits;
+    auto it = g.max_dynamic_shared.find(kernel);
+    allowed_dynamic = it == g.max_dynamic_shared.end() ? 0 : it->second;
+    seed = g.seed;
+  }
+  const dim3 grid = config.gridDim;
+  const dim3 block = config.blockDim;
+  const size_t dynamic_bytes = config.dynamicSmemBytes;
+  std::string refusal;
+  cudaError_t code = cudaErrorInvalidConfiguration;
+  if (grid.y != 1 || grid.z != 1 || block.y != 1 || block.z != 1) {
+    refusal = "only 1-D grids and blocks are emulated";
+  } else if (block.x == 0 || block.x > static_cast<unsigned>(limits.max_threads_per_block)) {
+    refusal = "block of " + std::to_string(block.x) + " threads (the device allows 1 to " +
+              std::to_string(limits.max_threads_per_block) + ")";
+  } else if (grid.x == 0 || grid.x > limits.max_grid_x) {
+    refusal = "grid of " + std::to_string(grid.x) + " blocks (the device allows 1 to " +
+              std::to_string(limits.max_grid_x) + ")";
+  } else if (dynamic_bytes > static_cast<size_t>(limits.shared_per_block_optin)) {
+    code = cudaErrorInvalidValue;
+    refusal = std::to_string(dynamic_bytes) + " bytes of dynamic shared memory (the device has " +
+              std::to_string(limits.shared_per_block_optin) + ")";
+  } else if (dynamic_bytes > static_cast<size_t>(limits.shared_per_block) &&
+             dynamic_bytes > static_cast<size_t>(allowed_dynamic)) {
+    code = cudaErrorInvalidValue;
+    refusal = std::to_string(dynamic_bytes) +
+              " bytes of dynamic shared memory without cudaFuncSetAttribute("
+              "cudaFuncAttributeMaxDynamicSharedMemorySize) allowing them";
+  }
+  LaunchRecord record;
+  record.blocks = grid.x;
+  record.threads = block.x;
+  record.dynamic_shared_bytes = dynamic_bytes;
+  for (const Buffer& b : ex.buffers) {
+    BufferStats stats;
+    stats.name = b.name;
+    stats.bytes = b.bytes;
+    record.buffers.push_back(stats);
+  }
+  if (!refusal.empty()) {
+    ex.last_failure = "invalid launch: " + refusal;
+    record.error = ex.last_failure;
+    Keep(std::move(record));
+    return SetError(code);
+  }
+
+  ex.EnsureThreads(block.x);
+  ex.body = thread_body;
+  ex.bound = kernel_and_args;
+  ex.num_threads = block.x;
+  ex.error.clear();
+  ex.record = std::move(record);
+  ex.rng = seed ^ (reinterpret_cast<uintptr_t>(kernel_and_args) >> 4) ^ 0x2545f4914f6cdd1dull;
+  if (ex.rng == 0) ex.rng = 1;
+  gridDim = grid;
+  blockDim = block;
+  bool ok = true;
+  for (unsigned b = grid.x; b-- > 0;) {
+    if (!ex.RunBlock(b, dynamic_bytes)) {
+      ok = false;
+      break;
+    }
+  }
+  ex.dynamic_shared.reset();
+  ex.body = nullptr;
+  ex.bound = nullptr;
+  if (!ok) {
+    ex.RestartAll();
+    ex.last_failure = "unspecified launch failure (emulated): " + ex.error;
+    ex.record.error = ex.last_failure;
+  }
+  Keep(std::move(ex.record));
+  ex.record = LaunchRecord{};
+  return ok ? cudaSuccess : SetError(cudaErrorLaunchFailure);
+}
+
+// ------------------------------------------------------------------ host side
+
+void SetDeviceLimits(const DeviceLimits& limits) {
+  Shared& g = Global();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  g.limits = limits;
+  g.max_dynamic_shared.clear();  // another device: attributes start over
+}
+
+DeviceLimits GetDeviceLimits() {
+  Shared& g = Global();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  return g.limits;
+}
+
+void SetScheduleSeed(uint64_t seed) {
+  Shared& g = Global();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  g.seed = seed;
+}
+
+ScopedBuffers::~ScopedBuffers() { executor.buffers.clear(); }
+
+void ScopedBuffers::Add(const char* name, const void* base, size_t bytes) {
+  executor.buffers.push_back({name, reinterpret_cast<uintptr_t>(base), bytes});
+}
+
+std::vector<LaunchRecord> TakeLaunches() {
+  Shared& g = Global();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  std::vector<LaunchRecord> out(std::make_move_iterator(g.launches.begin()),
+                                std::make_move_iterator(g.launches.end()));
+  g.launches.clear();
+  return out;
+}
+
+}  // namespace simt
+
+// ------------------------------------------------------------------ runtime API
+
+cudaError_t cudaGetLastError() {
+  const cudaError_t error = simt::executor.last_error;
+  simt::executor.last_error = cudaSuccess;
+  return error;
+}
+
+cudaError_t cudaPeekAtLastError() { return simt::executor.last_error; }
+
+const char* cudaGetErrorString(cudaError_t error) {
+  switch (error) {
+    case cudaSuccess:
+      return "no error";
+    case cudaErrorInvalidValue:
+    case cudaErrorInvalidConfiguration:
+    case cudaErrorLaunchFailure:
+      return simt::executor.last_failure.empty() ? "emulated launch error"
+                                                  : simt::executor.last_failure.c_str();
+    case cudaErrorInvalidDevice:
+      return "invalid device ordinal";
+    default:
+      return "unknown error";
+  }
+}
+
+cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+
+cudaError_t cudaSetDevice(int device) {
+  return device == 0 ? cudaSuccess : simt::SetError(cudaErrorInvalidDevice);
+}
+
+cudaError_t cudaRuntimeGetVersion(int* version) {
+  *version = CUDART_VERSION;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDriverGetVersion(int* version) {
+  *version = CUDART_VERSION;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int device) {
+  if (device != 0) return simt::SetError(cudaErrorInvalidDevice);
+  const simt::DeviceLimits limits = simt::GetDeviceLimits();
+  switch (attribute) {
+    case cudaDevAttrMaxThreadsPerBlock:
+      *value = limits.max_threads_per_block;
+      return cudaSuccess;
+    case cudaDevAttrMaxGridDimX:
+      *value = static_cast<int>(std::min<int64_t>(limits.max_grid_x, 2147483647));
+      return cudaSuccess;
+    case cudaDevAttrMaxSharedMemoryPerBlock:
+      *value = limits.shared_per_block;
+      return cudaSuccess;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin:
+      *value = limits.shared_per_block_optin;
+      return cudaSuccess;
+  }
+  return simt::SetError(cudaErrorInvalidValue);
+}
+
+cudaError_t cudaMemsetAsync(void* pointer, int value, size_t bytes, cudaStream_t) {
+  simt::Executor& ex = simt::executor;
+  const auto at = reinterpret_cast<uintptr_t>(pointer);
+  bool inside = ex.buffers.empty();
+  for (const simt::Buffer& b : ex.buffers) {
+    inside = inside || (at >= b.base && at + bytes <= b.base + b.bytes);
+  }
+  if (!inside) {
+    ex.last_failure = "cudaMemsetAsync of " + std::to_string(bytes) +
+                      " bytes outside every buffer of the launch";
+    return simt::SetError(cudaErrorInvalidValue);
+  }
+  std::memset(pointer, value, bytes);
+  return cudaSuccess;
+}
