@@ -9,6 +9,7 @@ match the reference; a signal or an abort leaves a START without its PASS.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 import traceback
@@ -16,10 +17,19 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import check_against_reference, random_gamma, random_rows
-from test_validation import BAD_ARRAYS, BAD_KEYWORDS, GAMMA, HANDLER_CASES, X, _ffi
+from conftest import check_against_reference, device_of, random_gamma, random_rows
+from test_validation import (
+    BAD_ARRAYS,
+    BAD_KEYWORDS,
+    GAMMA,
+    HANDLER_CASES,
+    X,
+    _ffi,
+    handler_target,
+)
 
 import jax_fp8norm as fp8norm
+import jax_fp8norm.simt
 
 # Hidden sizes each kernel path treats apart: below one CPU lane block or GPU vector,
 # not a multiple of the vector width, one block of threads and a little more, beyond the
@@ -84,13 +94,14 @@ def bad_input_cases():
 
 
 def handler_cases(platform):
-    device = jax.devices(platform)[0]
+    device = device_of(platform)
+    target = handler_target(platform, "fp8norm_rms_norm_fp8")
     for i, (outs, args, kw, match) in enumerate(HANDLER_CASES):
 
         def call(outs=outs, args=args, kw=kw):
             with jax.default_device(device):
                 placed = [jax.device_put(a, device) for a in args]
-                return _ffi("fp8norm_rms_norm_fp8", outs, *placed, **kw)
+                return _ffi(target, outs, *placed, **kw)
 
         yield f"{platform}-handler{i}", _expecting(call, Exception, match)
 
@@ -105,14 +116,20 @@ def shape_cases(platform):
                 x = random_rows(hidden + rows, (rows, hidden), dtype)
                 residual = random_rows(hidden + 7, (rows, hidden), dtype)
                 gamma = random_gamma(rows, hidden, jnp.float32)
-                check_against_reference(platform, "rms_norm_fp8", x, gamma)
-                check_against_reference(platform, "add_rms_norm_fp8", x, residual, gamma)
+                with kernels_of(platform):
+                    check_against_reference(platform, "rms_norm_fp8", x, gamma)
+                    check_against_reference(platform, "add_rms_norm_fp8", x, residual, gamma)
 
             yield f"{platform}-shape-{rows}x{hidden}-{jnp.dtype(dtype).name}", check
 
 
+def kernels_of(platform):
+    """The emulated CUDA kernels for `simt`, else the platform's own."""
+    return fp8norm.simt.kernels() if platform == "simt" else contextlib.nullcontext()
+
+
 def platforms():
-    found = ["cpu"]
+    found = ["cpu", "simt"]
     try:
         if jax.devices("gpu"):
             found.append("gpu")

@@ -1,7 +1,9 @@
 """Fixtures shared by the tests: the platforms to run on and data generators.
 
-Every kernel test takes the ``platform`` fixture and runs once on the CPU backend and once
-on the GPU. With no GPU the GPU runs skip; with FP8NORM_REQUIRE_GPU=1 they fail instead.
+Every kernel test takes the ``platform`` fixture and runs three times: ``cpu`` (the CPU
+kernels), ``simt`` (the CUDA kernels and handlers, emulated on the CPU backend; see
+jax_fp8norm.simt) and ``gpu``. With no GPU the GPU runs skip; with FP8NORM_REQUIRE_GPU=1
+they fail instead. ``pytest -k simt`` selects the emulated runs.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest
 
 try:
     import jax_fp8norm
+    import jax_fp8norm.simt
 except ImportError as error:
     raise pytest.UsageError(
         f"jax_fp8norm is not importable with its compiled modules ({error}). Install it: "
@@ -36,18 +39,25 @@ def _gpu_devices():
         return []
 
 
-@pytest.fixture(params=["cpu", "gpu"])
-def platform(request) -> str:
+@pytest.fixture(params=["cpu", "simt", "gpu"])
+def platform(request):
     if request.param == "gpu" and not _gpu_devices():
         message = "no GPU backend available to jax"
         if REQUIRE_GPU:
             pytest.fail(f"FP8NORM_REQUIRE_GPU is set but {message}")
         pytest.skip(message)
-    return request.param
+    if request.param == "simt":
+        if not jax_fp8norm.simt.available():
+            pytest.fail("this build of jax_fp8norm has no SIMT emulation (_fp8norm_simt)")
+        with jax_fp8norm.simt.kernels():
+            yield "simt"
+        return
+    yield request.param
 
 
 def device_of(platform: str) -> jax.Device:
-    return jax.devices(platform)[0]
+    """The jax device a platform's kernels run on: the emulated ones on the CPU."""
+    return jax.devices("cpu" if platform == "simt" else platform)[0]
 
 
 def run_on(platform: str, fn, *args, jit: bool = True, **kwargs):

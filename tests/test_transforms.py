@@ -10,6 +10,7 @@ import pytest
 from conftest import assert_same_bits, device_of, random_gamma, random_rows
 
 import jax_fp8norm as fp8norm
+from jax_fp8norm import _ffi as fp8norm_ffi
 
 
 def _stack(outs_per_example, axis=0):
@@ -21,7 +22,8 @@ def _stack(outs_per_example, axis=0):
 
 def _custom_calls(fn, *args) -> int:
     hlo = jax.jit(fn).lower(*args).compile().as_text()
-    return sum(hlo.count(f'custom_call_target="{t}"') for t in fp8norm.FFI_TARGETS)
+    targets = [*fp8norm.FFI_TARGETS, *map(fp8norm_ffi.simt_target, fp8norm.FFI_TARGETS)]
+    return sum(hlo.count(f'custom_call_target="{t}"') for t in targets)
 
 
 @pytest.mark.parametrize("in_axis", [0, 1, 2])
@@ -122,7 +124,7 @@ def test_export_round_trip(platform):
 
     exported = jax.export.export(
         jax.jit(layer),
-        platforms=[platform if platform == "cpu" else "cuda"],
+        platforms=["cuda" if platform == "gpu" else "cpu"],
         disabled_checks=fp8norm.EXPORT_DISABLED_CHECKS,
     )(x, gamma)
     restored = jax.export.deserialize(exported.serialize())

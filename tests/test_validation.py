@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jax_fp8norm as fp8norm
+from jax_fp8norm import _ffi as fp8norm_ffi
 
 X = jnp.ones((4, 16), jnp.bfloat16)
 GAMMA = jnp.ones((16,), jnp.float32)
@@ -151,11 +152,19 @@ HANDLER_CASES = [
 ]
 
 
+def handler_target(handler: str, target: str) -> str:
+    """The FFI target of `handler` on the CPU backend: the CPU kernels' handler, or the
+    CUDA handler compiled for the SIMT emulation."""
+    return fp8norm_ffi.simt_target(target) if handler == "simt" else target
+
+
+@pytest.mark.parametrize("handler", ["cpu", "simt"])
 @pytest.mark.parametrize("outs,args,kw,match", HANDLER_CASES)
-def test_cpu_handler_refuses_inconsistent_buffers(outs, args, kw, match):
+def test_handler_refuses_inconsistent_buffers(handler, outs, args, kw, match):
+    target = handler_target(handler, "fp8norm_rms_norm_fp8")
     with jax.default_device(jax.devices("cpu")[0]):
         with pytest.raises(Exception, match=match) as info:
-            jax.block_until_ready(_ffi("fp8norm_rms_norm_fp8", outs, *args, **kw))
+            jax.block_until_ready(_ffi(target, outs, *args, **kw))
     assert "jax_fp8norm" in str(info.value)
 
 
@@ -166,7 +175,9 @@ def test_cpu_handler_refuses_inconsistent_buffers(outs, args, kw, match):
         (jnp.ones((4, 8), jnp.bfloat16), "residual must have the shape of x"),
     ],
 )
-def test_cpu_handler_refuses_mismatched_residual(residual, match):
+@pytest.mark.parametrize("handler", ["cpu", "simt"])
+def test_handler_refuses_mismatched_residual(handler, residual, match):
     outs = GOOD_OUTS + (_sds(residual.shape, residual.dtype),)
+    target = handler_target(handler, "fp8norm_add_rms_norm_fp8")
     with pytest.raises(Exception, match=match):
-        jax.block_until_ready(_ffi("fp8norm_add_rms_norm_fp8", outs, X, residual, GAMMA))
+        jax.block_until_ready(_ffi(target, outs, X, residual, GAMMA))

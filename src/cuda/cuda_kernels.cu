@@ -255,16 +255,21 @@ __global__ void RoundKernel(const RoundArgs a) {
 
 // ----------------------------------------------------------------- launch
 
-// The limits of `device` the launch plan needs. Both are attribute reads, answered by
-// the runtime from its own tables.
+// The limits of `device` the launch plan needs: attribute reads, answered by the runtime
+// from its own tables.
 cudaError_t QueryLimits(int device, DeviceLimits* limits) {
   int optin_shared = 0;
+  int default_shared = 0;
   int max_grid_x = 0;
   cudaError_t err =
       cudaDeviceGetAttribute(&optin_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&default_shared, cudaDevAttrMaxSharedMemoryPerBlock, device);
+  }
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&max_grid_x, cudaDevAttrMaxGridDimX, device);
   if (err != cudaSuccess) return err;
   limits->optin_shared_bytes = static_cast<size_t>(optin_shared);
+  limits->default_shared_bytes = static_cast<size_t>(default_shared);
   limits->max_blocks = std::min<int64_t>(kMaxBlocks, max_grid_x);
   return cudaSuccess;
 }

@@ -37,6 +37,8 @@ struct DeviceLimits {
   size_t optin_shared_bytes;   // cudaDevAttrMaxSharedMemoryPerBlockOptin
   size_t static_shared_bytes;  // the kernel's own __shared__ storage
   int64_t max_blocks = kMaxBlocks;
+  // cudaDevAttrMaxSharedMemoryPerBlock: what a block may use without opting in.
+  size_t default_shared_bytes = kDefaultSharedBytes;
 };
 
 struct LaunchPlan {
@@ -46,7 +48,7 @@ struct LaunchPlan {
   unsigned blocks;              // rows are strided over them
   bool cached;                  // the row's float32 values kept in dynamic shared memory
   size_t dynamic_shared_bytes;  // hidden floats when cached, else 0
-  bool opt_in;                  // dynamic + static shared bytes exceed kDefaultSharedBytes
+  bool opt_in;                  // dynamic + static shared bytes exceed default_shared_bytes
 };
 
 inline bool AlignedTo(const void* p, size_t bytes) {
@@ -73,7 +75,8 @@ inline LaunchPlan PlanRmsNormFp8Launch(const RmsNormFp8Args& a, const DeviceLimi
   const size_t cache_bytes = static_cast<size_t>(a.hidden) * sizeof(float);
   plan.cached = cache_bytes + limits.static_shared_bytes <= limits.optin_shared_bytes;
   plan.dynamic_shared_bytes = plan.cached ? cache_bytes : 0;
-  plan.opt_in = plan.dynamic_shared_bytes + limits.static_shared_bytes > kDefaultSharedBytes;
+  plan.opt_in =
+      plan.dynamic_shared_bytes + limits.static_shared_bytes > limits.default_shared_bytes;
   return plan;
 }
 

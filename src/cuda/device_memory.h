@@ -37,13 +37,13 @@ namespace fp8norm {
 // `site` (the calling line) tells apart the warp-wide requests of different loads.
 template <typename T>
 inline T LoadGlobal(const T* p, int site = __builtin_LINE()) {
-  if (!simt::RecordGlobalAccess(p, sizeof(T), false, site)) return T{};
+  if (!simt::RecordGlobalAccess(p, sizeof(T), alignof(T), false, site)) return T{};
   return *p;
 }
 
 template <typename T>
 inline void StoreGlobal(T* p, const T& value, int site = __builtin_LINE()) {
-  if (simt::RecordGlobalAccess(p, sizeof(T), true, site)) *p = value;
+  if (simt::RecordGlobalAccess(p, sizeof(T), alignof(T), true, site)) *p = value;
 }
 
 template <typename T>

@@ -7,27 +7,11 @@
 #include <cstdio>
 #include <cstdlib>
 
-#if defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define SIMT_ASAN 1
-#endif
-#if __has_feature(thread_sanitizer)
-#define SIMT_TSAN 1
-#endif
-#endif
-#if defined(__SANITIZE_ADDRESS__)
-#define SIMT_ASAN 1
-#endif
-#if defined(__SANITIZE_THREAD__)
-#define SIMT_TSAN 1
-#endif
+#include "sanitizers.h"
 
 #if SIMT_ASAN
 #include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
-#endif
-#if SIMT_TSAN
-#include <sanitizer/tsan_interface.h>
 #endif
 
 #if defined(__x86_64__) && defined(__linux__)
@@ -182,6 +166,7 @@ void Fiber::Prepare() {
 void Fiber::Restart() { Prepare(); }
 
 void Fiber::Started() {
+  Bookkeeping hidden;
 #if SIMT_ASAN
   const void* bottom = nullptr;
   size_t size = 0;
@@ -194,16 +179,26 @@ void Fiber::Started() {
 }
 
 void Fiber::SwitchTo(Fiber& to) {
-  switching_from = this;
+  void* next_sp;
+  void* next_tsan_fiber;
+  {
+    // Fiber state is the emulation's bookkeeping. The guard ends before ThreadSanitizer's
+    // switch, after which accesses count as `to`'s.
+    Bookkeeping hidden;
+    switching_from = this;
+    next_sp = to.saved_sp_;
+    next_tsan_fiber = to.tsan_fiber_;
+  }
+  (void)next_tsan_fiber;
 #if SIMT_ASAN
   __sanitizer_start_switch_fiber(&asan_fake_stack_, to.stack_bottom_, to.stack_bytes_);
 #endif
 #if SIMT_TSAN
   // No happens-before from a switch: the emulation declares every ordering it promises.
-  __tsan_switch_to_fiber(to.tsan_fiber_, __tsan_switch_to_fiber_no_sync);
+  __tsan_switch_to_fiber(next_tsan_fiber, __tsan_switch_to_fiber_no_sync);
 #endif
 #if SIMT_X86_64_SWITCH
-  fp8norm_simt_switch_stack(&saved_sp_, to.saved_sp_);
+  fp8norm_simt_switch_stack(&saved_sp_, next_sp);
 #else
   swapcontext(static_cast<ucontext_t*>(context_), static_cast<ucontext_t*>(to.context_));
 #endif

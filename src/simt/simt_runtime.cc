@@ -30,30 +30,8 @@
 #include <vector>
 
 #include "fiber.h"
+#include "sanitizers.h"
 #include "simt.h"
-
-#if defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define SIMT_TSAN 1
-#endif
-#if __has_feature(address_sanitizer)
-#define SIMT_ASAN 1
-#endif
-#endif
-#if defined(__SANITIZE_THREAD__)
-#define SIMT_TSAN 1
-#endif
-#if defined(__SANITIZE_ADDRESS__)
-#define SIMT_ASAN 1
-#endif
-
-#if SIMT_TSAN
-#include <sanitizer/tsan_interface.h>
-extern "C" void AnnotateIgnoreReadsBegin(const char* file, int line);
-extern "C" void AnnotateIgnoreReadsEnd(const char* file, int line);
-extern "C" void AnnotateIgnoreWritesBegin(const char* file, int line);
-extern "C" void AnnotateIgnoreWritesEnd(const char* file, int line);
-#endif
 
 thread_local uint3 threadIdx;
 thread_local uint3 blockIdx;
@@ -62,30 +40,6 @@ thread_local dim3 gridDim;
 
 namespace simt {
 namespace {
-
-#if SIMT_TSAN
-// The emulation's own bookkeeping is shared by all fibers of a block, ordered by the
-// scheduler rather than by anything ThreadSanitizer sees: hidden from it, so that it
-// reports only the kernel's own accesses.
-struct Bookkeeping {
-  Bookkeeping() {
-    AnnotateIgnoreReadsBegin(__FILE__, __LINE__);
-    AnnotateIgnoreWritesBegin(__FILE__, __LINE__);
-  }
-  ~Bookkeeping() {
-    AnnotateIgnoreWritesEnd(__FILE__, __LINE__);
-    AnnotateIgnoreReadsEnd(__FILE__, __LINE__);
-  }
-};
-void Release(void* sync) { __tsan_release(sync); }
-void Acquire(void* sync) { __tsan_acquire(sync); }
-#else
-struct Bookkeeping {
-  Bookkeeping() {}  // user-provided, so that an unused guard draws no warning
-};
-void Release(void*) {}
-void Acquire(void*) {}
-#endif
 
 #if SIMT_ASAN || SIMT_TSAN
 constexpr size_t kStackBytes = 512 * 1024;  // instrumented frames are several times larger
@@ -206,7 +160,14 @@ struct Executor {
     warps.resize((count + kWarpSize - 1) / kWarpSize);
   }
 
-  void Yield() { current->fiber->SwitchTo(main); }
+  void Yield() {
+    Fiber* fiber;
+    {
+      Bookkeeping hidden;
+      fiber = current->fiber.get();
+    }
+    fiber->SwitchTo(main);
+  }
 
   // The accesses warp `w` made since it last met, grouped into warp-wide requests.
   void CloseWarpEpoch(unsigned w) {
@@ -351,10 +312,22 @@ thread_local Executor executor;
 void ThreadMain(void* argument) {
   auto* self = static_cast<ThreadState*>(argument);
   Executor& ex = executor;
-  self->fiber->Started();
+  Fiber* fiber;
+  {
+    Bookkeeping hidden;
+    fiber = self->fiber.get();
+  }
+  fiber->Started();
   for (;;) {
     Acquire(&ex.block_start);
-    ex.body(ex.bound);
+    ThreadBody body;
+    const void* bound;
+    {
+      Bookkeeping hidden;
+      body = ex.body;
+      bound = ex.bound;
+    }
+    body(bound);
     Release(&ex.block_end);
     {
       Bookkeeping hidden;
@@ -375,11 +348,19 @@ cudaError_t SetError(cudaError_t error) {
 
 void* DynamicSharedMemory() { return executor.dynamic_shared.get(); }
 
-bool RecordGlobalAccess(const void* address, size_t bytes, bool write, int site) {
+bool RecordGlobalAccess(const void* address, size_t bytes, size_t alignment, bool write,
+                        int site) {
   Executor& ex = executor;
   if (ex.current == nullptr) return true;  // not inside a launch
   Bookkeeping hidden;
   const auto at = reinterpret_cast<uintptr_t>(address);
+  if (at % alignment != 0) {
+    char text[160];
+    std::snprintf(text, sizeof(text), "%s %s %zu bytes at %p, misaligned for a %zu-byte access",
+                  ex.Where().c_str(), write ? "writes" : "reads", bytes, address, alignment);
+    ex.Fail(text);
+    return false;
+  }
   int found = -1;
   for (size_t i = 0; i < ex.buffers.size(); ++i) {
     const Buffer& b = ex.buffers[i];
@@ -500,6 +481,9 @@ cudaError_t SetMaxDynamicShared(const void* kernel, int bytes) {
 cudaError_t Launch(const void* kernel, const cudaLaunchConfig_t& config, ThreadBody thread_body,
                    const void* kernel_and_args) {
   Executor& ex = executor;
+  // The kernel's threads see the launch's state through the scheduler, not through
+  // anything ThreadSanitizer sees; the block's start and end order the kernel's memory.
+  Bookkeeping hidden;
   if (ex.current != nullptr) return SetError(cudaErrorInvalidConfiguration);  // from a kernel
   DeviceLimits limits;
   int allowed_dynamic = 0;

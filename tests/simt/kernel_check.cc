@@ -1,0 +1,307 @@
+// Runs the CUDA kernels of src/cuda, emulated on the CPU (src/simt), over every launch
+// path, and compares each result bit for bit with the CPU kernel (src/cpu), which the
+// Python tests hold to the reference. Every buffer is allocated at exactly its size, and
+// the launch is told the same sizes, so one element past the end is an error of the
+// emulation and of AddressSanitizer.
+//
+// Built plain, with AddressSanitizer + UndefinedBehaviorSanitizer, and with
+// ThreadSanitizer by tools/simt_check.sh; with planted bugs by tools/simt_mutants.py.
+// Prints one line per failure and a summary of the launch paths reached; exits non-zero
+// on any mismatch, launch error or path of the list below not reached.
+//
+//   kernel_check [--quick]   (--quick: fewer and shorter rows, for ThreadSanitizer)
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cuda_kernels.h"
+#include "cuda_launch_plan.h"
+#include "rms_norm_fp8.h"
+#include "simt.h"
+
+namespace fp8norm {
+namespace {
+
+struct Limits {
+  const char* name;
+  int shared_per_block;
+  int shared_per_block_optin;
+  int64_t max_grid_x;
+};
+
+// A Hopper GPU; a device whose opt-in shared memory barely holds a short row (rows past
+// about 900 float32 are re-read); one that needs the opt-in beyond 2 KiB; a grid of at
+// most 3 blocks, so each block strides over several rows.
+constexpr Limits kLimits[] = {
+    {"hopper", 48 * 1024, 232448, 2147483647},
+    {"optin-4k", 4096, 4096, 2147483647},
+    {"default-2k", 2048, 16384, 2147483647},
+    {"grid-3", 48 * 1024, 232448, 3},
+};
+
+struct Case {
+  int64_t rows;
+  int64_t hidden;
+  FloatType input;
+  int residual;  // 0: none, 1: the input's dtype, 2: bfloat16 beside a float32 input
+  FloatType gamma;
+  FloatType scale;
+  Fp8Format out;
+  size_t misalign;  // bytes x (and residual) start past an aligned address
+  int limits;       // index into kLimits
+  bool specials;    // rows of zeros, an Inf and a NaN
+  float scale_ub;
+};
+
+struct Rng {
+  uint64_t s;
+  uint64_t Next() {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    return s;
+  }
+  float Uniform() { return static_cast<float>(Next() >> 40) * (1.0f / 16777216.0f); }
+  float Normal() {
+    const float u = std::max(Uniform(), 1e-7f), v = Uniform();
+    return std::sqrt(-2.0f * std::log(u)) * std::cos(6.2831853f * v);
+  }
+};
+
+// A heap buffer of exactly `bytes` bytes, starting `misalign` bytes past an aligned
+// address: the allocation is misalign + bytes long, so its end is the buffer's end.
+struct ExactBuffer {
+  std::unique_ptr<unsigned char[]> storage;
+  unsigned char* data;
+  size_t bytes;
+  ExactBuffer(size_t n, size_t misalign = 0)
+      : storage(new unsigned char[misalign + n]), data(storage.get() + misalign), bytes(n) {
+    std::memset(storage.get(), 0xa5, misalign + n);
+  }
+};
+
+void Fill(ExactBuffer& b, FloatType type, int64_t rows, int64_t hidden, Rng& rng, bool specials,
+          float spread) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float magnitude = std::pow(10.0f, spread * (2.0f * rng.Uniform() - 1.0f));
+    for (int64_t c = 0; c < hidden; ++c) {
+      float v = rng.Normal() * magnitude;
+      if (specials) {
+        if (r % 7 == 1) v = 0.0f;
+        if (r % 7 == 3 && c == hidden / 2) v = INFINITY;
+        if (r % 7 == 5 && c == hidden - 1) v = NAN;
+      }
+      StoreAs(type, b.data, r * hidden + c, v);
+    }
+  }
+}
+
+size_t Fp8Bytes() { return 1; }
+
+bool SameBytes(const ExactBuffer& got, const ExactBuffer& want, const std::string& what,
+               const std::string& name) {
+  if (std::memcmp(got.data, want.data, got.bytes) == 0) return true;
+  size_t i = 0;
+  while (got.data[i] == want.data[i]) ++i;
+  std::printf("FAIL %s: %s differs from the CPU kernel first at byte %zu (0x%02x, want 0x%02x)\n",
+              name.c_str(), what.c_str(), i, got.data[i], want.data[i]);
+  return false;
+}
+
+const char* TypeName(FloatType t) {
+  return t == FloatType::kF32 ? "f32" : t == FloatType::kF16 ? "f16" : "bf16";
+}
+
+struct Coverage {
+  std::map<std::string, int> paths;
+  void Add(const std::string& path) { paths[path] += 1; }
+};
+
+bool RunCase(const Case& c, Coverage& coverage) {
+  const Limits& limits = kLimits[c.limits];
+  simt::DeviceLimits device;
+  device.shared_per_block = limits.shared_per_block;
+  device.shared_per_block_optin = limits.shared_per_block_optin;
+  device.max_grid_x = limits.max_grid_x;
+  simt::SetDeviceLimits(device);
+
+  const FloatType residual_type =
+      c.residual == 2 ? FloatType::kBF16 : c.residual == 1 ? c.input : c.input;
+  const size_t elements = static_cast<size_t>(c.rows * c.hidden);
+  Rng rng{0x1234567ull + static_cast<uint64_t>(c.rows * 7919 + c.hidden)};
+  ExactBuffer x(elements * FloatTypeBytes(c.input), c.misalign);
+  ExactBuffer residual(c.residual ? elements * FloatTypeBytes(residual_type) : 0, c.misalign);
+  ExactBuffer gamma(static_cast<size_t>(c.hidden) * FloatTypeBytes(c.gamma));
+  Fill(x, c.input, c.rows, c.hidden, rng, c.specials, 2.0f);
+  if (c.residual) Fill(residual, residual_type, c.rows, c.hidden, rng, false, 1.0f);
+  Fill(gamma, c.gamma, 1, c.hidden, rng, false, 0.3f);
+
+  struct Outputs {
+    ExactBuffer y, scales, residual_out;
+  };
+  auto make_outputs = [&]() {
+    return Outputs{ExactBuffer(elements * Fp8Bytes()),
+                   ExactBuffer(static_cast<size_t>(c.rows) * FloatTypeBytes(c.scale)),
+                   ExactBuffer(c.residual ? elements * FloatTypeBytes(residual_type) : 0)};
+  };
+  Outputs emulated = make_outputs(), cpu = make_outputs();
+
+  auto args_for = [&](Outputs& o) {
+    RmsNormFp8Args a{};
+    a.x = x.data;
+    a.residual = c.residual ? residual.data : nullptr;
+    a.gamma = gamma.data;
+    a.y = o.y.data;
+    a.scales = o.scales.data;
+    a.residual_out = c.residual ? o.residual_out.data : nullptr;
+    a.rows = c.rows;
+    a.hidden = c.hidden;
+    a.input_type = c.input;
+    a.residual_type = residual_type;
+    a.gamma_type = c.gamma;
+    a.scale_type = c.scale;
+    a.out_format = c.out;
+    a.constants = RowConstants{RoundTo(c.input, 1e-6f), RoundTo(c.input, 0.5f), c.scale_ub};
+    return a;
+  };
+
+  char name_text[200];
+  std::snprintf(name_text, sizeof(name_text),
+                "%lldx%lld %s residual=%d gamma=%s scale=%s %s misalign=%zu limits=%s%s",
+                static_cast<long long>(c.rows), static_cast<long long>(c.hidden),
+                TypeName(c.input), c.residual, TypeName(c.gamma), TypeName(c.scale),
+                c.out == Fp8Format::kE4M3FN ? "e4m3fn" : "e4m3fnuz", c.misalign, limits.name,
+                c.specials ? " specials" : "");
+  const std::string name = name_text;
+
+  const RmsNormFp8Args emulated_args = args_for(emulated);
+  cudaError_t status;
+  {
+    simt::ScopedBuffers buffers;
+    buffers.Add("x", x.data, x.bytes);
+    if (c.residual) buffers.Add("residual", residual.data, residual.bytes);
+    buffers.Add("gamma", gamma.data, gamma.bytes);
+    buffers.Add("y", emulated.y.data, emulated.y.bytes);
+    buffers.Add("scales", emulated.scales.data, emulated.scales.bytes);
+    if (c.residual) buffers.Add("residual_out", emulated.residual_out.data,
+                                emulated.residual_out.bytes);
+    status = LaunchRmsNormFp8(nullptr, 0, emulated_args);
+  }
+  const std::vector<simt::LaunchRecord> launches = simt::TakeLaunches();
+  if (status != cudaSuccess || launches.empty() || !launches.back().error.empty()) {
+    std::printf("FAIL %s: launch failed (status %d): %s\n", name.c_str(), static_cast<int>(status),
+                launches.empty() ? "no launch recorded" : launches.back().error.c_str());
+    return false;
+  }
+
+  const RmsNormFp8Args cpu_args = args_for(cpu);
+  const bool cpu_ok = RmsNormFp8Cpu(cpu_args, [](int64_t n, const std::function<void(int64_t)>& f) {
+    for (int64_t i = 0; i < n; ++i) f(i);
+  });
+  if (!cpu_ok) {
+    std::printf("FAIL %s: the CPU kernel could not allocate\n", name.c_str());
+    return false;
+  }
+  bool ok = SameBytes(emulated.y, cpu.y, "y", name);
+  ok = SameBytes(emulated.scales, cpu.scales, "scales", name) && ok;
+  if (c.residual) ok = SameBytes(emulated.residual_out, cpu.residual_out, "residual_out", name) && ok;
+
+  // The path the launch took, as the plan decided it.
+  const LaunchPlan plan = PlanRmsNormFp8Launch(
+      emulated_args,
+      DeviceLimits{static_cast<size_t>(limits.shared_per_block_optin), 0,
+                   std::min<int64_t>(kMaxBlocks, limits.max_grid_x),
+                   static_cast<size_t>(limits.shared_per_block)});
+  const simt::LaunchRecord& launch = launches.back();
+  std::string path = std::string(plan.vectorized ? "vectorized" : "scalar") +
+                     (launch.dynamic_shared_bytes > 0 ? " cached" : " re-read");
+  coverage.Add(path);
+  if (plan.opt_in) coverage.Add("shared memory opted in");
+  if (launch.blocks < c.rows) coverage.Add("grid-stride over rows");
+  if (launch.threads >= 64) coverage.Add("several warps");
+  if (c.hidden / plan.vector_width > launch.threads) coverage.Add("more loads than threads");
+  if (c.residual == 1) coverage.Add("residual");
+  if (c.residual == 2) coverage.Add("16-bit residual beside float32 x");
+  if (c.misalign) coverage.Add("misaligned x");
+  if (c.hidden % VectorWidth(FloatTypeBytes(c.input)) != 0) coverage.Add("hidden not a vector multiple");
+  if (c.specials) coverage.Add("zero, Inf and NaN rows");
+  return ok;
+}
+
+int Main(bool quick) {
+  std::vector<Case> cases;
+  const int64_t hiddens_full[] = {1, 7, 8, 33, 64, 256, 1000, 1032, 4104, 8200, 12289};
+  const int64_t hiddens_quick[] = {7, 64, 1000, 1032, 2056};
+  const std::vector<int64_t> hiddens = quick
+                                           ? std::vector<int64_t>(std::begin(hiddens_quick),
+                                                                  std::end(hiddens_quick))
+                                           : std::vector<int64_t>(std::begin(hiddens_full),
+                                                                  std::end(hiddens_full));
+  const FloatType inputs[] = {FloatType::kBF16, FloatType::kF32, FloatType::kF16};
+  const FloatType scales[] = {FloatType::kF32, FloatType::kBF16, FloatType::kF16};
+  int k = 0;
+  for (const int64_t hidden : hiddens) {
+    for (const FloatType input : inputs) {
+      for (int residual = 0; residual <= (input == FloatType::kF32 ? 2 : 1); ++residual) {
+        for (int limits = 0; limits < 4; ++limits, ++k) {
+          Case c{};
+          c.rows = quick ? 4 : (limits == 3 ? 10 : 5);
+          c.hidden = hidden;
+          c.input = input;
+          c.residual = residual;
+          // k / 4 picks the options the four limits share, so that each meets each limit.
+          c.gamma = (k / 4 + limits) % 2 ? FloatType::kBF16 : FloatType::kF32;
+          c.scale = scales[k % 3];
+          c.out = k % 5 == 4 ? Fp8Format::kE4M3FNUZ : Fp8Format::kE4M3FN;
+          c.misalign = (k / 4 + limits) % 4 == 1 ? FloatTypeBytes(input) : 0;
+          c.limits = limits;
+          c.specials = k % 3 == 2;
+          c.scale_ub = k % 7 == 3 ? 0.01f : INFINITY;
+          cases.push_back(c);
+        }
+      }
+    }
+  }
+  Coverage coverage;
+  int failures = 0;
+  for (const Case& c : cases) failures += RunCase(c, coverage) ? 0 : 1;
+
+  const char* required[] = {"vectorized cached",
+                            "vectorized re-read",
+                            "scalar cached",
+                            "scalar re-read",
+                            "shared memory opted in",
+                            "grid-stride over rows",
+                            "several warps",
+                            "more loads than threads",
+                            "residual",
+                            "16-bit residual beside float32 x",
+                            "misaligned x",
+                            "hidden not a vector multiple",
+                            "zero, Inf and NaN rows"};
+  std::printf("%zu cases, %d failed; launch paths reached (cases):\n", cases.size(), failures);
+  for (const auto& [path, count] : coverage.paths) std::printf("  %-34s %d\n", path.c_str(), count);
+  for (const char* path : required) {
+    if (quick && std::strcmp(path, "more loads than threads") == 0) continue;
+    if (coverage.paths.count(path) == 0) {
+      std::printf("FAIL path never reached: %s\n", path);
+      ++failures;
+    }
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace fp8norm
+
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  return fp8norm::Main(quick);
+}
