@@ -25,8 +25,13 @@ TARGETS = (RMS_NORM_FP8_TARGET, ADD_RMS_NORM_FP8_TARGET, ROUND_TARGET)
 
 # What jax.export must be told to serialise a function that uses the ops: our custom-call
 # targets carry no cross-version compatibility guarantee from XLA, so the caller vouches
-# for them (the deserialising process must import jax_fp8norm, which registers them).
-EXPORT_DISABLED_CHECKS = tuple(jax.export.DisabledSafetyCheck.custom_call(t) for t in TARGETS)
+# for them (the deserialising process must import jax_fp8norm, which registers them). The
+# emulated CUDA kernels' targets (jax_fp8norm.simt) are listed too.
+EXPORT_DISABLED_CHECKS = tuple(
+    jax.export.DisabledSafetyCheck.custom_call(name)
+    for t in TARGETS
+    for name in (t, _ffi.simt_target(t))
+)
 
 
 @functools.cache

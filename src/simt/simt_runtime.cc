@@ -160,7 +160,10 @@ struct Executor {
     warps.resize((count + kWarpSize - 1) / kWarpSize);
   }
 
+  // Back to the scheduler. Everything the thread did so far happens before whatever the
+  // host does after the block, finished or abandoned (not before other threads).
   void Yield() {
+    Release(&block_end);
     Fiber* fiber;
     {
       Bookkeeping hidden;
@@ -236,6 +239,12 @@ struct Executor {
 
   // Runs block `b` to completion; false when it failed (error says why).
   bool RunBlock(unsigned b, size_t dynamic_bytes) {
+    const bool ok = RunBlockThreads(b, dynamic_bytes);
+    Acquire(&block_end);
+    return ok;
+  }
+
+  bool RunBlockThreads(unsigned b, size_t dynamic_bytes) {
     blockIdx = uint3{b, 0, 0};
     for (unsigned t = 0; t < num_threads; ++t) {
       ThreadState& s = *threads[t];
@@ -251,6 +260,10 @@ struct Executor {
     std::memset(dynamic_shared.get(), 0xff, dynamic_bytes);
     Release(&block_start);
 
+    // Half the blocks resume every ready thread once per round, in random order; the
+    // others run one warp, chosen at random, until all its threads wait, as a GPU may
+    // run one warp far ahead of the others.
+    const bool warp_at_a_time = Random() % 2 == 1;
     std::vector<ThreadState*> ready;
     for (;;) {
       ready.clear();
@@ -265,20 +278,39 @@ struct Executor {
         Fail(DescribeDeadlock());
         return false;
       }
-      for (size_t i = ready.size(); i > 1; --i) std::swap(ready[i - 1], ready[Random() % i]);
-      for (ThreadState* s : ready) {
-        {
-          Bookkeeping hidden;
-          current = s;
-          threadIdx = uint3{s->index, 0, 0};
+      if (!warp_at_a_time) {
+        if (!RunInRandomOrder(ready)) return false;
+        continue;
+      }
+      const unsigned warp = ready[Random() % ready.size()]->index / kWarpSize;
+      const unsigned end = std::min(num_threads, (warp + 1) * kWarpSize);
+      for (;;) {
+        ready.clear();
+        for (unsigned t = warp * kWarpSize; t < end; ++t) {
+          if (threads[t]->wait == Wait::kNone) ready.push_back(threads[t].get());
         }
-        main.SwitchTo(*s->fiber);
-        current = nullptr;
-        if (!error.empty()) return false;
+        if (ready.empty()) break;
+        if (!RunInRandomOrder(ready)) return false;
       }
     }
     CloseAllWarpEpochs();
-    Acquire(&block_end);
+    return true;
+  }
+
+  // Resumes each of `ready` once, in random order, until it waits again or exits; false
+  // when one of them failed the launch.
+  bool RunInRandomOrder(std::vector<ThreadState*>& ready) {
+    for (size_t i = ready.size(); i > 1; --i) std::swap(ready[i - 1], ready[Random() % i]);
+    for (ThreadState* s : ready) {
+      {
+        Bookkeeping hidden;
+        current = s;
+        threadIdx = uint3{s->index, 0, 0};
+      }
+      main.SwitchTo(*s->fiber);
+      current = nullptr;
+      if (!error.empty()) return false;
+    }
     return true;
   }
 
@@ -328,7 +360,6 @@ void ThreadMain(void* argument) {
       bound = ex.bound;
     }
     body(bound);
-    Release(&ex.block_end);
     {
       Bookkeeping hidden;
       self->wait = Wait::kDone;

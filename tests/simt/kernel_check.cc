@@ -6,8 +6,9 @@
 //
 // Built plain, with AddressSanitizer + UndefinedBehaviorSanitizer, and with
 // ThreadSanitizer by tools/simt_check.sh; with planted bugs by tools/simt_mutants.py.
-// Prints one line per failure and a summary of the launch paths reached; exits non-zero
-// on any mismatch, launch error or path of the list below not reached.
+// Checks the emulator's own promises first (emulator_check.cc). Prints one line per
+// failure and a summary of the launch paths reached; exits non-zero on any mismatch,
+// launch error or path of the list below not reached.
 //
 //   kernel_check [--quick]   (--quick: fewer and shorter rows, for ThreadSanitizer)
 #include <algorithm>
@@ -27,6 +28,9 @@
 #include "simt.h"
 
 namespace fp8norm {
+
+int CheckEmulator();  // emulator_check.cc
+
 namespace {
 
 struct Limits {
@@ -270,7 +274,7 @@ int Main(bool quick) {
     }
   }
   Coverage coverage;
-  int failures = 0;
+  int failures = CheckEmulator();
   for (const Case& c : cases) failures += RunCase(c, coverage) ? 0 : 1;
 
   const char* required[] = {"vectorized cached",

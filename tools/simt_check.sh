@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The emulated CUDA kernels under the sanitizers, then the mutation check (docs/simt.md):
+#   1. AddressSanitizer + UndefinedBehaviorSanitizer over every launch path
+#      (tests/simt/kernel_check: exact-size buffers, so one element past the end is an error);
+#   2. ThreadSanitizer over the block-level paths (kernel_check --quick: every path at
+#      shorter rows; each emulated thread is a TSan thread of its own);
+#   3. tools/simt_mutants.py --tsan: planted bugs, each of which must be caught.
+# Any report or surviving mutant fails the script. Run by .ci/run; needs cmake and a C++
+# compiler with the sanitizers (GCC or Clang), no GPU. BUILD sets the build directory.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build="${BUILD:-build/simt-check}"
+jobs="$(nproc 2>/dev/null || echo 2)"
+
+configure_and_build() {  # <dir> <sanitizers>
+  cmake -S tests/simt -B "$build/$1" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DFP8NORM_SANITIZE="$2" > /dev/null
+  cmake --build "$build/$1" -j "$jobs" > "$build/$1.build.log" 2>&1 || {
+    tail -40 "$build/$1.build.log"
+    return 1
+  }
+}
+
+mkdir -p "$build"
+echo "== simt: AddressSanitizer + UndefinedBehaviorSanitizer, every launch path"
+configure_and_build asan "address,undefined"
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
+  "$build/asan/kernel_check"
+
+echo "== simt: ThreadSanitizer, block-level paths"
+configure_and_build tsan "thread"
+TSAN_OPTIONS=halt_on_error=1 "$build/tsan/kernel_check" --quick
+
+echo "== simt: mutation check"
+python tools/simt_mutants.py --build "$build/mutants" --tsan
