@@ -60,6 +60,14 @@ __global__ void Exchange(uint32_t* out) {
   StoreGlobal(out + threadIdx.x, __shfl_xor_sync(0xffffffffu, mine, 5));
 }
 
+// Lane i reads element i (one 128-byte line: 4 sectors), then element 8 i (32 bytes
+// apart: 32 sectors for the same 128 bytes).
+__global__ void CoalescedThenStrided(const uint32_t* in, uint32_t* out) {
+  const uint32_t a = LoadGlobal(in + threadIdx.x);
+  const uint32_t b = LoadGlobal(in + 8 * threadIdx.x);
+  StoreGlobal(out + threadIdx.x, a + b);
+}
+
 int failures = 0;
 
 template <typename... Params, typename... Args>
@@ -135,6 +143,24 @@ int CheckEmulator() {
     const cudaError_t status = Run(BlockOrder, 5, 32, 0, order.data(), count.data());
     Expect("blocks run last first", status == cudaSuccess && order[0] == 4 && order[4] == 0,
            std::to_string(order[0]) + ".." + std::to_string(order[4]));
+  }
+  {
+    std::vector<uint32_t> in(8 * 32, 1);
+    simt::ScopedBuffers buffers;
+    buffers.Add("in", in.data(), in.size() * sizeof(uint32_t));
+    buffers.Add("out", out.data(), 64 * sizeof(uint32_t));
+    simt::TakeLaunches();
+    const bool ran = Run(CoalescedThenStrided, 1, 32, 0, in.data(), out.data()) == cudaSuccess;
+    const std::vector<simt::LaunchRecord> launches = simt::TakeLaunches();
+    const simt::BufferStats& read = launches.back().buffers[0];
+    // From a 32-byte boundary: 4 + 32 sectors touched, 4 + 4 the fewest possible; one
+    // sector more each from elsewhere.
+    const bool aligned = reinterpret_cast<uintptr_t>(in.data()) % 32 == 0;
+    Expect("sectors are counted per warp-wide request",
+           ran && read.requests == 2 && read.bytes_read == 256 &&
+               read.sectors == (aligned ? 36u : 37u) && read.min_sectors == (aligned ? 8u : 10u),
+           std::to_string(read.requests) + " requests, " + std::to_string(read.sectors) +
+               " sectors, " + std::to_string(read.min_sectors) + " at least");
   }
   simt::TakeLaunches();
   return failures;

@@ -1,0 +1,171 @@
+"""The CUDA kernels' launch paths and memory traffic, through the SIMT emulation
+(jax_fp8norm.simt, docs/simt.md).
+
+Each launch path is reached at a small size by giving the emulated device small limits, the
+result is held to the reference bit for bit, and the emulator's memory accounting is held
+to what the kernel's design promises: on the cached path x and the residual are read once
+and gamma once per row, every output is written once, and every warp-wide access touches
+the fewest 32-byte sectors that can hold it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import check_against_reference, random_gamma, random_rows
+
+import jax_fp8norm as fp8norm
+from jax_fp8norm import simt
+
+pytestmark = pytest.mark.skipif(not simt.available(), reason="built without the emulation")
+
+F32_STATIC_SHARED = 300  # more than the kernel's own __shared__ scratch
+
+
+def run(op: str, *args):
+    """Runs `op` on the emulated kernels, checks it against the reference and returns the
+    outputs and the op's launch."""
+    with simt.kernels():
+        simt.take_launches()
+        out, _ = check_against_reference("simt", op, *args)
+        launches = [launch for launch in simt.take_launches() if "x" in launch["buffers"]]
+    assert launches, "no emulated launch of the kernel was recorded"
+    assert launches[-1]["error"] == ""
+    return out, launches[-1]
+
+
+def inputs(rows, hidden, dtype, *, residual=False, gamma_dtype=jnp.float32, seed=0):
+    x = random_rows(seed, (rows, hidden), dtype)
+    gamma = random_gamma(seed + 1, hidden, gamma_dtype)
+    if residual:
+        return "add_rms_norm_fp8", (x, random_rows(seed + 2, (rows, hidden), dtype), gamma)
+    return "rms_norm_fp8", (x, gamma)
+
+
+def nbytes(a) -> int:
+    return np.asarray(a).nbytes
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("residual", [False, True])
+def test_cached_path_reads_inputs_once_and_writes_outputs_once(dtype, residual):
+    rows, hidden = 6, 4096
+    op, args = inputs(rows, hidden, dtype, residual=residual)
+    out, launch = run(op, *args)
+    buffers = launch["buffers"]
+    assert launch["dynamic_shared_bytes"] == hidden * 4  # the row cached as float32
+    assert buffers["x"]["bytes_read"] == nbytes(args[0])
+    assert buffers["gamma"]["bytes_read"] == rows * nbytes(args[-1])
+    assert buffers["y"]["bytes_written"] == nbytes(out[0])
+    assert buffers["scales"]["bytes_written"] == nbytes(out[1])
+    if residual:
+        assert buffers["residual"]["bytes_read"] == nbytes(args[1])
+        assert buffers["residual_out"]["bytes_written"] == nbytes(out[2])
+    for name, stats in buffers.items():
+        kind = "bytes_read" if name in ("x", "residual", "gamma") else "bytes_written"
+        other = "bytes_written" if kind == "bytes_read" else "bytes_read"
+        assert stats[other] == 0, name  # inputs never written, outputs never read
+
+
+def test_rows_too_long_for_shared_memory_are_read_three_times():
+    rows, hidden = 4, 2048  # 8 KiB of float32 per row; the device opts in to 4 KiB
+    op, args = inputs(rows, hidden, jnp.float32, residual=True)
+    with simt.device(shared_per_block=4096, shared_per_block_optin=4096):
+        out, launch = run(op, *args)
+    buffers = launch["buffers"]
+    assert launch["dynamic_shared_bytes"] == 0
+    assert buffers["x"]["bytes_read"] == 3 * nbytes(args[0])  # one per sweep
+    assert buffers["residual"]["bytes_read"] == 3 * nbytes(args[1])
+    assert buffers["gamma"]["bytes_read"] == 2 * rows * nbytes(args[2])  # sweeps 2 and 3
+    assert buffers["residual_out"]["bytes_written"] == nbytes(out[2])
+
+
+@pytest.mark.parametrize(
+    "hidden,dtype,width",
+    [(4096, jnp.bfloat16, 16), (2048, jnp.float32, 16), (1000, jnp.float16, 16)],
+)
+def test_vectorised_accesses_are_fully_coalesced(hidden, dtype, width):
+    op, args = inputs(5, hidden, dtype, residual=True, gamma_dtype=dtype)
+    _, launch = run(op, *args)
+    for name, stats in launch["buffers"].items():
+        assert stats["requests"] > 0, name
+        assert stats["sectors"] == stats["min_sectors"], (name, stats)
+    assert launch["buffers"]["x"]["widest_access"] == width  # 16-byte loads
+    assert launch["buffers"]["y"]["widest_access"] == width // np.dtype(dtype).itemsize
+
+
+def test_scalar_path_when_hidden_is_not_a_vector_multiple():
+    op, args = inputs(3, 1001, jnp.bfloat16, residual=True)
+    _, launch = run(op, *args)
+    assert launch["buffers"]["x"]["widest_access"] == 2
+    for name, stats in launch["buffers"].items():
+        assert stats["sectors"] == stats["min_sectors"], (name, stats)  # still coalesced
+
+
+def test_more_dynamic_shared_memory_than_the_default_is_opted_into():
+    op, args = inputs(3, 1000, jnp.float32)  # 4000 bytes cached, the default is 2 KiB
+    with simt.device(shared_per_block=2048, shared_per_block_optin=16384):
+        _, launch = run(op, *args)
+    assert launch["dynamic_shared_bytes"] == 4000
+
+
+def test_a_grid_capped_at_three_blocks_strides_over_1000_rows():
+    op, args = inputs(1000, 40, jnp.bfloat16, residual=True)
+    with simt.device(max_grid_x=3):
+        _, launch = run(op, *args)
+    assert launch["blocks"] == 3
+
+
+def test_a_row_longer_than_a_block_is_strided_over_its_threads():
+    op, args = inputs(2, 8200, jnp.bfloat16)  # 1025 vectors of 8
+    _, launch = run(op, *args)
+    assert launch["threads"] == 1024
+    assert launch["buffers"]["x"]["bytes_read"] == nbytes(args[0])
+
+
+def test_block_reductions_meet_at_every_barrier_and_shuffle():
+    # 3 rows, 4 warps: per row two block reductions of two barriers each, and per warp
+    # five shuffle steps per reduction (two values for the sum), plus warp 0's second pass.
+    op, args = inputs(3, 1000, jnp.bfloat16)  # 125 vectors: 128 threads
+    _, launch = run(op, *args)
+    assert launch["threads"] == 128
+    assert launch["barriers"] == 3 * 4
+    assert launch["shuffles"] == 3 * (4 * (10 + 5) + (10 + 5))
+
+
+def test_a_launch_the_device_refuses_raises_instead_of_crashing():
+    op, args = inputs(2, 4096, jnp.bfloat16)  # the plan asks for 512 threads
+    with simt.kernels(), simt.device(max_threads_per_block=256):
+        with pytest.raises(Exception, match="block of 512 threads"):
+            jax.block_until_ready(jax.jit(getattr(fp8norm, op))(*args))
+        assert simt.take_launches()[-1]["error"]
+    # The emulation is usable again afterwards.
+    run(op, *args)
+
+
+def test_schedule_seed_changes_the_order_not_the_bits():
+    op, args = inputs(4, 3000, jnp.float16, residual=True)
+    first, _ = run(op, *args)
+    try:
+        simt.set_schedule_seed(12345)
+        second, _ = run(op, *args)
+    finally:
+        simt.set_schedule_seed(0x9E3779B97F4A7C15)
+    for a, b in zip(first, second, strict=True):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def test_outside_the_block_the_ops_use_the_cpu_kernels():
+    _, args = inputs(2, 64, jnp.bfloat16)
+    with simt.kernels():
+        with simt.kernels():
+            pass
+        assert simt.active()  # leaving a nested block keeps the outer one's
+        assert "fp8norm_simt_rms_norm_fp8" in jax.jit(fp8norm.rms_norm_fp8).lower(*args).as_text()
+    assert not simt.active()
+    assert "fp8norm_simt_" not in jax.jit(fp8norm.rms_norm_fp8).lower(*args).as_text()
+    simt.take_launches()
+    jax.block_until_ready(fp8norm.rms_norm_fp8(*args))
+    assert simt.take_launches() == []
