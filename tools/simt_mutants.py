@@ -76,8 +76,8 @@ MUTANTS = [
     Mutant(
         "quantise sweep: a row's last vector skipped",
         "cuda_kernels.cu",
-        "  // Sweep 3: quantise.\n  for (int64_t i = threadIdx.x; i < num_vecs; i += blockDim.x)",
-        "  // Sweep 3: quantise.\n  for (int64_t i = threadIdx.x; i < num_vecs - 1; i += blockDim.x)",
+        "i < num_vecs; i += blockDim.x) {\n    float normed[kVec];",
+        "i < num_vecs - 1; i += blockDim.x) {\n    float normed[kVec];",
     ),
     Mutant(
         "grid-stride loop: rows strided by the block size instead of the grid size",

@@ -41,7 +41,7 @@ struct xla::ffi::CtxDecoding<fp8norm::GpuTarget> {
     // on the calling thread.
     return Type{nullptr, 0};
 #else
-    const auto stream = CtxDecoding<PlatformStream<cudaStream_t>>::Decode(api, ctx, diagnostic);
+    const auto stream = CtxDecoding<PlatformStream<cudaStream_t> >::Decode(api, ctx, diagnostic);
     const auto device = CtxDecoding<DeviceOrdinal>::Decode(api, ctx, diagnostic);
     if (!stream.has_value() || !device.has_value()) return std::nullopt;
     return Type{*stream, *device};
@@ -104,10 +104,9 @@ ffi::Error LaunchOn(int32_t device, const char* what, Launch launch) {
   return CudaStatus(launch(device), what);
 }
 
-ffi::Error RmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x,
-                          ffi::AnyBuffer gamma, ffi::Result<ffi::AnyBuffer> y,
-                          ffi::Result<ffi::AnyBuffer> scales, float eps, float weight_offset,
-                          float scale_ub) {
+ffi::Error RmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
+                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
+                          float eps, float weight_offset, float scale_ub) {
   RmsNormFp8Args args;
   ffi::Error status =
       DecodeRmsNormFp8(x, nullptr, gamma, y, scales, nullptr, eps, weight_offset, scale_ub, &args);
@@ -116,9 +115,9 @@ ffi::Error RmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x,
                   [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
 }
 
-ffi::Error AddRmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x,
-                             ffi::AnyBuffer residual, ffi::AnyBuffer gamma,
-                             ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
+ffi::Error AddRmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer residual,
+                             ffi::AnyBuffer gamma, ffi::Result<ffi::AnyBuffer> y,
+                             ffi::Result<ffi::AnyBuffer> scales,
                              ffi::Result<ffi::AnyBuffer> residual_out, float eps,
                              float weight_offset, float scale_ub) {
   RmsNormFp8Args args;
@@ -129,8 +128,7 @@ ffi::Error AddRmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x,
                   [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
 }
 
-ffi::Error RoundImpl(GpuTarget gpu, ffi::AnyBuffer in,
-                     ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error RoundImpl(GpuTarget gpu, ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out) {
   RoundArgs args;
   ffi::Error status = DecodeRound(in, out, &args);
   if (status.failure()) return status;
@@ -165,12 +163,10 @@ XLA_FFI_DEFINE_HANDLER(kAddRmsNormFp8Cuda, AddRmsNormFp8Impl,
                            .Attr<float>("scale_ub"),
                        {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER(kRoundCuda, RoundImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<GpuTarget>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>(),
-                       {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER(
+    kRoundCuda, RoundImpl,
+    ffi::Ffi::Bind().Ctx<GpuTarget>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>(),
+    {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_Error* RmsNormFp8CudaHandler(XLA_FFI_CallFrame* call_frame) {
   return kRmsNormFp8Cuda(call_frame);

@@ -153,13 +153,11 @@ void Fiber::Prepare() {
   context->uc_link = nullptr;
   // makecontext passes int arguments only: the pointer travels in two halves.
   const auto bits = reinterpret_cast<uintptr_t>(this);
-  makecontext(
-      context,
-      reinterpret_cast<void (*)()>(+[](unsigned hi, unsigned lo) {
-        auto* self = reinterpret_cast<Fiber*>(uintptr_t{hi} << 32 | lo);
-        self->entry_(self->argument_);
-      }),
-      2, static_cast<unsigned>(bits >> 32), static_cast<unsigned>(bits));
+  makecontext(context, reinterpret_cast<void (*)()>(+[](unsigned hi, unsigned lo) {
+                auto* self = reinterpret_cast<Fiber*>(uintptr_t{hi} << 32 | lo);
+                self->entry_(self->argument_);
+              }),
+              2, static_cast<unsigned>(bits >> 32), static_cast<unsigned>(bits));
 #endif
 }
 

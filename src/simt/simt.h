@@ -13,7 +13,7 @@ namespace simt {
 struct DeviceLimits {
   int max_threads_per_block = 1024;
   int64_t max_grid_x = 2147483647;
-  int shared_per_block = 48 * 1024;      // without opting in
+  int shared_per_block = 48 * 1024;     // without opting in
   int shared_per_block_optin = 232448;  // Hopper's 227 KiB
 };
 
@@ -40,7 +40,7 @@ struct BufferStats {
 };
 
 struct LaunchRecord {
-  std::string error;   // empty when the launch succeeded
+  std::string error;  // empty when the launch succeeded
   unsigned blocks = 0;
   unsigned threads = 0;
   size_t dynamic_shared_bytes = 0;

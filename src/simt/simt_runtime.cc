@@ -69,8 +69,8 @@ struct ThreadState {
   std::unique_ptr<Fiber> fiber;
   unsigned index = 0;
   Wait wait = Wait::kNone;
-  uint64_t shuffles = 0;     // shuffles this thread has entered in this block
-  std::vector<Access> log;   // global accesses since its warp last met
+  uint64_t shuffles = 0;    // shuffles this thread has entered in this block
+  std::vector<Access> log;  // global accesses since its warp last met
 };
 
 // Double-buffered: a lane at its shuffle n + 2 knows every lane has left shuffle n.
@@ -204,7 +204,7 @@ struct Executor {
     for (size_t i = 0; i < items.size();) {
       size_t j = i;
       uint64_t sectors = 0, union_bytes = 0;
-      uintptr_t covered_end = 0;          // end of the byte union so far
+      uintptr_t covered_end = 0;              // end of the byte union so far
       uintptr_t last_sector = ~uintptr_t{0};  // last sector counted so far
       for (; j < items.size() && items[j].key == items[i].key &&
              items[j].occurrence == items[i].occurrence;
@@ -380,8 +380,7 @@ cudaError_t SetError(cudaError_t error) {
 
 void* DynamicSharedMemory() { return executor.dynamic_shared.get(); }
 
-bool RecordGlobalAccess(const void* address, size_t bytes, size_t alignment, bool write,
-                        int site) {
+bool RecordGlobalAccess(const void* address, size_t bytes, size_t alignment, bool write, int site) {
   Executor& ex = executor;
   if (ex.current == nullptr) return true;  // not inside a launch
   Bookkeeping hidden;
@@ -656,7 +655,7 @@ const char* cudaGetErrorString(cudaError_t error) {
     case cudaErrorInvalidConfiguration:
     case cudaErrorLaunchFailure:
       return simt::executor.last_failure.empty() ? "emulated launch error"
-                                                  : simt::executor.last_failure.c_str();
+                                                 : simt::executor.last_failure.c_str();
     case cudaErrorInvalidDevice:
       return "invalid device ordinal";
     default:
@@ -711,8 +710,8 @@ cudaError_t cudaMemsetAsync(void* pointer, int value, size_t bytes, cudaStream_t
     inside = inside || (at >= b.base && at + bytes <= b.base + b.bytes);
   }
   if (!inside) {
-    ex.last_failure = "cudaMemsetAsync of " + std::to_string(bytes) +
-                      " bytes outside every buffer of the launch";
+    ex.last_failure =
+        "cudaMemsetAsync of " + std::to_string(bytes) + " bytes outside every buffer of the launch";
     return simt::SetError(cudaErrorInvalidValue);
   }
   std::memset(pointer, value, bytes);

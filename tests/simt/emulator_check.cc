@@ -118,8 +118,8 @@ int CheckEmulator() {
     ExpectFailure("dynamic shared memory beyond the default needs the opt-in",
                   Run(Exchange, 1, 32, 64 * 1024, out.data()), "cudaFuncSetAttribute");
     Expect("the opt-in is granted up to the device's limit",
-           cudaFuncSetAttribute(Exchange, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                64 * 1024) == cudaSuccess,
+           cudaFuncSetAttribute(Exchange, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024) ==
+               cudaSuccess,
            "");
     Expect("  ... and the launch then runs",
            Run(Exchange, 1, 32, 64 * 1024, out.data()) == cudaSuccess, "");

@@ -136,8 +136,9 @@ bool RunCase(const Case& c, Coverage& coverage) {
   device.max_grid_x = limits.max_grid_x;
   simt::SetDeviceLimits(device);
 
-  const FloatType residual_type =
-      c.residual == 2 ? FloatType::kBF16 : c.residual == 1 ? c.input : c.input;
+  const FloatType residual_type = c.residual == 2   ? FloatType::kBF16
+                                  : c.residual == 1 ? c.input
+                                                    : c.input;
   const size_t elements = static_cast<size_t>(c.rows * c.hidden);
   Rng rng{0x1234567ull + static_cast<uint64_t>(c.rows * 7919 + c.hidden)};
   ExactBuffer x(elements * FloatTypeBytes(c.input), c.misalign);
@@ -179,8 +180,8 @@ bool RunCase(const Case& c, Coverage& coverage) {
   char name_text[200];
   std::snprintf(name_text, sizeof(name_text),
                 "%lldx%lld %s residual=%d gamma=%s scale=%s %s misalign=%zu limits=%s%s",
-                static_cast<long long>(c.rows), static_cast<long long>(c.hidden),
-                TypeName(c.input), c.residual, TypeName(c.gamma), TypeName(c.scale),
+                static_cast<long long>(c.rows), static_cast<long long>(c.hidden), TypeName(c.input),
+                c.residual, TypeName(c.gamma), TypeName(c.scale),
                 c.out == Fp8Format::kE4M3FN ? "e4m3fn" : "e4m3fnuz", c.misalign, limits.name,
                 c.specials ? " specials" : "");
   const std::string name = name_text;
@@ -194,8 +195,8 @@ bool RunCase(const Case& c, Coverage& coverage) {
     buffers.Add("gamma", gamma.data, gamma.bytes);
     buffers.Add("y", emulated.y.data, emulated.y.bytes);
     buffers.Add("scales", emulated.scales.data, emulated.scales.bytes);
-    if (c.residual) buffers.Add("residual_out", emulated.residual_out.data,
-                                emulated.residual_out.bytes);
+    if (c.residual)
+      buffers.Add("residual_out", emulated.residual_out.data, emulated.residual_out.bytes);
     status = LaunchRmsNormFp8(nullptr, 0, emulated_args);
   }
   const std::vector<simt::LaunchRecord> launches = simt::TakeLaunches();
@@ -215,14 +216,14 @@ bool RunCase(const Case& c, Coverage& coverage) {
   }
   bool ok = SameBytes(emulated.y, cpu.y, "y", name);
   ok = SameBytes(emulated.scales, cpu.scales, "scales", name) && ok;
-  if (c.residual) ok = SameBytes(emulated.residual_out, cpu.residual_out, "residual_out", name) && ok;
+  if (c.residual)
+    ok = SameBytes(emulated.residual_out, cpu.residual_out, "residual_out", name) && ok;
 
   // The path the launch took, as the plan decided it.
   const LaunchPlan plan = PlanRmsNormFp8Launch(
-      emulated_args,
-      DeviceLimits{static_cast<size_t>(limits.shared_per_block_optin), 0,
-                   std::min<int64_t>(kMaxBlocks, limits.max_grid_x),
-                   static_cast<size_t>(limits.shared_per_block)});
+      emulated_args, DeviceLimits{static_cast<size_t>(limits.shared_per_block_optin), 0,
+                                  std::min<int64_t>(kMaxBlocks, limits.max_grid_x),
+                                  static_cast<size_t>(limits.shared_per_block)});
   const simt::LaunchRecord& launch = launches.back();
   std::string path = std::string(plan.vectorized ? "vectorized" : "scalar") +
                      (launch.dynamic_shared_bytes > 0 ? " cached" : " re-read");
@@ -234,7 +235,8 @@ bool RunCase(const Case& c, Coverage& coverage) {
   if (c.residual == 1) coverage.Add("residual");
   if (c.residual == 2) coverage.Add("16-bit residual beside float32 x");
   if (c.misalign) coverage.Add("misaligned x");
-  if (c.hidden % VectorWidth(FloatTypeBytes(c.input)) != 0) coverage.Add("hidden not a vector multiple");
+  if (c.hidden % VectorWidth(FloatTypeBytes(c.input)) != 0)
+    coverage.Add("hidden not a vector multiple");
   if (c.specials) coverage.Add("zero, Inf and NaN rows");
   return ok;
 }
@@ -243,11 +245,9 @@ int Main(bool quick) {
   std::vector<Case> cases;
   const int64_t hiddens_full[] = {1, 7, 8, 33, 64, 256, 1000, 1032, 4104, 8200, 12289};
   const int64_t hiddens_quick[] = {7, 64, 1000, 1032, 2056};
-  const std::vector<int64_t> hiddens = quick
-                                           ? std::vector<int64_t>(std::begin(hiddens_quick),
-                                                                  std::end(hiddens_quick))
-                                           : std::vector<int64_t>(std::begin(hiddens_full),
-                                                                  std::end(hiddens_full));
+  const std::vector<int64_t> hiddens =
+      quick ? std::vector<int64_t>(std::begin(hiddens_quick), std::end(hiddens_quick))
+            : std::vector<int64_t>(std::begin(hiddens_full), std::end(hiddens_full));
   const FloatType inputs[] = {FloatType::kBF16, FloatType::kF32, FloatType::kF16};
   const FloatType scales[] = {FloatType::kF32, FloatType::kBF16, FloatType::kF16};
   int k = 0;

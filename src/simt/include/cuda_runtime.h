@@ -83,8 +83,7 @@ void* DynamicSharedMemory();
 // emulator knows and against its alignment, as the GPU faults on a misaligned vector
 // access (false: the launch fails, and the access must not be made), then counted per
 // warp. `site` tells apart the accesses one warp makes at different places of the source.
-bool RecordGlobalAccess(const void* address, size_t bytes, size_t alignment, bool write,
-                        int site);
+bool RecordGlobalAccess(const void* address, size_t bytes, size_t alignment, bool write, int site);
 
 void SyncThreads();
 uint32_t ShuffleXor(uint32_t mask, uint32_t value, int lane_mask, int width);

@@ -1,0 +1,94 @@
+"""Global-memory traffic of the CUDA kernel at the benchmark's hidden sizes, measured by the
+SIMT emulation's accounting (docs/simt.md); prints the Markdown table of
+docs/performance.md.
+
+    python tools/simt_memory_report.py [--rows 4]
+
+Each shape runs `--rows` rows on the emulated kernels (every row of a shape takes the same
+path, so the per-row figures hold for any row count) and is checked against the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_fp8norm as fp8norm
+from jax_fp8norm import simt
+from jax_fp8norm.testing import assert_matches_reference
+
+# The GPU preset of jax_fp8norm.bench: bfloat16 at every hidden size, float16 and float32 at
+# its spot shapes' hidden sizes.
+SHAPES = [(jnp.bfloat16, h) for h in (2048, 4096, 7168, 8192, 16384)] + [
+    (dtype, h) for dtype in (jnp.float16, jnp.float32) for h in (4096, 8192)
+]
+
+
+def measure(op: str, dtype, hidden: int, rows: int) -> dict:
+    rng = np.random.default_rng(hidden)
+    x = rng.standard_normal((rows, hidden)).astype(jnp.dtype(dtype))
+    gamma = rng.uniform(-2, 2, hidden).astype(np.float32)
+    args = (x, gamma) if op == "rms_norm_fp8" else (x, x[::-1].copy(), gamma)
+    with simt.kernels():
+        simt.take_launches()
+        out = jax.jit(getattr(fp8norm, op))(*args)
+        jax.block_until_ready(out)
+        (launch,) = [entry for entry in simt.take_launches() if "x" in entry["buffers"]]
+    ref = jax.jit(getattr(fp8norm.reference, op))(*args)
+    assert_matches_reference([np.asarray(o) for o in out], [np.asarray(r) for r in ref])
+    assert launch["error"] == "", launch["error"]
+    inputs = ("x", "gamma") if op == "rms_norm_fp8" else ("x", "residual", "gamma")
+    buffers = launch["buffers"]
+    # What each row must move at the least: its x (and residual) and gamma read once, its
+    # outputs written once.
+    ideal_read = (
+        sum(buffers[n]["bytes"] for n in inputs if n != "gamma") + rows * buffers["gamma"]["bytes"]
+    )
+    ideal_written = sum(b["bytes"] for n, b in buffers.items() if n not in inputs)
+    read = sum(buffers[n]["bytes_read"] for n in inputs)
+    written = sum(b["bytes_written"] for n, b in buffers.items() if n not in inputs)
+    sectors = sum(b["sectors"] for b in buffers.values())
+    min_sectors = sum(b["min_sectors"] for b in buffers.values())
+    return {
+        "threads": launch["threads"],
+        "cached": launch["dynamic_shared_bytes"] > 0,
+        "vector": buffers["x"]["widest_access"],
+        "read": read / rows,
+        "written": written / rows,
+        "read_ratio": read / ideal_read,
+        "written_ratio": written / ideal_written,
+        "requests": sum(b["requests"] for b in buffers.values()) / rows,
+        "sectors": sectors / rows,
+        "min_sectors": min_sectors / rows,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=4)
+    args = parser.parse_args(argv)
+    print(
+        "| op | dtype | hidden | threads | row in shared memory | bytes per load "
+        "| read per row (x ideal) | written per row (x ideal) | warp requests per row "
+        "| sectors per row (fewest possible) |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for op in ("rms_norm_fp8", "add_rms_norm_fp8"):
+        for dtype, hidden in SHAPES:
+            m = measure(op, dtype, hidden, args.rows)
+            print(
+                f"| {op} | {jnp.dtype(dtype).name} | {hidden} | {m['threads']} "
+                f"| {'yes' if m['cached'] else 'no'} | {m['vector']} "
+                f"| {m['read']:.0f} ({m['read_ratio']:.2f}) "
+                f"| {m['written']:.0f} ({m['written_ratio']:.2f}) | {m['requests']:.0f} "
+                f"| {m['sectors']:.0f} ({m['min_sectors']:.0f}) |"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
