@@ -111,11 +111,28 @@ def test_more_dynamic_shared_memory_than_the_default_is_opted_into():
     assert launch["dynamic_shared_bytes"] == 4000
 
 
-def test_a_grid_capped_at_three_blocks_strides_over_1000_rows():
-    op, args = inputs(1000, 40, jnp.bfloat16, residual=True)
-    with simt.device(max_grid_x=3):
+@pytest.mark.parametrize("hidden", [40, 4104])
+def test_a_grid_capped_at_three_blocks_strides_over_the_rows(hidden):
+    # Each block does many rows: every row's requests must still be told apart.
+    op, args = inputs(100, hidden, jnp.bfloat16, residual=True, gamma_dtype=jnp.bfloat16)
+    with simt.device(max_grid_x=3, shared_per_block_optin=4096):  # 4104: re-read
         _, launch = run(op, *args)
     assert launch["blocks"] == 3
+    for name, stats in launch["buffers"].items():
+        assert stats["sectors"] == stats["min_sectors"], (name, stats)
+
+
+def test_float32_gamma_beside_16bit_x_takes_two_requests_per_vector():
+    # 8 bfloat16 per lane meet 8 float32 of gamma: 32 bytes, which a GPU thread loads as
+    # two 16-byte pieces, each request spanning twice the sectors its bytes need.
+    op, args = inputs(3, 4096, jnp.bfloat16)
+    _, launch = run(op, *args)
+    x, gamma = launch["buffers"]["x"], launch["buffers"]["gamma"]
+    assert gamma["requests"] == 2 * x["requests"]
+    # 32 lanes x 16 bytes 32 bytes apart: a sector each, where 16 (17 unaligned) would do.
+    assert gamma["sectors"] == 32 * gamma["requests"]
+    assert gamma["min_sectors"] <= 17 * gamma["requests"]
+    assert x["sectors"] == x["min_sectors"]
 
 
 def test_a_row_longer_than_a_block_is_strided_over_its_threads():

@@ -31,9 +31,10 @@ if ! FP8NORM_CUDA=ON CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=$ARCHS" \
 fi
 
 if [ "${TESTS:-1}" = 1 ]; then
-  echo "== tests (GPU required)"
+  echo "== tests (GPU required; the emulated simt runs are CI's, so skipped here)"
   FP8NORM_REQUIRE_GPU=1 FP8NORM_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-300} \
-    python3 -m pytest -q -rfE -p no:cacheprovider > "$OUT/pytest.log" 2>&1 || status=1
+    python3 -m pytest -q -rfE -p no:cacheprovider -k "not simt" > "$OUT/pytest.log" 2>&1 \
+    || status=1
   tail -5 "$OUT/pytest.log"
 fi
 

@@ -33,3 +33,4 @@ TSAN_OPTIONS=halt_on_error=1 "$build/tsan/kernel_check" --quick
 
 echo "== simt: mutation check"
 python tools/simt_mutants.py --build "$build/mutants" --tsan
+echo "== simt: done in ${SECONDS} s"

@@ -40,19 +40,23 @@ struct RoundArgs {
   RoundTarget target;
 };
 
-// Element i of a rounding call: the one definition the CPU loop and the CUDA kernel share.
-FP8NORM_HD void RoundElement(const RoundArgs& a, int64_t i) {
-  const float v = a.in[i];
-  switch (a.target) {
+// float32 v rounded to `target`, as the one definition the CPU loop and the CUDA kernel
+// share: an FP8 code (in the low byte) or the bits of a float16 / bfloat16.
+FP8NORM_HD uint16_t RoundedBits(RoundTarget target, float v) {
+  switch (target) {
     case RoundTarget::kE4M3FN:
-      static_cast<uint8_t*>(a.out)[i] = ToFp8<Fp8Format::kE4M3FN>(v);
-      break;
+      return ToFp8<Fp8Format::kE4M3FN>(v);
     case RoundTarget::kE4M3FNUZ:
-      static_cast<uint8_t*>(a.out)[i] = ToFp8<Fp8Format::kE4M3FNUZ>(v);
-      break;
+      return ToFp8<Fp8Format::kE4M3FNUZ>(v);
+    case RoundTarget::kF16:
+      return ToF16(v).bits;
     default:
-      StoreAs(a.target == RoundTarget::kF16 ? FloatType::kF16 : FloatType::kBF16, a.out, i, v);
+      return ToBF16(v).bits;
   }
+}
+
+FP8NORM_HD bool IsFp8(RoundTarget target) {
+  return target == RoundTarget::kE4M3FN || target == RoundTarget::kE4M3FNUZ;
 }
 
 // `parallel_for(num_tasks, task)` calls task(i) once for every i in [0, num_tasks), in

@@ -101,7 +101,9 @@ ffi::Error LaunchOn(int32_t device, const char* what, Launch launch) {
   if (status.failure()) return status;
   ScopedDevice current(device);
   if (current.status() != cudaSuccess) return CudaStatus(current.status(), "selecting the GPU");
-  return CudaStatus(launch(device), what);
+  const cudaError_t err = launch(device);
+  if (err != cudaSuccess) cudaGetLastError();  // returned, not left for the next caller
+  return CudaStatus(err, what);
 }
 
 ffi::Error RmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer gamma,

@@ -76,62 +76,65 @@ __device__ __forceinline__ T BlockReduce(T v, T identity, WarpOp warp_op, T* par
 }
 
 // ----------------------------------------------------------------- loads and stores
+//
+// `site` is the kernel line a load or store comes from (the caller's, by default): the
+// emulation's memory accounting groups a warp's accesses by it. nvcc drops it.
 
 template <typename TIn, int kVec>
-__device__ __forceinline__ void LoadVec(const TIn* p, int64_t i, float (&out)[kVec]) {
-  const Vec<TIn, kVec> v = LoadGlobal(reinterpret_cast<const Vec<TIn, kVec>*>(p) + i);
+__device__ __forceinline__ void LoadVec(const TIn* p, int64_t i, float (&out)[kVec], int site) {
+  const Vec<TIn, kVec> v = LoadGlobal(reinterpret_cast<const Vec<TIn, kVec>*>(p) + i, site);
 #pragma unroll
   for (int k = 0; k < kVec; ++k) out[k] = ToFloat(v.v[k]);
 }
 
 template <typename TIn, int kVec>
-__device__ __forceinline__ void StoreVec(TIn* p, int64_t i, const float (&in)[kVec]) {
+__device__ __forceinline__ void StoreVec(TIn* p, int64_t i, const float (&in)[kVec], int site) {
   Vec<TIn, kVec> v;
 #pragma unroll
   for (int k = 0; k < kVec; ++k) v.v[k] = FromFloat<TIn>(in[k]);
-  StoreGlobal(reinterpret_cast<Vec<TIn, kVec>*>(p) + i, v);
+  StoreGlobal(reinterpret_cast<Vec<TIn, kVec>*>(p) + i, v, site);
 }
 
 // gamma's and the residual's dtypes are run-time values: one uniform branch per vector,
 // instead of template parameters that would multiply the kernels compiled per architecture.
 template <int kVec>
 __device__ __forceinline__ void LoadAny(const void* p, FloatType type, int64_t i,
-                                        float (&out)[kVec]) {
+                                        float (&out)[kVec], int site = __builtin_LINE()) {
   switch (type) {
     case FloatType::kF16:
-      LoadVec<F16, kVec>(static_cast<const F16*>(p), i, out);
+      LoadVec<F16, kVec>(static_cast<const F16*>(p), i, out, site);
       break;
     case FloatType::kBF16:
-      LoadVec<BF16, kVec>(static_cast<const BF16*>(p), i, out);
+      LoadVec<BF16, kVec>(static_cast<const BF16*>(p), i, out, site);
       break;
     default:
-      LoadVec<float, kVec>(static_cast<const float*>(p), i, out);
+      LoadVec<float, kVec>(static_cast<const float*>(p), i, out, site);
   }
 }
 
 template <int kVec>
 __device__ __forceinline__ void StoreAny(void* p, FloatType type, int64_t i,
-                                         const float (&in)[kVec]) {
+                                         const float (&in)[kVec], int site = __builtin_LINE()) {
   switch (type) {
     case FloatType::kF16:
-      StoreVec<F16, kVec>(static_cast<F16*>(p), i, in);
+      StoreVec<F16, kVec>(static_cast<F16*>(p), i, in, site);
       break;
     case FloatType::kBF16:
-      StoreVec<BF16, kVec>(static_cast<BF16*>(p), i, in);
+      StoreVec<BF16, kVec>(static_cast<BF16*>(p), i, in, site);
       break;
     default:
-      StoreVec<float, kVec>(static_cast<float*>(p), i, in);
+      StoreVec<float, kVec>(static_cast<float*>(p), i, in, site);
   }
 }
 
 // h for vector i of the row: x (+ residual).
 template <typename TIn, int kVec>
 __device__ __forceinline__ void LoadH(const TIn* x, const void* residual, FloatType residual_type,
-                                      int64_t i, float (&h)[kVec]) {
-  LoadVec<TIn, kVec>(x, i, h);
+                                      int64_t i, float (&h)[kVec], int site = __builtin_LINE()) {
+  LoadVec<TIn, kVec>(x, i, h, site);
   if (residual != nullptr) {
     float r[kVec];
-    LoadAny<kVec>(residual, residual_type, i, r);
+    LoadAny<kVec>(residual, residual_type, i, r, site);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) h[k] += r[k];
   }
@@ -249,7 +252,12 @@ __global__ void __launch_bounds__(kMaxThreads)
 __global__ void RoundKernel(const RoundArgs a) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < a.count;
        i += int64_t{gridDim.x} * blockDim.x) {
-    RoundElement(a, i);
+    const uint16_t bits = RoundedBits(a.target, LoadGlobal(a.in + i));
+    if (IsFp8(a.target)) {
+      StoreGlobal(static_cast<uint8_t*>(a.out) + i, static_cast<uint8_t>(bits));
+    } else {
+      StoreGlobal(static_cast<uint16_t*>(a.out) + i, bits);
+    }
   }
 }
 

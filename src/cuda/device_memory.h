@@ -10,12 +10,12 @@
 namespace fp8norm {
 
 template <typename T>
-__device__ __forceinline__ T LoadGlobal(const T* p) {
+__device__ __forceinline__ T LoadGlobal(const T* p, int /*site*/ = 0) {
   return *p;
 }
 
 template <typename T>
-__device__ __forceinline__ void StoreGlobal(T* p, const T& value) {
+__device__ __forceinline__ void StoreGlobal(T* p, const T& value, int /*site*/ = 0) {
   *p = value;
 }
 
@@ -34,7 +34,7 @@ __device__ __forceinline__ T* DynamicShared() {
 
 namespace fp8norm {
 
-// `site` (the calling line) tells apart the warp-wide requests of different loads.
+// `site` (the kernel line of the access) and the buffer tell apart a warp's requests.
 template <typename T>
 inline T LoadGlobal(const T* p, int site = __builtin_LINE()) {
   if (!simt::RecordGlobalAccess(p, sizeof(T), alignof(T), false, site)) return T{};

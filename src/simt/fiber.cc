@@ -141,9 +141,10 @@ void Fiber::Prepare() {
   *--slot = reinterpret_cast<uint64_t>(argument_);                  // r13
   *--slot = 0;                                                      // r14
   *--slot = 0;                                                      // r15
-  uint32_t control[2] = {0x1f80u, 0x037fu};  // MXCSR and x87 control word at reset
-  asm volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(control[0]), "=m"(control[1]));
-  *--slot = uint64_t{control[0]} | uint64_t{control[1]} << 32;
+  // MXCSR and the x87 control word at their reset values, whatever the creating thread
+  // uses: round to nearest, and no flushing of subnormals to zero (XLA's CPU threads flush
+  // them; a GPU built without -ftz does not).
+  *--slot = uint64_t{0x1f80u} | uint64_t{0x037fu} << 32;
   saved_sp_ = slot;
 #else
   auto* context = static_cast<ucontext_t*>(context_);

@@ -51,13 +51,21 @@ constexpr unsigned kSectorShift = 5;  // 32-byte sectors
 
 enum class Wait { kNone, kBarrier, kShuffle, kDone, kAborted };
 
+// The widest access a GPU thread makes in one instruction; wider ones are split in pieces
+// of this size, each a request of its own, as nvcc compiles them.
+constexpr uint32_t kWidestAccess = 16;
+
 struct Access {
-  int key;  // source line * 2 + write
-  bool write;
+  int64_t key;  // what makes two lanes' accesses one request: see RequestKey
   uint32_t bytes;
   uintptr_t address;
   int buffer;  // index into the launch's buffers, or -1
 };
+
+// The kernel line, the buffer, load or store, and which 16-byte piece of a wider access.
+int64_t RequestKey(int site, int buffer, bool write, uint32_t piece) {
+  return ((int64_t{site} * 1024 + (buffer + 1)) * 2 + (write ? 1 : 0)) * 64 + piece;
+}
 
 struct Buffer {
   std::string name;
@@ -70,6 +78,7 @@ struct ThreadState {
   unsigned index = 0;
   Wait wait = Wait::kNone;
   uint64_t shuffles = 0;    // shuffles this thread has entered in this block
+  uint64_t barriers = 0;    // barriers this thread has entered in this block
   std::vector<Access> log;  // global accesses since its warp last met
 };
 
@@ -127,7 +136,9 @@ struct Executor {
   uint64_t launches = 0;  // on this OS thread
 
   // Addresses ThreadSanitizer's happens-before annotations name.
-  char block_start = 0, block_end = 0, barrier = 0;
+  // One per barrier parity: a thread at barrier k + 2 knows every thread has left barrier
+  // k, so two suffice, and no barrier orders what comes after the next one.
+  char block_start = 0, block_end = 0, barrier[2] = {};
 
   // The last failed launch's description, for cudaGetErrorString.
   std::string last_failure;
@@ -176,14 +187,14 @@ struct Executor {
   // The accesses warp `w` made since it last met, grouped into warp-wide requests.
   void CloseWarpEpoch(unsigned w) {
     struct Item {
-      int key;
+      int64_t key;
       uint32_t occurrence;
       uintptr_t address;
       uint32_t bytes;
       int buffer;
     };
     std::vector<Item> items;
-    std::vector<std::pair<int, uint32_t>> counts;
+    std::vector<std::pair<int64_t, uint32_t>> counts;
     const unsigned end = std::min(num_threads, (w + 1) * kWarpSize);
     for (unsigned t = w * kWarpSize; t < end; ++t) {
       std::vector<Access>& log = threads[t]->log;
@@ -251,6 +262,7 @@ struct Executor {
       ThreadState& s = *threads[t];
       s.wait = Wait::kNone;
       s.shuffles = 0;
+      s.barriers = 0;
       s.log.clear();
     }
     for (WarpState& w : warps) w = WarpState{};
@@ -415,14 +427,23 @@ bool RecordGlobalAccess(const void* address, size_t bytes, size_t alignment, boo
     (write ? stats.bytes_written : stats.bytes_read) += bytes;
     stats.widest_access = std::max<uint32_t>(stats.widest_access, static_cast<uint32_t>(bytes));
   }
-  ex.current->log.push_back(
-      {site * 2 + (write ? 1 : 0), write, static_cast<uint32_t>(bytes), at, found});
+  for (uint32_t piece = 0; piece * kWidestAccess < bytes; ++piece) {
+    const uint32_t offset = piece * kWidestAccess;
+    ex.current->log.push_back({RequestKey(site, found, write, piece),
+                               std::min<uint32_t>(kWidestAccess, bytes - offset), at + offset,
+                               found});
+  }
   return true;
 }
 
 void SyncThreads() {
   Executor& ex = executor;
-  Release(&ex.barrier);
+  char* sync;
+  {
+    Bookkeeping hidden;
+    sync = &ex.barrier[ex.current->barriers++ & 1];
+  }
+  Release(sync);
   {
     Bookkeeping hidden;
     ex.current->wait = Wait::kBarrier;
@@ -434,7 +455,7 @@ void SyncThreads() {
     }
   }
   ex.Yield();
-  Acquire(&ex.barrier);
+  Acquire(sync);
 }
 
 uint32_t ShuffleXor(uint32_t mask, uint32_t value, int lane_mask, int width) {

@@ -241,6 +241,63 @@ bool RunCase(const Case& c, Coverage& coverage) {
   return ok;
 }
 
+// fp8norm_round's kernel against the CPU loop, at counts around its block size.
+int CheckRound() {
+  int failures = 0;
+  for (const int64_t count : {int64_t{1}, int64_t{255}, int64_t{1000}, int64_t{70001}}) {
+    for (const RoundTarget target :
+         {RoundTarget::kF16, RoundTarget::kBF16, RoundTarget::kE4M3FN, RoundTarget::kE4M3FNUZ}) {
+      Rng rng{static_cast<uint64_t>(count) * 31 + static_cast<uint64_t>(target) + 1};
+      ExactBuffer in(static_cast<size_t>(count) * sizeof(float));
+      for (int64_t i = 0; i < count; ++i) {
+        const float v = rng.Normal() * std::pow(2.0f, static_cast<float>(rng.Next() % 40) - 20);
+        std::memcpy(in.data + i * sizeof(float), &v, sizeof(float));
+      }
+      const size_t out_bytes = static_cast<size_t>(count) * (IsFp8(target) ? 1 : 2);
+      ExactBuffer emulated(out_bytes), cpu(out_bytes);
+      RoundArgs a{reinterpret_cast<const float*>(in.data), emulated.data, count, target};
+      cudaError_t status;
+      {
+        simt::ScopedBuffers buffers;
+        buffers.Add("in", in.data, in.bytes);
+        buffers.Add("out", emulated.data, emulated.bytes);
+        status = LaunchRound(nullptr, a);
+      }
+      a.out = cpu.data;
+      RoundCpu(a);
+      const std::string name =
+          "round " + std::to_string(count) + " target " + std::to_string(static_cast<int>(target));
+      if (status != cudaSuccess) {
+        std::printf("FAIL %s: %s\n", name.c_str(), cudaGetErrorString(status));
+        ++failures;
+      } else if (!SameBytes(emulated, cpu, "out", name)) {
+        ++failures;
+      }
+    }
+  }
+  // hidden == 0: no kernel, the scales cleared by a memset of exactly their size.
+  ExactBuffer x(0), gamma(0), y(0), scales(5 * sizeof(float));
+  RmsNormFp8Args a{};
+  a.x = x.data;
+  a.gamma = gamma.data;
+  a.y = y.data;
+  a.scales = scales.data;
+  a.rows = 5;
+  {
+    simt::ScopedBuffers buffers;
+    buffers.Add("scales", scales.data, scales.bytes);
+    const cudaError_t status = LaunchRmsNormFp8(nullptr, 0, a);
+    bool zero = true;
+    for (size_t i = 0; i < scales.bytes; ++i) zero = zero && scales.data[i] == 0;
+    if (status != cudaSuccess || !zero) {
+      std::printf("FAIL hidden 0: the scales are not cleared\n");
+      ++failures;
+    }
+  }
+  simt::TakeLaunches();
+  return failures;
+}
+
 int Main(bool quick) {
   std::vector<Case> cases;
   const int64_t hiddens_full[] = {1, 7, 8, 33, 64, 256, 1000, 1032, 4104, 8200, 12289};
@@ -274,7 +331,7 @@ int Main(bool quick) {
     }
   }
   Coverage coverage;
-  int failures = CheckEmulator();
+  int failures = CheckEmulator() + CheckRound();
   for (const Case& c : cases) failures += RunCase(c, coverage) ? 0 : 1;
 
   const char* required[] = {"vectorized cached",
