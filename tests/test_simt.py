@@ -104,6 +104,15 @@ def test_scalar_path_when_hidden_is_not_a_vector_multiple():
         assert stats["sectors"] == stats["min_sectors"], (name, stats)  # still coalesced
 
 
+@pytest.mark.parametrize("optin_kib,cached", [(48, False), (100, True)])
+def test_a_64_kib_row_is_cached_only_where_the_device_allows(optin_kib, cached):
+    op, args = inputs(2, 16384, jnp.float32)  # 64 KiB of float32 per row
+    with simt.device(shared_per_block_optin=optin_kib * 1024):
+        _, launch = run(op, *args)
+    assert launch["dynamic_shared_bytes"] == (16384 * 4 if cached else 0)
+    assert launch["buffers"]["x"]["bytes_read"] == (1 if cached else 3) * nbytes(args[0])
+
+
 def test_more_dynamic_shared_memory_than_the_default_is_opted_into():
     op, args = inputs(3, 1000, jnp.float32)  # 4000 bytes cached, the default is 2 KiB
     with simt.device(shared_per_block=2048, shared_per_block_optin=16384):
@@ -111,10 +120,10 @@ def test_more_dynamic_shared_memory_than_the_default_is_opted_into():
     assert launch["dynamic_shared_bytes"] == 4000
 
 
-@pytest.mark.parametrize("hidden", [40, 4104])
-def test_a_grid_capped_at_three_blocks_strides_over_the_rows(hidden):
+@pytest.mark.parametrize("rows,hidden", [(1000, 40), (100, 4104)])
+def test_a_grid_capped_at_three_blocks_strides_over_the_rows(rows, hidden):
     # Each block does many rows: every row's requests must still be told apart.
-    op, args = inputs(100, hidden, jnp.bfloat16, residual=True, gamma_dtype=jnp.bfloat16)
+    op, args = inputs(rows, hidden, jnp.bfloat16, residual=True, gamma_dtype=jnp.bfloat16)
     with simt.device(max_grid_x=3, shared_per_block_optin=4096):  # 4104: re-read
         _, launch = run(op, *args)
     assert launch["blocks"] == 3

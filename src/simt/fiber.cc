@@ -141,9 +141,8 @@ void Fiber::Prepare() {
   *--slot = reinterpret_cast<uint64_t>(argument_);                  // r13
   *--slot = 0;                                                      // r14
   *--slot = 0;                                                      // r15
-  // MXCSR and the x87 control word at their reset values, whatever the creating thread
-  // uses: round to nearest, and no flushing of subnormals to zero (XLA's CPU threads flush
-  // them; a GPU built without -ftz does not).
+  // MXCSR and the x87 control word at their reset values; the emulation sets each block's
+  // floating-point mode itself (simt_runtime.cc).
   *--slot = uint64_t{0x1f80u} | uint64_t{0x037fu} << 32;
   saved_sp_ = slot;
 #else

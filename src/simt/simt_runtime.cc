@@ -18,6 +18,10 @@
 // of the block has arrived.
 #include <cuda_runtime.h>
 
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -134,6 +138,10 @@ struct Executor {
   LaunchRecord record;
   uint64_t rng = 0;
   uint64_t launches = 0;  // on this OS thread
+  // The launching thread's SSE mode, which the kernel's threads run with: whether
+  // subnormals are flushed follows the caller (XLA's CPU threads flush them, as the
+  // reference then does; a GPU built without -ftz does not, see docs/simt.md).
+  unsigned launching_mxcsr = 0x1f80;
 
   // Addresses ThreadSanitizer's happens-before annotations name.
   // One per barrier parity: a thread at barrier k + 2 knows every thread has left barrier
@@ -371,6 +379,9 @@ void ThreadMain(void* argument) {
       Bookkeeping hidden;
       body = ex.body;
       bound = ex.bound;
+#if defined(__SSE__)
+      _mm_setcsr(ex.launching_mxcsr);
+#endif
     }
     body(bound);
     {
@@ -592,6 +603,9 @@ cudaError_t Launch(const void* kernel, const cudaLaunchConfig_t& config, ThreadB
   ex.EnsureThreads(block.x);
   ex.body = thread_body;
   ex.bound = kernel_and_args;
+#if defined(__SSE__)
+  ex.launching_mxcsr = _mm_getcsr();
+#endif
   ex.num_threads = block.x;
   ex.error.clear();
   ex.record = std::move(record);
