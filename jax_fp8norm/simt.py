@@ -47,8 +47,7 @@ def _clear_compiled() -> None:
 def kernels() -> Iterator[None]:
     """Within the block, the ops on the CPU backend run the CUDA kernels, emulated."""
     global _active
-    if not available():
-        raise RuntimeError(f"jax_fp8norm was built without the SIMT emulation: {_ffi.SIMT_ERROR}")
+    _require()
     previous = _active
     _active = True
     _clear_compiled()
@@ -99,9 +98,10 @@ def take_launches() -> list[dict]:
     return _require().take_launches()
 
 
-def set_schedule_seed(seed: int) -> None:
-    """Seeds the order in which the emulation resumes each block's threads."""
-    _require().set_schedule_seed(int(seed))
+def set_schedule_seed(seed: int) -> int:
+    """Seeds the order in which the emulation resumes each block's threads; returns the
+    seed it replaces."""
+    return _require().set_schedule_seed(int(seed))
 
 
 def _require():

@@ -9,7 +9,6 @@ match the reference; a signal or an abort leaves a START without its PASS.
 
 from __future__ import annotations
 
-import contextlib
 import re
 import sys
 import traceback
@@ -17,7 +16,13 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import check_against_reference, device_of, random_gamma, random_rows
+from conftest import (
+    check_against_reference,
+    device_of,
+    kernels_of,
+    random_gamma,
+    random_rows,
+)
 from test_validation import (
     BAD_ARRAYS,
     BAD_KEYWORDS,
@@ -29,7 +34,6 @@ from test_validation import (
 )
 
 import jax_fp8norm as fp8norm
-import jax_fp8norm.simt
 
 # Hidden sizes each kernel path treats apart: below one CPU lane block or GPU vector,
 # not a multiple of the vector width, one block of threads and a little more, beyond the
@@ -121,11 +125,6 @@ def shape_cases(platform):
                     check_against_reference(platform, "add_rms_norm_fp8", x, residual, gamma)
 
             yield f"{platform}-shape-{rows}x{hidden}-{jnp.dtype(dtype).name}", check
-
-
-def kernels_of(platform):
-    """The emulated CUDA kernels for `simt`, else the platform's own."""
-    return fp8norm.simt.kernels() if platform == "simt" else contextlib.nullcontext()
 
 
 def platforms():

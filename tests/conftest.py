@@ -8,6 +8,7 @@ they fail instead. ``pytest -k simt`` selects the emulated runs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -46,13 +47,16 @@ def platform(request):
         if REQUIRE_GPU:
             pytest.fail(f"FP8NORM_REQUIRE_GPU is set but {message}")
         pytest.skip(message)
-    if request.param == "simt":
-        if not jax_fp8norm.simt.available():
-            pytest.fail("this build of jax_fp8norm has no SIMT emulation (_fp8norm_simt)")
-        with jax_fp8norm.simt.kernels():
-            yield "simt"
-        return
-    yield request.param
+    if request.param == "simt" and not jax_fp8norm.simt.available():
+        pytest.fail("this build of jax_fp8norm has no SIMT emulation (_fp8norm_simt)")
+    with kernels_of(request.param):
+        yield request.param
+
+
+def kernels_of(platform: str):
+    """Makes the ops use the platform's kernels: the emulated CUDA ones for `simt`; the
+    other platforms need nothing."""
+    return jax_fp8norm.simt.kernels() if platform == "simt" else contextlib.nullcontext()
 
 
 def device_of(platform: str) -> jax.Device:

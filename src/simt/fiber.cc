@@ -163,17 +163,23 @@ void Fiber::Prepare() {
 
 void Fiber::Restart() { Prepare(); }
 
-void Fiber::Started() {
-  Bookkeeping hidden;
+void Fiber::FinishSwitch(void* fake_stack) {
 #if SIMT_ASAN
   const void* bottom = nullptr;
   size_t size = 0;
-  __sanitizer_finish_switch_fiber(nullptr, &bottom, &size);
+  __sanitizer_finish_switch_fiber(fake_stack, &bottom, &size);
   if (switching_from != nullptr && switching_from->entry_ == nullptr) {
     switching_from->stack_bottom_ = bottom;
     switching_from->stack_bytes_ = size;
   }
+#else
+  (void)fake_stack;
 #endif
+}
+
+void Fiber::Started() {
+  Bookkeeping hidden;
+  FinishSwitch(nullptr);  // a fresh fiber has no fake stack to restore
 }
 
 void Fiber::SwitchTo(Fiber& to) {
@@ -200,15 +206,7 @@ void Fiber::SwitchTo(Fiber& to) {
 #else
   swapcontext(static_cast<ucontext_t*>(context_), static_cast<ucontext_t*>(to.context_));
 #endif
-#if SIMT_ASAN
-  const void* bottom = nullptr;
-  size_t size = 0;
-  __sanitizer_finish_switch_fiber(asan_fake_stack_, &bottom, &size);
-  if (switching_from != nullptr && switching_from->entry_ == nullptr) {
-    switching_from->stack_bottom_ = bottom;
-    switching_from->stack_bytes_ = size;
-  }
-#endif
+  FinishSwitch(asan_fake_stack_);
 }
 
 }  // namespace simt

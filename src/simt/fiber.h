@@ -36,6 +36,9 @@ class Fiber {
 
  private:
   void Prepare();
+  // Tells AddressSanitizer the switch to this fiber is done, and records the bounds of the
+  // stack just left when that is the OS thread's own (whose bounds nobody else knows).
+  void FinishSwitch(void* fake_stack);
 
   Entry entry_ = nullptr;
   void* argument_ = nullptr;

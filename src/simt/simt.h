@@ -20,8 +20,9 @@ struct DeviceLimits {
 void SetDeviceLimits(const DeviceLimits& limits);
 DeviceLimits GetDeviceLimits();
 
-// Seeds the order in which each block's threads are resumed (reproducible for one seed).
-void SetScheduleSeed(uint64_t seed);
+// Seeds the order in which each block's threads are resumed (reproducible for one seed);
+// returns the seed it replaces.
+uint64_t SetScheduleSeed(uint64_t seed);
 
 // What one launch did with one global buffer. A request is one warp-wide access: the
 // accesses the warp's lanes make at one place of the source between two points where the

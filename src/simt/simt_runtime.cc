@@ -159,6 +159,17 @@ struct Executor {
     return rng;
   }
 
+  // The registered buffer that holds all of [at, at + bytes), or -1. XLA may pass one
+  // buffer as two arguments (x and residual the same array): the later one is reported.
+  int FindBuffer(uintptr_t at, size_t bytes) const {
+    for (size_t i = buffers.size(); i-- > 0;) {
+      if (at >= buffers[i].base && at + bytes <= buffers[i].base + buffers[i].bytes) {
+        return static_cast<int>(i);
+      }
+    }
+    return -1;
+  }
+
   void Fail(const std::string& message) {
     if (error.empty()) error = message;
   }
@@ -415,11 +426,7 @@ bool RecordGlobalAccess(const void* address, size_t bytes, size_t alignment, boo
     ex.Fail(text);
     return false;
   }
-  int found = -1;
-  for (size_t i = 0; i < ex.buffers.size(); ++i) {
-    const Buffer& b = ex.buffers[i];
-    if (at >= b.base && at + bytes <= b.base + b.bytes) found = static_cast<int>(i);
-  }
+  const int found = ex.FindBuffer(at, bytes);
   if (found < 0 && !ex.buffers.empty()) {
     char text[160];
     std::snprintf(text, sizeof(text), "%s %s %zu bytes at %p, outside every buffer of the launch",
@@ -649,10 +656,12 @@ DeviceLimits GetDeviceLimits() {
   return g.limits;
 }
 
-void SetScheduleSeed(uint64_t seed) {
+uint64_t SetScheduleSeed(uint64_t seed) {
   Shared& g = Global();
   std::lock_guard<std::mutex> lock(g.mutex);
+  const uint64_t previous = g.seed;
   g.seed = seed;
+  return previous;
 }
 
 ScopedBuffers::~ScopedBuffers() { executor.buffers.clear(); }
@@ -740,11 +749,7 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int dev
 cudaError_t cudaMemsetAsync(void* pointer, int value, size_t bytes, cudaStream_t) {
   simt::Executor& ex = simt::executor;
   const auto at = reinterpret_cast<uintptr_t>(pointer);
-  bool inside = ex.buffers.empty();
-  for (const simt::Buffer& b : ex.buffers) {
-    inside = inside || (at >= b.base && at + bytes <= b.base + b.bytes);
-  }
-  if (!inside) {
+  if (!ex.buffers.empty() && ex.FindBuffer(at, bytes) < 0) {
     ex.last_failure =
         "cudaMemsetAsync of " + std::to_string(bytes) + " bytes outside every buffer of the launch";
     return simt::SetError(cudaErrorInvalidValue);
