@@ -13,5 +13,7 @@ XLA_FFI_Error* RoundCpuHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* RmsNormFp8CudaHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* AddRmsNormFp8CudaHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* RoundCudaHandler(XLA_FFI_CallFrame* call_frame);
+// The instantiate stage of every CUDA target: the device's one-time preparation.
+XLA_FFI_Error* PrepareCudaHandler(XLA_FFI_CallFrame* call_frame);
 
 }  // namespace fp8norm

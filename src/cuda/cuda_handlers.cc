@@ -1,6 +1,8 @@
 // XLA FFI handlers for the CUDA kernels: decode and check the buffers, then enqueue the
 // kernel on XLA's stream. Marked command-buffer compatible: they only enqueue
-// stream-ordered work, so XLA may capture them into CUDA graphs.
+// stream-ordered work, so XLA may capture them into CUDA graphs. The one-time work that
+// is not stream-ordered (loading the kernels, setting their attributes) runs in the
+// instantiate stage, before any capture.
 //
 // Which GPU: in a process that drives several GPUs (tensor parallelism), each call runs
 // for the device XLA passes as the FFI DeviceOrdinal, whose stream it gets. The handlers
@@ -29,6 +31,11 @@ struct GpuTarget {
   int32_t device;
 };
 
+// The GPU an executable is instantiated for; -1 when XLA does not say.
+struct PreparedDevice {
+  int32_t device;
+};
+
 }  // namespace fp8norm
 
 template <>
@@ -45,6 +52,34 @@ struct xla::ffi::CtxDecoding<fp8norm::GpuTarget> {
     const auto device = CtxDecoding<DeviceOrdinal>::Decode(api, ctx, diagnostic);
     if (!stream.has_value() || !device.has_value()) return std::nullopt;
     return Type{*stream, *device};
+#endif
+  }
+};
+
+template <>
+struct xla::ffi::CtxDecoding<fp8norm::PreparedDevice> {
+  using Type = fp8norm::PreparedDevice;
+  static std::optional<Type> Decode(const XLA_FFI_Api* api, XLA_FFI_ExecutionContext* ctx,
+                                    DiagnosticEngine&) {
+#if defined(FP8NORM_SIMT)
+    return Type{0};
+#else
+    // Not every XLA passes the device to the instantiate stage: without it the first
+    // launch prepares the device instead.
+    XLA_FFI_DeviceOrdinal_Get_Args args;
+    args.struct_size = XLA_FFI_DeviceOrdinal_Get_Args_STRUCT_SIZE;
+    args.extension_start = nullptr;
+    args.ctx = ctx;
+    args.device_ordinal = -1;
+    if (XLA_FFI_Error* err = api->XLA_FFI_DeviceOrdinal_Get(&args)) {
+      XLA_FFI_Error_Destroy_Args destroy;
+      destroy.struct_size = XLA_FFI_Error_Destroy_Args_STRUCT_SIZE;
+      destroy.extension_start = nullptr;
+      destroy.error = err;
+      api->XLA_FFI_Error_Destroy(&destroy);
+      return Type{-1};
+    }
+    return Type{args.device_ordinal};
 #endif
   }
 };
@@ -96,7 +131,7 @@ class ScopedDevice {
 };
 
 template <typename Launch>
-ffi::Error LaunchOn(int32_t device, const char* what, Launch launch) {
+ffi::Error RunOnDevice(int32_t device, const char* what, Launch launch) {
   ffi::Error status = CheckCudaDriver();
   if (status.failure()) return status;
   ScopedDevice current(device);
@@ -106,6 +141,12 @@ ffi::Error LaunchOn(int32_t device, const char* what, Launch launch) {
   return CudaStatus(err, what);
 }
 
+// Instantiate stage: XLA runs it once per executable and device, outside any graph capture.
+ffi::Error PrepareImpl(PreparedDevice prepared) {
+  if (prepared.device < 0) return ffi::Error::Success();
+  return RunOnDevice(prepared.device, "preparing the CUDA kernels", PrepareDevice);
+}
+
 ffi::Error RmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
                           ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
                           float eps, float weight_offset, float scale_ub) {
@@ -113,7 +154,7 @@ ffi::Error RmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
   ffi::Error status =
       DecodeRmsNormFp8(x, nullptr, gamma, y, scales, nullptr, eps, weight_offset, scale_ub, &args);
   if (status.failure()) return status;
-  return LaunchOn(gpu.device, "rms_norm_fp8 launch",
+  return RunOnDevice(gpu.device, "rms_norm_fp8 launch",
                   [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
 }
 
@@ -126,7 +167,7 @@ ffi::Error AddRmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer res
   ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, y, scales, &residual_out, eps,
                                        weight_offset, scale_ub, &args);
   if (status.failure()) return status;
-  return LaunchOn(gpu.device, "add_rms_norm_fp8 launch",
+  return RunOnDevice(gpu.device, "add_rms_norm_fp8 launch",
                   [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
 }
 
@@ -134,7 +175,7 @@ ffi::Error RoundImpl(GpuTarget gpu, ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffe
   RoundArgs args;
   ffi::Error status = DecodeRound(in, out, &args);
   if (status.failure()) return status;
-  return LaunchOn(gpu.device, "round launch", [&](int) { return LaunchRound(gpu.stream, args); });
+  return RunOnDevice(gpu.device, "round launch", [&](int) { return LaunchRound(gpu.stream, args); });
 }
 
 }  // namespace
@@ -170,6 +211,12 @@ XLA_FFI_DEFINE_HANDLER(
     ffi::Ffi::Bind().Ctx<GpuTarget>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>(),
     {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER(kPrepareCuda, PrepareImpl,
+                       ffi::Ffi::BindInstantiate().Ctx<PreparedDevice>());
+
+XLA_FFI_Error* PrepareCudaHandler(XLA_FFI_CallFrame* call_frame) {
+  return kPrepareCuda(call_frame);
+}
 XLA_FFI_Error* RmsNormFp8CudaHandler(XLA_FFI_CallFrame* call_frame) {
   return kRmsNormFp8Cuda(call_frame);
 }

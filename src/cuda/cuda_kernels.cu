@@ -1,13 +1,19 @@
-// CUDA kernels of rms_norm_fp8 and add_rms_norm_fp8 (docs/spec.md).
+// CUDA kernels of rms_norm_fp8 and add_rms_norm_fp8 (docs/spec.md), in three variants
+// (cuda_launch_plan.h picks one per call), and their launch.
 //
-// One thread block per row (grid-stride over rows). Three sweeps over the row:
-//   1. h = x (+ residual), residual_out = T(h), sum of squares      -> block sum
-//   2. n = (h * r) * (gamma + weight_offset), abs-max               -> block max
+// Every variant makes three sweeps over a row:
+//   1. h = x (+ residual), residual_out = T(h), sum of squares      -> row sum
+//   2. n = (h * r) * (gamma + weight_offset), abs-max               -> row max
 //   3. y = FP8(clamp(n * recip))
-// Sweep 1 keeps h in shared memory (float32, laid out so that each thread reads back
-// exactly what it wrote) whenever the row fits, so x and residual are read from global
-// memory once; sweep 2 overwrites it with n so that gamma is read once too. Rows too long
-// for shared memory re-read x (and residual) in sweeps 2 and 3.
+// block_shared: one block per row (grid-stride over rows). Sweep 1 keeps h in shared
+//   memory (float32, laid out so that each thread reads back exactly what it wrote)
+//   whenever the row fits, so x and residual are read from global memory once; sweep 2
+//   overwrites it with n so that gamma is read once too. Rows too long for shared memory
+//   re-read x (and residual) in sweeps 2 and 3. Takes any shape and alignment.
+// warp_rows / block_registers: a group of threads (1-8 warps, or a whole block) holds the
+//   row in registers, vector i of the row in thread i % group, so every global element is
+//   read and written once and all of a thread's loads, gamma's included, are in flight
+//   before the first arithmetic. A reduction spanning several warps costs one barrier.
 //
 // Every element-wise and per-row formula comes from fp8norm_math.h, shared with the CPU.
 //
@@ -18,7 +24,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
 
 #include "cuda_kernels.h"
 #include "cuda_launch_plan.h"
@@ -140,7 +151,7 @@ __device__ __forceinline__ void LoadH(const TIn* x, const void* residual, FloatT
   }
 }
 
-// ----------------------------------------------------------------- the row
+// ----------------------------------------------------------------- block_shared
 
 struct SharedScratch {
   SumOfSquares sum_partial[kWarp];
@@ -237,15 +248,157 @@ __device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
 // Dynamic shared memory: hidden floats when `cached`, none otherwise.
 template <typename TIn, Fp8Format kOut>
 __global__ void __launch_bounds__(kMaxThreads)
-    RmsNormFp8Kernel(const RmsNormFp8Args a, const bool vectorized, const bool cached) {
+    BlockSharedKernel(const RmsNormFp8Args a, const bool vectorized, const bool cached) {
   float* const cache = DynamicShared<float>();
-  __shared__ SharedScratch scratch;
+  SharedScratch& scratch = StaticShared<SharedScratch>();
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     if (vectorized) {
       ProcessRow<TIn, kOut, kVecOf<TIn>>(a, row, cached ? cache : nullptr, scratch);
     } else {
       ProcessRow<TIn, kOut, 1>(a, row, cached ? cache : nullptr, scratch);
     }
+  }
+}
+
+// ----------------------------------------------------------------- rows in registers
+
+// One slot per warp of the block (at most 32) for each of the two reductions. A group
+// writes its sum slots before the barrier of its sum reduction and its max slots before
+// the barrier of its max reduction; every warp reads a slot before it arrives at the
+// other reduction's barrier, which the next write of that slot follows. So one barrier per
+// reduction suffices, also from one row to the next.
+struct RegisterScratch {
+  SumOfSquares sum_partial[kWarp];
+  uint32_t max_partial[kWarp];
+};
+
+// Reduces v over the `group_warps` consecutive warps of the calling thread's group; every
+// thread of the group gets the result. Every thread of the block calls it together.
+template <typename T, typename WarpOp>
+__device__ __forceinline__ T GroupReduce(T v, T identity, WarpOp warp_op, T* partial /*[32]*/,
+                                         int group_warps) {
+  v = warp_op(v);
+  if (group_warps == 1) return v;
+  const int lane = threadIdx.x % kWarp;
+  const int warp = threadIdx.x / kWarp;
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  const int first = warp - warp % group_warps;
+  return warp_op(lane < group_warps ? partial[first + lane] : identity);
+}
+
+// Row `row` held by a group of `group_threads` threads (whole warps), the caller thread
+// being `lane` of it: vector i of the row in registers of thread i % group_threads. Every
+// thread of the block calls it equally often (the reductions may meet at a barrier); a
+// group past the last row only takes part in those.
+template <typename TIn, Fp8Format kOut, int kVecs>
+__device__ __forceinline__ void RegisterRow(const RmsNormFp8Args& a, int64_t row, int lane,
+                                            int group_threads, RegisterScratch& scratch) {
+  constexpr int kVec = kVecOf<TIn>;
+  const int group_warps = group_threads / kWarp;
+  const bool valid = row < a.rows;
+  const int64_t num_vecs = a.hidden / kVec;
+  const int64_t offset = (valid ? row : 0) * a.hidden;
+  const TIn* x = static_cast<const TIn*>(a.x) + offset;
+  const size_t residual_bytes = FloatTypeBytes(a.residual_type);
+  const void* residual = a.residual != nullptr
+                             ? static_cast<const char*>(a.residual) + offset * residual_bytes
+                             : nullptr;
+  void* residual_out = a.residual_out != nullptr
+                           ? static_cast<char*>(a.residual_out) + offset * residual_bytes
+                           : nullptr;
+  uint8_t* y = static_cast<uint8_t*>(a.y) + offset;
+  const auto held = [&](int k) { return valid && lane + int64_t{k} * group_threads < num_vecs; };
+  const auto index = [&](int k) { return lane + int64_t{k} * group_threads; };
+
+  // Sweep 1: every load of the thread issued before the first use of any.
+  float h[kVecs][kVec] = {};
+  float g[kVecs][kVec] = {};
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+    if (held(k)) {
+      LoadH<TIn, kVec>(x, residual, a.residual_type, index(k), h[k]);
+      LoadAny<kVec>(a.gamma, a.gamma_type, index(k), g[k]);
+    }
+  }
+  SumOfSquares acc{0.0f, 0.0f};
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+    if (held(k)) {
+      if (residual_out != nullptr) StoreAny<kVec>(residual_out, a.residual_type, index(k), h[k]);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) AddSquare<true>(acc.hi, acc.lo, h[k][e]);
+    }
+  }
+  acc = GroupReduce(
+      acc, SumOfSquares{0.0f, 0.0f}, [](SumOfSquares v) { return WarpSum(v); },
+      scratch.sum_partial, group_warps);
+  const float sum_sq = Total(acc);
+  const float r = InverseRms(sum_sq, a.hidden, a.constants.eps);
+
+  // Sweep 2: n, in place of h, and its abs-max.
+  uint32_t amax = 0;
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      h[k][e] = (h[k][e] * r) * (g[k][e] + a.constants.weight_offset);
+      if (held(k)) amax = max(amax, AbsBits(h[k][e]));
+    }
+  }
+  amax = GroupReduce(
+      amax, 0u, [](uint32_t v) { return WarpMax(v); }, scratch.max_partial, group_warps);
+  if (!valid) return;
+  const RowScale s = ComputeRowScale(sum_sq, amax, kOut, a.scale_type, a.constants);
+  if (lane == 0) {
+    const float scale[1] = {s.scale};
+    StoreAny<1>(a.scales, a.scale_type, row, scale);
+  }
+
+  // Sweep 3: quantise.
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+    if (held(k)) {
+      Vec<uint8_t, kVec> q;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) q.v[e] = QuantizeElement<kOut>(h[k][e], s.recip);
+      StoreGlobal(reinterpret_cast<Vec<uint8_t, kVec>*>(y) + index(k), q);
+    }
+  }
+}
+
+// warp_rows. grid: any number of blocks (groups of rows_per_block rows are strided over
+// them); block: kWarpRowsBlockThreads threads, `threads_per_row` (a power of two, 32 to
+// 256) per row. Aligned rows of at most threads_per_row * kVecs vectors.
+template <typename TIn, Fp8Format kOut, int kVecs>
+__global__ void __launch_bounds__(kWarpRowsBlockThreads)
+    WarpRowsKernel(const RmsNormFp8Args a, const int threads_per_row) {
+  RegisterScratch& scratch = StaticShared<RegisterScratch>();
+  const int rows_per_block = static_cast<int>(blockDim.x) / threads_per_row;
+  const int group = static_cast<int>(threadIdx.x) / threads_per_row;
+  const int lane = static_cast<int>(threadIdx.x) % threads_per_row;
+  // The same trip count for every group of the block: a group past the end still meets
+  // the others at the reductions' barriers.
+  for (int64_t first = int64_t{blockIdx.x} * rows_per_block; first < a.rows;
+       first += int64_t{gridDim.x} * rows_per_block) {
+    RegisterRow<TIn, kOut, kVecs>(a, first + group, lane, threads_per_row, scratch);
+  }
+}
+
+// Blocks of kBlockRegistersMaxThreads resident 3 at a time while a thread holds at most 2
+// vectors (42 registers each), 2 at 4 vectors and 1 at 8: what the row needs decides.
+constexpr int BlockRegistersMinBlocks(int vectors) { return vectors <= 2 ? 3 : vectors <= 4 ? 2 : 1; }
+
+// block_registers. grid: any number of blocks (rows are strided over them); block: up to
+// kBlockRegistersMaxThreads threads, whole warps, all holding one row. Aligned rows of at
+// most blockDim.x * kVecs vectors.
+template <typename TIn, Fp8Format kOut, int kVecs>
+__global__ void __launch_bounds__(kBlockRegistersMaxThreads, BlockRegistersMinBlocks(kVecs))
+    BlockRegistersKernel(const RmsNormFp8Args a) {
+  RegisterScratch& scratch = StaticShared<RegisterScratch>();
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    RegisterRow<TIn, kOut, kVecs>(a, row, static_cast<int>(threadIdx.x),
+                                  static_cast<int>(blockDim.x), scratch);
   }
 }
 
@@ -263,24 +416,126 @@ __global__ void RoundKernel(const RoundArgs a) {
 
 // ----------------------------------------------------------------- launch
 
-// The limits of `device` the launch plan needs: attribute reads, answered by the runtime
-// from its own tables.
-cudaError_t QueryLimits(int device, DeviceLimits* limits) {
-  int optin_shared = 0;
-  int default_shared = 0;
-  int max_grid_x = 0;
-  cudaError_t err =
-      cudaDeviceGetAttribute(&optin_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (err == cudaSuccess) {
-    err = cudaDeviceGetAttribute(&default_shared, cudaDevAttrMaxSharedMemoryPerBlock, device);
+// The device's limits the plan needs: attribute reads, answered from the runtime's tables.
+cudaError_t QueryDeviceLimits(int device, DeviceLimits* limits) {
+  struct Read {
+    cudaDeviceAttr attribute;
+    int value;
+  } reads[] = {{cudaDevAttrMaxSharedMemoryPerBlockOptin, 0},
+               {cudaDevAttrMaxSharedMemoryPerBlock, 0},
+               {cudaDevAttrMaxGridDimX, 0},
+               {cudaDevAttrReservedSharedMemoryPerBlock, 0},
+               {cudaDevAttrMaxSharedMemoryPerMultiprocessor, 0},
+               {cudaDevAttrMultiProcessorCount, 0}};
+  for (Read& r : reads) {
+    const cudaError_t err = cudaDeviceGetAttribute(&r.value, r.attribute, device);
+    if (err != cudaSuccess) return err;
   }
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&max_grid_x, cudaDevAttrMaxGridDimX, device);
-  if (err != cudaSuccess) return err;
-  limits->optin_shared_bytes = static_cast<size_t>(optin_shared);
-  limits->default_shared_bytes = static_cast<size_t>(default_shared);
-  limits->max_blocks = std::min<int64_t>(kMaxBlocks, max_grid_x);
+  limits->optin_shared_bytes = static_cast<size_t>(reads[0].value);
+  limits->default_shared_bytes = static_cast<size_t>(reads[1].value);
+  limits->max_blocks = std::min<int64_t>(kMaxBlocks, reads[2].value);
+  limits->reserved_shared_bytes = static_cast<size_t>(reads[3].value);
+  limits->multiprocessor_shared_bytes = static_cast<size_t>(reads[4].value);
+  limits->multiprocessors = std::max(1, reads[5].value);
   return cudaSuccess;
 }
+
+// What one device needs before its first launch, done once: every kernel loaded (a lazy
+// module load inside CUDA graph capture fails on drivers before R545), block_shared's
+// real static shared size read and its dynamic-size attribute set, to the most any call
+// can use, so that no launch depends on an attribute another call may change.
+struct DeviceSetup {
+  // block_shared's limits per input type and output format: the device's, with the
+  // kernel's static size and its attribute.
+  DeviceLimits block_shared[3][2];
+};
+
+// Loads `kernel` (cudaFuncGetAttributes forces the lazy load) and returns its attributes.
+template <typename Kernel>
+cudaError_t LoadKernel(Kernel kernel, size_t static_shared, cudaFuncAttributes* attributes) {
+  DeclareStaticShared(kernel, static_shared);
+  return cudaFuncGetAttributes(attributes, kernel);
+}
+
+template <typename TIn, Fp8Format kOut>
+cudaError_t SetUpKernels(const DeviceLimits& device, DeviceLimits* block_shared) {
+  cudaFuncAttributes attributes{};
+  cudaError_t err;
+#define FP8NORM_LOAD(kernel, scratch)                                  \
+  if ((err = LoadKernel(kernel, sizeof(scratch), &attributes)) != cudaSuccess) return err;
+  FP8NORM_LOAD((WarpRowsKernel<TIn, kOut, 1>), RegisterScratch)
+  FP8NORM_LOAD((WarpRowsKernel<TIn, kOut, 2>), RegisterScratch)
+  FP8NORM_LOAD((WarpRowsKernel<TIn, kOut, 4>), RegisterScratch)
+  FP8NORM_LOAD((BlockRegistersKernel<TIn, kOut, 2>), RegisterScratch)
+  FP8NORM_LOAD((BlockRegistersKernel<TIn, kOut, 4>), RegisterScratch)
+  FP8NORM_LOAD((BlockRegistersKernel<TIn, kOut, 8>), RegisterScratch)
+  FP8NORM_LOAD((BlockSharedKernel<TIn, kOut>), SharedScratch)
+#undef FP8NORM_LOAD
+  *block_shared = device;
+  block_shared->static_shared_bytes = attributes.sharedSizeBytes;
+  const size_t most_dynamic = device.optin_shared_bytes > attributes.sharedSizeBytes
+                                  ? device.optin_shared_bytes - attributes.sharedSizeBytes
+                                  : 0;
+  if (cudaFuncSetAttribute(BlockSharedKernel<TIn, kOut>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(most_dynamic)) != cudaSuccess) {
+    cudaGetLastError();  // refused: the plan keeps to what the kernel allows as it is
+  }
+  err = cudaFuncGetAttributes(&attributes, BlockSharedKernel<TIn, kOut>);
+  if (err != cudaSuccess) return err;
+  block_shared->max_dynamic_shared_bytes =
+      static_cast<size_t>(std::max(0, attributes.maxDynamicSharedSizeBytes));
+  return cudaSuccess;
+}
+
+template <typename TIn>
+cudaError_t SetUpInput(const DeviceLimits& device, DeviceLimits (&block_shared)[2]) {
+  const cudaError_t err = SetUpKernels<TIn, Fp8Format::kE4M3FN>(device, &block_shared[0]);
+  if (err != cudaSuccess) return err;
+  return SetUpKernels<TIn, Fp8Format::kE4M3FNUZ>(device, &block_shared[1]);
+}
+
+cudaError_t SetUpDevice(int device, DeviceSetup* setup) {
+  DeviceLimits limits{0, 0};
+  cudaError_t err = QueryDeviceLimits(device, &limits);
+  if (err == cudaSuccess) err = SetUpInput<float>(limits, setup->block_shared[0]);
+  if (err == cudaSuccess) err = SetUpInput<F16>(limits, setup->block_shared[1]);
+  if (err == cudaSuccess) err = SetUpInput<BF16>(limits, setup->block_shared[2]);
+  if (err == cudaSuccess) {
+    cudaFuncAttributes attributes{};
+    err = cudaFuncGetAttributes(&attributes, RoundKernel);
+  }
+  return err;
+}
+
+struct Setups {
+  std::mutex mutex;
+  std::unordered_map<int, std::unique_ptr<const DeviceSetup>> by_device;
+  std::vector<std::unique_ptr<const DeviceSetup>> forgotten;  // may still be read
+};
+
+Setups& AllSetups() {
+  static Setups* setups = new Setups;  // never destroyed: launches may run at exit
+  return *setups;
+}
+
+// The device's setup, done now if it was not; a failed setup is not kept, so that a call
+// outside capture tries again.
+cudaError_t GetDeviceSetup(int device, const DeviceSetup** out) {
+  Setups& s = AllSetups();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  auto it = s.by_device.find(device);
+  if (it == s.by_device.end()) {
+    auto setup = std::make_unique<DeviceSetup>();
+    const cudaError_t err = SetUpDevice(device, setup.get());
+    if (err != cudaSuccess) return err;
+    it = s.by_device.emplace(device, std::move(setup)).first;
+  }
+  *out = it->second.get();
+  return cudaSuccess;
+}
+
+std::atomic<int> requested_variant{static_cast<int>(KernelVariant::kAuto)};
 
 template <typename Kernel, typename... Args>
 cudaError_t LaunchKernel(Kernel kernel, unsigned blocks, int threads, size_t dynamic_shared_bytes,
@@ -294,28 +549,69 @@ cudaError_t LaunchKernel(Kernel kernel, unsigned blocks, int threads, size_t dyn
 }
 
 template <typename TIn, Fp8Format kOut>
-cudaError_t Launch(cudaStream_t stream, int device, const RmsNormFp8Args& a) {
-  DeviceLimits limits{0, sizeof(SharedScratch)};
-  cudaError_t err = QueryLimits(device, &limits);
-  if (err != cudaSuccess) return err;
-  const LaunchPlan plan = PlanRmsNormFp8Launch(a, limits);
-  auto kernel = RmsNormFp8Kernel<TIn, kOut>;
-  if (plan.opt_in) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(plan.dynamic_shared_bytes));
-    if (err != cudaSuccess) return err;
+cudaError_t LaunchPlanned(cudaStream_t stream, const RmsNormFp8Args& a, const LaunchPlan& p) {
+  switch (p.variant) {
+    case KernelVariant::kWarpRows: {
+      const auto kernel = p.vectors_per_thread == 1   ? WarpRowsKernel<TIn, kOut, 1>
+                          : p.vectors_per_thread == 2 ? WarpRowsKernel<TIn, kOut, 2>
+                                                      : WarpRowsKernel<TIn, kOut, 4>;
+      return LaunchKernel(kernel, p.blocks, p.threads, 0, stream, a, p.threads_per_row);
+    }
+    case KernelVariant::kBlockRegisters: {
+      const auto kernel = p.vectors_per_thread == 2   ? BlockRegistersKernel<TIn, kOut, 2>
+                          : p.vectors_per_thread == 4 ? BlockRegistersKernel<TIn, kOut, 4>
+                                                      : BlockRegistersKernel<TIn, kOut, 8>;
+      return LaunchKernel(kernel, p.blocks, p.threads, 0, stream, a);
+    }
+    default:
+      return LaunchKernel(BlockSharedKernel<TIn, kOut>, p.blocks, p.threads,
+                          p.dynamic_shared_bytes, stream, a, p.vectorized, p.cached);
   }
-  return LaunchKernel(kernel, plan.blocks, plan.threads, plan.dynamic_shared_bytes, stream, a,
-                      plan.vectorized, plan.cached);
+}
+
+template <typename TIn, Fp8Format kOut>
+cudaError_t Launch(cudaStream_t stream, const DeviceLimits& limits, const RmsNormFp8Args& a) {
+  const auto variant = static_cast<KernelVariant>(requested_variant.load(std::memory_order_relaxed));
+  const LaunchPlan plan = PlanRmsNormFp8Launch(a, limits, variant);
+  const cudaError_t err = LaunchPlanned<TIn, kOut>(stream, a, plan);
+  if (err != cudaErrorInvalidValue || !plan.cached) return err;
+  // The GPU refused the row cache after all (a limit the plan does not model): nothing
+  // was enqueued, so re-read the row instead.
+  cudaGetLastError();
+  DeviceLimits uncached = limits;
+  uncached.max_dynamic_shared_bytes = 0;
+  return LaunchPlanned<TIn, kOut>(stream, a, PlanRmsNormFp8Launch(a, uncached, variant));
 }
 
 template <typename TIn>
-cudaError_t DispatchOutput(cudaStream_t stream, int device, const RmsNormFp8Args& a) {
-  return a.out_format == Fp8Format::kE4M3FN ? Launch<TIn, Fp8Format::kE4M3FN>(stream, device, a)
-                                            : Launch<TIn, Fp8Format::kE4M3FNUZ>(stream, device, a);
+cudaError_t DispatchOutput(cudaStream_t stream, const DeviceLimits (&limits)[2],
+                           const RmsNormFp8Args& a) {
+  return a.out_format == Fp8Format::kE4M3FN
+             ? Launch<TIn, Fp8Format::kE4M3FN>(stream, limits[0], a)
+             : Launch<TIn, Fp8Format::kE4M3FNUZ>(stream, limits[1], a);
 }
 
 }  // namespace
+
+cudaError_t PrepareDevice(int device) {
+  const DeviceSetup* setup = nullptr;
+  return GetDeviceSetup(device, &setup);
+}
+
+void ForgetDeviceSetups() {
+  Setups& s = AllSetups();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  for (auto& entry : s.by_device) s.forgotten.push_back(std::move(entry.second));
+  s.by_device.clear();
+}
+
+void SetKernelVariant(KernelVariant variant) {
+  requested_variant.store(static_cast<int>(variant), std::memory_order_relaxed);
+}
+
+KernelVariant RequestedKernelVariant() {
+  return static_cast<KernelVariant>(requested_variant.load(std::memory_order_relaxed));
+}
 
 cudaError_t LaunchRmsNormFp8(cudaStream_t stream, int device, const RmsNormFp8Args& a) {
   if (a.rows == 0) return cudaSuccess;
@@ -324,13 +620,16 @@ cudaError_t LaunchRmsNormFp8(cudaStream_t stream, int device, const RmsNormFp8Ar
     return cudaMemsetAsync(a.scales, 0, static_cast<size_t>(a.rows) * FloatTypeBytes(a.scale_type),
                            stream);
   }
+  const DeviceSetup* setup = nullptr;
+  const cudaError_t err = GetDeviceSetup(device, &setup);
+  if (err != cudaSuccess) return err;
   switch (a.input_type) {
     case FloatType::kF16:
-      return DispatchOutput<F16>(stream, device, a);
+      return DispatchOutput<F16>(stream, setup->block_shared[1], a);
     case FloatType::kBF16:
-      return DispatchOutput<BF16>(stream, device, a);
+      return DispatchOutput<BF16>(stream, setup->block_shared[2], a);
     default:
-      return DispatchOutput<float>(stream, device, a);
+      return DispatchOutput<float>(stream, setup->block_shared[0], a);
   }
 }
 

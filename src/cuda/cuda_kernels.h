@@ -4,6 +4,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "cuda_launch_plan.h"
 #include "rms_norm_fp8.h"
 
 namespace fp8norm {
@@ -14,5 +15,19 @@ namespace fp8norm {
 cudaError_t LaunchRmsNormFp8(cudaStream_t stream, int device, const RmsNormFp8Args& args);
 
 cudaError_t LaunchRound(cudaStream_t stream, const RoundArgs& args);
+
+// The one-time work for `device`, the current device, before its first launch: loads every
+// kernel and sets the attributes launches rely on. Not stream-ordered, so not for inside
+// CUDA graph capture: the FFI instantiate stage runs it. A launch on a device not yet
+// prepared prepares it first; a failed preparation is tried again by the next call.
+cudaError_t PrepareDevice(int device);
+
+// Forgets every device's preparation, as a new process would (after a device reset; the
+// emulation's "another device").
+void ForgetDeviceSetups();
+
+// The kernel variant later launches use (kAuto: the plan's table), process-wide.
+void SetKernelVariant(KernelVariant variant);
+KernelVariant RequestedKernelVariant();
 
 }  // namespace fp8norm

@@ -26,6 +26,19 @@ __device__ __forceinline__ T* DynamicShared() {
   return reinterpret_cast<T*>(dynamic_shared);
 }
 
+// The block's static shared storage of type T: one per kernel that calls it. The launch
+// reads its real size from cudaFuncGetAttributes.
+template <typename T>
+__device__ __forceinline__ T& StaticShared() {
+  __shared__ T storage;
+  return storage;
+}
+
+// The emulation's stand-in for the compiler's record of a kernel's static shared memory;
+// nvcc has the real one.
+template <typename Kernel>
+inline void DeclareStaticShared(Kernel, size_t) {}
+
 }  // namespace fp8norm
 
 #else  // the SIMT emulation
@@ -49,6 +62,19 @@ inline void StoreGlobal(T* p, const T& value, int site = __builtin_LINE()) {
 template <typename T>
 inline T* DynamicShared() {
   return static_cast<T*>(simt::DynamicSharedMemory());
+}
+
+// The block's region of the size the kernel declared (DeclareStaticShared): using more
+// than declared fails the launch, so the declaration cannot understate the kernel.
+template <typename T>
+inline T& StaticShared() {
+  static_assert(alignof(T) <= 16, "static shared storage is 16-byte aligned");
+  return *static_cast<T*>(simt::StaticSharedMemory(sizeof(T)));
+}
+
+template <typename Kernel>
+inline void DeclareStaticShared(Kernel kernel, size_t bytes) {
+  simt::DeclareStaticShared(reinterpret_cast<const void*>(kernel), bytes);
 }
 
 }  // namespace fp8norm

@@ -10,15 +10,41 @@
 
 namespace simt {
 
+// An H100 / H200 (sm_90) by default.
 struct DeviceLimits {
   int max_threads_per_block = 1024;
   int64_t max_grid_x = 2147483647;
-  int shared_per_block = 48 * 1024;     // without opting in
-  int shared_per_block_optin = 232448;  // Hopper's 227 KiB
+  int shared_per_block = 48 * 1024;     // static + dynamic, without opting in
+  int shared_per_block_optin = 232448;  // static + dynamic with the attribute: 227 KiB
+  int reserved_per_block = 1024;        // the system's share of each block (sm_80 on)
+  int shared_per_multiprocessor = 233472;
+  int multiprocessors = 132;
 };
 
+// Another device: the limits change and every kernel attribute starts over, as after
+// cudaDeviceReset.
 void SetDeviceLimits(const DeviceLimits& limits);
 DeviceLimits GetDeviceLimits();
+
+// Makes the next `count` calls of the runtime function `function` ("cudaFuncSetAttribute",
+// "cudaFuncGetAttributes", "cudaDeviceGetAttribute", "cudaLaunchKernelEx") fail with
+// `error`, as a driver may; count 0 clears it.
+void InjectError(const std::string& function, int error, int count);
+
+// While the guard lives, the calling OS thread's runtime calls behave as in CUDA graph
+// capture on a driver older than R545: calls that may load a module or change a kernel's
+// attributes (cudaFuncGetAttributes, cudaFuncSetAttribute) fail with
+// cudaErrorStreamCaptureUnsupported.
+class ScopedCapture {
+ public:
+  ScopedCapture();
+  ~ScopedCapture();
+  ScopedCapture(const ScopedCapture&) = delete;
+  ScopedCapture& operator=(const ScopedCapture&) = delete;
+
+ private:
+  bool previous_;
+};
 
 // Seeds the order in which each block's threads are resumed (reproducible for one seed);
 // returns the seed it replaces.
@@ -45,6 +71,7 @@ struct LaunchRecord {
   unsigned blocks = 0;
   unsigned threads = 0;
   size_t dynamic_shared_bytes = 0;
+  size_t static_shared_bytes = 0;  // as the kernel's attributes report it
   uint64_t barriers = 0;  // completed __syncthreads, summed over blocks
   uint64_t shuffles = 0;  // completed warp shuffles, summed over warps
   std::vector<BufferStats> buffers;

@@ -4,10 +4,14 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <atomic>
 #include <cstdint>
+#include <optional>
 
+#include "cuda_kernels.h"
 #include "ffi_capsule.h"
 #include "handlers.h"
+#include "kernel_variant_bindings.h"
 #include "simt.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -16,8 +20,16 @@ namespace {
 // Runs `handler` with every buffer of the call frame registered as the launch's global
 // memory, under the names of the op's arguments and results: an access outside them
 // fails the launch, and the accounting reports per buffer.
+//
+// Also, as tests ask: the call runs as if inside CUDA graph capture (set_capture), and a
+// runtime error the handler leaves set for a later call is counted (stale_errors).
+std::atomic<bool> capture_calls{false};
+std::atomic<uint64_t> stale_errors{0};
+
 XLA_FFI_Error* WithBuffers(XLA_FFI_CallFrame* frame, XLA_FFI_Handler* handler,
                            std::initializer_list<const char*> names) {
+  std::optional<simt::ScopedCapture> capture;
+  if (capture_calls.load()) capture.emplace();
   simt::ScopedBuffers buffers;
   auto name = names.begin();
   const auto add = [&](int64_t count, const auto* types, void* const* buffers_of) {
@@ -32,7 +44,12 @@ XLA_FFI_Error* WithBuffers(XLA_FFI_CallFrame* frame, XLA_FFI_Handler* handler,
   };
   add(frame->args.size, frame->args.types, frame->args.args);
   add(frame->rets.size, frame->rets.types, frame->rets.rets);
-  return handler(frame);
+  XLA_FFI_Error* error = handler(frame);
+  if (cudaPeekAtLastError() != cudaSuccess) {
+    stale_errors += 1;
+    cudaGetLastError();
+  }
+  return error;
 }
 
 XLA_FFI_Error* RmsNormFp8(XLA_FFI_CallFrame* frame) {
@@ -52,20 +69,37 @@ NB_MODULE(_fp8norm_simt, m) {
   m.attr("version") = FP8NORM_VERSION;
   m.def("registrations", []() {
     nanobind::dict targets;
-    targets["fp8norm_simt_rms_norm_fp8"] = fp8norm::FfiCapsule(RmsNormFp8);
-    targets["fp8norm_simt_add_rms_norm_fp8"] = fp8norm::FfiCapsule(AddRmsNormFp8);
-    targets["fp8norm_simt_round"] = fp8norm::FfiCapsule(Round);
+    const auto prepare = fp8norm::PrepareCudaHandler;
+    targets["fp8norm_simt_rms_norm_fp8"] = fp8norm::FfiStages(prepare, RmsNormFp8);
+    targets["fp8norm_simt_add_rms_norm_fp8"] = fp8norm::FfiStages(prepare, AddRmsNormFp8);
+    targets["fp8norm_simt_round"] = fp8norm::FfiStages(prepare, Round);
     return targets;
   });
+  fp8norm::AddKernelVariantControls(m);
+  m.def("set_capture", [](bool on) { capture_calls = on; }, nanobind::arg("on"));
+  m.def("stale_errors", []() { return stale_errors.load(); });
+  m.def(
+      "inject_error",
+      [](const std::string& function, int error, int count) {
+        simt::InjectError(function, error, count);
+      },
+      nanobind::arg("function"), nanobind::arg("error"), nanobind::arg("count") = 1);
+  m.def("forget_device_setups", &fp8norm::ForgetDeviceSetups);
   m.def(
       "set_device_limits",
       [](int max_threads_per_block, int64_t max_grid_x, int shared_per_block,
-         int shared_per_block_optin) {
-        simt::SetDeviceLimits(simt::DeviceLimits{max_threads_per_block, max_grid_x,
-                                                 shared_per_block, shared_per_block_optin});
+         int shared_per_block_optin, int reserved_per_block, int shared_per_multiprocessor,
+         int multiprocessors) {
+        simt::SetDeviceLimits(simt::DeviceLimits{
+            max_threads_per_block, max_grid_x, shared_per_block, shared_per_block_optin,
+            reserved_per_block, shared_per_multiprocessor, multiprocessors});
+        // Another device: the launch path's one-time work starts over with it.
+        fp8norm::ForgetDeviceSetups();
       },
       nanobind::arg("max_threads_per_block"), nanobind::arg("max_grid_x"),
-      nanobind::arg("shared_per_block"), nanobind::arg("shared_per_block_optin"));
+      nanobind::arg("shared_per_block"), nanobind::arg("shared_per_block_optin"),
+      nanobind::arg("reserved_per_block"), nanobind::arg("shared_per_multiprocessor"),
+      nanobind::arg("multiprocessors"));
   m.def("device_limits", []() {
     const simt::DeviceLimits l = simt::GetDeviceLimits();
     nanobind::dict out;
@@ -73,6 +107,9 @@ NB_MODULE(_fp8norm_simt, m) {
     out["max_grid_x"] = l.max_grid_x;
     out["shared_per_block"] = l.shared_per_block;
     out["shared_per_block_optin"] = l.shared_per_block_optin;
+    out["reserved_per_block"] = l.reserved_per_block;
+    out["shared_per_multiprocessor"] = l.shared_per_multiprocessor;
+    out["multiprocessors"] = l.multiprocessors;
     return out;
   });
   m.def("set_schedule_seed", &simt::SetScheduleSeed, nanobind::arg("seed"));
@@ -84,6 +121,7 @@ NB_MODULE(_fp8norm_simt, m) {
       launch["blocks"] = r.blocks;
       launch["threads"] = r.threads;
       launch["dynamic_shared_bytes"] = r.dynamic_shared_bytes;
+      launch["static_shared_bytes"] = r.static_shared_bytes;
       launch["barriers"] = r.barriers;
       launch["shuffles"] = r.shuffles;
       nanobind::dict buffers;

@@ -29,6 +29,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -102,7 +103,9 @@ struct Shared {
   std::mutex mutex;
   DeviceLimits limits;
   uint64_t seed = 0x9e3779b97f4a7c15ull;
-  std::unordered_map<const void*, int> max_dynamic_shared;  // per kernel
+  std::unordered_map<const void*, int> max_dynamic_shared;  // per kernel, as last set
+  std::unordered_map<const void*, size_t> static_shared;   // per kernel, as declared
+  std::unordered_map<std::string, std::pair<cudaError_t, int>> injected;  // error, calls left
   std::deque<LaunchRecord> launches;
 };
 
@@ -120,6 +123,29 @@ void Keep(LaunchRecord record) {
 
 void ThreadMain(void* argument);
 
+thread_local bool capturing = false;
+
+cudaError_t SetError(cudaError_t error);
+
+// The error injected for this call of `function`, or cudaSuccess.
+cudaError_t Injected(const char* function) {
+  Shared& g = Global();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  auto it = g.injected.find(function);
+  if (it == g.injected.end()) return cudaSuccess;
+  const cudaError_t error = it->second.first;
+  if (--it->second.second <= 0) g.injected.erase(it);
+  return error;
+}
+
+// A call that loads a module or changes a kernel: refused inside capture, or injected.
+cudaError_t Refusal(const char* function, bool loads_module) {
+  if (loads_module && capturing) return cudaErrorStreamCaptureUnsupported;
+  return Injected(function);
+}
+
+size_t PaddedStatic(size_t bytes) { return (bytes + 15) / 16 * 16; }
+
 // One per OS thread: the fibers of the block it runs, and the launch in progress.
 struct Executor {
   Fiber main;
@@ -133,6 +159,8 @@ struct Executor {
   unsigned num_threads = 0;
   unsigned barrier_arrived = 0;
   std::unique_ptr<unsigned char[]> dynamic_shared;
+  std::unique_ptr<unsigned char[]> static_shared;
+  size_t static_bytes = 0;  // the running kernel's declared static shared memory
   ThreadState* current = nullptr;
   std::string error;
   LaunchRecord record;
@@ -290,6 +318,8 @@ struct Executor {
     // with NaN bits, as shared memory holds whatever the previous block left.
     dynamic_shared.reset(new unsigned char[dynamic_bytes]);
     std::memset(dynamic_shared.get(), 0xff, dynamic_bytes);
+    static_shared.reset(new unsigned char[static_bytes]);
+    std::memset(static_shared.get(), 0xff, static_bytes);
     Release(&block_start);
 
     // Half the blocks resume every ready thread once per round, in random order; the
@@ -413,6 +443,24 @@ cudaError_t SetError(cudaError_t error) {
 // ------------------------------------------------------------------ device side
 
 void* DynamicSharedMemory() { return executor.dynamic_shared.get(); }
+
+void* StaticSharedMemory(size_t bytes) {
+  Executor& ex = executor;
+  if (bytes <= ex.static_bytes) return ex.static_shared.get();
+  Bookkeeping hidden;
+  ex.Fail(ex.Where() + " uses " + std::to_string(bytes) +
+          " bytes of static shared memory; the kernel's attributes declare " +
+          std::to_string(ex.static_bytes));
+  ex.current->wait = Wait::kAborted;
+  ex.Yield();  // an aborted thread is never resumed
+  return nullptr;
+}
+
+void DeclareStaticShared(const void* kernel, size_t bytes) {
+  Shared& g = Global();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  g.static_shared[kernel] = PaddedStatic(bytes);
+}
 
 bool RecordGlobalAccess(const void* address, size_t bytes, size_t alignment, bool write, int site) {
   Executor& ex = executor;
@@ -541,10 +589,38 @@ uint32_t ShuffleXor(uint32_t mask, uint32_t value, int lane_mask, int width) {
 }
 
 cudaError_t SetMaxDynamicShared(const void* kernel, int bytes) {
+  if (const cudaError_t e = Refusal("cudaFuncSetAttribute", true)) return SetError(e);
   Shared& g = Global();
   std::lock_guard<std::mutex> lock(g.mutex);
-  if (bytes < 0 || bytes > g.limits.shared_per_block_optin) return SetError(cudaErrorInvalidValue);
+  auto it = g.static_shared.find(kernel);
+  const size_t static_bytes = it == g.static_shared.end() ? 0 : it->second;
+  // The runtime's rule: the attribute plus the kernel's static shared memory may not
+  // exceed the opt-in limit.
+  if (bytes < 0 || static_cast<size_t>(bytes) + static_bytes >
+                       static_cast<size_t>(g.limits.shared_per_block_optin)) {
+    executor.last_failure = "cudaFuncSetAttribute: " + std::to_string(bytes) +
+                            " bytes of dynamic shared memory beside " +
+                            std::to_string(static_bytes) + " static exceed the device's " +
+                            std::to_string(g.limits.shared_per_block_optin);
+    return SetError(cudaErrorInvalidValue);
+  }
   g.max_dynamic_shared[kernel] = bytes;
+  return cudaSuccess;
+}
+
+cudaError_t GetFuncAttributes(const void* kernel, cudaFuncAttributes* attributes) {
+  if (const cudaError_t e = Refusal("cudaFuncGetAttributes", true)) return SetError(e);
+  Shared& g = Global();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  auto s = g.static_shared.find(kernel);
+  const size_t static_bytes = s == g.static_shared.end() ? 0 : s->second;
+  auto d = g.max_dynamic_shared.find(kernel);
+  attributes->sharedSizeBytes = static_bytes;
+  attributes->maxThreadsPerBlock = g.limits.max_threads_per_block;
+  attributes->maxDynamicSharedSizeBytes =
+      d != g.max_dynamic_shared.end()
+          ? d->second
+          : std::max(0, g.limits.shared_per_block - static_cast<int>(static_bytes));
   return cudaSuccess;
 }
 
@@ -555,17 +631,26 @@ cudaError_t Launch(const void* kernel, const cudaLaunchConfig_t& config, ThreadB
   // anything ThreadSanitizer sees; the block's start and end order the kernel's memory.
   Bookkeeping hidden;
   if (ex.current != nullptr) return SetError(cudaErrorInvalidConfiguration);  // from a kernel
+  if (const cudaError_t e = Injected("cudaLaunchKernelEx")) return SetError(e);
   DeviceLimits limits;
-  int allowed_dynamic = 0;
+  size_t static_bytes = 0;
   uint64_t seed = 0;
+  std::optional<int> attribute;
   {
     Shared& g = Global();
     std::lock_guard<std::mutex> lock(g.mutex);
     limits = g.limits;
     auto it = g.max_dynamic_shared.find(kernel);
-    allowed_dynamic = it == g.max_dynamic_shared.end() ? 0 : it->second;
+    if (it != g.max_dynamic_shared.end()) attribute = it->second;
+    auto s = g.static_shared.find(kernel);
+    static_bytes = s == g.static_shared.end() ? 0 : s->second;
     seed = g.seed;
   }
+  // Without the attribute a block may have the default limit, static and dynamic together.
+  const size_t allowed_dynamic =
+      attribute ? static_cast<size_t>(*attribute)
+                : static_cast<size_t>(std::max<int64_t>(
+                      0, int64_t{limits.shared_per_block} - static_cast<int64_t>(static_bytes)));
   const dim3 grid = config.gridDim;
   const dim3 block = config.blockDim;
   const size_t dynamic_bytes = config.dynamicSmemBytes;
@@ -579,21 +664,27 @@ cudaError_t Launch(const void* kernel, const cudaLaunchConfig_t& config, ThreadB
   } else if (grid.x == 0 || grid.x > limits.max_grid_x) {
     refusal = "grid of " + std::to_string(grid.x) + " blocks (the device allows 1 to " +
               std::to_string(limits.max_grid_x) + ")";
-  } else if (dynamic_bytes > static_cast<size_t>(limits.shared_per_block_optin)) {
+  } else if (static_bytes + dynamic_bytes > static_cast<size_t>(limits.shared_per_block_optin) ||
+             limits.reserved_per_block + static_bytes + dynamic_bytes >
+                 static_cast<size_t>(limits.shared_per_multiprocessor)) {
     code = cudaErrorInvalidValue;
-    refusal = std::to_string(dynamic_bytes) + " bytes of dynamic shared memory (the device has " +
-              std::to_string(limits.shared_per_block_optin) + ")";
-  } else if (dynamic_bytes > static_cast<size_t>(limits.shared_per_block) &&
-             dynamic_bytes > static_cast<size_t>(allowed_dynamic)) {
+    refusal = std::to_string(dynamic_bytes) + " bytes of dynamic and " +
+              std::to_string(static_bytes) + " of static shared memory (the device has " +
+              std::to_string(limits.shared_per_block_optin) + " per block, " +
+              std::to_string(limits.reserved_per_block) + " reserved)";
+  } else if (dynamic_bytes > allowed_dynamic) {
     code = cudaErrorInvalidValue;
-    refusal = std::to_string(dynamic_bytes) +
-              " bytes of dynamic shared memory without cudaFuncSetAttribute("
-              "cudaFuncAttributeMaxDynamicSharedMemorySize) allowing them";
+    refusal = std::to_string(dynamic_bytes) + " bytes of dynamic shared memory beside " +
+              std::to_string(static_bytes) + " static, where " +
+              (attribute ? "cudaFuncSetAttribute(cudaFuncAttributeMaxDynamicSharedMemorySize) "
+                           "last allowed " + std::to_string(*attribute)
+                         : "the default limit allows " + std::to_string(allowed_dynamic));
   }
   LaunchRecord record;
   record.blocks = grid.x;
   record.threads = block.x;
   record.dynamic_shared_bytes = dynamic_bytes;
+  record.static_shared_bytes = static_bytes;
   for (const Buffer& b : ex.buffers) {
     BufferStats stats;
     stats.name = b.name;
@@ -614,6 +705,7 @@ cudaError_t Launch(const void* kernel, const cudaLaunchConfig_t& config, ThreadB
   ex.launching_mxcsr = _mm_getcsr();
 #endif
   ex.num_threads = block.x;
+  ex.static_bytes = static_bytes;
   ex.error.clear();
   ex.record = std::move(record);
   // The same seed and the same sequence of launches on a thread give the same schedules.
@@ -629,6 +721,7 @@ cudaError_t Launch(const void* kernel, const cudaLaunchConfig_t& config, ThreadB
     }
   }
   ex.dynamic_shared.reset();
+  ex.static_shared.reset();
   ex.body = nullptr;
   ex.bound = nullptr;
   if (!ok) {
@@ -649,6 +742,19 @@ void SetDeviceLimits(const DeviceLimits& limits) {
   g.limits = limits;
   g.max_dynamic_shared.clear();  // another device: attributes start over
 }
+
+void InjectError(const std::string& function, int error, int count) {
+  Shared& g = Global();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  if (count <= 0) {
+    g.injected.erase(function);
+  } else {
+    g.injected[function] = {static_cast<cudaError_t>(error), count};
+  }
+}
+
+ScopedCapture::ScopedCapture() : previous_(capturing) { capturing = true; }
+ScopedCapture::~ScopedCapture() { capturing = previous_; }
 
 DeviceLimits GetDeviceLimits() {
   Shared& g = Global();
@@ -702,6 +808,12 @@ const char* cudaGetErrorString(cudaError_t error) {
                                                  : simt::executor.last_failure.c_str();
     case cudaErrorInvalidDevice:
       return "invalid device ordinal";
+    case cudaErrorInvalidDeviceFunction:
+      return "invalid device function";
+    case cudaErrorLaunchOutOfResources:
+      return "too many resources requested for launch";
+    case cudaErrorStreamCaptureUnsupported:
+      return "operation not permitted when stream is capturing";
     default:
       return "unknown error";
   }
@@ -728,6 +840,7 @@ cudaError_t cudaDriverGetVersion(int* version) {
 
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int device) {
   if (device != 0) return simt::SetError(cudaErrorInvalidDevice);
+  if (const cudaError_t e = simt::Injected("cudaDeviceGetAttribute")) return simt::SetError(e);
   const simt::DeviceLimits limits = simt::GetDeviceLimits();
   switch (attribute) {
     case cudaDevAttrMaxThreadsPerBlock:
@@ -741,6 +854,15 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int dev
       return cudaSuccess;
     case cudaDevAttrMaxSharedMemoryPerBlockOptin:
       *value = limits.shared_per_block_optin;
+      return cudaSuccess;
+    case cudaDevAttrReservedSharedMemoryPerBlock:
+      *value = limits.reserved_per_block;
+      return cudaSuccess;
+    case cudaDevAttrMaxSharedMemoryPerMultiprocessor:
+      *value = limits.shared_per_multiprocessor;
+      return cudaSuccess;
+    case cudaDevAttrMultiProcessorCount:
+      *value = limits.multiprocessors;
       return cudaSuccess;
   }
   return simt::SetError(cudaErrorInvalidValue);

@@ -39,8 +39,10 @@ enum cudaError_t : int {
   cudaErrorInvalidValue = 1,
   cudaErrorInvalidConfiguration = 9,
   cudaErrorInvalidDevice = 101,
+  cudaErrorInvalidDeviceFunction = 98,
   cudaErrorLaunchOutOfResources = 701,
   cudaErrorLaunchFailure = 719,
+  cudaErrorStreamCaptureUnsupported = 900,
 };
 using cudaError = cudaError_t;
 
@@ -51,11 +53,21 @@ enum cudaDeviceAttr : int {
   cudaDevAttrMaxThreadsPerBlock = 1,
   cudaDevAttrMaxGridDimX = 5,
   cudaDevAttrMaxSharedMemoryPerBlock = 8,
+  cudaDevAttrMultiProcessorCount = 16,
+  cudaDevAttrMaxSharedMemoryPerMultiprocessor = 81,
   cudaDevAttrMaxSharedMemoryPerBlockOptin = 97,
+  cudaDevAttrReservedSharedMemoryPerBlock = 111,
 };
 
 enum cudaFuncAttribute : int {
   cudaFuncAttributeMaxDynamicSharedMemorySize = 8,
+};
+
+// The fields of the runtime's cudaFuncAttributes that the launch reads.
+struct cudaFuncAttributes {
+  size_t sharedSizeBytes = 0;  // static shared memory, as the compiler laid it out
+  int maxThreadsPerBlock = 0;
+  int maxDynamicSharedSizeBytes = 0;  // the attribute as last set
 };
 
 struct cudaLaunchAttribute;
@@ -79,6 +91,15 @@ namespace simt {
 // A block's dynamic shared memory, allocated at exactly the launch's byte count.
 void* DynamicSharedMemory();
 
+// A block's static shared memory: `bytes` of the region the running kernel declared
+// (DeclareStaticShared); more than that fails the launch (null is returned).
+void* StaticSharedMemory(size_t bytes);
+
+// What the compiler would report as `kernel`'s static shared memory: the emulation has no
+// compiler pass, so the kernel's source declares it (device_memory.h). Laid out as ptxas
+// lays it out before a 16-byte aligned dynamic region: rounded up to 16 bytes.
+void DeclareStaticShared(const void* kernel, size_t bytes);
+
 // One global-memory access of the calling thread: checked against the buffers the
 // emulator knows and against its alignment, as the GPU faults on a misaligned vector
 // access (false: the launch fails, and the access must not be made), then counted per
@@ -93,6 +114,7 @@ using ThreadBody = void (*)(const void* kernel_and_args);
 cudaError_t Launch(const void* kernel, const cudaLaunchConfig_t& config, ThreadBody thread_body,
                    const void* kernel_and_args);
 cudaError_t SetMaxDynamicShared(const void* kernel, int bytes);
+cudaError_t GetFuncAttributes(const void* kernel, cudaFuncAttributes* attributes);
 
 template <typename Kernel, typename Args>
 struct BoundKernel {
@@ -135,11 +157,22 @@ cudaError_t cudaDriverGetVersion(int* version);
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int device);
 cudaError_t cudaMemsetAsync(void* pointer, int value, size_t bytes, cudaStream_t stream = nullptr);
 
+inline cudaError_t cudaFuncSetAttribute(const void* kernel, cudaFuncAttribute attribute,
+                                        int value) {
+  if (attribute != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaErrorInvalidValue;
+  return simt::SetMaxDynamicShared(kernel, value);
+}
+inline cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attributes, const void* kernel) {
+  return simt::GetFuncAttributes(kernel, attributes);
+}
 template <typename... Params>
 cudaError_t cudaFuncSetAttribute(void (*kernel)(Params...), cudaFuncAttribute attribute,
                                  int value) {
-  if (attribute != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaErrorInvalidValue;
-  return simt::SetMaxDynamicShared(reinterpret_cast<const void*>(kernel), value);
+  return cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), attribute, value);
+}
+template <typename... Params>
+cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attributes, void (*kernel)(Params...)) {
+  return cudaFuncGetAttributes(attributes, reinterpret_cast<const void*>(kernel));
 }
 
 // The C++ launch of the CUDA runtime (cuda_runtime.h's variadic cudaLaunchKernelEx): the
