@@ -11,7 +11,13 @@ The contract is docs/spec.md; :mod:`jax_fp8norm.reference` holds the pure-jnp tw
 """
 
 from jax_fp8norm import reference, testing
-from jax_fp8norm._ffi import built_with_cuda, cpu_kernel_variant
+from jax_fp8norm._ffi import (
+    built_with_cuda,
+    cpu_kernel_variant,
+    cuda_kernel,
+    cuda_kernel_variants,
+    use_cuda_kernel,
+)
 from jax_fp8norm._primitives import EXPORT_DISABLED_CHECKS
 from jax_fp8norm._primitives import TARGETS as FFI_TARGETS
 from jax_fp8norm._version import __version__ as __version__
@@ -31,9 +37,12 @@ __all__ = [
     "allreduce_residual_rms_norm_fp8",
     "built_with_cuda",
     "cpu_kernel_variant",
+    "cuda_kernel",
+    "cuda_kernel_variants",
     "reference",
     "rms_norm_fp8",
     "rms_norm_fp8_dequantized",
     "sharded_allreduce_residual_rms_norm_fp8",
     "testing",
+    "use_cuda_kernel",
 ]

@@ -7,10 +7,11 @@ with ``python -m jax_fp8norm`` from a clone's root, then still finds the install
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import jax
 
@@ -37,8 +38,6 @@ def check_version(module) -> None:
 
 
 check_version(_fp8norm_cpu)
-for _name, _capsule in _fp8norm_cpu.registrations().items():
-    jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 
 try:
     from jax_fp8norm_kernels import _fp8norm_cuda
@@ -70,6 +69,88 @@ else:
     SIMT_ERROR = ""
     for _name, _capsule in simt_module.registrations().items():
         jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+
+EMULATE_CUDA_ENV = "FP8NORM_EMULATE_CUDA"
+
+
+def emulating_cuda(environ=os.environ) -> bool:
+    """Whether ``FP8NORM_EMULATE_CUDA`` asks for the CPU backend's targets to run the
+    emulated CUDA kernels: "1" (or "true", "yes", "on") yes; unset, "", "0" (or "false",
+    "no", "off") no; anything else is an error."""
+    value = environ.get(EMULATE_CUDA_ENV, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{EMULATE_CUDA_ENV}={environ[EMULATE_CUDA_ENV]!r}: expected 1 or 0")
+
+
+# The CPU backend's own targets: the CPU kernels or, with FP8NORM_EMULATE_CUDA=1, the
+# emulated CUDA kernels, so that any JAX program runs the CUDA code without a GPU.
+if emulating_cuda():
+    if simt_module is None:
+        raise ImportError(
+            f"{EMULATE_CUDA_ENV}=1, but this build of jax_fp8norm has no SIMT emulation "
+            f"({SIMT_ERROR})"
+        )
+    _cpu_targets = {
+        name.replace(SIMT_TARGET_PREFIX, "fp8norm_", 1): capsule
+        for name, capsule in simt_module.registrations().items()
+    }
+else:
+    _cpu_targets = _fp8norm_cpu.registrations()
+for _name, _capsule in _cpu_targets.items():
+    jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+
+CUDA_KERNEL_ENV = "FP8NORM_CUDA_KERNEL"
+
+
+def _kernel_modules() -> list:
+    """The modules that carry the CUDA kernels: the CUDA build's and the emulation's."""
+    return [m for m in (_fp8norm_cuda, simt_module) if m is not None]
+
+
+def cuda_kernel_variants() -> list[str]:
+    """The names of the CUDA kernel variants, "auto" first (docs/performance.md)."""
+    modules = _kernel_modules()
+    return list(modules[0].kernel_variants()) if modules else []
+
+
+def cuda_kernel() -> str:
+    """The CUDA kernel variant launches use now ("auto" unless chosen)."""
+    modules = _kernel_modules()
+    return modules[0].kernel_variant() if modules else "auto"
+
+
+def set_cuda_kernel(name: str) -> str:
+    """Makes later launches of the CUDA kernels (real or emulated) use the variant ``name``;
+    returns the one it replaces. Compiled functions need no recompilation: the launch reads
+    it each call. A variant that cannot hold a call's row runs block_shared for that call."""
+    variants = cuda_kernel_variants()
+    if name not in variants:
+        raise ValueError(f"unknown CUDA kernel variant {name!r}: expected one of {variants}")
+    previous = cuda_kernel()
+    for module in _kernel_modules():
+        module.set_kernel_variant(name)
+    return previous
+
+
+@contextlib.contextmanager
+def use_cuda_kernel(name: str) -> Iterator[None]:
+    """Within the block, launches of the CUDA kernels (real or emulated) use the variant
+    ``name`` (see :func:`cuda_kernel_variants`); the previous choice is restored after."""
+    previous = set_cuda_kernel(name)
+    try:
+        yield
+    finally:
+        set_cuda_kernel(previous)
+
+
+if os.environ.get(CUDA_KERNEL_ENV):
+    try:
+        set_cuda_kernel(os.environ[CUDA_KERNEL_ENV])
+    except ValueError as _error:
+        raise ValueError(f"{CUDA_KERNEL_ENV}: {_error}") from None
 
 
 def simt_target(target: str) -> str:

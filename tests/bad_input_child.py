@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from conftest import (
+    SIMT_PLATFORMS,
     check_against_reference,
     device_of,
     kernels_of,
@@ -128,7 +129,7 @@ def shape_cases(platform):
 
 
 def platforms():
-    found = ["cpu", "simt"]
+    found = ["cpu", *SIMT_PLATFORMS]
     try:
         if jax.devices("gpu"):
             found.append("gpu")

@@ -40,28 +40,44 @@ def _gpu_devices():
         return []
 
 
-@pytest.fixture(params=["cpu", "simt", "gpu"])
+# The emulated CUDA kernels, once per kernel variant (auto chooses among these; its table is
+# tests/test_launch_plan.py's): "simt-block_shared", "simt-warp_rows", "simt-block_registers".
+SIMT_VARIANTS = ("block_shared", "warp_rows", "block_registers")
+SIMT_PLATFORMS = tuple(f"simt-{v}" for v in SIMT_VARIANTS)
+
+
+def is_simt(platform: str) -> bool:
+    return platform.startswith("simt")
+
+
+@pytest.fixture(params=["cpu", *SIMT_PLATFORMS, "gpu"])
 def platform(request):
     if request.param == "gpu" and not _gpu_devices():
         message = "no GPU backend available to jax"
         if REQUIRE_GPU:
             pytest.fail(f"FP8NORM_REQUIRE_GPU is set but {message}")
         pytest.skip(message)
-    if request.param == "simt" and not jax_fp8norm.simt.available():
+    if is_simt(request.param) and not jax_fp8norm.simt.available():
         pytest.fail("this build of jax_fp8norm has no SIMT emulation (_fp8norm_simt)")
     with kernels_of(request.param):
         yield request.param
 
 
+@contextlib.contextmanager
 def kernels_of(platform: str):
-    """Makes the ops use the platform's kernels: the emulated CUDA ones for `simt`; the
-    other platforms need nothing."""
-    return jax_fp8norm.simt.kernels() if platform == "simt" else contextlib.nullcontext()
+    """Makes the ops use the platform's kernels: for `simt-<variant>` the emulated CUDA
+    kernels, that variant; the other platforms need nothing."""
+    if not is_simt(platform):
+        yield
+        return
+    variant = platform.partition("-")[2] or "auto"
+    with jax_fp8norm.simt.kernels(), jax_fp8norm.use_cuda_kernel(variant):
+        yield
 
 
 def device_of(platform: str) -> jax.Device:
     """The jax device a platform's kernels run on: the emulated ones on the CPU."""
-    return jax.devices("cpu" if platform == "simt" else platform)[0]
+    return jax.devices("cpu" if is_simt(platform) else platform)[0]
 
 
 def run_on(platform: str, fn, *args, jit: bool = True, **kwargs):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from conftest import reference_on_cpu, run_on  # noqa: E402
+from conftest import SIMT_PLATFORMS, is_simt, reference_on_cpu, run_on  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -159,13 +159,6 @@ def cases(draw):
     )
 
 
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-@given(case=cases())
 def _check_case(platform, case):
     shape, x_dtype, kw = case["shape"], case["x_dtype"], case["keywords"]
     x = values(case["seed"], shape, x_dtype, case["kinds"])
@@ -188,5 +181,19 @@ def _check_case(platform, case):
     assert_matches_reference(_keep_rows(out, keep), _keep_rows(ref, keep))
 
 
+def _checker(examples: int):
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )(given(case=cases())(_check_case))
+
+
+# The emulated kernel variants share one budget: each is a third of the emulation's cost.
+_check_native = _checker(EXAMPLES)
+_check_emulated = _checker(max(1, EXAMPLES // len(SIMT_PLATFORMS)))
+
+
 def test_kernel_matches_reference_on_random_cases(platform):
-    _check_case(platform)
+    (_check_emulated if is_simt(platform) else _check_native)(platform)

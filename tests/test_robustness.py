@@ -22,6 +22,7 @@ from conftest import (
     assert_same_bits,
     check_against_reference,
     device_of,
+    is_simt,
     outputs_of_script,
     random_gamma,
     random_rows,
@@ -68,7 +69,7 @@ def test_more_than_2_to_the_31_elements(platform):
     would wrap to the wrong row. The first rows are checked against the reference."""
     if platform == "cpu" and not HUGE_ON_CPU:
         pytest.skip("about 7 GiB of host memory; FP8NORM_HUGE_TESTS=1 runs it on the CPU")
-    if platform == "simt":
+    if is_simt(platform):
         pytest.skip("2^31 elements through fibers would take hours; the GPU run covers it")
     device = device_of(platform)
     with jax.default_device(device):
@@ -256,7 +257,7 @@ def test_memory_flat_over_10000_calls(platform):
     (4096 float32), so a per-call leak would show as 160 MiB or more. The emulated kernels
     make 2,000 and 400 calls on 2 rows: a leak still shows as 32 MiB or more."""
     device = device_of(platform)
-    rows, count = (2, 2000) if platform == "simt" else (8, 10000)
+    rows, count = (2, 2000) if is_simt(platform) else (8, 10000)
     x = jax.device_put(random_rows(1, (rows, 4096), jnp.bfloat16), device)
     residual = jax.device_put(random_rows(2, (rows, 4096), jnp.bfloat16), device)
     gamma = jax.device_put(random_gamma(3, 4096, jnp.float32), device)

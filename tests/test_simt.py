@@ -3,9 +3,10 @@
 
 Each launch path is reached at a small size by giving the emulated device small limits, the
 result is held to the reference bit for bit, and the emulator's memory accounting is held
-to what the kernel's design promises: on the cached path x and the residual are read once
-and gamma once per row, every output is written once, and every warp-wide access touches
-the fewest 32-byte sectors that can hold it.
+to what each kernel variant's design promises: on block_shared's cached path and in the
+register variants x and the residual are read once and gamma once per row, every output
+is written once, and every warp-wide access touches the fewest 32-byte sectors that can
+hold it. The block_shared tests ask for that variant; auto would pick another for most.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ pytestmark = pytest.mark.skipif(not simt.available(), reason="built without the 
 F32_STATIC_SHARED = 300  # more than the kernel's own __shared__ scratch
 
 
-def run(op: str, *args):
-    """Runs `op` on the emulated kernels, checks it against the reference and returns the
-    outputs and the op's launch."""
-    with simt.kernels():
+def run(op: str, *args, variant: str = "block_shared"):
+    """Runs `op` on the emulated kernels of `variant`, checks it against the reference and
+    returns the outputs and the op's launch."""
+    with simt.kernels(), fp8norm.use_cuda_kernel(variant):
         simt.take_launches()
         out, _ = check_against_reference("simt", op, *args)
         launches = [launch for launch in simt.take_launches() if "x" in launch["buffers"]]
@@ -163,7 +164,9 @@ def test_block_reductions_meet_at_every_barrier_and_shuffle():
 
 def test_a_launch_the_device_refuses_raises_instead_of_crashing():
     op, args = inputs(2, 4096, jnp.bfloat16)  # the plan asks for 512 threads
-    with simt.kernels(), simt.device(max_threads_per_block=256):
+    with simt.kernels(), simt.device(max_threads_per_block=256), fp8norm.use_cuda_kernel(
+        "block_shared"
+    ):
         with pytest.raises(Exception, match="block of 512 threads"):
             jax.block_until_ready(jax.jit(getattr(fp8norm, op))(*args))
         assert simt.take_launches()[-1]["error"]
@@ -195,3 +198,78 @@ def test_outside_the_block_the_ops_use_the_cpu_kernels():
     simt.take_launches()
     jax.block_until_ready(fp8norm.rms_norm_fp8(*args))
     assert simt.take_launches() == []
+
+
+# ---------------------------------------------------------------- the register variants
+
+REGISTER_VARIANTS = ["warp_rows", "block_registers"]
+
+
+@pytest.mark.parametrize("variant", REGISTER_VARIANTS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("residual", [False, True])
+def test_register_variants_touch_every_byte_once_fully_coalesced(variant, dtype, residual):
+    rows, hidden = 11, 2048
+    op, args = inputs(rows, hidden, dtype, residual=residual, gamma_dtype=dtype)
+    out, launch = run(op, *args, variant=variant)
+    buffers = launch["buffers"]
+    assert launch["dynamic_shared_bytes"] == 0
+    assert buffers["x"]["bytes_read"] == nbytes(args[0])
+    assert buffers["gamma"]["bytes_read"] == rows * nbytes(args[-1])
+    assert buffers["y"]["bytes_written"] == nbytes(out[0])
+    assert buffers["scales"]["bytes_written"] == nbytes(out[1])
+    if residual:
+        assert buffers["residual"]["bytes_read"] == nbytes(args[1])
+        assert buffers["residual_out"]["bytes_written"] == nbytes(out[2])
+    for name, stats in buffers.items():
+        other = "bytes_written" if name in ("x", "residual", "gamma") else "bytes_read"
+        assert stats[other] == 0, name
+        assert stats["sectors"] == stats["min_sectors"], (name, stats)
+    assert buffers["x"]["widest_access"] == 16
+
+
+def test_warp_rows_with_a_warp_per_row_meets_at_no_barrier():
+    # 1024 bfloat16 = 128 vectors: a warp of 4 each, 8 rows per 256-thread block; 13 rows
+    # leave 3 groups of the second block without a row, which still shuffle.
+    op, args = inputs(13, 1024, jnp.bfloat16)
+    _, launch = run(op, *args, variant="warp_rows")
+    assert (launch["blocks"], launch["threads"]) == (2, 256)
+    assert launch["barriers"] == 0
+    assert launch["shuffles"] == 2 * 8 * (10 + 5)  # per warp: the sum's two values, the max
+
+
+def test_warp_rows_with_several_warps_per_row_meets_once_per_reduction():
+    # 4096 bfloat16 = 512 vectors: 128 threads of 4, 2 rows per block.
+    op, args = inputs(5, 4096, jnp.bfloat16)
+    _, launch = run(op, *args, variant="warp_rows")
+    assert (launch["blocks"], launch["threads"]) == (3, 256)
+    assert launch["barriers"] == 3 * 2
+    assert launch["shuffles"] == 3 * 8 * 2 * (10 + 5)  # warp pass and group pass
+
+
+def test_block_registers_meets_once_per_reduction():
+    # 4096 bfloat16: 256 threads of 2 vectors; two barriers per row where block_shared
+    # needs four.
+    op, args = inputs(3, 4096, jnp.bfloat16)
+    _, launch = run(op, *args, variant="block_registers")
+    assert (launch["blocks"], launch["threads"]) == (3, 256)
+    assert launch["barriers"] == 3 * 2
+    assert launch["shuffles"] == 3 * 8 * 2 * (10 + 5)
+
+
+@pytest.mark.parametrize("variant", REGISTER_VARIANTS)
+def test_register_variants_stride_over_rows_on_a_capped_grid(variant):
+    op, args = inputs(100, 1024, jnp.float16, residual=True, gamma_dtype=jnp.float16)
+    with simt.device(max_grid_x=3):
+        _, launch = run(op, *args, variant=variant)
+    assert launch["blocks"] == 3
+    assert launch["buffers"]["x"]["bytes_read"] == nbytes(args[0])
+    for name, stats in launch["buffers"].items():
+        assert stats["sectors"] == stats["min_sectors"], (name, stats)
+
+
+@pytest.mark.parametrize("variant", REGISTER_VARIANTS)
+def test_a_register_variant_that_cannot_hold_the_row_runs_block_shared(variant):
+    op, args = inputs(2, 1001, jnp.bfloat16)  # not a vector multiple
+    _, launch = run(op, *args, variant=variant)
+    assert launch["dynamic_shared_bytes"] == 1001 * 4  # block_shared's row cache

@@ -27,7 +27,9 @@ NB_MODULE(_fp8norm_cpu, m) {
       "plan_rms_norm_fp8_launch",
       [](int64_t rows, int64_t hidden, int input_type, bool residual, int gamma_type,
          int64_t misalign_bytes, size_t optin_shared_bytes, size_t static_shared_bytes,
-         int64_t max_blocks) {
+         int64_t max_blocks, size_t default_shared_bytes, int64_t max_dynamic_shared_bytes,
+         size_t reserved_shared_bytes, int64_t multiprocessor_shared_bytes, int multiprocessors,
+         int variant) {
         // Buffers at 256-byte aligned addresses, which the plan only inspects; x (and
         // residual) moved by misalign_bytes.
         const auto at = [](uintptr_t address) { return reinterpret_cast<void*>(address); };
@@ -42,9 +44,21 @@ NB_MODULE(_fp8norm_cpu, m) {
         a.hidden = hidden;
         a.input_type = a.residual_type = static_cast<fp8norm::FloatType>(input_type);
         a.gamma_type = static_cast<fp8norm::FloatType>(gamma_type);
+        fp8norm::DeviceLimits limits{optin_shared_bytes, static_shared_bytes, max_blocks,
+                                     default_shared_bytes};
+        // Negative: unlimited (the attribute not yet read).
+        if (max_dynamic_shared_bytes >= 0) {
+          limits.max_dynamic_shared_bytes = static_cast<size_t>(max_dynamic_shared_bytes);
+        }
+        limits.reserved_shared_bytes = reserved_shared_bytes;
+        if (multiprocessor_shared_bytes >= 0) {
+          limits.multiprocessor_shared_bytes = static_cast<size_t>(multiprocessor_shared_bytes);
+        }
+        limits.multiprocessors = multiprocessors;
         const fp8norm::LaunchPlan p = fp8norm::PlanRmsNormFp8Launch(
-            a, fp8norm::DeviceLimits{optin_shared_bytes, static_shared_bytes, max_blocks});
+            a, limits, static_cast<fp8norm::KernelVariant>(variant));
         nanobind::dict plan;
+        plan["variant"] = fp8norm::kKernelVariantNames[static_cast<int>(p.variant)];
         plan["vectorized"] = p.vectorized;
         plan["vector_width"] = p.vector_width;
         plan["threads"] = p.threads;
@@ -52,12 +66,23 @@ NB_MODULE(_fp8norm_cpu, m) {
         plan["cached"] = p.cached;
         plan["dynamic_shared_bytes"] = p.dynamic_shared_bytes;
         plan["opt_in"] = p.opt_in;
+        plan["threads_per_row"] = p.threads_per_row;
+        plan["rows_per_block"] = p.rows_per_block;
+        plan["vectors_per_thread"] = p.vectors_per_thread;
         return plan;
       },
       nanobind::arg("rows"), nanobind::arg("hidden"), nanobind::arg("input_type"),
       nanobind::arg("residual"), nanobind::arg("gamma_type"), nanobind::arg("misalign_bytes"),
       nanobind::arg("optin_shared_bytes"), nanobind::arg("static_shared_bytes"),
-      nanobind::arg("max_blocks"));
+      nanobind::arg("max_blocks"), nanobind::arg("default_shared_bytes") = 48 * 1024,
+      nanobind::arg("max_dynamic_shared_bytes") = -1, nanobind::arg("reserved_shared_bytes") = 0,
+      nanobind::arg("multiprocessor_shared_bytes") = -1, nanobind::arg("multiprocessors") = 132,
+      nanobind::arg("variant") = 0);
+  m.def("cuda_kernel_variant_names", []() {
+    nanobind::list names;
+    for (const char* name : fp8norm::kKernelVariantNames) names.append(name);
+    return names;
+  });
   m.def("cuda_driver_problem", &fp8norm::CudaDriverProblem, nanobind::arg("runtime_version"),
         nanobind::arg("driver_version"));
 }

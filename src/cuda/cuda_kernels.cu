@@ -371,7 +371,7 @@ __device__ __forceinline__ void RegisterRow(const RmsNormFp8Args& a, int64_t row
 // them); block: kWarpRowsBlockThreads threads, `threads_per_row` (a power of two, 32 to
 // 256) per row. Aligned rows of at most threads_per_row * kVecs vectors.
 template <typename TIn, Fp8Format kOut, int kVecs>
-__global__ void __launch_bounds__(kWarpRowsBlockThreads)
+__global__ void __launch_bounds__(kWarpRowsBlockThreads, 2)
     WarpRowsKernel(const RmsNormFp8Args a, const int threads_per_row) {
   RegisterScratch& scratch = StaticShared<RegisterScratch>();
   const int rows_per_block = static_cast<int>(blockDim.x) / threads_per_row;
@@ -385,9 +385,10 @@ __global__ void __launch_bounds__(kWarpRowsBlockThreads)
   }
 }
 
-// Blocks of kBlockRegistersMaxThreads resident 3 at a time while a thread holds at most 2
-// vectors (42 registers each), 2 at 4 vectors and 1 at 8: what the row needs decides.
-constexpr int BlockRegistersMinBlocks(int vectors) { return vectors <= 2 ? 3 : vectors <= 4 ? 2 : 1; }
+// Registers per thread: at most 64 with 2 vectors (ptxas needs about 56 for bf16 without
+// spilling), so that blocks of up to 256 threads (rows up to 4096 bf16) run 4 to an SM
+// and 512-thread ones 2; at most 128 with 4 vectors (about 100 needed).
+constexpr int BlockRegistersMinBlocks(int vectors) { return vectors <= 2 ? 2 : 1; }
 
 // block_registers. grid: any number of blocks (rows are strided over them); block: up to
 // kBlockRegistersMaxThreads threads, whole warps, all holding one row. Aligned rows of at
@@ -468,7 +469,6 @@ cudaError_t SetUpKernels(const DeviceLimits& device, DeviceLimits* block_shared)
   FP8NORM_LOAD((WarpRowsKernel<TIn, kOut, 4>), RegisterScratch)
   FP8NORM_LOAD((BlockRegistersKernel<TIn, kOut, 2>), RegisterScratch)
   FP8NORM_LOAD((BlockRegistersKernel<TIn, kOut, 4>), RegisterScratch)
-  FP8NORM_LOAD((BlockRegistersKernel<TIn, kOut, 8>), RegisterScratch)
   FP8NORM_LOAD((BlockSharedKernel<TIn, kOut>), SharedScratch)
 #undef FP8NORM_LOAD
   *block_shared = device;
@@ -537,6 +537,10 @@ cudaError_t GetDeviceSetup(int device, const DeviceSetup** out) {
 
 std::atomic<int> requested_variant{static_cast<int>(KernelVariant::kAuto)};
 
+KernelVariant RequestedVariant() {
+  return static_cast<KernelVariant>(requested_variant.load(std::memory_order_relaxed));
+}
+
 template <typename Kernel, typename... Args>
 cudaError_t LaunchKernel(Kernel kernel, unsigned blocks, int threads, size_t dynamic_shared_bytes,
                          cudaStream_t stream, const Args&... args) {
@@ -558,9 +562,8 @@ cudaError_t LaunchPlanned(cudaStream_t stream, const RmsNormFp8Args& a, const La
       return LaunchKernel(kernel, p.blocks, p.threads, 0, stream, a, p.threads_per_row);
     }
     case KernelVariant::kBlockRegisters: {
-      const auto kernel = p.vectors_per_thread == 2   ? BlockRegistersKernel<TIn, kOut, 2>
-                          : p.vectors_per_thread == 4 ? BlockRegistersKernel<TIn, kOut, 4>
-                                                      : BlockRegistersKernel<TIn, kOut, 8>;
+      const auto kernel = p.vectors_per_thread == 2 ? BlockRegistersKernel<TIn, kOut, 2>
+                                                    : BlockRegistersKernel<TIn, kOut, 4>;
       return LaunchKernel(kernel, p.blocks, p.threads, 0, stream, a);
     }
     default:
@@ -571,7 +574,7 @@ cudaError_t LaunchPlanned(cudaStream_t stream, const RmsNormFp8Args& a, const La
 
 template <typename TIn, Fp8Format kOut>
 cudaError_t Launch(cudaStream_t stream, const DeviceLimits& limits, const RmsNormFp8Args& a) {
-  const auto variant = static_cast<KernelVariant>(requested_variant.load(std::memory_order_relaxed));
+  const KernelVariant variant = RequestedVariant();
   const LaunchPlan plan = PlanRmsNormFp8Launch(a, limits, variant);
   const cudaError_t err = LaunchPlanned<TIn, kOut>(stream, a, plan);
   if (err != cudaErrorInvalidValue || !plan.cached) return err;
@@ -589,6 +592,12 @@ cudaError_t DispatchOutput(cudaStream_t stream, const DeviceLimits (&limits)[2],
   return a.out_format == Fp8Format::kE4M3FN
              ? Launch<TIn, Fp8Format::kE4M3FN>(stream, limits[0], a)
              : Launch<TIn, Fp8Format::kE4M3FNUZ>(stream, limits[1], a);
+}
+
+// block_shared's limits for the call's dtypes on a prepared device.
+const DeviceLimits& LimitsFor(const DeviceSetup& setup, const RmsNormFp8Args& a) {
+  return setup.block_shared[static_cast<int>(a.input_type)]
+                           [a.out_format == Fp8Format::kE4M3FN ? 0 : 1];
 }
 
 }  // namespace
@@ -609,8 +618,13 @@ void SetKernelVariant(KernelVariant variant) {
   requested_variant.store(static_cast<int>(variant), std::memory_order_relaxed);
 }
 
-KernelVariant RequestedKernelVariant() {
-  return static_cast<KernelVariant>(requested_variant.load(std::memory_order_relaxed));
+KernelVariant RequestedKernelVariant() { return RequestedVariant(); }
+
+cudaError_t PlanLaunch(int device, const RmsNormFp8Args& a, LaunchPlan* plan) {
+  const DeviceSetup* setup = nullptr;
+  const cudaError_t err = GetDeviceSetup(device, &setup);
+  if (err == cudaSuccess) *plan = PlanRmsNormFp8Launch(a, LimitsFor(*setup, a), RequestedVariant());
+  return err;
 }
 
 cudaError_t LaunchRmsNormFp8(cudaStream_t stream, int device, const RmsNormFp8Args& a) {

@@ -30,4 +30,8 @@ void ForgetDeviceSetups();
 void SetKernelVariant(KernelVariant variant);
 KernelVariant RequestedKernelVariant();
 
+// The plan LaunchRmsNormFp8 follows for `args` on `device` (preparing it if need be), for
+// tests and reports: the launch itself may still fall back (see Launch).
+cudaError_t PlanLaunch(int device, const RmsNormFp8Args& args, LaunchPlan* plan);
+
 }  // namespace fp8norm

@@ -44,7 +44,7 @@ enum class KernelVariant : int {
   // A group of 1 to 8 warps per row, several rows per 256-thread block, the row in
   // registers; no barrier at all when a warp holds the row.
   kWarpRows = 2,
-  // One block of up to 512 threads per row, up to 8 vectors per thread in registers, gamma
+  // One block of up to 512 threads per row, up to 4 vectors per thread in registers, gamma
   // loaded in the first sweep, one barrier per block reduction.
   kBlockRegisters = 3,
 };
@@ -53,13 +53,15 @@ constexpr const char* kKernelVariantNames[kNumKernelVariants] = {"auto", "block_
                                                                  "warp_rows", "block_registers"};
 
 // The register variants: threads of a warp_rows block, and the most threads of a
-// block_registers block. 256 threads hold up to 8 rows of up to 32 vectors per block;
-// 512 threads with at most 8 vectors each keep up to 64 KiB of bf16 row in registers.
+// block_registers block. A thread holds a vector as 2 x 8 floats for 16-bit inputs (h
+// and gamma): 4 vectors take about 100 registers (ptxas, sm_90a), 8 would spill. So
+// warp_rows holds up to 256 x 4 vectors (8192 bf16) and block_registers 512 x 4 (16384
+// bf16, 8192 float32); longer rows go to block_shared.
 constexpr int kWarpRowsBlockThreads = 256;
 constexpr int kBlockRegistersMaxThreads = 512;
 // 16-byte vectors per thread: the register arrays' compile-time sizes.
 constexpr int kWarpRowsMaxVectors = 4;
-constexpr int kBlockRegistersMaxVectors = 8;
+constexpr int kBlockRegistersMaxVectors = 4;
 // auto: below this many rows per multiprocessor a row gets a block of its own, so that
 // short batches still spread over every SM (provisional until measured on a GPU).
 constexpr int64_t kWarpRowsMinRowsPerSm = 4;

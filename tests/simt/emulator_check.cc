@@ -68,6 +68,18 @@ __global__ void CoalescedThenStrided(const uint32_t* in, uint32_t* out) {
   StoreGlobal(out + threadIdx.x, a + b);
 }
 
+struct Scratch {
+  uint32_t v[100];  // 400 bytes
+};
+
+// Static shared memory as a kernel declares it; the launch knows its size beforehand.
+__global__ void UsesStatic(uint32_t* out) {
+  Scratch& s = fp8norm::StaticShared<Scratch>();
+  s.v[threadIdx.x] = threadIdx.x;
+  __syncthreads();
+  StoreGlobal(out + threadIdx.x, s.v[31 - threadIdx.x]);
+}
+
 int failures = 0;
 
 template <typename... Params, typename... Args>
@@ -116,7 +128,7 @@ int CheckEmulator() {
     ExpectFailure("a block larger than the device allows is refused",
                   Run(Exchange, 1, 2048, 0, out.data()), "threads");
     ExpectFailure("dynamic shared memory beyond the default needs the opt-in",
-                  Run(Exchange, 1, 32, 64 * 1024, out.data()), "cudaFuncSetAttribute");
+                  Run(Exchange, 1, 32, 64 * 1024, out.data()), "the default limit allows 49152");
     Expect("the opt-in is granted up to the device's limit",
            cudaFuncSetAttribute(Exchange, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024) ==
                cudaSuccess,
@@ -126,6 +138,31 @@ int CheckEmulator() {
     bool exchanged = true;
     for (uint32_t t = 0; t < 32; ++t) exchanged = exchanged && out[t] == ((t ^ 5u) * 3 + 1);
     Expect("shuffles deliver the partner lane's value", exchanged, "");
+    // Static shared memory counts against the same limits, as the runtime counts it.
+    fp8norm::DeclareStaticShared(UsesStatic, 396);
+    cudaFuncAttributes attributes{};
+    const bool got = cudaFuncGetAttributes(&attributes, UsesStatic) == cudaSuccess;
+    Expect("a kernel's static shared memory is padded as ptxas pads it",
+           got && attributes.sharedSizeBytes == 400, std::to_string(attributes.sharedSizeBytes));
+    ExpectFailure("static and dynamic shared memory together beyond the default are refused",
+                  Run(UsesStatic, 1, 32, 48 * 1024 - 399, out.data()), "beside 400 static");
+    Expect("  ... and up to it run", Run(UsesStatic, 1, 32, 48 * 1024 - 400, out.data()) == 0, "");
+    ExpectFailure("an attribute beyond the opt-in limit less the static size is refused",
+                  cudaFuncSetAttribute(UsesStatic, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       232448 - 399),
+                  "exceed");
+    fp8norm::DeclareStaticShared(UsesStatic, 16);
+    ExpectFailure("a kernel using more static shared memory than it declares fails",
+                  Run(UsesStatic, 1, 32, 0, out.data()), "declare 16");
+    simt::InjectError("cudaFuncGetAttributes", cudaErrorInvalidDeviceFunction, 1);
+    ExpectFailure("an injected error fails the named call once",
+                  cudaFuncGetAttributes(&attributes, UsesStatic), "invalid device function");
+    Expect("  ... and only once", cudaFuncGetAttributes(&attributes, UsesStatic) == 0, "");
+    {
+      simt::ScopedCapture capture;
+      ExpectFailure("inside capture the attribute calls are refused",
+                    cudaFuncGetAttributes(&attributes, UsesStatic), "capturing");
+    }
   }
   {
     std::vector<uint32_t> in(1 + 4 * 32, 0);

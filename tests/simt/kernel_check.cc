@@ -126,13 +126,24 @@ struct Coverage {
   void Add(const std::string& path) { paths[path] += 1; }
 };
 
-bool RunCase(const Case& c, Coverage& coverage) {
-  const Limits& limits = kLimits[c.limits];
+void UseDevice(const Limits& limits) {
   simt::DeviceLimits device;
   device.shared_per_block = limits.shared_per_block;
   device.shared_per_block_optin = limits.shared_per_block_optin;
+  device.shared_per_multiprocessor = limits.shared_per_block_optin + device.reserved_per_block;
   device.max_grid_x = limits.max_grid_x;
   simt::SetDeviceLimits(device);
+  ForgetDeviceSetups();
+}
+
+const char* VariantName(KernelVariant v) { return kKernelVariantNames[static_cast<int>(v)]; }
+
+// False when the case failed. `variant` is the kernel asked for; a register variant that
+// cannot hold the row is skipped (the plan would run block_shared, which has its own turn).
+bool RunCase(const Case& c, KernelVariant variant, Coverage& coverage, int* runs) {
+  const Limits& limits = kLimits[c.limits];
+  UseDevice(limits);
+  SetKernelVariant(variant);
 
   const FloatType residual_type = c.residual == 2 ? FloatType::kBF16 : c.input;
   const size_t elements = static_cast<size_t>(c.rows * c.hidden);
@@ -173,16 +184,24 @@ bool RunCase(const Case& c, Coverage& coverage) {
     return a;
   };
 
-  char name_text[200];
+  char name_text[240];
   std::snprintf(name_text, sizeof(name_text),
-                "%lldx%lld %s residual=%d gamma=%s scale=%s %s misalign=%zu limits=%s%s",
-                static_cast<long long>(c.rows), static_cast<long long>(c.hidden), TypeName(c.input),
-                c.residual, TypeName(c.gamma), TypeName(c.scale),
-                c.out == Fp8Format::kE4M3FN ? "e4m3fn" : "e4m3fnuz", c.misalign, limits.name,
-                c.specials ? " specials" : "");
+                "%s %lldx%lld %s residual=%d gamma=%s scale=%s %s misalign=%zu limits=%s%s",
+                VariantName(variant), static_cast<long long>(c.rows),
+                static_cast<long long>(c.hidden), TypeName(c.input), c.residual, TypeName(c.gamma),
+                TypeName(c.scale), c.out == Fp8Format::kE4M3FN ? "e4m3fn" : "e4m3fnuz", c.misalign,
+                limits.name, c.specials ? " specials" : "");
   const std::string name = name_text;
 
   const RmsNormFp8Args emulated_args = args_for(emulated);
+  // The path the launch takes, as the plan decides it with the emulated device's limits.
+  LaunchPlan plan{};
+  if (PlanLaunch(0, emulated_args, &plan) != cudaSuccess) {
+    std::printf("FAIL %s: the device could not be prepared\n", name.c_str());
+    return false;
+  }
+  if (plan.variant != variant) return true;
+  *runs += 1;
   cudaError_t status;
   {
     simt::ScopedBuffers buffers;
@@ -215,19 +234,27 @@ bool RunCase(const Case& c, Coverage& coverage) {
   if (c.residual)
     ok = SameBytes(emulated.residual_out, cpu.residual_out, "residual_out", name) && ok;
 
-  // The path the launch took, as the plan decided it.
-  const LaunchPlan plan = PlanRmsNormFp8Launch(
-      emulated_args, DeviceLimits{static_cast<size_t>(limits.shared_per_block_optin), 0,
-                                  std::min<int64_t>(kMaxBlocks, limits.max_grid_x),
-                                  static_cast<size_t>(limits.shared_per_block)});
   const simt::LaunchRecord& launch = launches.back();
-  std::string path = std::string(plan.vectorized ? "vectorized" : "scalar") +
-                     (launch.dynamic_shared_bytes > 0 ? " cached" : " re-read");
-  coverage.Add(path);
-  if (plan.opt_in) coverage.Add("shared memory opted in");
-  if (launch.blocks < c.rows) coverage.Add("grid-stride over rows");
-  if (launch.threads >= 64) coverage.Add("several warps");
-  if (c.hidden / plan.vector_width > launch.threads) coverage.Add("more loads than threads");
+  if (launch.threads != static_cast<unsigned>(plan.threads) || launch.blocks != plan.blocks ||
+      launch.dynamic_shared_bytes != plan.dynamic_shared_bytes) {
+    std::printf("FAIL %s: the launch did not follow the plan\n", name.c_str());
+    ok = false;
+  }
+  const std::string v = VariantName(variant);
+  if (variant == KernelVariant::kBlockShared) {
+    coverage.Add(v + (plan.vectorized ? ", vectorized" : ", scalar") +
+                 (launch.dynamic_shared_bytes > 0 ? " cached" : " re-read"));
+    if (plan.opt_in) coverage.Add(v + ", shared memory opted in");
+    if (c.hidden / plan.vector_width > launch.threads) coverage.Add(v + ", more loads than threads");
+  } else {
+    coverage.Add(v + ", " + std::to_string(plan.vectors_per_thread) + " vectors per thread");
+    coverage.Add(v + (plan.threads_per_row > kWarp ? ", several warps per row"
+                                                  : ", one warp per row"));
+    if (c.rows % plan.rows_per_block != 0) coverage.Add(v + ", a group past the last row");
+  }
+  if (launch.blocks * static_cast<int64_t>(plan.rows_per_block) < c.rows) {
+    coverage.Add(v + ", grid-stride over rows");
+  }
   if (c.residual == 1) coverage.Add("residual");
   if (c.residual == 2) coverage.Add("16-bit residual beside float32 x");
   if (c.misalign) coverage.Add("misaligned x");
@@ -328,25 +355,45 @@ int Main(bool quick) {
   }
   Coverage coverage;
   int failures = CheckEmulator() + CheckRound();
-  for (const Case& c : cases) failures += RunCase(c, coverage) ? 0 : 1;
+  int runs = 0;
+  for (const Case& c : cases) {
+    for (const KernelVariant variant :
+         {KernelVariant::kBlockShared, KernelVariant::kWarpRows, KernelVariant::kBlockRegisters}) {
+      failures += RunCase(c, variant, coverage, &runs) ? 0 : 1;
+    }
+  }
+  SetKernelVariant(KernelVariant::kAuto);
 
-  const char* required[] = {"vectorized cached",
-                            "vectorized re-read",
-                            "scalar cached",
-                            "scalar re-read",
-                            "shared memory opted in",
-                            "grid-stride over rows",
-                            "several warps",
-                            "more loads than threads",
+  const char* required[] = {"block_shared, vectorized cached",
+                            "block_shared, vectorized re-read",
+                            "block_shared, scalar cached",
+                            "block_shared, scalar re-read",
+                            "block_shared, shared memory opted in",
+                            "block_shared, grid-stride over rows",
+                            "block_shared, more loads than threads",
+                            "warp_rows, 1 vectors per thread",
+                            "warp_rows, 2 vectors per thread",
+                            "warp_rows, 4 vectors per thread",
+                            "warp_rows, one warp per row",
+                            "warp_rows, several warps per row",
+                            "warp_rows, a group past the last row",
+                            "warp_rows, grid-stride over rows",
+                            "block_registers, 2 vectors per thread",
+                            "block_registers, 4 vectors per thread",
+                            "block_registers, one warp per row",
+                            "block_registers, several warps per row",
+                            "block_registers, grid-stride over rows",
                             "residual",
                             "16-bit residual beside float32 x",
                             "misaligned x",
                             "hidden not a vector multiple",
                             "zero, Inf and NaN rows"};
-  std::printf("%zu cases, %d failed; launch paths reached (cases):\n", cases.size(), failures);
+  std::printf("%zu cases, %d launches over the variants, %d failed; launch paths reached:\n",
+              cases.size(), runs, failures);
   for (const auto& [path, count] : coverage.paths) std::printf("  %-34s %d\n", path.c_str(), count);
   for (const char* path : required) {
-    if (quick && std::strcmp(path, "more loads than threads") == 0) continue;
+    if (quick && std::strstr(path, "more loads than threads") != nullptr) continue;
+    if (quick && std::strstr(path, "4 vectors per thread") != nullptr) continue;
     if (coverage.paths.count(path) == 0) {
       std::printf("FAIL path never reached: %s\n", path);
       ++failures;
