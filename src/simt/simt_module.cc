@@ -26,6 +26,15 @@ namespace {
 std::atomic<bool> capture_calls{false};
 std::atomic<uint64_t> stale_errors{0};
 
+XLA_FFI_Error* CountingStaleErrors(XLA_FFI_CallFrame* frame, XLA_FFI_Handler* handler) {
+  XLA_FFI_Error* error = handler(frame);
+  if (cudaPeekAtLastError() != cudaSuccess) {
+    stale_errors += 1;
+    cudaGetLastError();
+  }
+  return error;
+}
+
 XLA_FFI_Error* WithBuffers(XLA_FFI_CallFrame* frame, XLA_FFI_Handler* handler,
                            std::initializer_list<const char*> names) {
   std::optional<simt::ScopedCapture> capture;
@@ -44,14 +53,12 @@ XLA_FFI_Error* WithBuffers(XLA_FFI_CallFrame* frame, XLA_FFI_Handler* handler,
   };
   add(frame->args.size, frame->args.types, frame->args.args);
   add(frame->rets.size, frame->rets.types, frame->rets.rets);
-  XLA_FFI_Error* error = handler(frame);
-  if (cudaPeekAtLastError() != cudaSuccess) {
-    stale_errors += 1;
-    cudaGetLastError();
-  }
-  return error;
+  return CountingStaleErrors(frame, handler);
 }
 
+XLA_FFI_Error* Prepare(XLA_FFI_CallFrame* frame) {
+  return CountingStaleErrors(frame, fp8norm::PrepareCudaHandler);
+}
 XLA_FFI_Error* RmsNormFp8(XLA_FFI_CallFrame* frame) {
   return WithBuffers(frame, fp8norm::RmsNormFp8CudaHandler, {"x", "gamma", "y", "scales"});
 }
@@ -69,7 +76,7 @@ NB_MODULE(_fp8norm_simt, m) {
   m.attr("version") = FP8NORM_VERSION;
   m.def("registrations", []() {
     nanobind::dict targets;
-    const auto prepare = fp8norm::PrepareCudaHandler;
+    const auto prepare = Prepare;
     targets["fp8norm_simt_rms_norm_fp8"] = fp8norm::FfiStages(prepare, RmsNormFp8);
     targets["fp8norm_simt_add_rms_norm_fp8"] = fp8norm::FfiStages(prepare, AddRmsNormFp8);
     targets["fp8norm_simt_round"] = fp8norm::FfiStages(prepare, Round);
