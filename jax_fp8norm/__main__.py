@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fp8norm as fp8norm
-from jax_fp8norm import testing
+from jax_fp8norm import _ffi, testing
 
 DEFAULT_SHAPES = ((16, 4096), (512, 4096), (256, 8192), (64, 7168))
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
@@ -106,9 +106,14 @@ def main(argv: list[str] | None = None) -> int:
         else DEFAULT_SHAPES
     )
     device = jax.devices()[0]
+    kernels = ""
+    if jax.default_backend() == "cpu" and _ffi.emulating_cuda():
+        kernels = f"; CPU backend runs the emulated CUDA kernels ({fp8norm.cuda_kernel()})"
+    elif jax.default_backend() == "gpu":
+        kernels = f"; CUDA kernel variant {fp8norm.cuda_kernel()}"
     print(
         f"jax_fp8norm {fp8norm.__version__} on {jax.default_backend()} ({device.device_kind}); "
-        f"jax {jax.__version__}; CUDA kernels built: {fp8norm.built_with_cuda()}"
+        f"jax {jax.__version__}; CUDA kernels built: {fp8norm.built_with_cuda()}{kernels}"
     )
     print(f"x {args.dtype}, gamma float32, y float8_e4m3fn, scales float32; reference: jnp twin")
     ok = all(_run_shape(rows, hidden, DTYPES[args.dtype], args.iters) for rows, hidden in shapes)
