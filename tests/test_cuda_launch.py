@@ -133,7 +133,8 @@ def test_a_failed_call_leaves_no_error_for_the_next(function):
             with pytest.raises(Exception, match="invalid device function"):
                 jax.block_until_ready(fn(x, gamma))
         assert _ffi.simt_module.stale_errors() == before  # the handler cleared it
-        out = jax.block_until_ready(fn(x, gamma))  # the next call is not failed by the previous one's error
+        # The next call is not failed by the previous one's error.
+        out = jax.block_until_ready(fn(x, gamma))
     assert_same_bits(out, reference("rms_norm_fp8", x, gamma))
 
 

@@ -164,8 +164,10 @@ def test_block_reductions_meet_at_every_barrier_and_shuffle():
 
 def test_a_launch_the_device_refuses_raises_instead_of_crashing():
     op, args = inputs(2, 4096, jnp.bfloat16)  # the plan asks for 512 threads
-    with simt.kernels(), simt.device(max_threads_per_block=256), fp8norm.use_cuda_kernel(
-        "block_shared"
+    with (
+        simt.kernels(),
+        simt.device(max_threads_per_block=256),
+        fp8norm.use_cuda_kernel("block_shared"),
     ):
         with pytest.raises(Exception, match="block of 512 threads"):
             jax.block_until_ready(jax.jit(getattr(fp8norm, op))(*args))

@@ -68,7 +68,7 @@ def report(arch: str, nvcc: str) -> list[dict]:
         text=True,
         check=False,
     ).stdout.splitlines()
-    for row, text in zip(rows, demangled):
+    for row, text in zip(rows, demangled, strict=True):
         text = text.replace("fp8norm::(anonymous namespace)::", "").replace("fp8norm::", "")
         row["kernel"] = re.sub(r"\((?:RmsNormFp8Args|RoundArgs).*", "", text).removeprefix("void ")
         row["kernel"] = (
@@ -84,7 +84,8 @@ def main() -> int:
     args = parser.parse_args()
     rows = report(args.arch, args.nvcc)
     print(
-        f"| kernel ({args.arch}) | registers | spill stores / loads (bytes) | static shared (bytes) |"
+        f"| kernel ({args.arch}) | registers | spill stores / loads (bytes) "
+        "| static shared (bytes) |"
     )
     print("|---|---:|---:|---:|")
     for r in sorted(rows, key=lambda r: r["kernel"]):
