@@ -55,8 +55,8 @@ NB_MODULE(_fp8norm_cpu, m) {
           limits.multiprocessor_shared_bytes = static_cast<size_t>(multiprocessor_shared_bytes);
         }
         limits.multiprocessors = multiprocessors;
-        const fp8norm::LaunchPlan p = fp8norm::PlanRmsNormFp8Launch(
-            a, limits, static_cast<fp8norm::KernelVariant>(variant));
+        const fp8norm::LaunchPlan p =
+            fp8norm::PlanRmsNormFp8Launch(a, limits, static_cast<fp8norm::KernelVariant>(variant));
         nanobind::dict plan;
         plan["variant"] = fp8norm::kKernelVariantNames[static_cast<int>(p.variant)];
         plan["vectorized"] = p.vectorized;

@@ -155,7 +155,7 @@ ffi::Error RmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
       DecodeRmsNormFp8(x, nullptr, gamma, y, scales, nullptr, eps, weight_offset, scale_ub, &args);
   if (status.failure()) return status;
   return RunOnDevice(gpu.device, "rms_norm_fp8 launch",
-                  [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
+                     [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
 }
 
 ffi::Error AddRmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer residual,
@@ -168,14 +168,15 @@ ffi::Error AddRmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer res
                                        weight_offset, scale_ub, &args);
   if (status.failure()) return status;
   return RunOnDevice(gpu.device, "add_rms_norm_fp8 launch",
-                  [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
+                     [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
 }
 
 ffi::Error RoundImpl(GpuTarget gpu, ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out) {
   RoundArgs args;
   ffi::Error status = DecodeRound(in, out, &args);
   if (status.failure()) return status;
-  return RunOnDevice(gpu.device, "round launch", [&](int) { return LaunchRound(gpu.stream, args); });
+  return RunOnDevice(gpu.device, "round launch",
+                     [&](int) { return LaunchRound(gpu.stream, args); });
 }
 
 }  // namespace

@@ -331,8 +331,8 @@ __device__ __forceinline__ void RegisterRow(const RmsNormFp8Args& a, int64_t row
     }
   }
   acc = GroupReduce(
-      acc, SumOfSquares{0.0f, 0.0f}, [](SumOfSquares v) { return WarpSum(v); },
-      scratch.sum_partial, group_warps);
+      acc, SumOfSquares{0.0f, 0.0f}, [](SumOfSquares v) { return WarpSum(v); }, scratch.sum_partial,
+      group_warps);
   const float sum_sq = Total(acc);
   const float r = InverseRms(sum_sq, a.hidden, a.constants.eps);
 
@@ -462,7 +462,7 @@ template <typename TIn, Fp8Format kOut>
 cudaError_t SetUpKernels(const DeviceLimits& device, DeviceLimits* block_shared) {
   cudaFuncAttributes attributes{};
   cudaError_t err;
-#define FP8NORM_LOAD(kernel, scratch)                                  \
+#define FP8NORM_LOAD(kernel, scratch) \
   if ((err = LoadKernel(kernel, sizeof(scratch), &attributes)) != cudaSuccess) return err;
   FP8NORM_LOAD((WarpRowsKernel<TIn, kOut, 1>), RegisterScratch)
   FP8NORM_LOAD((WarpRowsKernel<TIn, kOut, 2>), RegisterScratch)
@@ -567,8 +567,8 @@ cudaError_t LaunchPlanned(cudaStream_t stream, const RmsNormFp8Args& a, const La
       return LaunchKernel(kernel, p.blocks, p.threads, 0, stream, a);
     }
     default:
-      return LaunchKernel(BlockSharedKernel<TIn, kOut>, p.blocks, p.threads,
-                          p.dynamic_shared_bytes, stream, a, p.vectorized, p.cached);
+      return LaunchKernel(BlockSharedKernel<TIn, kOut>, p.blocks, p.threads, p.dynamic_shared_bytes,
+                          stream, a, p.vectorized, p.cached);
   }
 }
 
@@ -596,8 +596,8 @@ cudaError_t DispatchOutput(cudaStream_t stream, const DeviceLimits (&limits)[2],
 
 // block_shared's limits for the call's dtypes on a prepared device.
 const DeviceLimits& LimitsFor(const DeviceSetup& setup, const RmsNormFp8Args& a) {
-  return setup.block_shared[static_cast<int>(a.input_type)]
-                           [a.out_format == Fp8Format::kE4M3FN ? 0 : 1];
+  return setup
+      .block_shared[static_cast<int>(a.input_type)][a.out_format == Fp8Format::kE4M3FN ? 0 : 1];
 }
 
 }  // namespace

@@ -17,8 +17,9 @@ inline void AddKernelVariantControls(nanobind::module_& m) {
     for (const char* name : kKernelVariantNames) names.append(name);
     return names;
   });
-  m.def("kernel_variant",
-        []() { return std::string(kKernelVariantNames[static_cast<int>(RequestedKernelVariant())]); });
+  m.def("kernel_variant", []() {
+    return std::string(kKernelVariantNames[static_cast<int>(RequestedKernelVariant())]);
+  });
   m.def(
       "set_kernel_variant",
       [](const std::string& name) {

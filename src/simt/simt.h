@@ -72,8 +72,8 @@ struct LaunchRecord {
   unsigned threads = 0;
   size_t dynamic_shared_bytes = 0;
   size_t static_shared_bytes = 0;  // as the kernel's attributes report it
-  uint64_t barriers = 0;  // completed __syncthreads, summed over blocks
-  uint64_t shuffles = 0;  // completed warp shuffles, summed over warps
+  uint64_t barriers = 0;           // completed __syncthreads, summed over blocks
+  uint64_t shuffles = 0;           // completed warp shuffles, summed over warps
   std::vector<BufferStats> buffers;
 };
 

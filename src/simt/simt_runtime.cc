@@ -103,8 +103,8 @@ struct Shared {
   std::mutex mutex;
   DeviceLimits limits;
   uint64_t seed = 0x9e3779b97f4a7c15ull;
-  std::unordered_map<const void*, int> max_dynamic_shared;  // per kernel, as last set
-  std::unordered_map<const void*, size_t> static_shared;   // per kernel, as declared
+  std::unordered_map<const void*, int> max_dynamic_shared;                // per kernel, as last set
+  std::unordered_map<const void*, size_t> static_shared;                  // per kernel, as declared
   std::unordered_map<std::string, std::pair<cudaError_t, int>> injected;  // error, calls left
   std::deque<LaunchRecord> launches;
 };
@@ -677,7 +677,8 @@ cudaError_t Launch(const void* kernel, const cudaLaunchConfig_t& config, ThreadB
     refusal = std::to_string(dynamic_bytes) + " bytes of dynamic shared memory beside " +
               std::to_string(static_bytes) + " static, where " +
               (attribute ? "cudaFuncSetAttribute(cudaFuncAttributeMaxDynamicSharedMemorySize) "
-                           "last allowed " + std::to_string(*attribute)
+                           "last allowed " +
+                               std::to_string(*attribute)
                          : "the default limit allows " + std::to_string(allowed_dynamic));
   }
   LaunchRecord record;

@@ -147,10 +147,10 @@ int CheckEmulator() {
     ExpectFailure("static and dynamic shared memory together beyond the default are refused",
                   Run(UsesStatic, 1, 32, 48 * 1024 - 399, out.data()), "beside 400 static");
     Expect("  ... and up to it run", Run(UsesStatic, 1, 32, 48 * 1024 - 400, out.data()) == 0, "");
-    ExpectFailure("an attribute beyond the opt-in limit less the static size is refused",
-                  cudaFuncSetAttribute(UsesStatic, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       232448 - 399),
-                  "exceed");
+    ExpectFailure(
+        "an attribute beyond the opt-in limit less the static size is refused",
+        cudaFuncSetAttribute(UsesStatic, cudaFuncAttributeMaxDynamicSharedMemorySize, 232448 - 399),
+        "exceed");
     fp8norm::DeclareStaticShared(UsesStatic, 16);
     ExpectFailure("a kernel using more static shared memory than it declares fails",
                   Run(UsesStatic, 1, 32, 0, out.data()), "declare 16");

@@ -245,11 +245,12 @@ bool RunCase(const Case& c, KernelVariant variant, Coverage& coverage, int* runs
     coverage.Add(v + (plan.vectorized ? ", vectorized" : ", scalar") +
                  (launch.dynamic_shared_bytes > 0 ? " cached" : " re-read"));
     if (plan.opt_in) coverage.Add(v + ", shared memory opted in");
-    if (c.hidden / plan.vector_width > launch.threads) coverage.Add(v + ", more loads than threads");
+    if (c.hidden / plan.vector_width > launch.threads)
+      coverage.Add(v + ", more loads than threads");
   } else {
     coverage.Add(v + ", " + std::to_string(plan.vectors_per_thread) + " vectors per thread");
-    coverage.Add(v + (plan.threads_per_row > kWarp ? ", several warps per row"
-                                                  : ", one warp per row"));
+    coverage.Add(v +
+                 (plan.threads_per_row > kWarp ? ", several warps per row" : ", one warp per row"));
     if (c.rows % plan.rows_per_block != 0) coverage.Add(v + ", a group past the last row");
   }
   if (launch.blocks * static_cast<int64_t>(plan.rows_per_block) < c.rows) {
