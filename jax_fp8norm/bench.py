@@ -3,7 +3,8 @@ of computing the same thing, in one run, on the default backend (docs/performanc
 
 For each op and shape it times, on the same device:
 
-- ``fp8norm``: this package's kernel;
+- ``fp8norm``: this package's kernel; with ``--variants`` one column per CUDA kernel
+  variant instead (``fp8norm:warp_rows`` and so on; ``--variants all`` for every one);
 - ``xla_reference``: ``jax.jit`` of the pure-jnp twin (``jax_fp8norm.reference``), exact
   to the same bits as the kernel;
 - ``xla_formula``: ``jax.jit`` of the textbook jnp formula (mean, rsqrt, amax, divide,
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fp8norm as fp8norm
-from jax_fp8norm import reference, testing
+from jax_fp8norm import _ffi, reference, testing
 
 OPS = ("rms_norm_fp8", "add_rms_norm_fp8")
 IMPLS = ("fp8norm", "xla_reference", "xla_formula", "torch_compile", "copy", "numpy_copy")
@@ -287,6 +288,7 @@ def bench_shape(
     impls: Sequence[str],
     preset: dict,
     repeats: int,
+    variants: Sequence[str] = (),
 ) -> list[Result]:
     device = jax.devices()[0]
     dtype = DTYPES[dtype_name]
@@ -302,6 +304,17 @@ def bench_shape(
     for impl in impls:
         # The kernel and the reference twin promise the accuracy rule; the others do not.
         checked = impl in ("fp8norm", "xla_reference")
+        if impl == "fp8norm" and variants:
+            # The launch reads the variant on every call: one compiled program serves all.
+            for variant in variants:
+                with fp8norm.use_cuda_kernel(variant):
+                    _check_kernel(op, input_sets[0])
+                    seconds = device_seconds(JAX_IMPLS[impl][op], input_sets, calls, repeats)
+                results.append(
+                    Result(op, f"fp8norm:{variant}", dtype_name, rows, hidden, nbytes, seconds,
+                           calls, calls, True)
+                )  # fmt: skip
+            continue
         if impl == "fp8norm":
             _check_kernel(op, input_sets[0])
         if impl in JAX_IMPLS:
@@ -334,8 +347,13 @@ def grid(preset: dict, rows=None, hidden=None, dtypes=None) -> list[tuple[str, i
     return shapes
 
 
+def _impls_of(results: Sequence[Result]) -> list[str]:
+    """The implementations in the results, in the order they ran (variants included)."""
+    return list(dict.fromkeys(r.impl for r in results))
+
+
 def format_table(results: Sequence[Result]) -> str:
-    impls = [i for i in IMPLS if any(r.impl == i for r in results)]
+    impls = _impls_of(results)
     header = f"{'op':>17} {'dtype':>8} {'rows':>6} {'hidden':>6} " + "".join(
         f"{i:>24}" for i in impls
     )
@@ -362,22 +380,23 @@ def summary(results: Sequence[Result]) -> list[str]:
     keys = dict.fromkeys((r.op, r.dtype, r.rows, r.hidden) for r in results)
     for key in keys:
         row = {r.impl: r for r in results if (r.op, r.dtype, r.rows, r.hidden) == key}
-        if "fp8norm" not in row:
-            continue
-        mine = row["fp8norm"].seconds
         others = [
             row[i].seconds for i in ("xla_reference", "xla_formula", "torch_compile") if i in row
         ]
-        parts = [f"{key[0]:>17} {key[1]:>8} {key[2]:>6} x {key[3]:<6}"]
-        if mine <= 0:
-            parts.append("below the timer's resolution")
-        elif others:
-            parts.append(f"speed-up over the fastest other {min(others) / mine:6.2f}x")
-        if "copy" in row:
-            parts.append(f"{row['fp8norm'].gbps / row['copy'].gbps:6.1%} of copy bandwidth")
-        if "numpy_copy" in row:
-            parts.append(f"{row['fp8norm'].gbps / row['numpy_copy'].gbps:6.1%} of NumPy copy")
-        lines.append("  ".join(parts))
+        for impl in (i for i in row if i.startswith("fp8norm")):
+            mine = row[impl]
+            parts = [f"{key[0]:>17} {key[1]:>8} {key[2]:>6} x {key[3]:<6}"]
+            if impl != "fp8norm":
+                parts.append(f"{impl.removeprefix('fp8norm:'):>15}")
+            if mine.seconds <= 0:
+                parts.append("below the timer's resolution")
+            elif others:
+                parts.append(f"speed-up over the fastest other {min(others) / mine.seconds:6.2f}x")
+            if "copy" in row:
+                parts.append(f"{mine.gbps / row['copy'].gbps:6.1%} of copy bandwidth")
+            if "numpy_copy" in row:
+                parts.append(f"{mine.gbps / row['numpy_copy'].gbps:6.1%} of NumPy copy")
+            lines.append("  ".join(parts))
     return lines
 
 
@@ -421,7 +440,7 @@ def draw(results: Sequence[Result], path: str) -> bool:
             if not any((r.op, r.dtype, r.hidden) == (op, dtype, hidden) for r in results):
                 ax.set_visible(False)  # a spot-check dtype not run at this hidden size
                 continue
-            for impl in IMPLS:
+            for impl in _impls_of(results):
                 points = sorted(
                     (r.rows, r.gbps)
                     for r in results
@@ -453,12 +472,13 @@ def run(
     repeats: int = 7,
     log=print,
     on_shape: Callable[[list[Result]], None] | None = None,
+    variants: Sequence[str] = (),
 ) -> list[Result]:
     preset = PRESETS[preset_name or ("gpu" if jax.default_backend() == "gpu" else "cpu")]
     results = []
     for op in ops:
         for dtype, r, h in grid(preset, rows, hidden, dtypes):
-            shape_results = bench_shape(op, r, h, dtype, impls, preset, repeats)
+            shape_results = bench_shape(op, r, h, dtype, impls, preset, repeats, variants)
             results += shape_results
             if on_shape is not None:
                 on_shape(shape_results)
@@ -507,6 +527,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rows", type=_ints, help="comma-separated; replaces the preset's")
     parser.add_argument("--hidden", type=_ints, help="comma-separated; replaces the preset's")
     parser.add_argument("--dtypes", type=_names, help="comma-separated; no spot checks then")
+    parser.add_argument(
+        "--variants",
+        type=_names,
+        default=(),
+        help="CUDA kernel variants to time side by side ('all' for every one); "
+        "default: only the one FP8NORM_CUDA_KERNEL selects",
+    )
     parser.add_argument("--repeats", type=int, default=7, help="timings per median")
     parser.add_argument("--json", default="fp8norm_bench.json", help="results file")
     parser.add_argument("--png", default="fp8norm_bench.png", help="plot file ('' for none)")
@@ -520,6 +547,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in args.dtypes or ():
         if name not in DTYPES:
             parser.error(f"--dtypes: unknown dtype {name!r}; choose from {tuple(DTYPES)}")
+    variants = args.variants
+    if variants:
+        known = fp8norm.cuda_kernel_variants()
+        variants = tuple(known) if variants == ("all",) else variants
+        for name in variants:
+            if name not in known:
+                parser.error(
+                    f"--variants: unknown CUDA kernel variant {name!r}; choose from {known}"
+                )
+        if jax.default_backend() != "gpu" and not _ffi.emulating_cuda():
+            parser.error(
+                "--variants: the variants are CUDA kernels; run on a GPU, or with "
+                "FP8NORM_EMULATE_CUDA=1 to run them emulated (whose times say nothing)"
+            )
 
     info = machine()
     print(f"jax_fp8norm.bench on {info['backend']} ({info['device']}), jax {info['jax']}")
@@ -539,6 +580,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.dtypes,
         args.repeats,
         on_shape=save,
+        variants=variants,
     )
     print()
     print(format_table(results))

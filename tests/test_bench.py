@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_fp8norm import bench, reference
+from jax_fp8norm import bench, reference, simt
 
 
 def test_op_bytes():
@@ -87,3 +87,39 @@ def test_bad_arguments_name_the_option():
         bench.main(["--ops", "layer_norm"])
     with pytest.raises(SystemExit):
         bench.main(["--impls", "cublas"])
+    with pytest.raises(SystemExit):
+        bench.main(["--variants", "fastest"])
+
+
+def test_variants_need_cuda_kernels(capsys):
+    # On the CPU backend without FP8NORM_EMULATE_CUDA the ops run the CPU kernel, which
+    # has no variants: timing "variants" there would time one kernel four times.
+    with pytest.raises(SystemExit):
+        bench.main(["--preset", "smoke", "--variants", "all"])
+    assert "--variants" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not simt.available(), reason="built without the emulation")
+def test_variants_are_timed_side_by_side_and_each_checked():
+    with simt.kernels():
+        results = bench.bench_shape(
+            "add_rms_norm_fp8",
+            8,
+            256,
+            "bfloat16",
+            ("fp8norm", "copy"),
+            bench.PRESETS["smoke"],
+            repeats=1,
+            variants=("block_shared", "warp_rows", "block_registers"),
+        )
+    names = [r.impl for r in results]
+    assert names == [
+        "fp8norm:block_shared",
+        "fp8norm:warp_rows",
+        "fp8norm:block_registers",
+        "copy",
+    ]
+    assert all(r.checked for r in results if r.impl.startswith("fp8norm"))
+    lines = bench.summary(results)
+    assert len(lines) == 3 and all("of copy bandwidth" in line for line in lines)
+    assert "warp_rows" in bench.format_table(results)

@@ -193,6 +193,31 @@ def test_an_unprepared_device_in_capture_fails_the_call_and_the_next_prepares_it
     assert_same_bits(out, reference("rms_norm_fp8", x, gamma))
 
 
+# ---------------------------------------------------------------- 5. offsets
+
+
+@pytest.mark.parametrize("offset", [1, 3])
+def test_a_slice_at_an_element_offset_reaches_the_kernel_aligned(offset):
+    # Why the GPU sanitizer's cases cover the scalar path by hidden sizes, not offsets:
+    # XLA gives the custom call the slice as a buffer of its own, aligned, so the 16-byte
+    # vector path runs.
+    rows, hidden = 5, 512
+    flat = np.linspace(-3, 3, rows * hidden + 16).astype(jnp.bfloat16)
+    gamma = np.ones(hidden, np.float32)
+
+    def sliced(flat, gamma):
+        x = jax.lax.slice(flat, (offset,), (offset + rows * hidden,)).reshape(rows, hidden)
+        return fp8norm.rms_norm_fp8(x, gamma)
+
+    with simt.kernels(), fp8norm.use_cuda_kernel("block_shared"):
+        simt.take_launches()
+        out = jax.block_until_ready(jax.jit(sliced)(flat, gamma))
+        (launch,) = launches_of_the_op()
+    assert launch["buffers"]["x"]["widest_access"] == 16
+    x = flat[offset : offset + rows * hidden].reshape(rows, hidden)
+    assert_same_bits(out, reference("rms_norm_fp8", x, gamma))
+
+
 # ---------------------------------------------------------------- the boundary sweep
 
 
@@ -233,5 +258,8 @@ def test_boundary_sweep_every_variant_launches_and_matches_the_reference(what, h
                 got = jax.block_until_ready(fn(x, residual, gamma))
                 launches = launches_of_the_op()
             assert [launch["error"] for launch in launches] == [""], (what, variant)
+            if variant != "auto":
+                # A register variant that cannot hold the row runs block_shared.
+                assert launches[0]["kernel"] in (variant, "block_shared"), (what, variant)
             assert_same_bits(got, want)
     assert np.isfinite(np.asarray(want[1])).all()

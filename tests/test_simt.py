@@ -56,6 +56,7 @@ def test_cached_path_reads_inputs_once_and_writes_outputs_once(dtype, residual):
     op, args = inputs(rows, hidden, dtype, residual=residual)
     out, launch = run(op, *args)
     buffers = launch["buffers"]
+    assert launch["kernel"] == "block_shared"
     assert launch["dynamic_shared_bytes"] == hidden * 4  # the row cached as float32
     assert buffers["x"]["bytes_read"] == nbytes(args[0])
     assert buffers["gamma"]["bytes_read"] == rows * nbytes(args[-1])
@@ -215,7 +216,7 @@ def test_register_variants_touch_every_byte_once_fully_coalesced(variant, dtype,
     op, args = inputs(rows, hidden, dtype, residual=residual, gamma_dtype=dtype)
     out, launch = run(op, *args, variant=variant)
     buffers = launch["buffers"]
-    assert launch["dynamic_shared_bytes"] == 0
+    assert launch["kernel"] == variant and launch["dynamic_shared_bytes"] == 0
     assert buffers["x"]["bytes_read"] == nbytes(args[0])
     assert buffers["gamma"]["bytes_read"] == rows * nbytes(args[-1])
     assert buffers["y"]["bytes_written"] == nbytes(out[0])
@@ -274,4 +275,5 @@ def test_register_variants_stride_over_rows_on_a_capped_grid(variant):
 def test_a_register_variant_that_cannot_hold_the_row_runs_block_shared(variant):
     op, args = inputs(2, 1001, jnp.bfloat16)  # not a vector multiple
     _, launch = run(op, *args, variant=variant)
-    assert launch["dynamic_shared_bytes"] == 1001 * 4  # block_shared's row cache
+    assert launch["kernel"] == "block_shared"
+    assert launch["dynamic_shared_bytes"] == 1001 * 4  # its row cache

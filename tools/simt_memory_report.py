@@ -1,8 +1,8 @@
-"""Global-memory traffic of the CUDA kernel at the benchmark's hidden sizes, measured by the
-SIMT emulation's accounting (docs/simt.md); prints the Markdown table of
+"""Global-memory traffic of the CUDA kernel variants at the benchmark's hidden sizes,
+measured by the SIMT emulation's accounting (docs/simt.md); prints the Markdown table of
 docs/performance.md.
 
-    python tools/simt_memory_report.py [--rows 4]
+    python tools/simt_memory_report.py [--rows 4] [--variants block_shared,warp_rows]
 
 Each shape runs `--rows` rows on the emulated kernels (every row of a shape takes the same
 path, so the per-row figures hold for any row count) and is checked against the reference.
@@ -28,12 +28,12 @@ SHAPES = [(jnp.bfloat16, h) for h in (2048, 4096, 7168, 8192, 16384)] + [
 ]
 
 
-def measure(op: str, dtype, hidden: int, rows: int) -> dict:
+def measure(op: str, dtype, hidden: int, rows: int, variant: str) -> dict:
     rng = np.random.default_rng(hidden)
     x = rng.standard_normal((rows, hidden)).astype(jnp.dtype(dtype))
     gamma = rng.uniform(-2, 2, hidden).astype(np.float32)
     args = (x, gamma) if op == "rms_norm_fp8" else (x, x[::-1].copy(), gamma)
-    with simt.kernels():
+    with simt.kernels(), fp8norm.use_cuda_kernel(variant):
         simt.take_launches()
         out = jax.jit(getattr(fp8norm, op))(*args)
         jax.block_until_ready(out)
@@ -54,7 +54,11 @@ def measure(op: str, dtype, hidden: int, rows: int) -> dict:
     sectors = sum(b["sectors"] for b in buffers.values())
     min_sectors = sum(b["min_sectors"] for b in buffers.values())
     return {
+        # The kernel that ran: a register variant that cannot hold the row runs block_shared.
+        "kernel": launch["kernel"],
         "threads": launch["threads"],
+        "blocks": launch["blocks"],
+        "barriers": launch["barriers"] / rows,
         "cached": launch["dynamic_shared_bytes"] > 0,
         "vector": buffers["x"]["widest_access"],
         "read": read / rows,
@@ -70,23 +74,30 @@ def measure(op: str, dtype, hidden: int, rows: int) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument(
+        "--variants",
+        default="block_shared,warp_rows,block_registers",
+        help="comma-separated CUDA kernel variants",
+    )
     args = parser.parse_args(argv)
     print(
-        "| op | dtype | hidden | threads | row in shared memory | bytes per load "
-        "| read per row (x ideal) | written per row (x ideal) | warp requests per row "
-        "| sectors per row (fewest possible) |"
+        "| variant (ran) | op | dtype | hidden | threads x blocks | row in shared memory "
+        "| bytes per load | read per row (x ideal) | written per row (x ideal) "
+        "| warp requests per row | sectors per row (fewest possible) | barriers per row |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for op in ("rms_norm_fp8", "add_rms_norm_fp8"):
-        for dtype, hidden in SHAPES:
-            m = measure(op, dtype, hidden, args.rows)
-            print(
-                f"| {op} | {jnp.dtype(dtype).name} | {hidden} | {m['threads']} "
-                f"| {'yes' if m['cached'] else 'no'} | {m['vector']} "
-                f"| {m['read']:.0f} ({m['read_ratio']:.2f}) "
-                f"| {m['written']:.0f} ({m['written_ratio']:.2f}) | {m['requests']:.0f} "
-                f"| {m['sectors']:.0f} ({m['min_sectors']:.0f}) |"
-            )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for variant in args.variants.split(","):
+        for op in ("rms_norm_fp8", "add_rms_norm_fp8"):
+            for dtype, hidden in SHAPES:
+                m = measure(op, dtype, hidden, args.rows, variant)
+                ran = variant if m["kernel"] == variant else f"{variant} ({m['kernel']})"
+                print(
+                    f"| {ran} | {op} | {jnp.dtype(dtype).name} | {hidden} "
+                    f"| {m['threads']} x {m['blocks']} | {'yes' if m['cached'] else 'no'} "
+                    f"| {m['vector']} | {m['read']:.0f} ({m['read_ratio']:.2f}) "
+                    f"| {m['written']:.0f} ({m['written_ratio']:.2f}) | {m['requests']:.0f} "
+                    f"| {m['sectors']:.0f} ({m['min_sectors']:.0f}) | {m['barriers']:.1f} |"
+                )
     return 0
 
 

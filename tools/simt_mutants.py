@@ -37,8 +37,8 @@ MUTANTS = [
     Mutant(
         "block reduction: the barrier after the partial writes removed",
         "cuda_kernels.cu",
-        "  if (lane == 0) partial[warp] = v;\n  __syncthreads();\n",
-        "  if (lane == 0) partial[warp] = v;\n",
+        "  if (lane == 0) partial[warp] = v;\n  __syncthreads();\n  if (warp == 0) {",
+        "  if (lane == 0) partial[warp] = v;\n  if (warp == 0) {",
         race=True,
     ),
     Mutant(
@@ -82,14 +82,40 @@ MUTANTS = [
     Mutant(
         "grid-stride loop: rows strided by the block size instead of the grid size",
         "cuda_kernels.cu",
-        "row < a.rows; row += gridDim.x",
-        "row < a.rows; row += blockDim.x",
+        "row < a.rows; row += gridDim.x) {\n    if (vectorized)",
+        "row < a.rows; row += blockDim.x) {\n    if (vectorized)",
     ),
     Mutant(
-        "launch: the shared-memory opt-in not requested",
+        "device setup: the dynamic shared memory attribute left at its default",
         "cuda_kernels.cu",
-        "  if (plan.opt_in) {\n    err = cudaFuncSetAttribute",
-        "  if (false) {\n    err = cudaFuncSetAttribute",
+        "static_cast<int>(most_dynamic)",
+        "0",
+    ),
+    Mutant(
+        "group reduction: the barrier after the partial writes removed",
+        "cuda_kernels.cu",
+        "  if (lane == 0) partial[warp] = v;\n  __syncthreads();\n  const int first",
+        "  if (lane == 0) partial[warp] = v;\n  const int first",
+        race=True,
+    ),
+    Mutant(
+        "group reduction: every group reads the first group's partials",
+        "cuda_kernels.cu",
+        "const int first = warp - warp % group_warps;",
+        "const int first = 0;",
+    ),
+    Mutant(
+        "warp_rows: a group past the last row skips the reductions",
+        "cuda_kernels.cu",
+        "    RegisterRow<TIn, kOut, kVecs>(a, first + group, lane, threads_per_row, scratch);",
+        "    if (first + group < a.rows)\n"
+        "      RegisterRow<TIn, kOut, kVecs>(a, first + group, lane, threads_per_row, scratch);",
+    ),
+    Mutant(
+        "register row: one vector past the row held",
+        "cuda_kernels.cu",
+        "lane + int64_t{k} * group_threads < num_vecs",
+        "lane + int64_t{k} * group_threads <= num_vecs",
     ),
 ]
 

@@ -452,25 +452,28 @@ struct DeviceSetup {
 };
 
 // Loads `kernel` (cudaFuncGetAttributes forces the lazy load) and returns its attributes.
+// `name` and `static_shared` (the __shared__ struct it uses) are for the emulation.
 template <typename Kernel>
-cudaError_t LoadKernel(Kernel kernel, size_t static_shared, cudaFuncAttributes* attributes) {
-  DeclareStaticShared(kernel, static_shared);
+cudaError_t LoadKernel(Kernel kernel, const char* name, size_t static_shared,
+                       cudaFuncAttributes* attributes) {
+  DeclareKernel(kernel, name, static_shared);
   return cudaFuncGetAttributes(attributes, kernel);
 }
 
 template <typename TIn, Fp8Format kOut>
 cudaError_t SetUpKernels(const DeviceLimits& device, DeviceLimits* block_shared) {
   cudaFuncAttributes attributes{};
-  cudaError_t err;
-#define FP8NORM_LOAD(kernel, scratch) \
-  if ((err = LoadKernel(kernel, sizeof(scratch), &attributes)) != cudaSuccess) return err;
-  FP8NORM_LOAD((WarpRowsKernel<TIn, kOut, 1>), RegisterScratch)
-  FP8NORM_LOAD((WarpRowsKernel<TIn, kOut, 2>), RegisterScratch)
-  FP8NORM_LOAD((WarpRowsKernel<TIn, kOut, 4>), RegisterScratch)
-  FP8NORM_LOAD((BlockRegistersKernel<TIn, kOut, 2>), RegisterScratch)
-  FP8NORM_LOAD((BlockRegistersKernel<TIn, kOut, 4>), RegisterScratch)
-  FP8NORM_LOAD((BlockSharedKernel<TIn, kOut>), SharedScratch)
-#undef FP8NORM_LOAD
+  cudaError_t err = cudaSuccess;
+  const auto load = [&](auto kernel, const char* name, size_t scratch) {
+    if (err == cudaSuccess) err = LoadKernel(kernel, name, scratch, &attributes);
+  };
+  load(WarpRowsKernel<TIn, kOut, 1>, "warp_rows", sizeof(RegisterScratch));
+  load(WarpRowsKernel<TIn, kOut, 2>, "warp_rows", sizeof(RegisterScratch));
+  load(WarpRowsKernel<TIn, kOut, 4>, "warp_rows", sizeof(RegisterScratch));
+  load(BlockRegistersKernel<TIn, kOut, 2>, "block_registers", sizeof(RegisterScratch));
+  load(BlockRegistersKernel<TIn, kOut, 4>, "block_registers", sizeof(RegisterScratch));
+  load(BlockSharedKernel<TIn, kOut>, "block_shared", sizeof(SharedScratch));  // last: read below
+  if (err != cudaSuccess) return err;
   *block_shared = device;
   block_shared->static_shared_bytes = attributes.sharedSizeBytes;
   const size_t most_dynamic = device.optin_shared_bytes > attributes.sharedSizeBytes

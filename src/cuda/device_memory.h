@@ -34,10 +34,10 @@ __device__ __forceinline__ T& StaticShared() {
   return storage;
 }
 
-// The emulation's stand-in for the compiler's record of a kernel's static shared memory;
-// nvcc has the real one.
+// The emulation's stand-in for the compiler's record of a kernel (its static shared
+// memory, a name for the launch records); nvcc has the real one.
 template <typename Kernel>
-inline void DeclareStaticShared(Kernel, size_t) {}
+inline void DeclareKernel(Kernel, const char*, size_t) {}
 
 }  // namespace fp8norm
 
@@ -64,7 +64,7 @@ inline T* DynamicShared() {
   return static_cast<T*>(simt::DynamicSharedMemory());
 }
 
-// The block's region of the size the kernel declared (DeclareStaticShared): using more
+// The block's region of the size the kernel declared (DeclareKernel): using more
 // than declared fails the launch, so the declaration cannot understate the kernel.
 template <typename T>
 inline T& StaticShared() {
@@ -73,8 +73,8 @@ inline T& StaticShared() {
 }
 
 template <typename Kernel>
-inline void DeclareStaticShared(Kernel kernel, size_t bytes) {
-  simt::DeclareStaticShared(reinterpret_cast<const void*>(kernel), bytes);
+inline void DeclareKernel(Kernel kernel, const char* name, size_t static_bytes) {
+  simt::DeclareKernel(reinterpret_cast<const void*>(kernel), name, static_bytes);
 }
 
 }  // namespace fp8norm

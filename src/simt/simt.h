@@ -72,6 +72,7 @@ struct LaunchRecord {
   unsigned threads = 0;
   size_t dynamic_shared_bytes = 0;
   size_t static_shared_bytes = 0;  // as the kernel's attributes report it
+  std::string kernel;              // the name the kernel was declared with, if any
   uint64_t barriers = 0;           // completed __syncthreads, summed over blocks
   uint64_t shuffles = 0;           // completed warp shuffles, summed over warps
   std::vector<BufferStats> buffers;

@@ -129,6 +129,7 @@ NB_MODULE(_fp8norm_simt, m) {
       launch["threads"] = r.threads;
       launch["dynamic_shared_bytes"] = r.dynamic_shared_bytes;
       launch["static_shared_bytes"] = r.static_shared_bytes;
+      launch["kernel"] = r.kernel;
       launch["barriers"] = r.barriers;
       launch["shuffles"] = r.shuffles;
       nanobind::dict buffers;

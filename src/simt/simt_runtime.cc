@@ -105,6 +105,7 @@ struct Shared {
   uint64_t seed = 0x9e3779b97f4a7c15ull;
   std::unordered_map<const void*, int> max_dynamic_shared;                // per kernel, as last set
   std::unordered_map<const void*, size_t> static_shared;                  // per kernel, as declared
+  std::unordered_map<const void*, std::string> names;                     // per kernel, as declared
   std::unordered_map<std::string, std::pair<cudaError_t, int>> injected;  // error, calls left
   std::deque<LaunchRecord> launches;
 };
@@ -447,19 +448,22 @@ void* DynamicSharedMemory() { return executor.dynamic_shared.get(); }
 void* StaticSharedMemory(size_t bytes) {
   Executor& ex = executor;
   if (bytes <= ex.static_bytes) return ex.static_shared.get();
-  Bookkeeping hidden;
-  ex.Fail(ex.Where() + " uses " + std::to_string(bytes) +
-          " bytes of static shared memory; the kernel's attributes declare " +
-          std::to_string(ex.static_bytes));
-  ex.current->wait = Wait::kAborted;
+  {
+    Bookkeeping hidden;
+    ex.Fail(ex.Where() + " uses " + std::to_string(bytes) +
+            " bytes of static shared memory; the kernel's attributes declare " +
+            std::to_string(ex.static_bytes));
+    ex.current->wait = Wait::kAborted;
+  }
   ex.Yield();  // an aborted thread is never resumed
   return nullptr;
 }
 
-void DeclareStaticShared(const void* kernel, size_t bytes) {
+void DeclareKernel(const void* kernel, const char* name, size_t static_bytes) {
   Shared& g = Global();
   std::lock_guard<std::mutex> lock(g.mutex);
-  g.static_shared[kernel] = PaddedStatic(bytes);
+  g.static_shared[kernel] = PaddedStatic(static_bytes);
+  g.names[kernel] = name;
 }
 
 bool RecordGlobalAccess(const void* address, size_t bytes, size_t alignment, bool write, int site) {
@@ -636,6 +640,7 @@ cudaError_t Launch(const void* kernel, const cudaLaunchConfig_t& config, ThreadB
   size_t static_bytes = 0;
   uint64_t seed = 0;
   std::optional<int> attribute;
+  std::string name;
   {
     Shared& g = Global();
     std::lock_guard<std::mutex> lock(g.mutex);
@@ -644,6 +649,8 @@ cudaError_t Launch(const void* kernel, const cudaLaunchConfig_t& config, ThreadB
     if (it != g.max_dynamic_shared.end()) attribute = it->second;
     auto s = g.static_shared.find(kernel);
     static_bytes = s == g.static_shared.end() ? 0 : s->second;
+    auto n = g.names.find(kernel);
+    if (n != g.names.end()) name = n->second;
     seed = g.seed;
   }
   // Without the attribute a block may have the default limit, static and dynamic together.
@@ -686,6 +693,7 @@ cudaError_t Launch(const void* kernel, const cudaLaunchConfig_t& config, ThreadB
   record.threads = block.x;
   record.dynamic_shared_bytes = dynamic_bytes;
   record.static_shared_bytes = static_bytes;
+  record.kernel = name;
   for (const Buffer& b : ex.buffers) {
     BufferStats stats;
     stats.name = b.name;

@@ -92,13 +92,14 @@ namespace simt {
 void* DynamicSharedMemory();
 
 // A block's static shared memory: `bytes` of the region the running kernel declared
-// (DeclareStaticShared); more than that fails the launch (null is returned).
+// (DeclareKernel); more than that fails the launch (null is returned).
 void* StaticSharedMemory(size_t bytes);
 
-// What the compiler would report as `kernel`'s static shared memory: the emulation has no
-// compiler pass, so the kernel's source declares it (device_memory.h). Laid out as ptxas
-// lays it out before a 16-byte aligned dynamic region: rounded up to 16 bytes.
-void DeclareStaticShared(const void* kernel, size_t bytes);
+// What the compiler would record of `kernel`: its static shared memory (the emulation has
+// no compiler pass, so the kernel's source declares it, device_memory.h), laid out as
+// ptxas lays it out before a 16-byte aligned dynamic region: rounded up to 16 bytes; and a
+// name for the launch records.
+void DeclareKernel(const void* kernel, const char* name, size_t static_bytes);
 
 // One global-memory access of the calling thread: checked against the buffers the
 // emulator knows and against its alignment, as the GPU faults on a misaligned vector
