@@ -151,6 +151,23 @@ __device__ __forceinline__ void LoadH(const TIn* x, const void* residual, FloatT
   }
 }
 
+// y for vector i of the row. The output format is a run-time value, uniform over the
+// launch: a template parameter would double every kernel compiled per architecture.
+template <int kVec>
+__device__ __forceinline__ void StoreFp8(uint8_t* y, int64_t i, const float (&normed)[kVec],
+                                         float recip, Fp8Format format,
+                                         int site = __builtin_LINE()) {
+  Vec<uint8_t, kVec> q;
+  if (format == Fp8Format::kE4M3FN) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) q.v[k] = QuantizeElement<Fp8Format::kE4M3FN>(normed[k], recip);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) q.v[k] = QuantizeElement<Fp8Format::kE4M3FNUZ>(normed[k], recip);
+  }
+  StoreGlobal(reinterpret_cast<Vec<uint8_t, kVec>*>(y) + i, q, site);
+}
+
 // ----------------------------------------------------------------- block_shared
 
 struct SharedScratch {
@@ -160,7 +177,7 @@ struct SharedScratch {
   uint32_t max_result;
 };
 
-template <typename TIn, Fp8Format kOut, int kVec>
+template <typename TIn, int kVec>
 __device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
                                            float* cache /*[kVec][hidden / kVec] or null*/,
                                            SharedScratch& scratch) {
@@ -216,7 +233,7 @@ __device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
   }
   amax = BlockReduce(
       amax, 0u, [](uint32_t v) { return WarpMax(v); }, scratch.max_partial, &scratch.max_result);
-  const RowScale s = ComputeRowScale(sum_sq, amax, kOut, a.scale_type, a.constants);
+  const RowScale s = ComputeRowScale(sum_sq, amax, a.out_format, a.scale_type, a.constants);
   if (threadIdx.x == 0) {
     const float scale[1] = {s.scale};
     StoreAny<1>(a.scales, a.scale_type, row, scale);
@@ -237,25 +254,22 @@ __device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
         normed[k] = (normed[k] * r) * (g[k] + a.constants.weight_offset);
       }
     }
-    Vec<uint8_t, kVec> q;
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) q.v[k] = QuantizeElement<kOut>(normed[k], s.recip);
-    StoreGlobal(reinterpret_cast<Vec<uint8_t, kVec>*>(y) + i, q);
+    StoreFp8<kVec>(y, i, normed, s.recip, a.out_format);
   }
 }
 
 // grid: any number of blocks (rows are strided over them); block: a multiple of 32 threads.
 // Dynamic shared memory: hidden floats when `cached`, none otherwise.
-template <typename TIn, Fp8Format kOut>
+template <typename TIn>
 __global__ void __launch_bounds__(kMaxThreads)
     BlockSharedKernel(const RmsNormFp8Args a, const bool vectorized, const bool cached) {
   float* const cache = DynamicShared<float>();
   SharedScratch& scratch = StaticShared<SharedScratch>();
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     if (vectorized) {
-      ProcessRow<TIn, kOut, kVecOf<TIn>>(a, row, cached ? cache : nullptr, scratch);
+      ProcessRow<TIn, kVecOf<TIn>>(a, row, cached ? cache : nullptr, scratch);
     } else {
-      ProcessRow<TIn, kOut, 1>(a, row, cached ? cache : nullptr, scratch);
+      ProcessRow<TIn, 1>(a, row, cached ? cache : nullptr, scratch);
     }
   }
 }
@@ -291,7 +305,7 @@ __device__ __forceinline__ T GroupReduce(T v, T identity, WarpOp warp_op, T* par
 // being `lane` of it: vector i of the row in registers of thread i % group_threads. Every
 // thread of the block calls it equally often (the reductions may meet at a barrier); a
 // group past the last row only takes part in those.
-template <typename TIn, Fp8Format kOut, int kVecs>
+template <typename TIn, int kVecs>
 __device__ __forceinline__ void RegisterRow(const RmsNormFp8Args& a, int64_t row, int lane,
                                             int group_threads, RegisterScratch& scratch) {
   constexpr int kVec = kVecOf<TIn>;
@@ -349,7 +363,7 @@ __device__ __forceinline__ void RegisterRow(const RmsNormFp8Args& a, int64_t row
   amax = GroupReduce(
       amax, 0u, [](uint32_t v) { return WarpMax(v); }, scratch.max_partial, group_warps);
   if (!valid) return;
-  const RowScale s = ComputeRowScale(sum_sq, amax, kOut, a.scale_type, a.constants);
+  const RowScale s = ComputeRowScale(sum_sq, amax, a.out_format, a.scale_type, a.constants);
   if (lane == 0) {
     const float scale[1] = {s.scale};
     StoreAny<1>(a.scales, a.scale_type, row, scale);
@@ -358,19 +372,14 @@ __device__ __forceinline__ void RegisterRow(const RmsNormFp8Args& a, int64_t row
   // Sweep 3: quantise.
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
-    if (held(k)) {
-      Vec<uint8_t, kVec> q;
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) q.v[e] = QuantizeElement<kOut>(h[k][e], s.recip);
-      StoreGlobal(reinterpret_cast<Vec<uint8_t, kVec>*>(y) + index(k), q);
-    }
+    if (held(k)) StoreFp8<kVec>(y, index(k), h[k], s.recip, a.out_format);
   }
 }
 
 // warp_rows. grid: any number of blocks (groups of rows_per_block rows are strided over
 // them); block: kWarpRowsBlockThreads threads, `threads_per_row` (a power of two, 32 to
 // 256) per row. Aligned rows of at most threads_per_row * kVecs vectors.
-template <typename TIn, Fp8Format kOut, int kVecs>
+template <typename TIn, int kVecs>
 __global__ void __launch_bounds__(kWarpRowsBlockThreads, 2)
     WarpRowsKernel(const RmsNormFp8Args a, const int threads_per_row) {
   RegisterScratch& scratch = StaticShared<RegisterScratch>();
@@ -381,7 +390,7 @@ __global__ void __launch_bounds__(kWarpRowsBlockThreads, 2)
   // the others at the reductions' barriers.
   for (int64_t first = int64_t{blockIdx.x} * rows_per_block; first < a.rows;
        first += int64_t{gridDim.x} * rows_per_block) {
-    RegisterRow<TIn, kOut, kVecs>(a, first + group, lane, threads_per_row, scratch);
+    RegisterRow<TIn, kVecs>(a, first + group, lane, threads_per_row, scratch);
   }
 }
 
@@ -393,13 +402,13 @@ constexpr int BlockRegistersMinBlocks(int vectors) { return vectors <= 2 ? 2 : 1
 // block_registers. grid: any number of blocks (rows are strided over them); block: up to
 // kBlockRegistersMaxThreads threads, whole warps, all holding one row. Aligned rows of at
 // most blockDim.x * kVecs vectors.
-template <typename TIn, Fp8Format kOut, int kVecs>
+template <typename TIn, int kVecs>
 __global__ void __launch_bounds__(kBlockRegistersMaxThreads, BlockRegistersMinBlocks(kVecs))
     BlockRegistersKernel(const RmsNormFp8Args a) {
   RegisterScratch& scratch = StaticShared<RegisterScratch>();
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    RegisterRow<TIn, kOut, kVecs>(a, row, static_cast<int>(threadIdx.x),
-                                  static_cast<int>(blockDim.x), scratch);
+    RegisterRow<TIn, kVecs>(a, row, static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x),
+                            scratch);
   }
 }
 
@@ -448,7 +457,7 @@ cudaError_t QueryDeviceLimits(int device, DeviceLimits* limits) {
 struct DeviceSetup {
   // block_shared's limits per input type and output format: the device's, with the
   // kernel's static size and its attribute.
-  DeviceLimits block_shared[3][2];
+  DeviceLimits block_shared[3];
 };
 
 // Loads `kernel` (cudaFuncGetAttributes forces the lazy load) and returns its attributes.
@@ -460,50 +469,42 @@ cudaError_t LoadKernel(Kernel kernel, const char* name, size_t static_shared,
   return cudaFuncGetAttributes(attributes, kernel);
 }
 
-template <typename TIn, Fp8Format kOut>
+template <typename TIn>
 cudaError_t SetUpKernels(const DeviceLimits& device, DeviceLimits* block_shared) {
   cudaFuncAttributes attributes{};
   cudaError_t err = cudaSuccess;
   const auto load = [&](auto kernel, const char* name, size_t scratch) {
     if (err == cudaSuccess) err = LoadKernel(kernel, name, scratch, &attributes);
   };
-  load(WarpRowsKernel<TIn, kOut, 1>, "warp_rows", sizeof(RegisterScratch));
-  load(WarpRowsKernel<TIn, kOut, 2>, "warp_rows", sizeof(RegisterScratch));
-  load(WarpRowsKernel<TIn, kOut, 4>, "warp_rows", sizeof(RegisterScratch));
-  load(BlockRegistersKernel<TIn, kOut, 2>, "block_registers", sizeof(RegisterScratch));
-  load(BlockRegistersKernel<TIn, kOut, 4>, "block_registers", sizeof(RegisterScratch));
-  load(BlockSharedKernel<TIn, kOut>, "block_shared", sizeof(SharedScratch));  // last: read below
+  load(WarpRowsKernel<TIn, 1>, "warp_rows", sizeof(RegisterScratch));
+  load(WarpRowsKernel<TIn, 2>, "warp_rows", sizeof(RegisterScratch));
+  load(WarpRowsKernel<TIn, 4>, "warp_rows", sizeof(RegisterScratch));
+  load(BlockRegistersKernel<TIn, 2>, "block_registers", sizeof(RegisterScratch));
+  load(BlockRegistersKernel<TIn, 4>, "block_registers", sizeof(RegisterScratch));
+  load(BlockSharedKernel<TIn>, "block_shared", sizeof(SharedScratch));  // last: read below
   if (err != cudaSuccess) return err;
   *block_shared = device;
   block_shared->static_shared_bytes = attributes.sharedSizeBytes;
   const size_t most_dynamic = device.optin_shared_bytes > attributes.sharedSizeBytes
                                   ? device.optin_shared_bytes - attributes.sharedSizeBytes
                                   : 0;
-  if (cudaFuncSetAttribute(BlockSharedKernel<TIn, kOut>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+  if (cudaFuncSetAttribute(BlockSharedKernel<TIn>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(most_dynamic)) != cudaSuccess) {
     cudaGetLastError();  // refused: the plan keeps to what the kernel allows as it is
   }
-  err = cudaFuncGetAttributes(&attributes, BlockSharedKernel<TIn, kOut>);
+  err = cudaFuncGetAttributes(&attributes, BlockSharedKernel<TIn>);
   if (err != cudaSuccess) return err;
   block_shared->max_dynamic_shared_bytes =
       static_cast<size_t>(std::max(0, attributes.maxDynamicSharedSizeBytes));
   return cudaSuccess;
 }
 
-template <typename TIn>
-cudaError_t SetUpInput(const DeviceLimits& device, DeviceLimits (&block_shared)[2]) {
-  const cudaError_t err = SetUpKernels<TIn, Fp8Format::kE4M3FN>(device, &block_shared[0]);
-  if (err != cudaSuccess) return err;
-  return SetUpKernels<TIn, Fp8Format::kE4M3FNUZ>(device, &block_shared[1]);
-}
-
 cudaError_t SetUpDevice(int device, DeviceSetup* setup) {
   DeviceLimits limits{0, 0};
   cudaError_t err = QueryDeviceLimits(device, &limits);
-  if (err == cudaSuccess) err = SetUpInput<float>(limits, setup->block_shared[0]);
-  if (err == cudaSuccess) err = SetUpInput<F16>(limits, setup->block_shared[1]);
-  if (err == cudaSuccess) err = SetUpInput<BF16>(limits, setup->block_shared[2]);
+  if (err == cudaSuccess) err = SetUpKernels<float>(limits, &setup->block_shared[0]);
+  if (err == cudaSuccess) err = SetUpKernels<F16>(limits, &setup->block_shared[1]);
+  if (err == cudaSuccess) err = SetUpKernels<BF16>(limits, &setup->block_shared[2]);
   if (err == cudaSuccess) {
     cudaFuncAttributes attributes{};
     err = cudaFuncGetAttributes(&attributes, RoundKernel);
@@ -555,52 +556,43 @@ cudaError_t LaunchKernel(Kernel kernel, unsigned blocks, int threads, size_t dyn
   return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
-template <typename TIn, Fp8Format kOut>
+template <typename TIn>
 cudaError_t LaunchPlanned(cudaStream_t stream, const RmsNormFp8Args& a, const LaunchPlan& p) {
   switch (p.variant) {
     case KernelVariant::kWarpRows: {
-      const auto kernel = p.vectors_per_thread == 1   ? WarpRowsKernel<TIn, kOut, 1>
-                          : p.vectors_per_thread == 2 ? WarpRowsKernel<TIn, kOut, 2>
-                                                      : WarpRowsKernel<TIn, kOut, 4>;
+      const auto kernel = p.vectors_per_thread == 1   ? WarpRowsKernel<TIn, 1>
+                          : p.vectors_per_thread == 2 ? WarpRowsKernel<TIn, 2>
+                                                      : WarpRowsKernel<TIn, 4>;
       return LaunchKernel(kernel, p.blocks, p.threads, 0, stream, a, p.threads_per_row);
     }
     case KernelVariant::kBlockRegisters: {
-      const auto kernel = p.vectors_per_thread == 2 ? BlockRegistersKernel<TIn, kOut, 2>
-                                                    : BlockRegistersKernel<TIn, kOut, 4>;
+      const auto kernel =
+          p.vectors_per_thread == 2 ? BlockRegistersKernel<TIn, 2> : BlockRegistersKernel<TIn, 4>;
       return LaunchKernel(kernel, p.blocks, p.threads, 0, stream, a);
     }
     default:
-      return LaunchKernel(BlockSharedKernel<TIn, kOut>, p.blocks, p.threads, p.dynamic_shared_bytes,
+      return LaunchKernel(BlockSharedKernel<TIn>, p.blocks, p.threads, p.dynamic_shared_bytes,
                           stream, a, p.vectorized, p.cached);
   }
 }
 
-template <typename TIn, Fp8Format kOut>
+template <typename TIn>
 cudaError_t Launch(cudaStream_t stream, const DeviceLimits& limits, const RmsNormFp8Args& a) {
   const KernelVariant variant = RequestedVariant();
   const LaunchPlan plan = PlanRmsNormFp8Launch(a, limits, variant);
-  const cudaError_t err = LaunchPlanned<TIn, kOut>(stream, a, plan);
+  const cudaError_t err = LaunchPlanned<TIn>(stream, a, plan);
   if (err != cudaErrorInvalidValue || !plan.cached) return err;
   // The GPU refused the row cache after all (a limit the plan does not model): nothing
   // was enqueued, so re-read the row instead.
   cudaGetLastError();
   DeviceLimits uncached = limits;
   uncached.max_dynamic_shared_bytes = 0;
-  return LaunchPlanned<TIn, kOut>(stream, a, PlanRmsNormFp8Launch(a, uncached, variant));
-}
-
-template <typename TIn>
-cudaError_t DispatchOutput(cudaStream_t stream, const DeviceLimits (&limits)[2],
-                           const RmsNormFp8Args& a) {
-  return a.out_format == Fp8Format::kE4M3FN
-             ? Launch<TIn, Fp8Format::kE4M3FN>(stream, limits[0], a)
-             : Launch<TIn, Fp8Format::kE4M3FNUZ>(stream, limits[1], a);
+  return LaunchPlanned<TIn>(stream, a, PlanRmsNormFp8Launch(a, uncached, variant));
 }
 
 // block_shared's limits for the call's dtypes on a prepared device.
 const DeviceLimits& LimitsFor(const DeviceSetup& setup, const RmsNormFp8Args& a) {
-  return setup
-      .block_shared[static_cast<int>(a.input_type)][a.out_format == Fp8Format::kE4M3FN ? 0 : 1];
+  return setup.block_shared[static_cast<int>(a.input_type)];
 }
 
 }  // namespace
@@ -642,11 +634,11 @@ cudaError_t LaunchRmsNormFp8(cudaStream_t stream, int device, const RmsNormFp8Ar
   if (err != cudaSuccess) return err;
   switch (a.input_type) {
     case FloatType::kF16:
-      return DispatchOutput<F16>(stream, setup->block_shared[1], a);
+      return Launch<F16>(stream, LimitsFor(*setup, a), a);
     case FloatType::kBF16:
-      return DispatchOutput<BF16>(stream, setup->block_shared[2], a);
+      return Launch<BF16>(stream, LimitsFor(*setup, a), a);
     default:
-      return DispatchOutput<float>(stream, setup->block_shared[0], a);
+      return Launch<float>(stream, LimitsFor(*setup, a), a);
   }
 }
 
