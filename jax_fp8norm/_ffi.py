@@ -124,8 +124,12 @@ def cuda_kernel() -> str:
 
 def set_cuda_kernel(name: str) -> str:
     """Makes later launches of the CUDA kernels (real or emulated) use the variant ``name``;
-    returns the one it replaces. Compiled functions need no recompilation: the launch reads
-    it each call. A variant that cannot hold a call's row runs block_shared for that call."""
+    returns the one it replaces. The launch reads it when the kernel is launched, so
+    compiled functions need no recompilation, with two consequences: a call XLA recorded
+    into a CUDA graph keeps the variant it was recorded with until XLA records it again,
+    and a call still being dispatched when the choice changes may see either (block on its
+    results first). A variant that cannot hold a call's row runs block_shared for that
+    call."""
     variants = cuda_kernel_variants()
     if name not in variants:
         raise ValueError(f"unknown CUDA kernel variant {name!r}: expected one of {variants}")

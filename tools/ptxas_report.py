@@ -25,8 +25,8 @@ def report(arch: str, nvcc: str) -> list[dict]:
                 nvcc,
                 "-std=c++17",
                 "-O3",
-            "--expt-relaxed-constexpr",
-            "--fmad=false",  # as CMakeLists.txt builds them
+                "--expt-relaxed-constexpr",
+                "--fmad=false",  # as CMakeLists.txt builds them
                 f"-arch={arch}",
                 "-cubin",
                 "-Xptxas",

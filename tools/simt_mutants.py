@@ -107,9 +107,9 @@ MUTANTS = [
     Mutant(
         "warp_rows: a group past the last row skips the reductions",
         "cuda_kernels.cu",
-        "    RegisterRow<TIn, kOut, kVecs>(a, first + group, lane, threads_per_row, scratch);",
+        "    RegisterRow<TIn, kVecs>(a, first + group, lane, threads_per_row, scratch);",
         "    if (first + group < a.rows)\n"
-        "      RegisterRow<TIn, kOut, kVecs>(a, first + group, lane, threads_per_row, scratch);",
+        "      RegisterRow<TIn, kVecs>(a, first + group, lane, threads_per_row, scratch);",
     ),
     Mutant(
         "register row: one vector past the row held",

@@ -11,12 +11,13 @@ inline nanobind::capsule FfiCapsule(XLA_FFI_Error* (*handler)(XLA_FFI_CallFrame*
   return nanobind::capsule(reinterpret_cast<void*>(handler));
 }
 
-// A target with an instantiate stage beside its execute stage, as
-// jax.ffi.register_ffi_target takes it.
-inline nanobind::dict FfiStages(XLA_FFI_Error* (*instantiate)(XLA_FFI_CallFrame*),
+// A target with a stage before execution ("initialize" or "instantiate") beside its
+// execute stage, as jax.ffi.register_ffi_target takes it.
+inline nanobind::dict FfiStages(const char* first_stage,
+                                XLA_FFI_Error* (*first)(XLA_FFI_CallFrame*),
                                 XLA_FFI_Error* (*execute)(XLA_FFI_CallFrame*)) {
   nanobind::dict stages;
-  stages["instantiate"] = FfiCapsule(instantiate);
+  stages[first_stage] = FfiCapsule(first);
   stages["execute"] = FfiCapsule(execute);
   return stages;
 }

@@ -13,7 +13,15 @@ XLA_FFI_Error* RoundCpuHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* RmsNormFp8CudaHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* AddRmsNormFp8CudaHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* RoundCudaHandler(XLA_FFI_CallFrame* call_frame);
-// The instantiate stage of every CUDA target: the device's one-time preparation.
+// The stage before execution of every CUDA target (kPrepareStage): the device's one-time
+// preparation. XLA's GPU backend runs the initialize stage with the call's device and
+// stream, before it records any command buffer; its CPU backend, where the emulated
+// kernels run, has no initialize stage, and its instantiate stage stands in.
+#if defined(FP8NORM_SIMT)
+inline constexpr char kPrepareStage[] = "instantiate";
+#else
+inline constexpr char kPrepareStage[] = "initialize";
+#endif
 XLA_FFI_Error* PrepareCudaHandler(XLA_FFI_CallFrame* call_frame);
 
 }  // namespace fp8norm

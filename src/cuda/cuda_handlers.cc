@@ -2,7 +2,7 @@
 // kernel on XLA's stream. Marked command-buffer compatible: they only enqueue
 // stream-ordered work, so XLA may capture them into CUDA graphs. The one-time work that
 // is not stream-ordered (loading the kernels, setting their attributes) runs in the
-// instantiate stage, before any capture.
+// initialize stage, before any capture.
 //
 // Which GPU: in a process that drives several GPUs (tensor parallelism), each call runs
 // for the device XLA passes as the FFI DeviceOrdinal, whose stream it gets. The handlers
@@ -31,11 +31,6 @@ struct GpuTarget {
   int32_t device;
 };
 
-// The GPU an executable is instantiated for; -1 when XLA does not say.
-struct PreparedDevice {
-  int32_t device;
-};
-
 }  // namespace fp8norm
 
 template <>
@@ -52,34 +47,6 @@ struct xla::ffi::CtxDecoding<fp8norm::GpuTarget> {
     const auto device = CtxDecoding<DeviceOrdinal>::Decode(api, ctx, diagnostic);
     if (!stream.has_value() || !device.has_value()) return std::nullopt;
     return Type{*stream, *device};
-#endif
-  }
-};
-
-template <>
-struct xla::ffi::CtxDecoding<fp8norm::PreparedDevice> {
-  using Type = fp8norm::PreparedDevice;
-  static std::optional<Type> Decode(const XLA_FFI_Api* api, XLA_FFI_ExecutionContext* ctx,
-                                    DiagnosticEngine&) {
-#if defined(FP8NORM_SIMT)
-    return Type{0};
-#else
-    // Not every XLA passes the device to the instantiate stage: without it the first
-    // launch prepares the device instead.
-    XLA_FFI_DeviceOrdinal_Get_Args args;
-    args.struct_size = XLA_FFI_DeviceOrdinal_Get_Args_STRUCT_SIZE;
-    args.extension_start = nullptr;
-    args.ctx = ctx;
-    args.device_ordinal = -1;
-    if (XLA_FFI_Error* err = api->XLA_FFI_DeviceOrdinal_Get(&args)) {
-      XLA_FFI_Error_Destroy_Args destroy;
-      destroy.struct_size = XLA_FFI_Error_Destroy_Args_STRUCT_SIZE;
-      destroy.extension_start = nullptr;
-      destroy.error = err;
-      api->XLA_FFI_Error_Destroy(&destroy);
-      return Type{-1};
-    }
-    return Type{args.device_ordinal};
 #endif
   }
 };
@@ -141,10 +108,11 @@ ffi::Error RunOnDevice(int32_t device, const char* what, Launch launch) {
   return CudaStatus(err, what);
 }
 
-// Instantiate stage: XLA runs it once per executable and device, outside any graph capture.
-ffi::Error PrepareImpl(PreparedDevice prepared) {
-  if (prepared.device < 0) return ffi::Error::Success();
-  return RunOnDevice(prepared.device, "preparing the CUDA kernels", PrepareDevice);
+// Initialize stage: XLA runs it for each executable on each device before the first
+// execution, and before it records any command buffer (CUDA graph) of the call; the
+// instantiate stage would be too early, as it knows no device.
+ffi::Error PrepareImpl(GpuTarget gpu) {
+  return RunOnDevice(gpu.device, "preparing the CUDA kernels", PrepareDevice);
 }
 
 ffi::Error RmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
@@ -212,8 +180,11 @@ XLA_FFI_DEFINE_HANDLER(
     ffi::Ffi::Bind().Ctx<GpuTarget>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>(),
     {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER(kPrepareCuda, PrepareImpl,
-                       ffi::Ffi::BindInstantiate().Ctx<PreparedDevice>());
+#if defined(FP8NORM_SIMT)
+XLA_FFI_DEFINE_HANDLER(kPrepareCuda, PrepareImpl, ffi::Ffi::BindInstantiate().Ctx<GpuTarget>());
+#else
+XLA_FFI_DEFINE_HANDLER(kPrepareCuda, PrepareImpl, ffi::Ffi::BindInitialize().Ctx<GpuTarget>());
+#endif
 
 XLA_FFI_Error* PrepareCudaHandler(XLA_FFI_CallFrame* call_frame) {
   return kPrepareCuda(call_frame);

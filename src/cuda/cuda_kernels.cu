@@ -460,12 +460,17 @@ struct DeviceSetup {
   DeviceLimits block_shared[3];
 };
 
+// cudaErrorStreamCaptureUnsupported (900) to cudaErrorStreamCaptureWrongThread (908): the
+// call was made while a stream captures a graph.
+bool IsCaptureError(cudaError_t err) { return err >= 900 && err <= 908; }
+
 // Loads `kernel` (cudaFuncGetAttributes forces the lazy load) and returns its attributes.
-// `name` and `static_shared` (the __shared__ struct it uses) are for the emulation.
+// `name`, `static_shared` (the __shared__ struct it uses) and `max_threads` (its
+// __launch_bounds__) are for the emulation.
 template <typename Kernel>
-cudaError_t LoadKernel(Kernel kernel, const char* name, size_t static_shared,
+cudaError_t LoadKernel(Kernel kernel, const char* name, size_t static_shared, int max_threads,
                        cudaFuncAttributes* attributes) {
-  DeclareKernel(kernel, name, static_shared);
+  DeclareKernel(kernel, name, static_shared, max_threads);
   return cudaFuncGetAttributes(attributes, kernel);
 }
 
@@ -473,24 +478,32 @@ template <typename TIn>
 cudaError_t SetUpKernels(const DeviceLimits& device, DeviceLimits* block_shared) {
   cudaFuncAttributes attributes{};
   cudaError_t err = cudaSuccess;
-  const auto load = [&](auto kernel, const char* name, size_t scratch) {
-    if (err == cudaSuccess) err = LoadKernel(kernel, name, scratch, &attributes);
+  const auto load = [&](auto kernel, const char* name, size_t scratch, int max_threads) {
+    if (err == cudaSuccess) err = LoadKernel(kernel, name, scratch, max_threads, &attributes);
   };
-  load(WarpRowsKernel<TIn, 1>, "warp_rows", sizeof(RegisterScratch));
-  load(WarpRowsKernel<TIn, 2>, "warp_rows", sizeof(RegisterScratch));
-  load(WarpRowsKernel<TIn, 4>, "warp_rows", sizeof(RegisterScratch));
-  load(BlockRegistersKernel<TIn, 2>, "block_registers", sizeof(RegisterScratch));
-  load(BlockRegistersKernel<TIn, 4>, "block_registers", sizeof(RegisterScratch));
-  load(BlockSharedKernel<TIn>, "block_shared", sizeof(SharedScratch));  // last: read below
+  constexpr size_t kRegisterScratch = sizeof(RegisterScratch);
+  load(WarpRowsKernel<TIn, 1>, "warp_rows", kRegisterScratch, kWarpRowsBlockThreads);
+  load(WarpRowsKernel<TIn, 2>, "warp_rows", kRegisterScratch, kWarpRowsBlockThreads);
+  load(WarpRowsKernel<TIn, 4>, "warp_rows", kRegisterScratch, kWarpRowsBlockThreads);
+  load(BlockRegistersKernel<TIn, 2>, "block_registers", kRegisterScratch,
+       kBlockRegistersMaxThreads);
+  load(BlockRegistersKernel<TIn, 4>, "block_registers", kRegisterScratch,
+       kBlockRegistersMaxThreads);
+  // Last: its attributes are read below.
+  load(BlockSharedKernel<TIn>, "block_shared", sizeof(SharedScratch), kMaxThreads);
   if (err != cudaSuccess) return err;
   *block_shared = device;
   block_shared->static_shared_bytes = attributes.sharedSizeBytes;
   const size_t most_dynamic = device.optin_shared_bytes > attributes.sharedSizeBytes
                                   ? device.optin_shared_bytes - attributes.sharedSizeBytes
                                   : 0;
-  if (cudaFuncSetAttribute(BlockSharedKernel<TIn>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(most_dynamic)) != cudaSuccess) {
-    cudaGetLastError();  // refused: the plan keeps to what the kernel allows as it is
+  err = cudaFuncSetAttribute(BlockSharedKernel<TIn>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(most_dynamic));
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    // Refused inside graph capture: nothing is kept, so that a call outside capture sets
+    // it. Refused otherwise: the plan keeps to what the kernel allows as it is.
+    if (IsCaptureError(err)) return err;
   }
   err = cudaFuncGetAttributes(&attributes, BlockSharedKernel<TIn>);
   if (err != cudaSuccess) return err;

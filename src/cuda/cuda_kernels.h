@@ -18,7 +18,7 @@ cudaError_t LaunchRound(cudaStream_t stream, const RoundArgs& args);
 
 // The one-time work for `device`, the current device, before its first launch: loads every
 // kernel and sets the attributes launches rely on. Not stream-ordered, so not for inside
-// CUDA graph capture: the FFI instantiate stage runs it. A launch on a device not yet
+// CUDA graph capture: the FFI initialize stage runs it. A launch on a device not yet
 // prepared prepares it first; a failed preparation is tried again by the next call.
 cudaError_t PrepareDevice(int device);
 

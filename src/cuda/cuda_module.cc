@@ -11,10 +11,12 @@ NB_MODULE(_fp8norm_cuda, m) {
   m.def("registrations", []() {
     nanobind::dict targets;
     const auto prepare = fp8norm::PrepareCudaHandler;
-    targets["fp8norm_rms_norm_fp8"] = fp8norm::FfiStages(prepare, fp8norm::RmsNormFp8CudaHandler);
+    const char* stage = fp8norm::kPrepareStage;
+    targets["fp8norm_rms_norm_fp8"] =
+        fp8norm::FfiStages(stage, prepare, fp8norm::RmsNormFp8CudaHandler);
     targets["fp8norm_add_rms_norm_fp8"] =
-        fp8norm::FfiStages(prepare, fp8norm::AddRmsNormFp8CudaHandler);
-    targets["fp8norm_round"] = fp8norm::FfiStages(prepare, fp8norm::RoundCudaHandler);
+        fp8norm::FfiStages(stage, prepare, fp8norm::AddRmsNormFp8CudaHandler);
+    targets["fp8norm_round"] = fp8norm::FfiStages(stage, prepare, fp8norm::RoundCudaHandler);
     return targets;
   });
   fp8norm::AddKernelVariantControls(m);

@@ -26,8 +26,9 @@ __device__ __forceinline__ T* DynamicShared() {
   return reinterpret_cast<T*>(dynamic_shared);
 }
 
-// The block's static shared storage of type T: one per kernel that calls it. The launch
-// reads its real size from cudaFuncGetAttributes.
+// The block's static shared storage of type T: one per kernel that calls it, and one type
+// per kernel (the emulation gives every type the same region). The launch reads its real
+// size from cudaFuncGetAttributes.
 template <typename T>
 __device__ __forceinline__ T& StaticShared() {
   __shared__ T storage;
@@ -37,7 +38,7 @@ __device__ __forceinline__ T& StaticShared() {
 // The emulation's stand-in for the compiler's record of a kernel (its static shared
 // memory, a name for the launch records); nvcc has the real one.
 template <typename Kernel>
-inline void DeclareKernel(Kernel, const char*, size_t) {}
+inline void DeclareKernel(Kernel, const char*, size_t, int) {}
 
 }  // namespace fp8norm
 
@@ -73,8 +74,8 @@ inline T& StaticShared() {
 }
 
 template <typename Kernel>
-inline void DeclareKernel(Kernel kernel, const char* name, size_t static_bytes) {
-  simt::DeclareKernel(reinterpret_cast<const void*>(kernel), name, static_bytes);
+inline void DeclareKernel(Kernel kernel, const char* name, size_t static_bytes, int max_threads) {
+  simt::DeclareKernel(reinterpret_cast<const void*>(kernel), name, static_bytes, max_threads);
 }
 
 }  // namespace fp8norm

@@ -77,9 +77,10 @@ NB_MODULE(_fp8norm_simt, m) {
   m.def("registrations", []() {
     nanobind::dict targets;
     const auto prepare = Prepare;
-    targets["fp8norm_simt_rms_norm_fp8"] = fp8norm::FfiStages(prepare, RmsNormFp8);
-    targets["fp8norm_simt_add_rms_norm_fp8"] = fp8norm::FfiStages(prepare, AddRmsNormFp8);
-    targets["fp8norm_simt_round"] = fp8norm::FfiStages(prepare, Round);
+    const char* stage = fp8norm::kPrepareStage;
+    targets["fp8norm_simt_rms_norm_fp8"] = fp8norm::FfiStages(stage, prepare, RmsNormFp8);
+    targets["fp8norm_simt_add_rms_norm_fp8"] = fp8norm::FfiStages(stage, prepare, AddRmsNormFp8);
+    targets["fp8norm_simt_round"] = fp8norm::FfiStages(stage, prepare, Round);
     return targets;
   });
   fp8norm::AddKernelVariantControls(m);

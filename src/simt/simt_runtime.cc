@@ -106,6 +106,7 @@ struct Shared {
   std::unordered_map<const void*, int> max_dynamic_shared;                // per kernel, as last set
   std::unordered_map<const void*, size_t> static_shared;                  // per kernel, as declared
   std::unordered_map<const void*, std::string> names;                     // per kernel, as declared
+  std::unordered_map<const void*, int> max_threads;                       // per kernel, as declared
   std::unordered_map<std::string, std::pair<cudaError_t, int>> injected;  // error, calls left
   std::deque<LaunchRecord> launches;
 };
@@ -459,11 +460,12 @@ void* StaticSharedMemory(size_t bytes) {
   return nullptr;
 }
 
-void DeclareKernel(const void* kernel, const char* name, size_t static_bytes) {
+void DeclareKernel(const void* kernel, const char* name, size_t static_bytes, int max_threads) {
   Shared& g = Global();
   std::lock_guard<std::mutex> lock(g.mutex);
   g.static_shared[kernel] = PaddedStatic(static_bytes);
   g.names[kernel] = name;
+  g.max_threads[kernel] = max_threads;
 }
 
 bool RecordGlobalAccess(const void* address, size_t bytes, size_t alignment, bool write, int site) {
@@ -620,7 +622,10 @@ cudaError_t GetFuncAttributes(const void* kernel, cudaFuncAttributes* attributes
   const size_t static_bytes = s == g.static_shared.end() ? 0 : s->second;
   auto d = g.max_dynamic_shared.find(kernel);
   attributes->sharedSizeBytes = static_bytes;
-  attributes->maxThreadsPerBlock = g.limits.max_threads_per_block;
+  auto t = g.max_threads.find(kernel);
+  attributes->maxThreadsPerBlock = t == g.max_threads.end()
+                                       ? g.limits.max_threads_per_block
+                                       : std::min(t->second, g.limits.max_threads_per_block);
   attributes->maxDynamicSharedSizeBytes =
       d != g.max_dynamic_shared.end()
           ? d->second
@@ -641,6 +646,7 @@ cudaError_t Launch(const void* kernel, const cudaLaunchConfig_t& config, ThreadB
   uint64_t seed = 0;
   std::optional<int> attribute;
   std::string name;
+  int bounds = 0;  // the kernel's __launch_bounds__, when declared
   {
     Shared& g = Global();
     std::lock_guard<std::mutex> lock(g.mutex);
@@ -651,6 +657,8 @@ cudaError_t Launch(const void* kernel, const cudaLaunchConfig_t& config, ThreadB
     static_bytes = s == g.static_shared.end() ? 0 : s->second;
     auto n = g.names.find(kernel);
     if (n != g.names.end()) name = n->second;
+    auto t = g.max_threads.find(kernel);
+    if (t != g.max_threads.end()) bounds = t->second;
     seed = g.seed;
   }
   // Without the attribute a block may have the default limit, static and dynamic together.
@@ -668,6 +676,10 @@ cudaError_t Launch(const void* kernel, const cudaLaunchConfig_t& config, ThreadB
   } else if (block.x == 0 || block.x > static_cast<unsigned>(limits.max_threads_per_block)) {
     refusal = "block of " + std::to_string(block.x) + " threads (the device allows 1 to " +
               std::to_string(limits.max_threads_per_block) + ")";
+  } else if (bounds > 0 && block.x > static_cast<unsigned>(bounds)) {
+    code = cudaErrorLaunchOutOfResources;
+    refusal = "block of " + std::to_string(block.x) + " threads beyond the kernel's " +
+              "__launch_bounds__ of " + std::to_string(bounds);
   } else if (grid.x == 0 || grid.x > limits.max_grid_x) {
     refusal = "grid of " + std::to_string(grid.x) + " blocks (the device allows 1 to " +
               std::to_string(limits.max_grid_x) + ")";
@@ -812,6 +824,7 @@ const char* cudaGetErrorString(cudaError_t error) {
       return "no error";
     case cudaErrorInvalidValue:
     case cudaErrorInvalidConfiguration:
+    case cudaErrorLaunchOutOfResources:
     case cudaErrorLaunchFailure:
       return simt::executor.last_failure.empty() ? "emulated launch error"
                                                  : simt::executor.last_failure.c_str();
@@ -819,8 +832,6 @@ const char* cudaGetErrorString(cudaError_t error) {
       return "invalid device ordinal";
     case cudaErrorInvalidDeviceFunction:
       return "invalid device function";
-    case cudaErrorLaunchOutOfResources:
-      return "too many resources requested for launch";
     case cudaErrorStreamCaptureUnsupported:
       return "operation not permitted when stream is capturing";
     default:

@@ -139,7 +139,7 @@ int CheckEmulator() {
     for (uint32_t t = 0; t < 32; ++t) exchanged = exchanged && out[t] == ((t ^ 5u) * 3 + 1);
     Expect("shuffles deliver the partner lane's value", exchanged, "");
     // Static shared memory counts against the same limits, as the runtime counts it.
-    fp8norm::DeclareKernel(UsesStatic, "UsesStatic", 396);
+    fp8norm::DeclareKernel(UsesStatic, "UsesStatic", 396, 64);
     cudaFuncAttributes attributes{};
     const bool got = cudaFuncGetAttributes(&attributes, UsesStatic) == cudaSuccess;
     Expect("a kernel's static shared memory is padded as ptxas pads it",
@@ -151,7 +151,9 @@ int CheckEmulator() {
         "an attribute beyond the opt-in limit less the static size is refused",
         cudaFuncSetAttribute(UsesStatic, cudaFuncAttributeMaxDynamicSharedMemorySize, 232448 - 399),
         "exceed");
-    fp8norm::DeclareKernel(UsesStatic, "UsesStatic", 16);
+    ExpectFailure("a block beyond the kernel's __launch_bounds__ is refused",
+                  Run(UsesStatic, 1, 96, 0, out.data()), "__launch_bounds__ of 64");
+    fp8norm::DeclareKernel(UsesStatic, "UsesStatic", 16, 64);
     ExpectFailure("a kernel using more static shared memory than it declares fails",
                   Run(UsesStatic, 1, 32, 0, out.data()), "declare 16");
     simt::InjectError("cudaFuncGetAttributes", cudaErrorInvalidDeviceFunction, 1);

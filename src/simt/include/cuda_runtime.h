@@ -97,9 +97,9 @@ void* StaticSharedMemory(size_t bytes);
 
 // What the compiler would record of `kernel`: its static shared memory (the emulation has
 // no compiler pass, so the kernel's source declares it, device_memory.h), laid out as
-// ptxas lays it out before a 16-byte aligned dynamic region: rounded up to 16 bytes; and a
-// name for the launch records.
-void DeclareKernel(const void* kernel, const char* name, size_t static_bytes);
+// ptxas lays it out before a 16-byte aligned dynamic region: rounded up to 16 bytes; the
+// most threads per block its __launch_bounds__ allow; and a name for the launch records.
+void DeclareKernel(const void* kernel, const char* name, size_t static_bytes, int max_threads);
 
 // One global-memory access of the calling thread: checked against the buffers the
 // emulator knows and against its alignment, as the GPU faults on a misaligned vector
