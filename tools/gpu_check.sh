@@ -11,8 +11,9 @@
 #                                    #    every variant, and Nsight Compute per variant
 #
 # Budgets (seconds, each a hard `timeout`; what ran before a timeout is kept): build
-# BUILD_SECONDS=150, tests TEST_SECONDS=180 (FUZZ_EXAMPLES=100 per platform), benchmark
-# BENCH_SECONDS=180; deep: SANITIZE_SECONDS=360, NCU_SECONDS=180. ARCHS overrides the
+# BUILD_SECONDS=120 (+30 to import it), tests TEST_SECONDS=180 (FUZZ_EXAMPLES=100 per
+# platform), main job 60, resource usage 30, benchmark BENCH_SECONDS=170: 590 in all;
+# deep: SANITIZE_SECONDS=360, NCU_SECONDS=180. ARCHS overrides the
 # CUDA architectures (default 90a-real). `deep` rebuilds only when the package is not
 # installed. Exits non-zero when any step failed or ran out of time.
 set -uo pipefail
@@ -42,10 +43,10 @@ step() {  # <name> <seconds> <log> <command...>: runs it under a timeout, tails 
   > "$OUT/machine.txt" 2>&1
 
 if [ "$MODE" = check ] || ! python3 -c "import jax_fp8norm_kernels._fp8norm_cuda" 2> /dev/null; then
-  step "build (CUDA architectures $ARCHS)" "${BUILD_SECONDS:-150}" build.log \
+  step "build (CUDA architectures $ARCHS)" "${BUILD_SECONDS:-120}" build.log \
     env FP8NORM_CUDA=ON CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=$ARCHS" \
     python3 -m pip install --no-build-isolation --no-deps . || exit 1
-  step "the CUDA module" 60 build_check.log python3 -c \
+  step "the CUDA module" 30 build_check.log python3 -c \
     "import jax_fp8norm as f; assert f.built_with_cuda(); print(f.cuda_kernel_variants())" \
     || exit 1
 fi
@@ -58,7 +59,7 @@ if [ "$MODE" = check ]; then
   step "main job" 60 main_job.log python3 -m jax_fp8norm
   step "kernel resources" 30 resource_usage.txt sh -c "cuobjdump --dump-resource-usage \
     \$(python3 -c 'import jax_fp8norm_kernels._fp8norm_cuda as m; print(m.__file__)')"
-  TAIL=60 step "A/B benchmark: every variant" "${BENCH_SECONDS:-180}" bench.log \
+  TAIL=60 step "A/B benchmark: every variant" "${BENCH_SECONDS:-170}" bench.log \
     python3 -m jax_fp8norm.bench --variants all --dtypes bfloat16 \
     --rows 1,16,64,256,4096,16384 --hidden 2048,4096,8192,16384 --repeats 5 \
     --json "$OUT/bench.json" --png "$OUT/bench.png"
