@@ -49,6 +49,21 @@ def nbytes(a) -> int:
     return np.asarray(a).nbytes
 
 
+def assert_every_byte_moved_once(buffers, args, out, rows, residual):
+    """x and the residual read once, gamma once per row, every output written once; inputs
+    never written and outputs never read."""
+    assert buffers["x"]["bytes_read"] == nbytes(args[0])
+    assert buffers["gamma"]["bytes_read"] == rows * nbytes(args[-1])
+    assert buffers["y"]["bytes_written"] == nbytes(out[0])
+    assert buffers["scales"]["bytes_written"] == nbytes(out[1])
+    if residual:
+        assert buffers["residual"]["bytes_read"] == nbytes(args[1])
+        assert buffers["residual_out"]["bytes_written"] == nbytes(out[2])
+    for name, stats in buffers.items():
+        other = "bytes_written" if name in ("x", "residual", "gamma") else "bytes_read"
+        assert stats[other] == 0, name
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("residual", [False, True])
 def test_cached_path_reads_inputs_once_and_writes_outputs_once(dtype, residual):
@@ -58,17 +73,7 @@ def test_cached_path_reads_inputs_once_and_writes_outputs_once(dtype, residual):
     buffers = launch["buffers"]
     assert launch["kernel"] == "block_shared"
     assert launch["dynamic_shared_bytes"] == hidden * 4  # the row cached as float32
-    assert buffers["x"]["bytes_read"] == nbytes(args[0])
-    assert buffers["gamma"]["bytes_read"] == rows * nbytes(args[-1])
-    assert buffers["y"]["bytes_written"] == nbytes(out[0])
-    assert buffers["scales"]["bytes_written"] == nbytes(out[1])
-    if residual:
-        assert buffers["residual"]["bytes_read"] == nbytes(args[1])
-        assert buffers["residual_out"]["bytes_written"] == nbytes(out[2])
-    for name, stats in buffers.items():
-        kind = "bytes_read" if name in ("x", "residual", "gamma") else "bytes_written"
-        other = "bytes_written" if kind == "bytes_read" else "bytes_read"
-        assert stats[other] == 0, name  # inputs never written, outputs never read
+    assert_every_byte_moved_once(buffers, args, out, rows, residual)
 
 
 def test_rows_too_long_for_shared_memory_are_read_three_times():
@@ -217,16 +222,8 @@ def test_register_variants_touch_every_byte_once_fully_coalesced(variant, dtype,
     out, launch = run(op, *args, variant=variant)
     buffers = launch["buffers"]
     assert launch["kernel"] == variant and launch["dynamic_shared_bytes"] == 0
-    assert buffers["x"]["bytes_read"] == nbytes(args[0])
-    assert buffers["gamma"]["bytes_read"] == rows * nbytes(args[-1])
-    assert buffers["y"]["bytes_written"] == nbytes(out[0])
-    assert buffers["scales"]["bytes_written"] == nbytes(out[1])
-    if residual:
-        assert buffers["residual"]["bytes_read"] == nbytes(args[1])
-        assert buffers["residual_out"]["bytes_written"] == nbytes(out[2])
+    assert_every_byte_moved_once(buffers, args, out, rows, residual)
     for name, stats in buffers.items():
-        other = "bytes_written" if name in ("x", "residual", "gamma") else "bytes_read"
-        assert stats[other] == 0, name
         assert stats["sectors"] == stats["min_sectors"], (name, stats)
     assert buffers["x"]["widest_access"] == 16
 
