@@ -52,10 +52,12 @@ if [ "$MODE" = check ] || ! python3 -c "import jax_fp8norm_kernels._fp8norm_cuda
 fi
 
 if [ "$MODE" = check ]; then
-  # The simt platforms are CI's (the emulation); here the GPU runs are the point.
+  # The emulation's tests (the simt platforms, the emulated launch path and kernel
+  # selection) are CI's; here the GPU runs are the point.
   TAIL=6 step "tests, GPU required" "${TEST_SECONDS:-180}" pytest.log \
     env FP8NORM_REQUIRE_GPU=1 FP8NORM_FUZZ_EXAMPLES="${FUZZ_EXAMPLES:-100}" \
-    python3 -m pytest -q -rfE -p no:cacheprovider -k "not simt" -x
+    python3 -m pytest -q -rfE -p no:cacheprovider \
+    -k "not simt and not test_cuda_launch and not test_kernel_selection"
   step "main job" 60 main_job.log python3 -m jax_fp8norm
   step "kernel resources" 30 resource_usage.txt sh -c "cuobjdump --dump-resource-usage \
     \$(python3 -c 'import jax_fp8norm_kernels._fp8norm_cuda as m; print(m.__file__)')"
