@@ -168,6 +168,28 @@ __device__ __forceinline__ void StoreFp8(uint8_t* y, int64_t i, const float (&no
   StoreGlobal(reinterpret_cast<Vec<uint8_t, kVec>*>(y) + i, q, site);
 }
 
+// Row `row` of the row-major arrays: x, the residual and residual_out (null when the op
+// has none) and y.
+template <typename TIn>
+struct RowPointers {
+  const TIn* x;
+  const void* residual;
+  void* residual_out;
+  uint8_t* y;
+};
+
+template <typename TIn>
+__device__ __forceinline__ RowPointers<TIn> RowOf(const RmsNormFp8Args& a, int64_t row) {
+  const int64_t offset = row * a.hidden;
+  const size_t residual_bytes = FloatTypeBytes(a.residual_type);
+  return {static_cast<const TIn*>(a.x) + offset,
+          a.residual != nullptr ? static_cast<const char*>(a.residual) + offset * residual_bytes
+                                : nullptr,
+          a.residual_out != nullptr ? static_cast<char*>(a.residual_out) + offset * residual_bytes
+                                    : nullptr,
+          static_cast<uint8_t*>(a.y) + offset};
+}
+
 // ----------------------------------------------------------------- block_shared
 
 struct SharedScratch {
@@ -183,16 +205,7 @@ __device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
                                            SharedScratch& scratch) {
   const int64_t n = a.hidden;
   const int64_t num_vecs = n / kVec;
-  const int64_t offset = row * n;
-  const TIn* x = static_cast<const TIn*>(a.x) + offset;
-  const size_t residual_bytes = FloatTypeBytes(a.residual_type);
-  const void* residual = a.residual != nullptr
-                             ? static_cast<const char*>(a.residual) + offset * residual_bytes
-                             : nullptr;
-  void* residual_out = a.residual_out != nullptr
-                           ? static_cast<char*>(a.residual_out) + offset * residual_bytes
-                           : nullptr;
-  uint8_t* y = static_cast<uint8_t*>(a.y) + offset;
+  const auto [x, residual, residual_out, y] = RowOf<TIn>(a, row);
 
   // Sweep 1: h, residual_out, sum of squares.
   SumOfSquares acc{0.0f, 0.0f};
@@ -312,16 +325,7 @@ __device__ __forceinline__ void RegisterRow(const RmsNormFp8Args& a, int64_t row
   const int group_warps = group_threads / kWarp;
   const bool valid = row < a.rows;
   const int64_t num_vecs = a.hidden / kVec;
-  const int64_t offset = (valid ? row : 0) * a.hidden;
-  const TIn* x = static_cast<const TIn*>(a.x) + offset;
-  const size_t residual_bytes = FloatTypeBytes(a.residual_type);
-  const void* residual = a.residual != nullptr
-                             ? static_cast<const char*>(a.residual) + offset * residual_bytes
-                             : nullptr;
-  void* residual_out = a.residual_out != nullptr
-                           ? static_cast<char*>(a.residual_out) + offset * residual_bytes
-                           : nullptr;
-  uint8_t* y = static_cast<uint8_t*>(a.y) + offset;
+  const auto [x, residual, residual_out, y] = RowOf<TIn>(a, valid ? row : 0);
   const auto held = [&](int k) { return valid && lane + int64_t{k} * group_threads < num_vecs; };
   const auto index = [&](int k) { return lane + int64_t{k} * group_threads; };
 
