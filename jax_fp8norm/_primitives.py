@@ -47,14 +47,16 @@ def _eager_impl(prim: Primitive, *args, **params):
 def _ffi_lowering(target: str):
     rule = jax.ffi.ffi_lowering(target)
 
-    def lowering(ctx, *args, eps, weight_offset, scale_ub, out_dtype, scale_dtype):
-        del out_dtype, scale_dtype  # carried by the result types
+    def lowering(ctx, *args, **params):
+        # The dtypes are carried by the result types; a calibrated scale by its operand.
         return rule(
             ctx,
             *args,
-            eps=np.float32(eps),
-            weight_offset=np.float32(weight_offset),
-            scale_ub=np.float32(scale_ub),
+            eps=np.float32(params["eps"]),
+            weight_offset=np.float32(params["weight_offset"]),
+            scale_ub=np.float32(params["scale_ub"]),
+            group_size=np.int64(params["group_size"] or 0),
+            power_of_two_scales=bool(params["power_of_two_scales"]),
         )
 
     return lowering
@@ -72,7 +74,12 @@ def _unreduced_axes(aval) -> frozenset:
     return frozenset(spec_axes) | frozenset(getattr(manual, "unreduced", None) or ())
 
 
-def _output_types(avals) -> dict:
+def _num_row_operands(num_operands: int, static_scale: bool) -> int:
+    """x (and residual): the operands before gamma (and the calibrated scale)."""
+    return num_operands - 1 - int(static_scale)
+
+
+def _output_types(avals, static_scale: bool) -> dict:
     """What every output's type shares besides its shape and dtype.
 
     The sharding: x's rows, the last axis whole. Each row needs all of its hidden axis, so
@@ -81,8 +88,9 @@ def _output_types(avals) -> dict:
     Under explicit mesh axes these types are checked, so they must say exactly that.
     Inside shard_map: varying over every manual axis any input varies over. Never
     unreduced or reduced: the norm is not linear, so a partial sum is refused."""
-    names = ("x", "gamma") if len(avals) == 2 else ("x", "residual", "gamma")
-    for name, aval in zip(names, avals, strict=True):
+    rows = ("x",) if _num_row_operands(len(avals), static_scale) == 1 else ("x", "residual")
+    names = (*rows, "gamma", "static_scale")
+    for name, aval in zip(names, avals, strict=False):
         unreduced = _unreduced_axes(aval)
         if unreduced:
             raise ValueError(
@@ -111,14 +119,18 @@ def _output_types(avals) -> dict:
     return types
 
 
-def _norm_abstract_eval(*avals, eps, weight_offset, scale_ub, out_dtype, scale_dtype):
+def _norm_abstract_eval(*avals, **params):
     x = avals[0]
-    types = _output_types(avals)
+    static_scale = params["static_scale"]
+    types = _output_types(avals, static_scale)
+    n = x.shape[-1]
+    groups = 1 if params["group_size"] is None else n // params["group_size"]
     outs = [
-        x.update(shape=x.shape, dtype=np.dtype(out_dtype), **types),
-        x.update(shape=x.shape[:-1] + (1,), dtype=np.dtype(scale_dtype), **types),
+        x.update(shape=x.shape, dtype=np.dtype(params["out_dtype"]), **types),
+        x.update(shape=x.shape[:-1] + (groups,), dtype=np.dtype(params["scale_dtype"]), **types),
     ]
-    if len(avals) == 3:  # x, residual, gamma: residual_out has the residual's dtype
+    if _num_row_operands(len(avals), static_scale) == 2:
+        # x, residual, gamma: residual_out has the residual's dtype
         outs.append(x.update(shape=x.shape, dtype=avals[1].dtype, **types))
     return outs
 
@@ -157,18 +169,20 @@ def _to_front(value, dim, size):
 
 def _norm_batching_rule(prim: Primitive):
     """vmap. Every leading axis of x is a row axis to the kernel, so a batch of x (and
-    residual) with one shared gamma is one kernel call over more rows. A batch of gammas
-    becomes a compiled loop (lax.map), one kernel call per gamma."""
+    residual) with one shared gamma (and calibrated scale) is one kernel call over more
+    rows. A batch of gammas or of calibrated scales becomes a compiled loop (lax.map), one
+    kernel call per batch element."""
 
     def rule(args, dims, **params):
         size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
-        rows = [_to_front(a, d, size) for a, d in zip(args[:-1], dims[:-1], strict=True)]
-        gamma, gamma_dim = args[-1], dims[-1]
-        if gamma_dim is None:
-            outs = prim.bind(*rows, gamma, **params)
+        num_rows = _num_row_operands(len(args), params["static_scale"])
+        rows = [_to_front(a, d, size) for a, d in zip(args[:num_rows], dims[:num_rows], strict=True)]
+        shared, shared_dims = args[num_rows:], dims[num_rows:]
+        if all(d is None for d in shared_dims):
+            outs = prim.bind(*rows, *shared, **params)
         else:
-            gammas = jnp.moveaxis(gamma, gamma_dim, 0)
-            outs = jax.lax.map(lambda a: prim.bind(*a, **params), (*rows, gammas))
+            batched = [_to_front(a, d, size) for a, d in zip(shared, shared_dims, strict=True)]
+            outs = jax.lax.map(lambda a: prim.bind(*a, **params), (*rows, *batched))
         return outs, [0] * len(outs)
 
     return rule
@@ -188,10 +202,13 @@ def _result_shardings(mesh, rows: tuple, num_results: int):
 @functools.cache
 def _partitioned(kernel: Primitive, params: tuple, num_operands: int):
     """kernel.bind wrapped in custom_partitioning: under jit with sharded inputs, XLA runs
-    it on each device's rows (no all-gather when rows are sharded); a hidden axis that is
-    sharded is gathered first, since each row needs all of it."""
+    it on each device's rows (no all-gather when rows are sharded: per-group scales
+    [..., N // G] keep the rows' sharding too); a hidden axis that is sharded is gathered
+    first, since each row needs all of it. gamma and a calibrated scale are replicated."""
     kwargs = dict(params)
-    num_results = num_operands  # rms: (x, gamma) -> (y, scales); add: 3 -> 3
+    num_rows = _num_row_operands(num_operands, kwargs["static_scale"])
+    num_shared = num_operands - num_rows
+    num_results = num_rows + 1  # rms: (y, scales); add: (y, scales, residual_out)
 
     @custom_partitioning
     def call(*args):
@@ -200,8 +217,8 @@ def _partitioned(kernel: Primitive, params: tuple, num_operands: int):
     def shardings(mesh, arg_shapes):
         rank = len(arg_shapes[0].shape)
         rows = _row_spec(arg_shapes[0].sharding, rank)
-        row_operands = [NamedSharding(mesh, P(*rows, None))] * (num_operands - 1)
-        return rows, (*row_operands, NamedSharding(mesh, P(None)))
+        row_operands = [NamedSharding(mesh, P(*rows, None))] * num_rows
+        return rows, (*row_operands, *[NamedSharding(mesh, P(None))] * num_shared)
 
     def partition(mesh, arg_shapes, result_shape):
         rows, arg_shardings = shardings(mesh, arg_shapes)
@@ -212,12 +229,13 @@ def _partitioned(kernel: Primitive, params: tuple, num_operands: int):
         rows, _ = shardings(mesh, arg_shapes)
         return _result_shardings(mesh, rows, num_results)
 
-    rows = "... n, " * (num_operands - 1)
-    results = "... n, ... k" + (", ... n" if num_operands == 3 else "")
+    rows = "... n, " * num_rows
+    shared = "n" + (", s" if num_shared == 2 else "")
+    results = "... n, ... k" + (", ... n" if num_rows == 2 else "")
     call.def_partition(
         partition,
         infer_sharding_from_operands=infer,
-        sharding_rule=f"{rows}n -> {results}",
+        sharding_rule=f"{rows}{shared} -> {results}",
         need_replication_factors=("n",),
     )
     return call

@@ -10,20 +10,26 @@ same float32 values.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+DEFAULT_EPS = 1e-6
 FLOAT_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 FP8_MAX = {np.dtype(jnp.float8_e4m3fn): 448.0, np.dtype(jnp.float8_e4m3fnuz): 240.0}
 OUT_DTYPES = tuple(FP8_MAX)
-SCALE_DTYPES = FLOAT_DTYPES
+E8M0 = np.dtype(jnp.float8_e8m0fnu)
+SCALE_DTYPES = (*FLOAT_DTYPES, E8M0)
 
 _FLOAT_NAMES = "float32, float16 or bfloat16"
+_SCALE_NAMES = "float32, float16, bfloat16 or float8_e8m0fnu"
 _FP8_NAMES = "float8_e4m3fn or float8_e4m3fnuz"
 
 
@@ -33,16 +39,115 @@ class NormParams:
 
     eps: float  # f32(T(eps))
     weight_offset: float  # f32(T(weight_offset))
-    scale_ub: float  # f32(S(scale_ub)), inf when unbounded
+    # f32(S(scale_ub)) for nearest-rounded scales, f32(scale_ub) for power-of-two ones;
+    # inf when unbounded.
+    scale_ub: float
     out_dtype: np.dtype
     scale_dtype: np.dtype
+    group_size: int | None = None  # None: one scale per row
+    power_of_two_scales: bool = False  # also set for float8_e8m0fnu scales
+    static_scale: bool = False  # a calibrated scale operand follows gamma
 
     @property
     def fp8_max(self) -> float:
         return FP8_MAX[self.out_dtype]
 
+    def groups(self, n: int) -> int:
+        """Scales per row of ``n`` elements."""
+        return 1 if self.group_size is None else n // self.group_size
+
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# The keywords every op, reference twin, dequantised twin and the Flax module take, with
+# their defaults and what each means: the one place they are defined.
+NORM_KEYWORDS: dict[str, tuple[Any, str]] = {
+    "eps": (DEFAULT_EPS, "added to the mean square; rounded through ``x.dtype``."),
+    "weight_offset": (
+        0.0,
+        "added to gamma (1.0 for Gemma-style weights); rounded through ``x.dtype``.",
+    ),
+    "scale_ub": (
+        None,
+        "upper bound on a row's (or group's) absolute maximum before it becomes a scale "
+        "(the largest scale is ``scale_ub / FP8_MAX``); None for no bound.",
+    ),
+    "out_dtype": (jnp.float8_e4m3fn, "``float8_e4m3fn`` (max 448) or ``float8_e4m3fnuz`` (max 240)."),
+    "scale_dtype": (
+        jnp.float32,
+        "float32, float16, bfloat16, or ``float8_e8m0fnu`` (MXFP8: power-of-two scales stored "
+        "as their exponent byte).",
+    ),
+    "group_size": (
+        None,
+        "None for one scale per row, or G dividing N: one scale per G consecutive elements "
+        "(128 for DeepSeek-V3-style 1x128 activations, 32 for MXFP8); scales then have shape "
+        "``[..., N // G]``.",
+    ),
+    "power_of_two_scales": (
+        False,
+        "round each scale up to a power of two (UE8M0-style, for DeepGEMM), at least 2^-126; "
+        "implied by a ``float8_e8m0fnu`` scale_dtype.",
+    ),
+    "static_scale": (
+        None,
+        "a calibrated per-tensor scale (a float, or a float array of shape () or (1,), "
+        "possibly traced) used instead of dynamic scales; scales is it, rounded to scale_dtype, "
+        "with shape ``[..., 1]``. Not finite and positive: every y is NaN.",
+    ),
+}
+
+
+def _keywords_doc(indent: str) -> str:
+    lines = []
+    for name, (default, text) in NORM_KEYWORDS.items():
+        lines.append(f"{indent}{name}: {text} Default {_default_repr(default)}.")
+    return "\n".join(lines)
+
+
+def _default_repr(value: Any) -> str:
+    return getattr(value, "__name__", None) or repr(value)
+
+
+def norm_keywords(fn: Callable) -> Callable:
+    """Gives ``fn(..., **keywords)`` the signature of the keywords in NORM_KEYWORDS (for
+    help() and IDEs) and puts their descriptions where its docstring says ``{keywords}``.
+    ``fn`` hands ``keywords`` to :func:`validate`, which applies the defaults and refuses
+    unknown names."""
+    signature = inspect.signature(fn)
+    parameters = [p for p in signature.parameters.values() if p.kind != p.VAR_KEYWORD]
+    parameters += [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+        for name, (default, _) in NORM_KEYWORDS.items()
+    ]
+    fn.__signature__ = signature.replace(parameters=parameters)
+    if fn.__doc__ and "{keywords}" in fn.__doc__:
+        line = next(t for t in fn.__doc__.splitlines() if "{keywords}" in t)
+        indent = line[: len(line) - len(line.lstrip())]
+        fn.__doc__ = fn.__doc__.replace(line, _keywords_doc(indent))
+    return fn
+
+
+def check_keyword_names(keywords: dict[str, Any]) -> None:
+    unknown = sorted(set(keywords) - set(NORM_KEYWORDS))
+    if unknown:
+        raise TypeError(
+            f"unexpected keyword argument(s) {unknown}; expected some of {list(NORM_KEYWORDS)}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class NormCall:
+    """One checked call: its static parameters and, if any, the calibrated scale as a
+    float32 ``(1,)`` array (the operand after gamma)."""
+
+    params: NormParams
+    static_scale: jax.Array | None = None
+
+    def operands(self, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+        extra = () if self.static_scale is None else (self.static_scale,)
+        return (*arrays, *extra)
 
 
 def _dtype_of(value: Any, name: str) -> np.dtype:
@@ -107,11 +212,43 @@ def make_params(
     scale_ub: Any,
     out_dtype: Any,
     scale_dtype: Any,
+    group_size: Any = None,
+    power_of_two_scales: Any = False,
+    static_scale: bool = False,
+    hidden: int | None = None,
 ) -> NormParams:
-    """Checks the static arguments and rounds the constants as the spec says."""
+    """Checks the static arguments and rounds the constants as the spec says.
+    ``static_scale`` says whether a calibrated scale was given; ``hidden`` (N) is what
+    ``group_size`` must divide."""
     x_dtype = np.dtype(x_dtype)
     out = _as_dtype(out_dtype, "out_dtype", OUT_DTYPES, _FP8_NAMES)
-    scale = _as_dtype(scale_dtype, "scale_dtype", SCALE_DTYPES, _FLOAT_NAMES)
+    scale = _as_dtype(scale_dtype, "scale_dtype", SCALE_DTYPES, _SCALE_NAMES)
+    if not isinstance(power_of_two_scales, (bool, np.bool_)):
+        raise TypeError(
+            f"power_of_two_scales must be a bool, got {type(power_of_two_scales).__name__}"
+        )
+    power_of_two = bool(power_of_two_scales) or scale == E8M0
+    if power_of_two and scale == np.dtype(jnp.float16):
+        raise ValueError(
+            "power_of_two_scales needs a float32, bfloat16 or float8_e8m0fnu scale_dtype: "
+            "float16 cannot hold the smallest power-of-two scale (2^-126)"
+        )
+    group = _check_group_size(group_size, hidden)
+    if static_scale:
+        conflicts = [
+            name
+            for name, given in (
+                ("group_size", group is not None),
+                ("scale_ub", scale_ub is not None),
+                ("power_of_two_scales", bool(power_of_two_scales)),
+                ("scale_dtype=float8_e8m0fnu", scale == E8M0),
+            )
+            if given
+        ]
+        if conflicts:
+            raise ValueError(
+                f"static_scale is a calibrated per-tensor scale: it excludes {', '.join(conflicts)}"
+            )
 
     eps_value = _as_real(eps, "eps")
     if not math.isfinite(eps_value) or eps_value < 0:
@@ -126,7 +263,7 @@ def make_params(
         ub_value = _as_real(scale_ub, "scale_ub")
         if math.isnan(ub_value) or ub_value <= 0:
             raise ValueError(f"scale_ub must be > 0 (or None for no bound), got {ub_value}")
-        ub = _round_through(ub_value, scale)
+        ub = _round_through(ub_value, np.dtype(np.float32) if power_of_two else scale)
         if ub == 0:
             raise ValueError(f"scale_ub={ub_value} rounds to zero in scale_dtype {scale}")
 
@@ -143,13 +280,57 @@ def make_params(
         scale_ub=ub,
         out_dtype=out,
         scale_dtype=scale,
+        group_size=group,
+        power_of_two_scales=power_of_two,
+        static_scale=bool(static_scale),
     )
 
 
-def validate(x: Any, gamma: Any, residual: Any = None, **static: Any) -> NormParams:
-    """check_arrays and make_params together: every public op's first step."""
+def _check_group_size(group_size: Any, hidden: int | None) -> int | None:
+    if group_size is None:
+        return None
+    if isinstance(group_size, (bool, np.bool_)) or not isinstance(group_size, numbers.Integral):
+        raise TypeError(
+            f"group_size must be None or a positive Python int, got {type(group_size).__name__}"
+        )
+    group = int(group_size)
+    if group <= 0:
+        raise ValueError(f"group_size must be positive, got {group}")
+    if hidden is not None and hidden % group != 0:
+        raise ValueError(f"group_size={group} must divide N = x.shape[-1] = {hidden}")
+    return group
+
+
+def check_static_scale(static_scale: Any) -> jax.Array | None:
+    """The calibrated scale as a float32 ``(1,)`` array: from a Python float, or a float
+    array (concrete or traced) of shape () or (1,)."""
+    if static_scale is None:
+        return None
+    if isinstance(static_scale, numbers.Real) and not isinstance(static_scale, (bool, np.bool_)):
+        return jnp.full((1,), float(static_scale), jnp.float32)
+    if not hasattr(static_scale, "dtype") or not hasattr(static_scale, "shape"):
+        raise TypeError(
+            f"static_scale must be a float or a float array, got {type(static_scale).__name__}"
+        )
+    dtype = np.dtype(static_scale.dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"static_scale must have a float dtype, got {dtype}")
+    if tuple(static_scale.shape) not in ((), (1,)):
+        raise ValueError(f"static_scale must have shape () or (1,), got {tuple(static_scale.shape)}")
+    return jnp.reshape(jnp.asarray(static_scale).astype(jnp.float32), (1,))
+
+
+def validate(x: Any, gamma: Any, residual: Any = None, **keywords: Any) -> NormCall:
+    """Every public op's first step: checks the arrays and the keywords (defaults from
+    NORM_KEYWORDS), rounds the constants."""
+    check_keyword_names(keywords)
+    given = {name: default for name, (default, _) in NORM_KEYWORDS.items()} | keywords
     check_arrays(x, gamma, residual)
-    return make_params(x.dtype, **static)
+    static_scale = check_static_scale(given.pop("static_scale"))
+    params = make_params(
+        x.dtype, **given, static_scale=static_scale is not None, hidden=int(x.shape[-1])
+    )
+    return NormCall(params, static_scale)
 
 
 def check_reduce_dtype(reduce_dtype: Any, x_dtype: Any) -> np.dtype:

@@ -4,11 +4,12 @@ underflow to zero). ``jax.grad`` through :func:`jax_fp8norm.rms_norm_fp8` or
 :func:`jax_fp8norm.add_rms_norm_fp8` therefore raises an error that says so.
 
 What training code differentiates instead is the dequantised output, ``f32(y) *
-f32(scales)``: :func:`rms_norm_fp8_dequantized` and :func:`add_rms_norm_fp8_dequantized`
+f32(scales)`` (each scale repeated over its group): :func:`rms_norm_fp8_dequantized` and :func:`add_rms_norm_fp8_dequantized`
 run the fused kernel forward and, backward, the straight-through rule: the cotangent of the
 dequantised output flows back as the gradient of the unquantised RMSNorm
 ``h * rsqrt(mean(h^2) + eps) * (gamma + weight_offset)``, computed in float32, to x,
-gamma and the residual (rounding, clamping and scale_ub are treated as the identity).
+gamma and the residual (rounding, clamping, scale_ub and the scales' choice, dynamic or
+calibrated, are treated as the identity).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import jax.numpy as jnp
 from jax.interpreters import ad
 
 from jax_fp8norm._primitives import add_rms_norm_fp8_p, rms_norm_fp8_p
-from jax_fp8norm._validation import NormParams, validate
-from jax_fp8norm.reference import DEFAULT_EPS
+from jax_fp8norm._validation import NormParams, norm_keywords, validate
+from jax_fp8norm.reference import dequantize
 
 
 def _no_gradient(public_name: str):
@@ -47,23 +48,20 @@ def _rms_norm_f32(h: jax.Array, gamma: jax.Array, p: NormParams) -> jax.Array:
     return h * jax.lax.rsqrt(mean_square + p.eps) * (gamma.astype(jnp.float32) + p.weight_offset)
 
 
-def _dequantize(y: jax.Array, scales: jax.Array) -> jax.Array:
-    return y.astype(jnp.float32) * scales.astype(jnp.float32)
-
-
 @functools.cache
 def _rms_norm_dequantized(p: NormParams):
     @jax.custom_vjp
-    def fn(x, gamma):
-        return _dequantize(*rms_norm_fp8_p.bind(x, gamma, **p.as_dict()))
+    def fn(x, gamma, *static):
+        return dequantize(*rms_norm_fp8_p.bind(x, gamma, *static, **p.as_dict()))
 
-    def fwd(x, gamma):
-        return fn(x, gamma), (x, gamma)
+    def fwd(x, gamma, *static):
+        return fn(x, gamma, *static), (x, gamma, static)
 
     def bwd(saved, cotangent):
-        x, gamma = saved
+        x, gamma, static = saved
         _, vjp = jax.vjp(lambda x, g: _rms_norm_f32(x, g, p), x, gamma)
-        return vjp(cotangent)
+        # The calibrated scale is a constant of the straight-through rule.
+        return (*vjp(cotangent), *(jnp.zeros_like(s) for s in static))
 
     fn.defvjp(fwd, bwd)
     return fn
@@ -72,59 +70,50 @@ def _rms_norm_dequantized(p: NormParams):
 @functools.cache
 def _add_rms_norm_dequantized(p: NormParams):
     @jax.custom_vjp
-    def fn(x, residual, gamma):
-        y, scales, residual_out = add_rms_norm_fp8_p.bind(x, residual, gamma, **p.as_dict())
-        return _dequantize(y, scales), residual_out
+    def fn(x, residual, gamma, *static):
+        y, scales, residual_out = add_rms_norm_fp8_p.bind(
+            x, residual, gamma, *static, **p.as_dict()
+        )
+        return dequantize(y, scales), residual_out
 
-    def fwd(x, residual, gamma):
-        return fn(x, residual, gamma), (x, residual, gamma)
+    def fwd(x, residual, gamma, *static):
+        return fn(x, residual, gamma, *static), (x, residual, gamma, static)
 
     def bwd(saved, cotangents):
-        x, residual, gamma = saved
+        x, residual, gamma, static = saved
         ct_normed, ct_residual_out = cotangents
         h = x.astype(jnp.float32) + residual.astype(jnp.float32)
         _, vjp = jax.vjp(lambda h, g: _rms_norm_f32(h, g, p), h, gamma)
         ct_h, ct_gamma = vjp(ct_normed)
         # residual_out is h rounded to the residual's dtype: straight through as well.
         ct_h = ct_h + ct_residual_out.astype(jnp.float32)
-        return ct_h.astype(x.dtype), ct_h.astype(residual.dtype), ct_gamma
+        zeros = tuple(jnp.zeros_like(s) for s in static)
+        return ct_h.astype(x.dtype), ct_h.astype(residual.dtype), ct_gamma, *zeros
 
     fn.defvjp(fwd, bwd)
     return fn
 
 
-# The keywords of the ops, with their defaults.
-_KEYWORDS = {
-    "eps": DEFAULT_EPS,
-    "weight_offset": 0.0,
-    "scale_ub": None,
-    "out_dtype": jnp.float8_e4m3fn,
-    "scale_dtype": jnp.float32,
-}
-
-
-def _params(x, gamma, residual, keywords: dict) -> NormParams:
-    unknown = sorted(set(keywords) - set(_KEYWORDS))
-    if unknown:
-        raise TypeError(f"unexpected keyword argument(s) {unknown}; expected {sorted(_KEYWORDS)}")
-    return validate(x, gamma, residual, **(_KEYWORDS | keywords))
-
-
+@norm_keywords
 def rms_norm_fp8_dequantized(x: jax.Array, gamma: jax.Array, **keywords) -> jax.Array:
-    """``f32(y) * f32(scales)`` of :func:`jax_fp8norm.rms_norm_fp8`, differentiable.
+    """``f32(y) * f32(scales)`` of :func:`jax_fp8norm.rms_norm_fp8` (each scale repeated
+    over its group), differentiable.
 
     Forward: the fused kernel, then the dequantisation; the value is exactly that of the
     op's outputs. Backward: the straight-through rule (see the module docstring).
 
-    Args: as for :func:`jax_fp8norm.rms_norm_fp8`, keywords included (eps, weight_offset,
-    scale_ub, out_dtype, scale_dtype; the same defaults).
+    Args:
+      x, gamma: as for :func:`jax_fp8norm.rms_norm_fp8`.
+      {keywords}
 
     Returns:
       ``[..., N]`` float32.
     """
-    return _rms_norm_dequantized(_params(x, gamma, None, keywords))(x, gamma)
+    call = validate(x, gamma, **keywords)
+    return _rms_norm_dequantized(call.params)(*call.operands(x, gamma))
 
 
+@norm_keywords
 def add_rms_norm_fp8_dequantized(
     x: jax.Array, residual: jax.Array, gamma: jax.Array, **keywords
 ) -> tuple[jax.Array, jax.Array]:
@@ -132,9 +121,12 @@ def add_rms_norm_fp8_dequantized(
     differentiable with the straight-through rule; ``residual_out``'s cotangent flows to
     ``x`` and ``residual`` unchanged.
 
-    Args: as for :func:`jax_fp8norm.add_rms_norm_fp8`, keywords included.
+    Args:
+      x, residual, gamma: as for :func:`jax_fp8norm.add_rms_norm_fp8`.
+      {keywords}
 
     Returns:
       ``[..., N]`` float32 and ``[..., N]`` in ``x.dtype``.
     """
-    return _add_rms_norm_dequantized(_params(x, gamma, residual, keywords))(x, residual, gamma)
+    call = validate(x, gamma, residual, **keywords)
+    return _add_rms_norm_dequantized(call.params)(*call.operands(x, residual, gamma))

@@ -15,45 +15,51 @@ from flax import nnx
 
 from jax_fp8norm.autodiff import add_rms_norm_fp8_dequantized, rms_norm_fp8_dequantized
 from jax_fp8norm.ops import add_rms_norm_fp8, rms_norm_fp8
-from jax_fp8norm.reference import DEFAULT_EPS
+from jax_fp8norm._validation import (
+    NORM_KEYWORDS,
+    check_static_scale,
+    norm_keywords,
+    validate,
+)
 
 
 class RMSNormFP8(nnx.Module):
-    """RMSNorm over the last axis with dynamic per-row FP8 quantisation.
+    """RMSNorm over the last axis with FP8 quantisation: dynamic scales per row or per
+    group, or a calibrated static scale.
 
     Args:
       num_features: N, the size of the last axis.
-      eps, weight_offset, scale_ub, out_dtype, scale_dtype: as for
-        :func:`jax_fp8norm.rms_norm_fp8`. With ``weight_offset=1.0`` (Gemma) the weight
-        starts at zeros, else at ones, so that a new module is the identity RMSNorm.
       param_dtype: the weight's dtype.
       dequantize: return ``f32(y) * scales`` (differentiable) instead of ``(y, scales)``.
       rngs: accepted for the NNX convention; the weight's initialisation is not random.
+      The keywords of :func:`jax_fp8norm.rms_norm_fp8` (checked at construction, except
+      that group_size is checked against N here and against each input's last axis at
+      the call). With ``weight_offset=1.0`` (Gemma) the weight starts at zeros, else at
+      ones, so that a new module is the identity RMSNorm. A ``static_scale`` array is kept
+      as given (not a parameter):
+      {keywords}
     """
 
     def __init__(
         self,
         num_features: int,
         *,
-        eps: float = DEFAULT_EPS,
-        weight_offset: float = 0.0,
-        scale_ub: float | None = None,
-        out_dtype=jnp.float8_e4m3fn,
-        scale_dtype=jnp.float32,
         param_dtype=jnp.float32,
         dequantize: bool = False,
         rngs: nnx.Rngs | None = None,
+        **keywords,
     ):
         del rngs
-        start = 0.0 if weight_offset == 1.0 else 1.0
+        # Checked now, so that a bad keyword fails where the module is made.
+        weight = jnp.ones((num_features,), param_dtype)
+        validate(jnp.zeros((1, num_features), jnp.float32), weight, **keywords)
+        offset = keywords.get("weight_offset", NORM_KEYWORDS["weight_offset"][0])
+        start = 0.0 if offset == 1.0 else 1.0
         self.weight = nnx.Param(jnp.full((num_features,), start, param_dtype))
-        self.keywords = {
-            "eps": eps,
-            "weight_offset": weight_offset,
-            "scale_ub": scale_ub,
-            "out_dtype": out_dtype,
-            "scale_dtype": scale_dtype,
-        }
+        # The calibrated scale is data (an array the module carries); the rest are static.
+        static_scale = check_static_scale(keywords.pop("static_scale", None))
+        self.static_scale = nnx.data(static_scale) if static_scale is not None else None
+        self.keywords = keywords
         self.dequantize = dequantize
 
     def __call__(self, x: jax.Array, residual: jax.Array | None = None):
@@ -61,8 +67,14 @@ class RMSNormFP8(nnx.Module):
         with a residual; with ``dequantize=True``, ``f32(y) * scales`` (and
         ``residual_out``)."""
         weight = self.weight[...]
+        keywords = dict(self.keywords)
+        if self.static_scale is not None:
+            keywords["static_scale"] = self.static_scale
         if residual is None:
             op = rms_norm_fp8_dequantized if self.dequantize else rms_norm_fp8
-            return op(x, weight, **self.keywords)
+            return op(x, weight, **keywords)
         op = add_rms_norm_fp8_dequantized if self.dequantize else add_rms_norm_fp8
-        return op(x, residual, weight, **self.keywords)
+        return op(x, residual, weight, **keywords)
+
+
+RMSNormFP8 = norm_keywords(RMSNormFP8)

@@ -1,4 +1,5 @@
-"""The fused ops: RMSNorm with dynamic per-row FP8 quantisation, as XLA FFI custom calls.
+"""The fused ops: RMSNorm with FP8 quantisation (dynamic scales per row or per group, or a
+calibrated static scale), as XLA FFI custom calls.
 
 Each public function validates its arguments (TypeError / ValueError naming the
 argument), rounds the constants as docs/spec.md says and binds a JAX primitive that
@@ -16,100 +17,66 @@ from jax_fp8norm._primitives import add_rms_norm_fp8_p, rms_norm_fp8_p, round_p
 from jax_fp8norm._validation import (
     FLOAT_DTYPES,
     OUT_DTYPES,
+    check_static_scale,
+    norm_keywords,
     validate,
 )
-from jax_fp8norm.reference import DEFAULT_EPS, all_reduce
+from jax_fp8norm.reference import all_reduce
 
 
-def rms_norm_fp8(
-    x: jax.Array,
-    gamma: jax.Array,
-    *,
-    eps: float = DEFAULT_EPS,
-    weight_offset: float = 0.0,
-    scale_ub: float | None = None,
-    out_dtype=jnp.float8_e4m3fn,
-    scale_dtype=jnp.float32,
-) -> tuple[jax.Array, jax.Array]:
-    """RMSNorm of each row of ``x``, quantised to FP8 with one dynamic scale per row.
+@norm_keywords
+def rms_norm_fp8(x: jax.Array, gamma: jax.Array, **keywords) -> tuple[jax.Array, jax.Array]:
+    """RMSNorm of each row of ``x``, quantised to FP8 with dynamic scales per row (or per
+    group of ``group_size`` elements), or with one calibrated ``static_scale``.
 
     Args:
       x: ``[..., N]`` float32, float16 or bfloat16, rank >= 1; each of the
         ``prod(x.shape[:-1])`` rows is normalised on its own.
       gamma: ``[N]`` float32, float16 or bfloat16 (need not match ``x``).
-      eps: added to the mean square; rounded through ``x.dtype``.
-      weight_offset: added to gamma (1.0 for Gemma-style weights); rounded through
-        ``x.dtype``.
-      scale_ub: upper bound on a row's absolute maximum before it becomes a scale (the
-        largest scale is ``scale_ub / FP8_MAX``); None for no bound.
-      out_dtype: ``float8_e4m3fn`` (max 448) or ``float8_e4m3fnuz`` (max 240).
-      scale_dtype: float32, float16 or bfloat16.
+      {keywords}
 
     Returns:
       ``(y, scales)``: ``y`` is ``[..., N]`` in ``out_dtype``; ``scales`` is
-      ``[..., 1]`` in ``scale_dtype``. ``f32(y) * f32(scales)`` dequantises.
+      ``[..., N // group_size]`` (``[..., 1]`` per row) in ``scale_dtype``.
+      ``f32(y) * repeat(f32(scales), N // scales.shape[-1], axis=-1)`` dequantises.
     """
-    p = validate(
-        x,
-        gamma,
-        eps=eps,
-        weight_offset=weight_offset,
-        scale_ub=scale_ub,
-        out_dtype=out_dtype,
-        scale_dtype=scale_dtype,
-    )
-    y, scales = rms_norm_fp8_p.bind(x, gamma, **p.as_dict())
+    call = validate(x, gamma, **keywords)
+    y, scales = rms_norm_fp8_p.bind(*call.operands(x, gamma), **call.params.as_dict())
     return y, scales
 
 
+@norm_keywords
 def add_rms_norm_fp8(
-    x: jax.Array,
-    residual: jax.Array,
-    gamma: jax.Array,
-    *,
-    eps: float = DEFAULT_EPS,
-    weight_offset: float = 0.0,
-    scale_ub: float | None = None,
-    out_dtype=jnp.float8_e4m3fn,
-    scale_dtype=jnp.float32,
+    x: jax.Array, residual: jax.Array, gamma: jax.Array, **keywords
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``h = x + residual`` in float32, then :func:`rms_norm_fp8` of ``h``, in one pass.
 
     Args:
       x, residual: ``[..., N]``, the same shape and dtype (float32, float16 or bfloat16).
-      gamma and the keywords: as for :func:`rms_norm_fp8`.
+      gamma: as for :func:`rms_norm_fp8`.
+      {keywords}
 
     Returns:
       ``(y, scales, residual_out)``: ``y`` and ``scales`` as for :func:`rms_norm_fp8`,
       computed from the unrounded float32 ``h``; ``residual_out`` is ``h`` rounded to
       ``x.dtype`` (the next layer's residual).
     """
-    p = validate(
-        x,
-        gamma,
-        residual,
-        eps=eps,
-        weight_offset=weight_offset,
-        scale_ub=scale_ub,
-        out_dtype=out_dtype,
-        scale_dtype=scale_dtype,
+    call = validate(x, gamma, residual, **keywords)
+    y, scales, residual_out = add_rms_norm_fp8_p.bind(
+        *call.operands(x, residual, gamma), **call.params.as_dict()
     )
-    y, scales, residual_out = add_rms_norm_fp8_p.bind(x, residual, gamma, **p.as_dict())
     return y, scales, residual_out
 
 
+@norm_keywords
 def allreduce_residual_rms_norm_fp8(
     x: jax.Array,
     residual: jax.Array,
     gamma: jax.Array,
     *,
     axis_name,
-    eps: float = DEFAULT_EPS,
-    weight_offset: float = 0.0,
-    scale_ub: float | None = None,
-    out_dtype=jnp.float8_e4m3fn,
-    scale_dtype=jnp.float32,
     reduce_dtype=None,
+    **keywords,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Tensor-parallel all-reduce of partial sums, then :func:`add_rms_norm_fp8`, fused.
 
@@ -127,24 +94,17 @@ def allreduce_residual_rms_norm_fp8(
       reduce_dtype: None to all-reduce in ``x.dtype`` (the bytes a tensor-parallel layer
         already moves), or ``jnp.float32`` to all-reduce, and add the residual, in
         float32.
-      The other keywords: as for :func:`rms_norm_fp8`.
+      {keywords}
 
     Returns:
       ``(y, scales, residual_out)`` as for :func:`add_rms_norm_fp8`; ``residual_out``
       has the residual's dtype.
     """
-    p = validate(
-        x,
-        gamma,
-        residual,
-        eps=eps,
-        weight_offset=weight_offset,
-        scale_ub=scale_ub,
-        out_dtype=out_dtype,
-        scale_dtype=scale_dtype,
-    )
+    call = validate(x, gamma, residual, **keywords)
     h = all_reduce(x, axis_name, reduce_dtype)
-    y, scales, residual_out = add_rms_norm_fp8_p.bind(h, residual, gamma, **p.as_dict())
+    y, scales, residual_out = add_rms_norm_fp8_p.bind(
+        *call.operands(h, residual, gamma), **call.params.as_dict()
+    )
     return y, scales, residual_out
 
 
@@ -165,7 +125,8 @@ def sharded_allreduce_residual_rms_norm_fp8(
         not already).
       residual: ``[..., N]``, replicated. gamma: ``[N]``, replicated.
       mesh, axis_name: the mesh and the axis to reduce over.
-      kwargs: the keywords of :func:`allreduce_residual_rms_norm_fp8`.
+      kwargs: the keywords of :func:`allreduce_residual_rms_norm_fp8` (a
+        ``static_scale`` array is replicated).
 
     Returns:
       ``(y, scales, residual_out)``, replicated over the mesh.
@@ -178,7 +139,13 @@ def sharded_allreduce_residual_rms_norm_fp8(
             f"per device of {axis_name!r}; got {tuple(partials.shape)}"
         )
 
-    def per_device(local_partials, residual, gamma):
+    # A calibrated scale enters shard_map as a replicated operand, not a closed-over one.
+    static_scale = check_static_scale(kwargs.pop("static_scale", None))
+    extra = () if static_scale is None else (static_scale,)
+
+    def per_device(local_partials, residual, gamma, *static):
+        if static:
+            kwargs["static_scale"] = static[0]
         return allreduce_residual_rms_norm_fp8(
             local_partials[0], residual, gamma, axis_name=axis_name, **kwargs
         )
@@ -187,10 +154,15 @@ def sharded_allreduce_residual_rms_norm_fp8(
     fn = jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(P(axis_name), P(), P()),
+        in_specs=(P(axis_name), P(), P()) + (P(),) * len(extra),
         out_specs=(P(), P(), P()),
     )
-    return fn(_place(partials, stacked), _place(residual, replicated), _place(gamma, replicated))
+    return fn(
+        _place(partials, stacked),
+        _place(residual, replicated),
+        _place(gamma, replicated),
+        *(_place(e, replicated) for e in extra),
+    )
 
 
 def _place(value, sharding):

@@ -12,13 +12,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_fp8norm._validation import (
+    DEFAULT_EPS,
+    E8M0,
     NormParams,
     check_axis_name,
     check_reduce_dtype,
+    norm_keywords,
     validate,
 )
 
-DEFAULT_EPS = 1e-6
+__all__ = [
+    "DEFAULT_EPS",
+    "add_rms_norm_fp8",
+    "all_reduce",
+    "allreduce_residual_rms_norm_fp8",
+    "dequantize",
+    "quantize_rows",
+    "rms_norm_fp8",
+    "sum_of_squares",
+]
 
 
 def _divide(numerator: jax.Array, denominator) -> jax.Array:
@@ -83,113 +95,162 @@ def sum_of_squares(h: jax.Array) -> jax.Array:
     return (hi + lo)[..., None]
 
 
-def quantize_rows(h: jax.Array, gamma: jax.Array, p: NormParams) -> tuple[jax.Array, jax.Array]:
-    """Steps 2-7 of the spec on float32 rows ``h`` [..., N]: returns (y, scales)."""
+def _bits(value: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(value, jnp.uint32)
+
+
+def _float(bits: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.float32)
+
+
+def _nearest_scales(amax: jax.Array, p: NormParams) -> tuple[jax.Array, jax.Array]:
+    """Steps 5-6 with nearest rounding: (scale as float32, recip)."""
     f32 = jnp.float32
-    n = h.shape[-1]
-    scale_shape = h.shape[:-1] + (1,)
-    if n == 0:
-        return jnp.zeros(h.shape, p.out_dtype), jnp.zeros(scale_shape, p.scale_dtype)
-    sum_sq = sum_of_squares(h)
-    denom = _divide(sum_sq, n) + f32(p.eps)
-    r = jnp.where(denom == 0, f32(0), _divide(jnp.ones_like(denom), jnp.sqrt(denom)))
-    normed = (h * r) * (gamma.astype(f32) + f32(p.weight_offset))
-    amax = jnp.max(jnp.abs(normed), axis=-1, keepdims=True)
     bounded = jnp.minimum(_round_through(amax, p.scale_dtype), f32(p.scale_ub))
     scale32 = _round_through(_divide(bounded, p.fp8_max), p.scale_dtype)
-    scale = scale32.astype(p.scale_dtype)  # exact: scale32 is a scale_dtype value
     inverse = _divide(jnp.ones_like(scale32), scale32)
     recip = jnp.where((scale32 == 0) | ~jnp.isfinite(inverse), f32(0), inverse)
+    return scale32, recip
+
+
+def _power_of_two_exponents(amax: jax.Array, p: NormParams) -> tuple[jax.Array, jax.Array]:
+    """Steps 5-6 with power-of-two scales: (the scales' biased float32 exponents, recip).
+    P(q) is the smallest power of two >= q = min(amax, scale_ub) / FP8_MAX, at least 2^-127
+    for e8m0 and 2^-126 otherwise; a q below 2^-126 is decided from the abs-max, so that
+    denormal flushing cannot change it (src/common/fp8norm_math.h, PowerOfTwoExponent)."""
+    u32 = jnp.uint32
+    a = jnp.minimum(amax, jnp.float32(p.scale_ub))
+    q = _bits(_divide(a, p.fp8_max))
+    exponent = (q >> 23) & u32(0xFF)
+    rounded_up = jnp.where(
+        (exponent != 0xFF) & ((q & u32(0x7FFFFF)) != 0), exponent + u32(1), exponent
+    )
+    tiny_limit = np.float32(p.fp8_max) * np.float32(2.0**-127)  # a normal float32
+    tiny = jnp.where(a > tiny_limit, u32(1), u32(0))
+    exponent = jnp.where(exponent == 0, tiny, rounded_up)
+    exponent = jnp.maximum(exponent, u32(0 if p.scale_dtype == E8M0 else 1))
+    recip = jnp.where(exponent <= 253, _float((u32(254) - exponent) << 23), jnp.float32(0))
+    return exponent, recip
+
+
+def _static_scales(static_scale: jax.Array, p: NormParams) -> tuple[jax.Array, jax.Array]:
+    """The calibrated scale: (scale as float32, recip); recip NaN for a scale that is not
+    a positive normal finite float32, 0 where 1 / scale would be subnormal."""
+    scale32 = _round_through(static_scale.astype(jnp.float32).reshape(()), p.scale_dtype)
+    bits = _bits(scale32)
+    valid = (bits >= 0x00800000) & (bits < 0x7F800000)
+    inverse = _divide(jnp.ones_like(scale32), scale32)
+    recip = jnp.where(_bits(inverse) >= 0x00800000, inverse, jnp.float32(0))
+    return scale32, jnp.where(valid, recip, jnp.float32(np.nan))
+
+
+def quantize_rows(
+    h: jax.Array, gamma: jax.Array, p: NormParams, static_scale: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Steps 2-7 of the spec on float32 rows ``h`` [..., N], with scales per row, per
+    group or calibrated (``static_scale``, a float32 (1,) array): returns (y, scales)."""
+    f32 = jnp.float32
+    n = h.shape[-1]
+    groups = p.groups(n)
+    rows = h.shape[:-1]
+    sum_sq = sum_of_squares(h)  # [..., 1]
+    denom = _divide(sum_sq, max(n, 1)) + f32(p.eps)
+    r = jnp.where(denom == 0, f32(0), _divide(jnp.ones_like(denom), jnp.sqrt(denom)))
+    normed = (h * r) * (gamma.astype(f32) + f32(p.weight_offset))
+    grouped = normed.reshape(rows + (groups, n // groups if groups else 0))
+    if static_scale is not None:
+        scale32, recip = _static_scales(static_scale, p)
+        scale32 = jnp.broadcast_to(scale32, rows + (1,))
+        recip = jnp.broadcast_to(recip, rows + (1,))
+        exponent = None
+    else:
+        amax = jnp.max(jnp.abs(grouped), axis=-1, initial=f32(0))  # [..., groups]
+        if p.power_of_two_scales:
+            exponent, recip = _power_of_two_exponents(amax, p)
+            scale32 = _float(exponent << 23)
+        else:
+            scale32, recip = _nearest_scales(amax, p)
+            exponent = None
     # The barrier keeps XLA from folding normed * (1 / scale) into normed / scale.
-    q = jnp.clip(normed * jax.lax.optimization_barrier(recip), -p.fp8_max, p.fp8_max)
-    # A NaN or Inf in the row, or an overflowing sum of squares: the whole row is NaN.
+    q = jnp.clip(
+        grouped * jax.lax.optimization_barrier(recip)[..., None], -p.fp8_max, p.fp8_max
+    )
+    # A NaN or Inf in the row, or an overflowing sum of squares: the whole row is NaN (and
+    # its scales, unless calibrated).
     row_finite = jnp.isfinite(sum_sq)
-    q = jnp.where(row_finite, q, f32(np.nan))
-    scale = jnp.where(row_finite, scale, jnp.asarray(np.nan, p.scale_dtype))
+    q = jnp.where(row_finite[..., None], q, f32(np.nan)).reshape(h.shape)
+    if p.scale_dtype == E8M0:
+        exponent = jnp.where(row_finite, exponent, jnp.uint32(0xFF)).astype(jnp.uint8)
+        scale = jax.lax.bitcast_convert_type(exponent, E8M0)
+    else:
+        scale = scale32.astype(p.scale_dtype)  # exact: scale32 is a scale_dtype value
+        if static_scale is None:
+            scale = jnp.where(row_finite, scale, jnp.asarray(np.nan, p.scale_dtype))
     return q.astype(p.out_dtype), scale
 
 
-def rms_norm_fp8(
-    x: jax.Array,
-    gamma: jax.Array,
-    *,
-    eps: float = DEFAULT_EPS,
-    weight_offset: float = 0.0,
-    scale_ub: float | None = None,
-    out_dtype=jnp.float8_e4m3fn,
-    scale_dtype=jnp.float32,
-) -> tuple[jax.Array, jax.Array]:
-    """Reference of :func:`jax_fp8norm.rms_norm_fp8`; same arguments and results."""
-    p = validate(
-        x,
-        gamma,
-        eps=eps,
-        weight_offset=weight_offset,
-        scale_ub=scale_ub,
-        out_dtype=out_dtype,
-        scale_dtype=scale_dtype,
+@norm_keywords
+def rms_norm_fp8(x: jax.Array, gamma: jax.Array, **keywords) -> tuple[jax.Array, jax.Array]:
+    """Reference of :func:`jax_fp8norm.rms_norm_fp8`; same arguments and results.
+
+    Keywords:
+      {keywords}
+    """
+    call = validate(x, gamma, **keywords)
+    return quantize_rows(
+        jnp.asarray(x).astype(jnp.float32), jnp.asarray(gamma), call.params, call.static_scale
     )
-    return quantize_rows(jnp.asarray(x).astype(jnp.float32), jnp.asarray(gamma), p)
 
 
+@norm_keywords
 def add_rms_norm_fp8(
-    x: jax.Array,
-    residual: jax.Array,
-    gamma: jax.Array,
-    *,
-    eps: float = DEFAULT_EPS,
-    weight_offset: float = 0.0,
-    scale_ub: float | None = None,
-    out_dtype=jnp.float8_e4m3fn,
-    scale_dtype=jnp.float32,
+    x: jax.Array, residual: jax.Array, gamma: jax.Array, **keywords
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Reference of :func:`jax_fp8norm.add_rms_norm_fp8`; same arguments and results."""
-    p = validate(
-        x,
-        gamma,
-        residual,
-        eps=eps,
-        weight_offset=weight_offset,
-        scale_ub=scale_ub,
-        out_dtype=out_dtype,
-        scale_dtype=scale_dtype,
-    )
-    return _add_quantize(jnp.asarray(x), jnp.asarray(residual), jnp.asarray(gamma), p)
+    """Reference of :func:`jax_fp8norm.add_rms_norm_fp8`; same arguments and results.
+
+    Keywords:
+      {keywords}
+    """
+    call = validate(x, gamma, residual, **keywords)
+    return _add_quantize(jnp.asarray(x), jnp.asarray(residual), jnp.asarray(gamma), call)
 
 
-def _add_quantize(x, residual, gamma, p: NormParams):
+def _add_quantize(x, residual, gamma, call):
     """h = x + residual in float32; (y, scales) of the unrounded h; h in residual's dtype."""
     h = x.astype(jnp.float32) + residual.astype(jnp.float32)
-    y, scales = quantize_rows(h, gamma, p)
+    y, scales = quantize_rows(h, gamma, call.params, call.static_scale)
     return y, scales, h.astype(residual.dtype)
 
 
+@norm_keywords
 def allreduce_residual_rms_norm_fp8(
     x: jax.Array,
     residual: jax.Array,
     gamma: jax.Array,
     *,
     axis_name,
-    eps: float = DEFAULT_EPS,
-    weight_offset: float = 0.0,
-    scale_ub: float | None = None,
-    out_dtype=jnp.float8_e4m3fn,
-    scale_dtype=jnp.float32,
     reduce_dtype=None,
+    **keywords,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Reference of :func:`jax_fp8norm.allreduce_residual_rms_norm_fp8`; same arguments."""
-    p = validate(
-        x,
-        gamma,
-        residual,
-        eps=eps,
-        weight_offset=weight_offset,
-        scale_ub=scale_ub,
-        out_dtype=out_dtype,
-        scale_dtype=scale_dtype,
-    )
+    """Reference of :func:`jax_fp8norm.allreduce_residual_rms_norm_fp8`; same arguments.
+
+    Keywords:
+      {keywords}
+    """
+    call = validate(x, gamma, residual, **keywords)
     h = all_reduce(jnp.asarray(x), axis_name, reduce_dtype)
-    return _add_quantize(h, jnp.asarray(residual), jnp.asarray(gamma), p)
+    return _add_quantize(h, jnp.asarray(residual), jnp.asarray(gamma), call)
+
+
+def dequantize(y: jax.Array, scales: jax.Array) -> jax.Array:
+    """``f32(y) * f32(scales)``, each scale repeated over its group: float32 ``[..., N]``
+    from the ``(y, scales)`` of any op (per row, per group, e8m0 or static)."""
+    n = y.shape[-1]
+    groups = scales.shape[-1]
+    scales32 = scales.astype(jnp.float32)
+    if groups > 1:
+        scales32 = jnp.repeat(scales32, n // groups, axis=-1)
+    return y.astype(jnp.float32) * scales32
 
 
 def all_reduce(x: jax.Array, axis_name, reduce_dtype) -> jax.Array:

@@ -27,10 +27,14 @@ ffi::Error Invalid(const std::string& what) {
 }  // namespace
 
 ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
-                            const ffi::AnyBuffer& gamma, ffi::Result<ffi::AnyBuffer>& y,
-                            ffi::Result<ffi::AnyBuffer>& scales,
-                            ffi::Result<ffi::AnyBuffer>* residual_out, float eps,
-                            float weight_offset, float scale_ub, RmsNormFp8Args* args) {
+                            const ffi::AnyBuffer& gamma,
+                            const std::optional<ffi::AnyBuffer>& static_scale,
+                            ffi::Result<ffi::AnyBuffer>& y, ffi::Result<ffi::AnyBuffer>& scales,
+                            ffi::Result<ffi::AnyBuffer>* residual_out,
+                            const NormAttributes& attributes, RmsNormFp8Args* args) {
+  const float eps = attributes.eps;
+  const float weight_offset = attributes.weight_offset;
+  const float scale_ub = attributes.scale_ub;
   const auto dims = x.dimensions();
   if (dims.size() < 1) return Invalid("x must have rank >= 1");
   const auto input_type = FloatTypeOf(x.element_type());
@@ -71,14 +75,38 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
   }
   if (!(y->dimensions() == dims)) return Invalid("y must have the shape of x");
 
-  const auto scale_type = FloatTypeOf(scales->element_type());
-  if (!scale_type) return Invalid("scales must be float32, float16 or bfloat16");
+  const int64_t group_size = attributes.group_size;
+  if (group_size < 0 || (group_size > 0 && hidden % group_size != 0)) {
+    return Invalid("group_size must be 0 (one scale per row) or a positive divisor of hidden");
+  }
+  const int64_t groups = group_size > 0 ? hidden / group_size : 1;
+  const bool power_of_two = attributes.power_of_two_scales;
+  std::optional<FloatType> scale_type = FloatTypeOf(scales->element_type());
+  if (scales->element_type() == ffi::DataType::F8E8M0FNU) scale_type = FloatType::kE8M0;
+  if (!scale_type) return Invalid("scales must be float32, float16, bfloat16 or float8_e8m0fnu");
+  if (*scale_type == FloatType::kE8M0 && !power_of_two) {
+    return Invalid("float8_e8m0fnu scales are powers of two: power_of_two_scales must be set");
+  }
+  if (*scale_type == FloatType::kF16 && power_of_two) {
+    return Invalid("power-of-two scales need a float32, bfloat16 or float8_e8m0fnu scale dtype");
+  }
   const auto scale_dims = scales->dimensions();
-  bool scale_shape_ok = scale_dims.size() == dims.size() && scale_dims.back() == 1;
+  bool scale_shape_ok = scale_dims.size() == dims.size() && scale_dims.back() == groups;
   for (size_t i = 0; scale_shape_ok && i + 1 < dims.size(); ++i) {
     scale_shape_ok = scale_dims[i] == dims[i];
   }
-  if (!scale_shape_ok) return Invalid("scales must have shape x.shape[:-1] + (1,)");
+  if (!scale_shape_ok) return Invalid("scales must have shape x.shape[:-1] + (hidden / group_size,)");
+
+  const float* static_scale_data = nullptr;
+  if (static_scale.has_value()) {
+    if (static_scale->element_type() != ffi::DataType::F32 || static_scale->element_count() != 1) {
+      return Invalid("static_scale must be one float32");
+    }
+    if (group_size > 0 || power_of_two) {
+      return Invalid("static_scale excludes group_size and power-of-two scales");
+    }
+    static_scale_data = static_cast<const float*>(static_scale->untyped_data());
+  }
 
   if (!(eps >= 0.0f) || !std::isfinite(eps)) return Invalid("eps must be finite and >= 0");
   if (!std::isfinite(weight_offset)) return Invalid("weight_offset must be finite");
@@ -90,15 +118,17 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
       gamma.untyped_data(),
       y->untyped_data(),
       scales->untyped_data(),
+      static_scale_data,
       residual_out != nullptr ? (*residual_out)->untyped_data() : nullptr,
       rows,
       hidden,
+      group_size > 0 ? group_size : hidden,
       *input_type,
       residual_type,
       *gamma_type,
       *scale_type,
       out_format,
-      RowConstants{eps, weight_offset, scale_ub},
+      RowConstants{eps, weight_offset, scale_ub, power_of_two},
   };
   return ffi::Error::Success();
 }

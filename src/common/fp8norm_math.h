@@ -30,10 +30,13 @@ struct BF16 {
   uint16_t bits;
 };
 
-// Run-time tags for the float types a kernel does not specialise on.
-enum class FloatType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+// Run-time tags for the float types a kernel does not specialise on. kE8M0 (MXFP8's
+// power-of-two scale: the float32 exponent byte, 0xFF for NaN) is a scale type only.
+enum class FloatType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2, kE8M0 = 3 };
 
-FP8NORM_HD size_t FloatTypeBytes(FloatType type) { return type == FloatType::kF32 ? 4 : 2; }
+FP8NORM_HD size_t FloatTypeBytes(FloatType type) {
+  return type == FloatType::kF32 ? 4 : (type == FloatType::kE8M0 ? 1 : 2);
+}
 enum class Fp8Format : int32_t { kE4M3FN = 0, kE4M3FNUZ = 1 };
 
 FP8NORM_HD uint32_t BitsOf(float v) {
@@ -135,6 +138,12 @@ FP8NORM_HD F16 FromFloat<F16>(float v) {
   return ToF16(v);
 }
 
+// The e8m0 byte of a power-of-two scale (or NaN): its float32 exponent field, read from
+// the bits, so that 2^-127 (a float32 subnormal, byte 0) survives denormal flushing.
+FP8NORM_HD uint8_t E8M0Code(float power_of_two) {
+  return uint8_t((BitsOf(power_of_two) >> 23) & 0xffu);
+}
+
 // Stores v at p[i], p holding elements of a float type chosen at run time.
 FP8NORM_HD void StoreAs(FloatType type, void* p, int64_t i, float v) {
   switch (type) {
@@ -143,6 +152,9 @@ FP8NORM_HD void StoreAs(FloatType type, void* p, int64_t i, float v) {
       break;
     case FloatType::kBF16:
       static_cast<BF16*>(p)[i] = ToBF16(v);
+      break;
+    case FloatType::kE8M0:
+      static_cast<uint8_t*>(p)[i] = E8M0Code(v);
       break;
     default:
       static_cast<float*>(p)[i] = v;
@@ -243,7 +255,10 @@ FP8NORM_HD uint8_t ToFp8(float v) {
 struct RowConstants {
   float eps;            // f32(T(eps))
   float weight_offset;  // f32(T(weight_offset))
-  float scale_ub;       // f32(S(scale_ub)), +inf when unbounded
+  // f32(S(scale_ub)) for nearest-rounded scales, f32(scale_ub) for power-of-two ones;
+  // +inf when unbounded.
+  float scale_ub;
+  bool power_of_two;  // scales rounded up to a power of two (always for e8m0)
 };
 
 // The sum of squares of a row, carried as an unevaluated pair hi + lo: every square's
@@ -318,12 +333,45 @@ struct RowScale {
 
 FP8NORM_HD float NanMin(float a, float b) { return (IsNan(a) || a < b) ? a : b; }
 
-FP8NORM_HD RowScale ComputeRowScale(float sum_sq, uint32_t amax_bits, Fp8Format format,
-                                    FloatType scale_type, const RowConstants& c) {
+constexpr uint32_t kF32MinNormalBits = 0x00800000u;
+
+// The biased float32 exponent of P(q), the smallest power of two >= q = a / fp8_max, at
+// least `floor`. A q below 2^-126 (a float32 subnormal, flushed to 0 by GPUs and XLA's CPU
+// threads) is decided from a instead, exactly: 2^-126 if a > fp8_max * 2^-127, else 2^-127
+// (exponent 0). So the result is the same with and without denormal flushing; a q that
+// rounds up to 2^-126 gives 2^-126 either way.
+FP8NORM_HD uint32_t PowerOfTwoExponent(float a, float fp8_max, uint32_t floor) {
+  const uint32_t q = BitsOf(a / fp8_max);
+  uint32_t exponent = (q >> 23) & 0xffu;
+  if (exponent == 0) {
+    // fp8_max * 2^-127 in two normal steps: a subnormal 2^-127 operand reads as 0 under
+    // denormal flushing.
+    exponent = a > (fp8_max * FloatOf(63u << 23)) * FloatOf(64u << 23) ? 1u : 0u;
+  } else if (exponent != 0xffu) {
+    exponent += (q & 0x007fffffu) != 0 ? 1u : 0u;
+  }
+  return exponent > floor ? exponent : floor;
+}
+
+// The scale of a row or group from its sum of squares and the abs-max of its normalised
+// values (steps 5 and 6 of the spec, nearest-rounded or power-of-two).
+FP8NORM_HD RowScale ComputeScale(float sum_sq, uint32_t amax_bits, Fp8Format format,
+                                 FloatType scale_type, const RowConstants& c) {
   if (!IsFinite(sum_sq)) {
     // A NaN or Inf in the row, or a sum of squares past float32: the whole row is NaN.
     const float nan = FloatOf(kF32QuietNan);
     return RowScale{nan, nan};
+  }
+  if (c.power_of_two) {
+    // The floor: e8m0's smallest value 2^-127 (byte 0), else float32's smallest normal.
+    const uint32_t floor = scale_type == FloatType::kE8M0 ? 0u : 1u;
+    const uint32_t e = PowerOfTwoExponent(NanMin(FloatOf(amax_bits), c.scale_ub),
+                                          Fp8Max(format), floor);
+    // 1 / 2^(e - 127) = 2^(127 - e), exactly: biased exponent 254 - e while normal. Past
+    // that (a scale of 2^127 or Inf, from an infinite abs-max) the reciprocal is 0.
+    const float recip = e <= 253u ? FloatOf((254u - e) << 23) : 0.0f;
+    const float scale = e == 0 ? FloatOf(0x00400000u) : FloatOf(e << 23);
+    return RowScale{scale, recip};
   }
   const float amax = RoundTo(scale_type, FloatOf(amax_bits));
   const float bounded = NanMin(amax, c.scale_ub);
@@ -331,6 +379,22 @@ FP8NORM_HD RowScale ComputeRowScale(float sum_sq, uint32_t amax_bits, Fp8Format 
   const float inverse = 1.0f / scale;
   const float recip = (scale == 0.0f || !IsFinite(inverse)) ? 0.0f : inverse;
   return RowScale{scale, recip};
+}
+
+// A calibrated scale `static_scale` (float32, rounded here to the scale dtype) for a row
+// whose sum of squares is sum_sq. A scale that is not a positive normal finite float32
+// (a subnormal one counts as flushed to 0) makes every y NaN; a reciprocal that would be
+// subnormal (a scale above 2^126) is flushed to 0 here, on every platform alike. A
+// non-finite row gives NaN y and keeps the scale.
+FP8NORM_HD RowScale StaticScale(float sum_sq, float static_scale, FloatType scale_type) {
+  const float scale = RoundTo(scale_type, static_scale);
+  const uint32_t bits = BitsOf(scale);
+  const float nan = FloatOf(kF32QuietNan);
+  if (!(bits >= kF32MinNormalBits && bits < kF32Inf) || !IsFinite(sum_sq)) {
+    return RowScale{scale, nan};
+  }
+  const float inverse = 1.0f / scale;
+  return RowScale{scale, BitsOf(inverse) >= kF32MinNormalBits ? inverse : 0.0f};
 }
 
 // FP8(clamp(normed * recip, +-FP8_MAX)): the clamp is the saturation of Fp8Code.

@@ -15,10 +15,16 @@ struct RmsNormFp8Args {
   const void* residual;  // [rows, hidden], residual_type; null for rms_norm_fp8
   const void* gamma;     // [hidden], gamma_type
   void* y;               // [rows, hidden], FP8 in out_format
-  void* scales;          // [rows], scale_type
+  void* scales;          // [rows, hidden / group_size], scale_type
+  // [1] float32, the calibrated scale of every row; null for scales computed per row or
+  // group. On the device of the kernel that reads it.
+  const float* static_scale;
   void* residual_out;    // [rows, hidden], residual_type; null when residual is null
   int64_t rows;
   int64_t hidden;
+  // Elements that share one scale: a divisor of hidden, hidden itself for one scale per
+  // row (so, per row, also with a static scale); 0 reads as hidden.
+  int64_t group_size;
   FloatType input_type;
   // The input's dtype, or a 16-bit type when x is float32: the sum of a float32
   // all-reduce added to a bfloat16 / float16 residual stream.
@@ -28,6 +34,16 @@ struct RmsNormFp8Args {
   Fp8Format out_format;
   RowConstants constants;
 };
+
+// One scale for the whole row (per row, or static).
+FP8NORM_HD bool PerRowScale(const RmsNormFp8Args& a) {
+  return a.group_size <= 0 || a.group_size == a.hidden;
+}
+
+// Scales per row: hidden / group_size, or 1.
+FP8NORM_HD int64_t GroupsPerRow(const RmsNormFp8Args& a) {
+  return PerRowScale(a) ? 1 : a.hidden / a.group_size;
+}
 
 // Element-wise rounding of float32 values, the same functions the kernels use; exposed so
 // that tests can hold every FP8 / float16 / bfloat16 boundary against ml_dtypes.

@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <string>
 
 #include "ffi_decode.h"
@@ -97,23 +98,22 @@ ffi::Error RunOnPool(const RmsNormFp8Args& args, ffi::ThreadPool& pool) {
 }
 
 ffi::Error RmsNormFp8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
-                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
-                          float eps, float weight_offset, float scale_ub) {
+                          std::optional<ffi::AnyBuffer> static_scale, ffi::Result<ffi::AnyBuffer> y,
+                          ffi::Result<ffi::AnyBuffer> scales, NormAttributes attributes) {
   RmsNormFp8Args args;
-  ffi::Error status =
-      DecodeRmsNormFp8(x, nullptr, gamma, y, scales, nullptr, eps, weight_offset, scale_ub, &args);
+  ffi::Error status = DecodeRmsNormFp8(x, nullptr, gamma, static_scale, y, scales, nullptr,
+                                       attributes, &args);
   if (status.failure()) return status;
   return RunOnPool(args, pool);
 }
 
 ffi::Error AddRmsNormFp8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer residual,
-                             ffi::AnyBuffer gamma, ffi::Result<ffi::AnyBuffer> y,
-                             ffi::Result<ffi::AnyBuffer> scales,
-                             ffi::Result<ffi::AnyBuffer> residual_out, float eps,
-                             float weight_offset, float scale_ub) {
+                             ffi::AnyBuffer gamma, std::optional<ffi::AnyBuffer> static_scale,
+                             ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
+                             ffi::Result<ffi::AnyBuffer> residual_out, NormAttributes attributes) {
   RmsNormFp8Args args;
-  ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, y, scales, &residual_out, eps,
-                                       weight_offset, scale_ub, &args);
+  ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, static_scale, y, scales,
+                                       &residual_out, attributes, &args);
   if (status.failure()) return status;
   return RunOnPool(args, pool);
 }
@@ -132,25 +132,23 @@ XLA_FFI_DEFINE_HANDLER(kRmsNormFp8Cpu, RmsNormFp8Impl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::ThreadPool>()
                            .Arg<ffi::AnyBuffer>()  // x
-                           .Arg<ffi::AnyBuffer>()  // gamma
+                           .Arg<ffi::AnyBuffer>()          // gamma
+                           .OptionalArg<ffi::AnyBuffer>()  // static_scale
                            .Ret<ffi::AnyBuffer>()  // y
                            .Ret<ffi::AnyBuffer>()  // scales
-                           .Attr<float>("eps")
-                           .Attr<float>("weight_offset")
-                           .Attr<float>("scale_ub"));
+                           .Attrs<NormAttributes>());
 
 XLA_FFI_DEFINE_HANDLER(kAddRmsNormFp8Cpu, AddRmsNormFp8Impl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::ThreadPool>()
                            .Arg<ffi::AnyBuffer>()  // x
                            .Arg<ffi::AnyBuffer>()  // residual
-                           .Arg<ffi::AnyBuffer>()  // gamma
+                           .Arg<ffi::AnyBuffer>()          // gamma
+                           .OptionalArg<ffi::AnyBuffer>()  // static_scale
                            .Ret<ffi::AnyBuffer>()  // y
                            .Ret<ffi::AnyBuffer>()  // scales
                            .Ret<ffi::AnyBuffer>()  // residual_out
-                           .Attr<float>("eps")
-                           .Attr<float>("weight_offset")
-                           .Attr<float>("scale_ub"));
+                           .Attrs<NormAttributes>());
 
 XLA_FFI_DEFINE_HANDLER(kRoundCpu, RoundImpl,
                        ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());

@@ -110,7 +110,12 @@ const CpuVariant& Variant() {
 bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   if (a.rows == 0) return true;
   if (a.hidden == 0) {
-    for (int64_t row = 0; row < a.rows; ++row) StoreAs(a.scale_type, a.scales, row, 0.0f);
+    // Empty rows: no groups, or the scale of a row of zeros.
+    if (!PerRowScale(a)) return true;
+    const RowScale s = a.static_scale != nullptr
+                           ? StaticScale(0.0f, *a.static_scale, a.scale_type)
+                           : ComputeScale(0.0f, 0, a.out_format, a.scale_type, a.constants);
+    for (int64_t row = 0; row < a.rows; ++row) StoreAs(a.scale_type, a.scales, row, s.scale);
     return true;
   }
   // gamma + weight_offset once per call, in float32, shared by every row.

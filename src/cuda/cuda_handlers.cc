@@ -116,24 +116,23 @@ ffi::Error PrepareImpl(GpuTarget gpu) {
 }
 
 ffi::Error RmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
-                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
-                          float eps, float weight_offset, float scale_ub) {
+                          std::optional<ffi::AnyBuffer> static_scale, ffi::Result<ffi::AnyBuffer> y,
+                          ffi::Result<ffi::AnyBuffer> scales, NormAttributes attributes) {
   RmsNormFp8Args args;
-  ffi::Error status =
-      DecodeRmsNormFp8(x, nullptr, gamma, y, scales, nullptr, eps, weight_offset, scale_ub, &args);
+  ffi::Error status = DecodeRmsNormFp8(x, nullptr, gamma, static_scale, y, scales, nullptr,
+                                       attributes, &args);
   if (status.failure()) return status;
   return RunOnDevice(gpu.device, "rms_norm_fp8 launch",
                      [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
 }
 
 ffi::Error AddRmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer residual,
-                             ffi::AnyBuffer gamma, ffi::Result<ffi::AnyBuffer> y,
-                             ffi::Result<ffi::AnyBuffer> scales,
-                             ffi::Result<ffi::AnyBuffer> residual_out, float eps,
-                             float weight_offset, float scale_ub) {
+                             ffi::AnyBuffer gamma, std::optional<ffi::AnyBuffer> static_scale,
+                             ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
+                             ffi::Result<ffi::AnyBuffer> residual_out, NormAttributes attributes) {
   RmsNormFp8Args args;
-  ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, y, scales, &residual_out, eps,
-                                       weight_offset, scale_ub, &args);
+  ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, static_scale, y, scales,
+                                       &residual_out, attributes, &args);
   if (status.failure()) return status;
   return RunOnDevice(gpu.device, "add_rms_norm_fp8 launch",
                      [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
@@ -153,12 +152,11 @@ XLA_FFI_DEFINE_HANDLER(kRmsNormFp8Cuda, RmsNormFp8Impl,
                        ffi::Ffi::Bind()
                            .Ctx<GpuTarget>()
                            .Arg<ffi::AnyBuffer>()  // x
-                           .Arg<ffi::AnyBuffer>()  // gamma
+                           .Arg<ffi::AnyBuffer>()          // gamma
+                           .OptionalArg<ffi::AnyBuffer>()  // static_scale
                            .Ret<ffi::AnyBuffer>()  // y
                            .Ret<ffi::AnyBuffer>()  // scales
-                           .Attr<float>("eps")
-                           .Attr<float>("weight_offset")
-                           .Attr<float>("scale_ub"),
+                           .Attrs<NormAttributes>(),
                        {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER(kAddRmsNormFp8Cuda, AddRmsNormFp8Impl,
@@ -166,13 +164,12 @@ XLA_FFI_DEFINE_HANDLER(kAddRmsNormFp8Cuda, AddRmsNormFp8Impl,
                            .Ctx<GpuTarget>()
                            .Arg<ffi::AnyBuffer>()  // x
                            .Arg<ffi::AnyBuffer>()  // residual
-                           .Arg<ffi::AnyBuffer>()  // gamma
+                           .Arg<ffi::AnyBuffer>()          // gamma
+                           .OptionalArg<ffi::AnyBuffer>()  // static_scale
                            .Ret<ffi::AnyBuffer>()  // y
                            .Ret<ffi::AnyBuffer>()  // scales
                            .Ret<ffi::AnyBuffer>()  // residual_out
-                           .Attr<float>("eps")
-                           .Attr<float>("weight_offset")
-                           .Attr<float>("scale_ub"),
+                           .Attrs<NormAttributes>(),
                        {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER(

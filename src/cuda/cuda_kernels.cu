@@ -153,19 +153,57 @@ __device__ __forceinline__ void LoadH(const TIn* x, const void* residual, FloatT
 
 // y for vector i of the row. The output format is a run-time value, uniform over the
 // launch: a template parameter would double every kernel compiled per architecture.
+// Recip gives element k's reciprocal scale (one per row or group).
+template <int kVec, typename Recip>
+__device__ __forceinline__ void StoreFp8With(uint8_t* y, int64_t i, const float (&normed)[kVec],
+                                             Recip recip, Fp8Format format, int site) {
+  Vec<uint8_t, kVec> q;
+  if (format == Fp8Format::kE4M3FN) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      q.v[k] = QuantizeElement<Fp8Format::kE4M3FN>(normed[k], recip(k));
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      q.v[k] = QuantizeElement<Fp8Format::kE4M3FNUZ>(normed[k], recip(k));
+    }
+  }
+  StoreGlobal(reinterpret_cast<Vec<uint8_t, kVec>*>(y) + i, q, site);
+}
+
 template <int kVec>
 __device__ __forceinline__ void StoreFp8(uint8_t* y, int64_t i, const float (&normed)[kVec],
                                          float recip, Fp8Format format,
                                          int site = __builtin_LINE()) {
-  Vec<uint8_t, kVec> q;
-  if (format == Fp8Format::kE4M3FN) {
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) q.v[k] = QuantizeElement<Fp8Format::kE4M3FN>(normed[k], recip);
-  } else {
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) q.v[k] = QuantizeElement<Fp8Format::kE4M3FNUZ>(normed[k], recip);
+  StoreFp8With<kVec>(y, i, normed, [recip](int) { return recip; }, format, site);
+}
+
+template <int kVec>
+__device__ __forceinline__ void StoreFp8(uint8_t* y, int64_t i, const float (&normed)[kVec],
+                                         const float (&recip)[kVec], Fp8Format format,
+                                         int site = __builtin_LINE()) {
+  StoreFp8With<kVec>(y, i, normed, [&recip](int k) { return recip[k]; }, format, site);
+}
+
+// Scale `index` of the call ([rows, groups] row-major); e8m0 as its exponent byte.
+__device__ __forceinline__ void StoreScale(const RmsNormFp8Args& a, int64_t index, float scale,
+                                           int site = __builtin_LINE()) {
+  if (a.scale_type == FloatType::kE8M0) {
+    StoreGlobal(static_cast<uint8_t*>(a.scales) + index, E8M0Code(scale), site);
+    return;
   }
-  StoreGlobal(reinterpret_cast<Vec<uint8_t, kVec>*>(y) + i, q, site);
+  const float value[1] = {scale};
+  StoreAny<1>(a.scales, a.scale_type, index, value, site);
+}
+
+// The scale of a row with one scale (dynamic per row, or the calibrated one).
+__device__ __forceinline__ RowScale RowScaleOf(const RmsNormFp8Args& a, float sum_sq,
+                                               uint32_t amax) {
+  if (a.static_scale != nullptr) {
+    return StaticScale(sum_sq, LoadGlobal(a.static_scale), a.scale_type);
+  }
+  return ComputeScale(sum_sq, amax, a.out_format, a.scale_type, a.constants);
 }
 
 // Row `row` of the row-major arrays: x, the residual and residual_out (null when the op
@@ -199,6 +237,44 @@ struct SharedScratch {
   uint32_t max_result;
 };
 
+// block_shared's scales per group, for any group size: after sweep 1, each thread takes
+// whole groups, normalises each element (from the row cache, or re-read), finds the
+// group's abs-max, stores its scale and quantises it. The register variants' shuffle
+// paths serve the common group sizes; this one serves every other and rows too long for
+// registers. The barrier at the end keeps the next row's sweep 1 from overwriting cache
+// entries another thread still reads.
+template <typename TIn, int kVec>
+__device__ __forceinline__ void SharedGroups(const RmsNormFp8Args& a, int64_t row,
+                                             const float* cache /*[kVec][hidden / kVec] or null*/,
+                                             float sum_sq, float r) {
+  const int64_t num_vecs = a.hidden / kVec;
+  const int64_t group = a.group_size;
+  const int64_t groups = a.hidden / group;
+  const auto [x, residual, residual_out, y] = RowOf<TIn>(a, row);
+  const auto normed_at = [&](int64_t j) {
+    float h[1];
+    if (cache != nullptr) {
+      h[0] = cache[(j % kVec) * num_vecs + j / kVec];
+    } else {
+      LoadH<TIn, 1>(x, residual, a.residual_type, j, h);
+    }
+    float g[1];
+    LoadAny<1>(a.gamma, a.gamma_type, j, g);
+    return (h[0] * r) * (g[0] + a.constants.weight_offset);
+  };
+  for (int64_t g = threadIdx.x; g < groups; g += blockDim.x) {
+    uint32_t amax = 0;
+    for (int64_t j = g * group; j < (g + 1) * group; ++j) amax = max(amax, AbsBits(normed_at(j)));
+    const RowScale s = ComputeScale(sum_sq, amax, a.out_format, a.scale_type, a.constants);
+    StoreScale(a, row * groups + g, s.scale);
+    for (int64_t j = g * group; j < (g + 1) * group; ++j) {
+      const float normed[1] = {normed_at(j)};
+      StoreFp8<1>(y, j, normed, s.recip, a.out_format);
+    }
+  }
+  __syncthreads();
+}
+
 template <typename TIn, int kVec>
 __device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
                                            float* cache /*[kVec][hidden / kVec] or null*/,
@@ -224,6 +300,10 @@ __device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
       &scratch.sum_result);
   const float sum_sq = Total(acc);
   const float r = InverseRms(sum_sq, n, a.constants.eps);
+  if (!PerRowScale(a)) {
+    SharedGroups<TIn, kVec>(a, row, cache, sum_sq, r);
+    return;
+  }
 
   // Sweep 2: n and its abs-max.
   uint32_t amax = 0;
@@ -246,11 +326,8 @@ __device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
   }
   amax = BlockReduce(
       amax, 0u, [](uint32_t v) { return WarpMax(v); }, scratch.max_partial, &scratch.max_result);
-  const RowScale s = ComputeRowScale(sum_sq, amax, a.out_format, a.scale_type, a.constants);
-  if (threadIdx.x == 0) {
-    const float scale[1] = {s.scale};
-    StoreAny<1>(a.scales, a.scale_type, row, scale);
-  }
+  const RowScale s = RowScaleOf(a, sum_sq, amax);
+  if (threadIdx.x == 0) StoreScale(a, row, s.scale);
 
   // Sweep 3: quantise.
   for (int64_t i = threadIdx.x; i < num_vecs; i += blockDim.x) {
@@ -314,6 +391,55 @@ __device__ __forceinline__ T GroupReduce(T v, T identity, WarpOp warp_op, T* par
   return warp_op(lane < group_warps ? partial[first + lane] : identity);
 }
 
+// The register variants' scales per group (GroupFitsRegisters): a group within one vector
+// (group_size dividing the vector width) is reduced in the thread; a group of V whole
+// vectors (V a power of two up to 32) is held by V consecutive lanes, vector i of the row
+// in lane i % threads_per_row, and reduced by log2(V) shuffles, no barrier. Every lane of
+// the warp calls it (the shuffles need all 32), held vectors or not.
+template <int kVec, int kVecs, typename Held, typename Index>
+__device__ __forceinline__ void RegisterGroups(const RmsNormFp8Args& a, int64_t row,
+                                               const float (&normed)[kVecs][kVec], Held held,
+                                               Index index, float sum_sq, uint8_t* y) {
+  const int64_t group = a.group_size;
+  const int64_t groups = a.hidden / group;
+  if (group < kVec) {
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      if (!held(k)) continue;
+      float recip[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        uint32_t amax = 0;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          if (j / group == e / group) amax = max(amax, AbsBits(normed[k][j]));
+        }
+        const RowScale s = ComputeScale(sum_sq, amax, a.out_format, a.scale_type, a.constants);
+        recip[e] = s.recip;
+        if (e % group == 0) StoreScale(a, row * groups + (index(k) * kVec + e) / group, s.scale);
+      }
+      StoreFp8<kVec>(y, index(k), normed[k], recip, a.out_format);
+    }
+    return;
+  }
+  const int lanes = static_cast<int>(group / kVec);
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+    uint32_t amax = 0;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      if (held(k)) amax = max(amax, AbsBits(normed[k][e]));
+    }
+    for (int offset = lanes / 2; offset > 0; offset /= 2) {
+      amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    }
+    if (!held(k)) continue;
+    const RowScale s = ComputeScale(sum_sq, amax, a.out_format, a.scale_type, a.constants);
+    if (index(k) % lanes == 0) StoreScale(a, row * groups + index(k) / lanes, s.scale);
+    StoreFp8<kVec>(y, index(k), normed[k], s.recip, a.out_format);
+  }
+}
+
 // Row `row` held by a group of `group_threads` threads (whole warps), the caller thread
 // being `lane` of it: vector i of the row in registers of thread i % group_threads. Every
 // thread of the block calls it equally often (the reductions may meet at a barrier); a
@@ -364,14 +490,18 @@ __device__ __forceinline__ void RegisterRow(const RmsNormFp8Args& a, int64_t row
       if (held(k)) amax = max(amax, AbsBits(h[k][e]));
     }
   }
-  amax = GroupReduce(
-      amax, 0u, [](uint32_t v) { return WarpMax(v); }, scratch.max_partial, group_warps);
-  if (!valid) return;
-  const RowScale s = ComputeRowScale(sum_sq, amax, a.out_format, a.scale_type, a.constants);
-  if (lane == 0) {
-    const float scale[1] = {s.scale};
-    StoreAny<1>(a.scales, a.scale_type, row, scale);
+  if (!PerRowScale(a)) {
+    RegisterGroups<kVec, kVecs>(a, row, h, held, index, sum_sq, y);
+    return;
   }
+  // The calibrated scale needs no abs-max: the whole launch skips the reduction.
+  if (a.static_scale == nullptr) {
+    amax = GroupReduce(
+        amax, 0u, [](uint32_t v) { return WarpMax(v); }, scratch.max_partial, group_warps);
+  }
+  if (!valid) return;
+  const RowScale s = RowScaleOf(a, sum_sq, amax);
+  if (lane == 0) StoreScale(a, row, s.scale);
 
   // Sweep 3: quantise.
 #pragma unroll
@@ -642,9 +772,14 @@ cudaError_t PlanLaunch(int device, const RmsNormFp8Args& a, LaunchPlan* plan) {
 cudaError_t LaunchRmsNormFp8(cudaStream_t stream, int device, const RmsNormFp8Args& a) {
   if (a.rows == 0) return cudaSuccess;
   if (a.hidden == 0) {
-    // Zero bits are 0.0 in every scale dtype.
-    return cudaMemsetAsync(a.scales, 0, static_cast<size_t>(a.rows) * FloatTypeBytes(a.scale_type),
-                           stream);
+    // Empty rows: no groups at all, or a row of zeros' scale. That is 0 for a dynamic
+    // nearest-rounded scale (zero bits in every scale dtype); a power-of-two or calibrated
+    // one comes from the kernel, whose sweeps are then empty.
+    if (!PerRowScale(a)) return cudaSuccess;
+    if (a.static_scale == nullptr && !a.constants.power_of_two) {
+      return cudaMemsetAsync(a.scales, 0,
+                             static_cast<size_t>(a.rows) * FloatTypeBytes(a.scale_type), stream);
+    }
   }
   const DeviceSetup* setup = nullptr;
   const cudaError_t err = GetDeviceSetup(device, &setup);

@@ -136,6 +136,16 @@ inline bool FitBlockRegisters(int64_t num_vecs, int* threads, int* vectors) {
   return false;
 }
 
+// Whether the register variants' group paths hold groups of `group_size` elements in
+// vectors of `width`: groups within one vector, or 1 to 32 whole vectors (a power of two)
+// on consecutive lanes of a warp. Other sizes go to block_shared.
+constexpr bool GroupFitsRegisters(int64_t group_size, int width) {
+  if (group_size <= 0) return false;
+  if (width % group_size == 0) return true;
+  const int64_t lanes = group_size / width;
+  return group_size % width == 0 && lanes <= kWarp && (lanes & (lanes - 1)) == 0;
+}
+
 inline LaunchPlan PlanRmsNormFp8Launch(const RmsNormFp8Args& a, const DeviceLimits& limits,
                                        KernelVariant requested = KernelVariant::kAuto) {
   LaunchPlan plan{};
@@ -151,12 +161,14 @@ inline LaunchPlan PlanRmsNormFp8Launch(const RmsNormFp8Args& a, const DeviceLimi
   plan.vector_width = plan.vectorized ? width : 1;
   const int64_t num_loads = a.hidden / plan.vector_width;
 
-  // The register variants hold whole 16-byte vectors: aligned rows only.
+  // The register variants hold whole 16-byte vectors: aligned rows only, and groups
+  // their shuffles reach.
   int warp_threads = 0, warp_vectors = 0, block_threads = 0, block_vectors = 0;
-  const bool warp_rows_fit =
-      plan.vectorized && FitWarpRows(num_loads, &warp_threads, &warp_vectors);
+  const bool registers =
+      plan.vectorized && (PerRowScale(a) || GroupFitsRegisters(a.group_size, width));
+  const bool warp_rows_fit = registers && FitWarpRows(num_loads, &warp_threads, &warp_vectors);
   const bool block_registers_fit =
-      plan.vectorized && FitBlockRegisters(num_loads, &block_threads, &block_vectors);
+      registers && FitBlockRegisters(num_loads, &block_threads, &block_vectors);
   KernelVariant variant = requested;
   if (variant == KernelVariant::kAuto) {
     // Provisional (docs/performance.md): many rows -> warp_rows; fewer, or longer rows that

@@ -36,12 +36,14 @@ XLA_FFI_Error* CountingStaleErrors(XLA_FFI_CallFrame* frame, XLA_FFI_Handler* ha
 }
 
 XLA_FFI_Error* WithBuffers(XLA_FFI_CallFrame* frame, XLA_FFI_Handler* handler,
-                           std::initializer_list<const char*> names) {
+                           std::initializer_list<const char*> arg_names,
+                           std::initializer_list<const char*> ret_names) {
   std::optional<simt::ScopedCapture> capture;
   if (capture_calls.load()) capture.emplace();
   simt::ScopedBuffers buffers;
-  auto name = names.begin();
-  const auto add = [&](int64_t count, const auto* types, void* const* buffers_of) {
+  const auto add = [&](std::initializer_list<const char*> names, int64_t count,
+                       const auto* types, void* const* buffers_of) {
+    auto name = names.begin();
     for (int64_t i = 0; i < count; ++i, ++name) {
       if (name == names.end()) return;
       if (static_cast<int>(types[i]) != XLA_FFI_ArgType_BUFFER) continue;
@@ -51,8 +53,8 @@ XLA_FFI_Error* WithBuffers(XLA_FFI_CallFrame* frame, XLA_FFI_Handler* handler,
       buffers.Add(*name, buffer->data, bytes);
     }
   };
-  add(frame->args.size, frame->args.types, frame->args.args);
-  add(frame->rets.size, frame->rets.types, frame->rets.rets);
+  add(arg_names, frame->args.size, frame->args.types, frame->args.args);
+  add(ret_names, frame->rets.size, frame->rets.types, frame->rets.rets);
   return CountingStaleErrors(frame, handler);
 }
 
@@ -60,14 +62,16 @@ XLA_FFI_Error* Prepare(XLA_FFI_CallFrame* frame) {
   return CountingStaleErrors(frame, fp8norm::PrepareCudaHandler);
 }
 XLA_FFI_Error* RmsNormFp8(XLA_FFI_CallFrame* frame) {
-  return WithBuffers(frame, fp8norm::RmsNormFp8CudaHandler, {"x", "gamma", "y", "scales"});
+  return WithBuffers(frame, fp8norm::RmsNormFp8CudaHandler, {"x", "gamma", "static_scale"},
+                     {"y", "scales"});
 }
 XLA_FFI_Error* AddRmsNormFp8(XLA_FFI_CallFrame* frame) {
   return WithBuffers(frame, fp8norm::AddRmsNormFp8CudaHandler,
-                     {"x", "residual", "gamma", "y", "scales", "residual_out"});
+                     {"x", "residual", "gamma", "static_scale"},
+                     {"y", "scales", "residual_out"});
 }
 XLA_FFI_Error* Round(XLA_FFI_CallFrame* frame) {
-  return WithBuffers(frame, fp8norm::RoundCudaHandler, {"in", "out"});
+  return WithBuffers(frame, fp8norm::RoundCudaHandler, {"in"}, {"out"});
 }
 
 }  // namespace
