@@ -176,7 +176,9 @@ def _norm_batching_rule(prim: Primitive):
     def rule(args, dims, **params):
         size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
         num_rows = _num_row_operands(len(args), params["static_scale"])
-        rows = [_to_front(a, d, size) for a, d in zip(args[:num_rows], dims[:num_rows], strict=True)]
+        rows = [
+            _to_front(a, d, size) for a, d in zip(args[:num_rows], dims[:num_rows], strict=True)
+        ]
         shared, shared_dims = args[num_rows:], dims[num_rows:]
         if all(d is None for d in shared_dims):
             outs = prim.bind(*rows, *shared, **params)

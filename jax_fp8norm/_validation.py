@@ -10,7 +10,6 @@ same float32 values.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import math
 import numbers
@@ -73,7 +72,10 @@ NORM_KEYWORDS: dict[str, tuple[Any, str]] = {
         "upper bound on a row's (or group's) absolute maximum before it becomes a scale "
         "(the largest scale is ``scale_ub / FP8_MAX``); None for no bound.",
     ),
-    "out_dtype": (jnp.float8_e4m3fn, "``float8_e4m3fn`` (max 448) or ``float8_e4m3fnuz`` (max 240)."),
+    "out_dtype": (
+        jnp.float8_e4m3fn,
+        "``float8_e4m3fn`` (max 448) or ``float8_e4m3fnuz`` (max 240).",
+    ),
     "scale_dtype": (
         jnp.float32,
         "float32, float16, bfloat16, or ``float8_e8m0fnu`` (MXFP8: power-of-two scales stored "
@@ -316,7 +318,9 @@ def check_static_scale(static_scale: Any) -> jax.Array | None:
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"static_scale must have a float dtype, got {dtype}")
     if tuple(static_scale.shape) not in ((), (1,)):
-        raise ValueError(f"static_scale must have shape () or (1,), got {tuple(static_scale.shape)}")
+        raise ValueError(
+            f"static_scale must have shape () or (1,), got {tuple(static_scale.shape)}"
+        )
     return jnp.reshape(jnp.asarray(static_scale).astype(jnp.float32), (1,))
 
 

@@ -4,12 +4,12 @@ underflow to zero). ``jax.grad`` through :func:`jax_fp8norm.rms_norm_fp8` or
 :func:`jax_fp8norm.add_rms_norm_fp8` therefore raises an error that says so.
 
 What training code differentiates instead is the dequantised output, ``f32(y) *
-f32(scales)`` (each scale repeated over its group): :func:`rms_norm_fp8_dequantized` and :func:`add_rms_norm_fp8_dequantized`
-run the fused kernel forward and, backward, the straight-through rule: the cotangent of the
-dequantised output flows back as the gradient of the unquantised RMSNorm
-``h * rsqrt(mean(h^2) + eps) * (gamma + weight_offset)``, computed in float32, to x,
-gamma and the residual (rounding, clamping, scale_ub and the scales' choice, dynamic or
-calibrated, are treated as the identity).
+f32(scales)`` (each scale repeated over its group): :func:`rms_norm_fp8_dequantized` and
+:func:`add_rms_norm_fp8_dequantized` run the fused kernel forward and, backward, the
+straight-through rule: the cotangent of the dequantised output flows back as the gradient
+of the unquantised RMSNorm ``h * rsqrt(mean(h^2) + eps) * (gamma + weight_offset)``,
+computed in float32, to x, gamma and the residual (rounding, clamping, scale_ub and the
+choice of scales, dynamic or calibrated, are treated as the identity).
 """
 
 from __future__ import annotations

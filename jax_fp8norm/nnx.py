@@ -13,14 +13,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_fp8norm.autodiff import add_rms_norm_fp8_dequantized, rms_norm_fp8_dequantized
-from jax_fp8norm.ops import add_rms_norm_fp8, rms_norm_fp8
 from jax_fp8norm._validation import (
     NORM_KEYWORDS,
     check_static_scale,
     norm_keywords,
     validate,
 )
+from jax_fp8norm.autodiff import add_rms_norm_fp8_dequantized, rms_norm_fp8_dequantized
+from jax_fp8norm.ops import add_rms_norm_fp8, rms_norm_fp8
 
 
 class RMSNormFP8(nnx.Module):

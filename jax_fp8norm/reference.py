@@ -172,9 +172,7 @@ def quantize_rows(
             scale32, recip = _nearest_scales(amax, p)
             exponent = None
     # The barrier keeps XLA from folding normed * (1 / scale) into normed / scale.
-    q = jnp.clip(
-        grouped * jax.lax.optimization_barrier(recip)[..., None], -p.fp8_max, p.fp8_max
-    )
+    q = jnp.clip(grouped * jax.lax.optimization_barrier(recip)[..., None], -p.fp8_max, p.fp8_max)
     # A NaN or Inf in the row, or an overflowing sum of squares: the whole row is NaN (and
     # its scales, unless calibrated).
     row_finite = jnp.isfinite(sum_sq)

@@ -4,7 +4,10 @@ for users who check their own kernels or models against the reference.
 - scales: relative error at most 4 units in the last place of the scale dtype;
 - y: every element within one FP8 code step, and at least 99.9% identical;
 - residual_out: within one unit in the last place of the input dtype.
-NaN must stand exactly where the reference has NaN, in every output.
+Power-of-two scales (``power_of_two_scales=True`` or ``float8_e8m0fnu``): at least 99.9%
+identical to the reference's and the rest one power of two away; ``y`` obeys its rule
+where its group's scale is identical. Scales per group (``[..., N // G]``) are compared
+group by group. NaN must stand exactly where the reference has NaN, in every output.
 """
 
 from __future__ import annotations
@@ -50,6 +53,40 @@ def fp8_code_index(y) -> np.ndarray:
     bits = np.asarray(y).view(np.uint8).astype(np.int32)
     magnitude = bits & 0x7F
     return np.where(bits & 0x80, -magnitude, magnitude)
+
+
+E8M0 = np.dtype(jnp.float8_e8m0fnu)
+
+
+def _exponent_steps(actual: np.ndarray, expected: np.ndarray) -> np.ndarray:
+    """Powers of two between power-of-two scales (0 where equal or both NaN)."""
+    a = np.asarray(actual).astype(np.float64)
+    e = np.asarray(expected).astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        steps = np.abs(np.log2(a) - np.log2(e))
+    same = (a == e) | (np.isnan(a) & np.isnan(e))
+    return np.where(same, 0.0, steps)
+
+
+def assert_power_of_two_scales_close(actual, expected) -> np.ndarray:
+    """The power-of-two rule for scales; returns where the scales are identical."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    _nan_positions_match(actual.astype(np.float32), expected.astype(np.float32), "scales")
+    steps = _exponent_steps(actual, expected)
+    if steps.size and steps.max() > 1:
+        i = np.unravel_index(np.argmax(steps), steps.shape)
+        raise AssertionError(
+            f"scales: {steps.max()} powers of two from the reference at {i}; at most 1 allowed"
+        )
+    identical = steps == 0
+    if identical.size and identical.mean() < MIN_IDENTICAL_FRACTION:
+        raise AssertionError(
+            f"scales: only {identical.mean():.4%} identical to the reference; "
+            f"at least {MIN_IDENTICAL_FRACTION:.1%} required"
+        )
+    return identical
 
 
 def assert_scales_close(actual, expected, max_ulp: int = MAX_SCALE_ULP) -> None:
@@ -109,10 +146,25 @@ def assert_fp8_close(
         )
 
 
-def assert_matches_reference(actual: Sequence, expected: Sequence) -> None:
-    """Checks ``(y, scales[, residual_out])`` against the reference's outputs."""
+def assert_matches_reference(
+    actual: Sequence, expected: Sequence, power_of_two: bool | None = None
+) -> None:
+    """Checks ``(y, scales[, residual_out])`` against the reference's outputs.
+    ``power_of_two``: the scales are powers of two (None: if their dtype is e8m0)."""
     assert len(actual) == len(expected), (len(actual), len(expected))
-    assert_fp8_close(actual[0], expected[0])
-    assert_scales_close(actual[1], expected[1])
+    scales, want_scales = np.asarray(actual[1]), np.asarray(expected[1])
+    if power_of_two is None:
+        power_of_two = scales.dtype == E8M0
+    if power_of_two:
+        identical = assert_power_of_two_scales_close(scales, want_scales)
+        y, want_y = np.asarray(actual[0]), np.asarray(expected[0])
+        assert y.shape == want_y.shape, (y.shape, want_y.shape)
+        if y.size:
+            group = y.shape[-1] // identical.shape[-1]
+            keep = np.repeat(identical, group, axis=-1)
+            assert_fp8_close(y[keep], want_y[keep])
+    else:
+        assert_fp8_close(actual[0], expected[0])
+        assert_scales_close(scales, want_scales)
     if len(actual) == 3:
         assert_residual_close(actual[2], expected[2])

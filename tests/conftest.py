@@ -103,7 +103,7 @@ def check_against_reference(platform: str, op: str, *args, jit: bool = True, **k
     on the CPU, asserts the spec's accuracy rule and returns ``(outputs, reference)``."""
     out = run_on(platform, getattr(jax_fp8norm, op), *args, jit=jit, **kwargs)
     ref = reference_on_cpu(getattr(jax_fp8norm.reference, op), *args, **kwargs)
-    assert_matches_reference(out, ref)
+    assert_matches_reference(out, ref, power_of_two=kwargs.get("power_of_two_scales") or None)
     return out, ref
 
 
