@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 import math
 import numbers
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -102,10 +103,15 @@ NORM_KEYWORDS: dict[str, tuple[Any, str]] = {
 
 
 def _keywords_doc(indent: str) -> str:
-    lines = []
-    for name, (default, text) in NORM_KEYWORDS.items():
-        lines.append(f"{indent}{name}: {text} Default {_default_repr(default)}.")
-    return "\n".join(lines)
+    return "\n".join(
+        textwrap.fill(
+            f"{name}: {text} Default {_default_repr(default)}.",
+            width=88,
+            initial_indent=indent,
+            subsequent_indent=indent + "  ",
+        )
+        for name, (default, text) in NORM_KEYWORDS.items()
+    )
 
 
 def _default_repr(value: Any) -> str:
@@ -113,11 +119,16 @@ def _default_repr(value: Any) -> str:
 
 
 def norm_keywords(fn: Callable) -> Callable:
-    """Gives ``fn(..., **keywords)`` the signature of the keywords in NORM_KEYWORDS (for
-    help() and IDEs) and puts their descriptions where its docstring says ``{keywords}``.
+    """Gives ``fn(..., **keywords)`` (a function, or a class by its __init__) the signature
+    of the keywords in NORM_KEYWORDS (for help() and IDEs) and puts their descriptions
+    where its docstring says ``{keywords}``.
     ``fn`` hands ``keywords`` to :func:`validate`, which applies the defaults and refuses
     unknown names."""
-    signature = inspect.signature(fn)
+    if isinstance(fn, type):  # a class: its __init__ without self
+        signature = inspect.signature(fn.__init__)
+        signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+    else:
+        signature = inspect.signature(fn)
     parameters = [p for p in signature.parameters.values() if p.kind != p.VAR_KEYWORD]
     parameters += [
         inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform as host_platform
@@ -45,7 +46,17 @@ import numpy as np
 import jax_fp8norm as fp8norm
 from jax_fp8norm import _ffi, reference, testing
 
-OPS = ("rms_norm_fp8", "add_rms_norm_fp8")
+# The ops with other scale layouts: name -> (the op, its keywords). Only the kernel and the
+# reference twin implement them; the other implementations are skipped for these.
+SCALED_OPS = {
+    "rms_norm_fp8/group128": ("rms_norm_fp8", {"group_size": 128}),
+    "rms_norm_fp8/mxfp8": (
+        "rms_norm_fp8",
+        {"group_size": 32, "scale_dtype": jnp.float8_e8m0fnu},
+    ),
+    "rms_norm_fp8/static": ("rms_norm_fp8", {"static_scale": 0.05}),
+}
+OPS = ("rms_norm_fp8", "add_rms_norm_fp8", *SCALED_OPS)
 IMPLS = ("fp8norm", "xla_reference", "xla_formula", "torch_compile", "copy", "numpy_copy")
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
@@ -103,15 +114,21 @@ class Result:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("nan")
 
 
-def op_bytes(op: str, rows: int, hidden: int, dtype, scale_dtype=jnp.float32) -> int:
+def base_op(op: str) -> str:
+    """The op behind a benchmark op name ("rms_norm_fp8/group128" -> "rms_norm_fp8")."""
+    return SCALED_OPS[op][0] if op in SCALED_OPS else op
+
+
+def op_bytes(op: str, rows: int, hidden: int, dtype) -> int:
     """Bytes an op must move: x (and residual) and gamma read; y (and residual_out) and
     the scales written. gamma is counted in x's dtype, y as one byte per element."""
+    keywords = SCALED_OPS[op][1] if op in SCALED_OPS else {}
+    groups = hidden // keywords["group_size"] if "group_size" in keywords else 1
+    scale_bytes = jnp.dtype(keywords.get("scale_dtype", jnp.float32)).itemsize
     itemsize = jnp.dtype(dtype).itemsize
     elements = rows * hidden
-    moved = (
-        elements * itemsize + hidden * itemsize + elements + rows * jnp.dtype(scale_dtype).itemsize
-    )
-    if op == "add_rms_norm_fp8":
+    moved = elements * itemsize + hidden * itemsize + elements + rows * groups * scale_bytes
+    if base_op(op) == "add_rms_norm_fp8":
         moved += 2 * elements * itemsize
     return moved
 
@@ -138,10 +155,15 @@ def formula_add_rms_norm_fp8(x, residual, gamma, eps=reference.DEFAULT_EPS):
 
 
 JAX_IMPLS: dict[str, dict[str, Callable]] = {
-    "fp8norm": {"rms_norm_fp8": fp8norm.rms_norm_fp8, "add_rms_norm_fp8": fp8norm.add_rms_norm_fp8},
+    "fp8norm": {
+        "rms_norm_fp8": fp8norm.rms_norm_fp8,
+        "add_rms_norm_fp8": fp8norm.add_rms_norm_fp8,
+        **{op: functools.partial(getattr(fp8norm, b), **k) for op, (b, k) in SCALED_OPS.items()},
+    },
     "xla_reference": {
         "rms_norm_fp8": reference.rms_norm_fp8,
         "add_rms_norm_fp8": reference.add_rms_norm_fp8,
+        **{op: functools.partial(getattr(reference, b), **k) for op, (b, k) in SCALED_OPS.items()},
     },
     "xla_formula": {
         "rms_norm_fp8": formula_rms_norm_fp8,
@@ -206,7 +228,7 @@ def _inputs(op: str, rows: int, hidden: int, dtype, start: int, stop: int, devic
         kx, kr = jax.random.split(jax.random.fold_in(key, i))
         with jax.default_device(device):
             x = jax.random.normal(kx, (rows, hidden), dtype)
-            if op == "add_rms_norm_fp8":
+            if base_op(op) == "add_rms_norm_fp8":
                 residual = jax.random.normal(kr, (rows, hidden), dtype)
                 sets.append((x, residual, gamma))
             else:
@@ -317,6 +339,8 @@ def bench_shape(
             continue
         if impl == "fp8norm":
             _check_kernel(op, input_sets[0])
+        if op in SCALED_OPS and impl in ("xla_formula", "torch_compile"):
+            continue  # per-row formulas only
         if impl in JAX_IMPLS:
             seconds = device_seconds(JAX_IMPLS[impl][op], input_sets, calls, repeats)
         elif impl == "copy":
@@ -354,10 +378,10 @@ def _impls_of(results: Sequence[Result]) -> list[str]:
 
 def format_table(results: Sequence[Result]) -> str:
     impls = _impls_of(results)
-    header = f"{'op':>17} {'dtype':>8} {'rows':>6} {'hidden':>6} " + "".join(
+    header = f"{'op':>21} {'dtype':>8} {'rows':>6} {'hidden':>6} " + "".join(
         f"{i:>24}" for i in impls
     )
-    lines = [header, " " * 41 + "".join(f"{'us   GB/s':>24}" for _ in impls)]
+    lines = [header, " " * 45 + "".join(f"{'us   GB/s':>24}" for _ in impls)]
     keys = dict.fromkeys((r.op, r.dtype, r.rows, r.hidden) for r in results)
     for op, dtype, rows, hidden in keys:
         row = {
@@ -369,7 +393,7 @@ def format_table(results: Sequence[Result]) -> str:
             f"{row[i].seconds * 1e6:>15.1f} {row[i].gbps:>7.1f} " if i in row else f"{'-':>24}"
             for i in impls
         )
-        lines.append(f"{op:>17} {dtype:>8} {rows:>6} {hidden:>6} {cells}")
+        lines.append(f"{op:>21} {dtype:>8} {rows:>6} {hidden:>6} {cells}")
     return "\n".join(lines)
 
 
@@ -385,7 +409,7 @@ def summary(results: Sequence[Result]) -> list[str]:
         ]
         for impl in (i for i in row if i.startswith("fp8norm")):
             mine = row[impl]
-            parts = [f"{key[0]:>17} {key[1]:>8} {key[2]:>6} x {key[3]:<6}"]
+            parts = [f"{key[0]:>21} {key[1]:>8} {key[2]:>6} x {key[3]:<6}"]
             if impl != "fp8norm":
                 parts.append(f"{impl.removeprefix('fp8norm:'):>15}")
             if mine.seconds <= 0:

@@ -58,6 +58,40 @@ BAD_KEYWORDS = [
     (dict(scale_ub=float("nan")), ValueError, "scale_ub must be"),
     (dict(scale_ub=1e-50), ValueError, "scale_ub=.* rounds to zero"),
     (dict(scale_ub="big"), TypeError, "scale_ub must be"),
+    (dict(scale_dtype=jnp.float8_e5m2), TypeError, "scale_dtype must be"),
+    (dict(group_size=0), ValueError, "group_size must be positive"),
+    (dict(group_size=-4), ValueError, "group_size must be positive"),
+    (dict(group_size=5), ValueError, "group_size=5 must divide N"),
+    (dict(group_size=32), ValueError, "group_size=32 must divide N"),
+    (dict(group_size=4.0), TypeError, "group_size must be"),
+    (dict(group_size=True), TypeError, "group_size must be"),
+    (dict(group_size="4"), TypeError, "group_size must be"),
+    (dict(group_size=jnp.int32(4)), TypeError, "group_size must be"),
+    (dict(power_of_two_scales=1), TypeError, "power_of_two_scales must be a bool"),
+    (dict(power_of_two_scales="yes"), TypeError, "power_of_two_scales must be a bool"),
+    (
+        dict(power_of_two_scales=True, scale_dtype=jnp.float16),
+        ValueError,
+        "power_of_two_scales needs",
+    ),
+    (dict(static_scale=jnp.ones((2,), jnp.float32)), ValueError, "static_scale must have shape"),
+    (dict(static_scale=jnp.ones((1, 1), jnp.float32)), ValueError, "static_scale must have shape"),
+    (dict(static_scale=jnp.int32(1)), TypeError, "static_scale must have a float dtype"),
+    (dict(static_scale="0.1"), TypeError, "static_scale must be"),
+    (dict(static_scale=True), TypeError, "static_scale must be"),
+    (dict(static_scale=0.1, group_size=4), ValueError, "static_scale .* excludes group_size"),
+    (dict(static_scale=0.1, scale_ub=1.0), ValueError, "static_scale .* excludes scale_ub"),
+    (
+        dict(static_scale=0.1, power_of_two_scales=True),
+        ValueError,
+        "static_scale .* excludes power_of_two_scales",
+    ),
+    (
+        dict(static_scale=0.1, scale_dtype=jnp.float8_e8m0fnu),
+        ValueError,
+        "static_scale .* excludes scale_dtype=float8_e8m0fnu",
+    ),
+    (dict(group_sizes=4), TypeError, "unexpected keyword argument.*group_sizes"),
 ]
 
 
@@ -115,13 +149,24 @@ def test_valid_keywords_are_accepted():
     assert y.dtype == jnp.float8_e4m3fnuz and scales.dtype == jnp.float16
 
 
-def _ffi(target, outs, *args, eps=1e-6, weight_offset=0.0, scale_ub=np.inf):
+def _ffi(
+    target,
+    outs,
+    *args,
+    eps=1e-6,
+    weight_offset=0.0,
+    scale_ub=np.inf,
+    group_size=0,
+    power_of_two_scales=False,
+):
     call = jax.ffi.ffi_call(target, outs)
     return call(
         *args,
         eps=np.float32(eps),
         weight_offset=np.float32(weight_offset),
         scale_ub=np.float32(scale_ub),
+        group_size=np.int64(group_size),
+        power_of_two_scales=power_of_two_scales,
     )
 
 
@@ -149,6 +194,24 @@ HANDLER_CASES = [
         "x must have rank >= 1",
     ),
     (GOOD_OUTS, (X, jnp.float32(1.0)), {}, "gamma must have shape"),
+    (GOOD_OUTS, (X, GAMMA), dict(group_size=5), "group_size must be"),
+    (GOOD_OUTS, (X, GAMMA), dict(group_size=-1), "group_size must be"),
+    (GOOD_OUTS, (X, GAMMA), dict(group_size=4), "scales must have shape"),
+    ((GOOD_OUTS[0], _sds((4, 1), jnp.float8_e8m0fnu)), (X, GAMMA), {}, "power_of_two_scales"),
+    (
+        (GOOD_OUTS[0], _sds((4, 1), jnp.float16)),
+        (X, GAMMA),
+        dict(power_of_two_scales=True),
+        "power-of-two",
+    ),
+    (GOOD_OUTS, (X, GAMMA, jnp.ones((2,), jnp.float32)), {}, "static_scale must be"),
+    (GOOD_OUTS, (X, GAMMA, jnp.ones((1,), jnp.float16)), {}, "static_scale must be"),
+    (
+        (GOOD_OUTS[0], _sds((4, 4), jnp.float32)),
+        (X, GAMMA, jnp.ones((1,), jnp.float32)),
+        dict(group_size=4),
+        "static_scale excludes",
+    ),
 ]
 
 

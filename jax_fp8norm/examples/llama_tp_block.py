@@ -52,6 +52,8 @@ class Config:
     head_dim: int = 64
     d_ff: int = 2816
     eps: float = 1e-5
+    # None: one activation scale per row; G: one per 1xG group (128: DeepSeek-V3 style).
+    group_size: int | None = None
 
 
 def init_params(config: Config, key: jax.Array) -> dict[str, jax.Array]:
@@ -143,14 +145,14 @@ def tp_block(h0: jax.Array, params: dict, config: Config):
     eps = config.eps
     attn_partial = _attention(h0, p["wq"], p["wk"], p["wv"], p["wo"], p["attn_norm"], config)
     y, scales, h1 = fp8norm.allreduce_residual_rms_norm_fp8(
-        attn_partial, h0, p["mlp_norm"], axis_name="tp", eps=eps
+        attn_partial, h0, p["mlp_norm"], axis_name="tp", eps=eps, group_size=config.group_size
     )
     gate = fp8_matmul(y, scales, p["w_gate"], p["w_gate_scale"])
     up = fp8_matmul(y, scales, p["w_up"], p["w_up_scale"])
     act = (jax.nn.silu(gate.astype(jnp.float32)) * up).astype(jnp.bfloat16)
     mlp_partial = act @ p["w_down"]
     return fp8norm.allreduce_residual_rms_norm_fp8(
-        mlp_partial, h1, p["next_norm"], axis_name="tp", eps=eps
+        mlp_partial, h1, p["next_norm"], axis_name="tp", eps=eps, group_size=config.group_size
     )
 
 
@@ -198,7 +200,7 @@ def run(
     expected_next, expected_residual = jax.jit(reference_block, static_argnums=2)(
         h0, params, config
     )
-    dequantised = np.asarray(y, np.float32) * np.asarray(scales, np.float32)
+    dequantised = np.asarray(fp8norm.reference.dequantize(y, scales))
     errors = {
         "residual": relative_error(residual, expected_residual),
         "next_input": relative_error(dequantised, expected_next),
@@ -212,21 +214,25 @@ def run(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Tensor-parallel Llama block with FP8 MLP")
     parser.add_argument("--tp", type=int, default=8, help="tensor-parallel degree")
+    parser.add_argument(
+        "--group-size", type=int, default=None, help="activation scales per 1xG group"
+    )
     args = parser.parse_args(argv)
     # Virtual CPU devices must be requested before jax's backends start.
     jax.config.update("jax_num_cpu_devices", max(args.tp, 1))
-    return report(args.tp)
+    return report(args.tp, args.group_size)
 
 
-def report(tp: int) -> int:
-    errors = run(tp)
+def report(tp: int, group_size: int | None = None) -> int:
+    errors = run(tp, Config(group_size=group_size))
     ok = (
         errors["residual"] <= RESIDUAL_TOLERANCE
         and errors["next_input"] <= NEXT_INPUT_TOLERANCE
         and errors["devices_identical"] == 1.0
     )
+    scales = "per-row scales" if group_size is None else f"scales per 1x{group_size} group"
     print(
-        f"Llama block, tp={tp} on {errors['platform']}: relative error against the bf16 "
+        f"Llama block, tp={tp} on {errors['platform']}, {scales}: relative error against the bf16 "
         f"block: residual stream {errors['residual']:.4f} (tolerance {RESIDUAL_TOLERANCE}), "
         f"dequantised next-block input {errors['next_input']:.4f} "
         f"(tolerance {NEXT_INPUT_TOLERANCE}); outputs identical on every device: "
