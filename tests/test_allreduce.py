@@ -121,6 +121,32 @@ else:
         assert out[0].dtype == jnp.float8_e4m3fnuz and out[1].dtype == jnp.bfloat16
         assert_matches_reference(_numpy(out), _numpy(ref))
 
+    @pytest.mark.parametrize(
+        "kw",
+        [
+            dict(group_size=128),
+            dict(group_size=32, scale_dtype=jnp.float8_e8m0fnu),
+            dict(group_size=128, power_of_two_scales=True, reduce_dtype=jnp.float32),
+            dict(static_scale=0.02),
+        ],
+        ids=["group128", "mxfp8", "ue8m0-float32", "static"],
+    )
+    def test_block_scaled_and_static_scales(kw):
+        mesh = _mesh(4)
+        partials, residual, gamma = _inputs(4, 17, 1024)
+        out, ref = _kernel_and_reference(mesh, partials, residual, gamma, **kw)
+        groups = 1024 // kw["group_size"] if "group_size" in kw else 1
+        assert out[1].shape == (17, groups)
+        assert_same_bits(out, ref)
+        _assert_same_on_every_device(out)
+        # The wrapper for callers outside shard_map, a static scale as an array.
+        if "static_scale" in kw:
+            kw = dict(static_scale=jnp.float32(kw["static_scale"]))
+        wrapped = fp8norm.sharded_allreduce_residual_rms_norm_fp8(
+            partials, residual, gamma, mesh=mesh, axis_name="tp", **kw
+        )
+        assert_same_bits(wrapped, out)
+
     def test_sharded_wrapper_for_callers_outside_shard_map():
         mesh = _mesh(8)
         partials, residual, gamma = _inputs(8, 17, 4096)

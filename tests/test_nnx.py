@@ -42,3 +42,25 @@ def test_weight_gets_a_gradient():
     )
     np.testing.assert_array_equal(np.asarray(grads.weight[...]), np.asarray(expected))
     assert np.any(np.asarray(expected) != 0)
+
+
+def test_module_with_block_scales_and_a_static_scale(platform):
+    x = random_rows(5, (4, 256), jnp.bfloat16)
+    gamma = np.ones(256, np.float32)
+    with jax.default_device(device_of(platform)):
+        grouped = RMSNormFP8(256, group_size=128, scale_dtype=jnp.float8_e8m0fnu)
+        y, scales = nnx.jit(lambda m, x: m(x))(grouped, x)
+        assert scales.shape == (4, 2) and scales.dtype == jnp.float8_e8m0fnu
+        want = fp8norm.rms_norm_fp8(x, gamma, group_size=128, scale_dtype=jnp.float8_e8m0fnu)
+        assert_same_bits((y, scales), want)
+        calibrated = RMSNormFP8(256, static_scale=jnp.float32(0.02), dequantize=True)
+        got = nnx.jit(lambda m, x: m(x))(calibrated, x)
+        want = fp8norm.rms_norm_fp8_dequantized(x, gamma, static_scale=0.02)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_module_checks_its_keywords_when_made():
+    with pytest.raises(ValueError, match="group_size=100 must divide N"):
+        RMSNormFP8(256, group_size=100)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        RMSNormFP8(256, group=128)

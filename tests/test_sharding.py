@@ -112,6 +112,39 @@ else:
                 assert out.sharding.spec == rows, (out.sharding, rows)
                 assert aval.sharding.spec == rows, (aval.sharding, rows)
 
+    BLOCK_SCALINGS = {
+        "group128": dict(group_size=128),
+        "mxfp8": dict(group_size=32, scale_dtype=jnp.float8_e8m0fnu),
+        "static": dict(static_scale=0.05),
+    }
+
+    @pytest.mark.parametrize("scaling", list(BLOCK_SCALINGS))
+    @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+    def test_block_scaled_rows_stay_sharded(axis_type, scaling):
+        # Scales per group ([..., N // G]) keep the rows' sharding like the per-row ones;
+        # a calibrated scale, here a jit argument, is replicated. No collective anywhere.
+        mesh = _mesh(axis_type=axis_type)
+        x, residual, gamma = _args(fp8norm.add_rms_norm_fp8, (64, 512))
+        kw = dict(BLOCK_SCALINGS[scaling])
+        static = kw.pop("static_scale", None)
+
+        def op(x, residual, gamma, *scale):
+            extra = {"static_scale": scale[0]} if scale else {}
+            return fp8norm.add_rms_norm_fp8(x, residual, gamma, **kw, **extra)
+
+        spec = P("d", None)
+        placed = [jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, residual)]
+        scale = () if static is None else (np.float32(static),)
+        fn = jax.jit(op)
+        outs = fn(*placed, gamma, *scale)
+        hlo = fn.lower(*placed, gamma, *scale).compile().as_text()
+        assert not collectives_in(hlo), collectives_in(hlo)
+        assert hlo.count('custom_call_target="fp8norm_') == 1
+        for out in outs:
+            assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec), out.ndim), out.sharding
+        assert outs[1].shape == (64, 512 // kw["group_size"] if "group_size" in kw else 1)
+        assert_same_bits(outs, _single_device(op, x, residual, gamma, *scale))
+
     def test_explicit_axes_residual_unlike_x_and_vmap_over_a_sharded_axis():
         mesh = _mesh((8,), ("a",), AxisType.Explicit)
         x, residual, gamma = _args(fp8norm.add_rms_norm_fp8, (16, 256))

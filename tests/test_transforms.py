@@ -141,3 +141,41 @@ def test_export_without_disabled_checks_names_the_target():
     gamma = jnp.ones((64,), jnp.float32)
     with pytest.raises(ValueError, match=fp8norm.FFI_TARGETS[0]):
         jax.export.export(jax.jit(fp8norm.rms_norm_fp8), platforms=["cpu"])(x, gamma)
+
+
+BLOCK_SCALINGS = {
+    "group128": dict(group_size=128),
+    "mxfp8": dict(group_size=32, scale_dtype=jnp.float8_e8m0fnu),
+    "ue8m0": dict(group_size=64, power_of_two_scales=True),
+}
+
+
+@pytest.mark.parametrize("scaling", list(BLOCK_SCALINGS))
+def test_export_and_aot_with_block_scales_and_a_static_scale(platform, scaling):
+    pytest.importorskip("flatbuffers", reason="jax.export's serialisation needs flatbuffers")
+    x = random_rows(16, (2, 8, 512), jnp.bfloat16)
+    residual = random_rows(17, (2, 8, 512), jnp.bfloat16)
+    gamma = random_gamma(18, 512, jnp.float32)
+    kw = BLOCK_SCALINGS[scaling]
+
+    def layer(x, residual, gamma, act_scale):
+        y, scales, h = fp8norm.add_rms_norm_fp8(x, residual, gamma, **kw)
+        y2, s2 = fp8norm.rms_norm_fp8(h, gamma, static_scale=act_scale)
+        return fp8norm.reference.dequantize(y, scales), y2, s2
+
+    act_scale = np.float32(0.03)
+    exported = jax.export.export(
+        jax.jit(layer),
+        platforms=["cuda" if platform == "gpu" else "cpu"],
+        disabled_checks=fp8norm.EXPORT_DISABLED_CHECKS,
+    )(x, residual, gamma, act_scale)
+    restored = jax.export.deserialize(exported.serialize())
+    device = device_of(platform)
+    args = [jax.device_put(a, device) for a in (x, residual, gamma, act_scale)]
+    want = jax.jit(layer)(*args)
+    assert_same_bits(restored.call(*args), want)
+    compiled = jax.jit(layer).lower(*args).compile()
+    assert_same_bits(compiled(*args), want)
+    # Another calibrated scale through the same compiled function.
+    args[3] = jax.device_put(np.float32(0.06), device)
+    assert_same_bits(compiled(*args), jax.jit(layer)(*args))

@@ -275,15 +275,14 @@ __device__ __forceinline__ void SharedGroups(const RmsNormFp8Args& a, int64_t ro
   __syncthreads();
 }
 
+// Sweep 1 of a row: h = x (+ residual), residual_out, h cached (when `cache`), and the
+// row's sum of squares, which every thread of the block gets.
 template <typename TIn, int kVec>
-__device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
-                                           float* cache /*[kVec][hidden / kVec] or null*/,
-                                           SharedScratch& scratch) {
-  const int64_t n = a.hidden;
-  const int64_t num_vecs = n / kVec;
+__device__ __forceinline__ float RowSumOfSquares(const RmsNormFp8Args& a, int64_t row,
+                                                 float* cache /*[kVec][hidden / kVec] or null*/,
+                                                 SharedScratch& scratch) {
+  const int64_t num_vecs = a.hidden / kVec;
   const auto [x, residual, residual_out, y] = RowOf<TIn>(a, row);
-
-  // Sweep 1: h, residual_out, sum of squares.
   SumOfSquares acc{0.0f, 0.0f};
   for (int64_t i = threadIdx.x; i < num_vecs; i += blockDim.x) {
     float h[kVec];
@@ -298,12 +297,27 @@ __device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
   acc = BlockReduce(
       acc, SumOfSquares{0.0f, 0.0f}, [](SumOfSquares v) { return WarpSum(v); }, scratch.sum_partial,
       &scratch.sum_result);
-  const float sum_sq = Total(acc);
+  return Total(acc);
+}
+
+// A row with scales per group: sweep 1, then SharedGroups.
+template <typename TIn, int kVec>
+__device__ __forceinline__ void ProcessGroupedRow(const RmsNormFp8Args& a, int64_t row,
+                                                  float* cache /*[kVec][hidden / kVec] or null*/,
+                                                  SharedScratch& scratch) {
+  const float sum_sq = RowSumOfSquares<TIn, kVec>(a, row, cache, scratch);
+  SharedGroups<TIn, kVec>(a, row, cache, sum_sq, InverseRms(sum_sq, a.hidden, a.constants.eps));
+}
+
+template <typename TIn, int kVec>
+__device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
+                                           float* cache /*[kVec][hidden / kVec] or null*/,
+                                           SharedScratch& scratch) {
+  const int64_t n = a.hidden;
+  const int64_t num_vecs = n / kVec;
+  const auto [x, residual, residual_out, y] = RowOf<TIn>(a, row);
+  const float sum_sq = RowSumOfSquares<TIn, kVec>(a, row, cache, scratch);
   const float r = InverseRms(sum_sq, n, a.constants.eps);
-  if (!PerRowScale(a)) {
-    SharedGroups<TIn, kVec>(a, row, cache, sum_sq, r);
-    return;
-  }
 
   // Sweep 2: n and its abs-max.
   uint32_t amax = 0;
@@ -349,17 +363,25 @@ __device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
 }
 
 // grid: any number of blocks (rows are strided over them); block: a multiple of 32 threads.
-// Dynamic shared memory: hidden floats when `cached`, none otherwise.
-template <typename TIn>
+// Dynamic shared memory: hidden floats when `cached`, none otherwise. kGroups: scales per
+// group, a kernel of its own so that its registers do not weigh on the per-row one.
+template <typename TIn, bool kGroups>
 __global__ void __launch_bounds__(kMaxThreads)
     BlockSharedKernel(const RmsNormFp8Args a, const bool vectorized, const bool cached) {
   float* const cache = DynamicShared<float>();
   SharedScratch& scratch = StaticShared<SharedScratch>();
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    if (vectorized) {
-      ProcessRow<TIn, kVecOf<TIn>>(a, row, cached ? cache : nullptr, scratch);
+    float* const row_cache = cached ? cache : nullptr;
+    if constexpr (kGroups) {
+      if (vectorized) {
+        ProcessGroupedRow<TIn, kVecOf<TIn>>(a, row, row_cache, scratch);
+      } else {
+        ProcessGroupedRow<TIn, 1>(a, row, row_cache, scratch);
+      }
+    } else if (vectorized) {
+      ProcessRow<TIn, kVecOf<TIn>>(a, row, row_cache, scratch);
     } else {
-      ProcessRow<TIn, 1>(a, row, cached ? cache : nullptr, scratch);
+      ProcessRow<TIn, 1>(a, row, row_cache, scratch);
     }
   }
 }
@@ -391,38 +413,16 @@ __device__ __forceinline__ T GroupReduce(T v, T identity, WarpOp warp_op, T* par
   return warp_op(lane < group_warps ? partial[first + lane] : identity);
 }
 
-// The register variants' scales per group (GroupFitsRegisters): a group within one vector
-// (group_size dividing the vector width) is reduced in the thread; a group of V whole
-// vectors (V a power of two up to 32) is held by V consecutive lanes, vector i of the row
-// in lane i % threads_per_row, and reduced by log2(V) shuffles, no barrier. Every lane of
-// the warp calls it (the shuffles need all 32), held vectors or not.
+// The register variants' scales per group (GroupFitsRegisters): a group of V whole vectors
+// (V a power of two up to 32) is held by V consecutive lanes, vector i of the row in lane
+// i % threads_per_row, and reduced by log2(V) shuffles, no barrier. Every lane of the warp
+// calls it (the shuffles need all 32), held vectors or not.
 template <int kVec, int kVecs, typename Held, typename Index>
 __device__ __forceinline__ void RegisterGroups(const RmsNormFp8Args& a, int64_t row,
                                                const float (&normed)[kVecs][kVec], Held held,
                                                Index index, float sum_sq, uint8_t* y) {
-  const int64_t group = a.group_size;
-  const int64_t groups = a.hidden / group;
-  if (group < kVec) {
-#pragma unroll
-    for (int k = 0; k < kVecs; ++k) {
-      if (!held(k)) continue;
-      float recip[kVec];
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        uint32_t amax = 0;
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          if (j / group == e / group) amax = max(amax, AbsBits(normed[k][j]));
-        }
-        const RowScale s = ComputeScale(sum_sq, amax, a.out_format, a.scale_type, a.constants);
-        recip[e] = s.recip;
-        if (e % group == 0) StoreScale(a, row * groups + (index(k) * kVec + e) / group, s.scale);
-      }
-      StoreFp8<kVec>(y, index(k), normed[k], recip, a.out_format);
-    }
-    return;
-  }
-  const int lanes = static_cast<int>(group / kVec);
+  const int lanes = static_cast<int>(a.group_size / kVec);
+  const int64_t groups = a.hidden / a.group_size;
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
     uint32_t amax = 0;
@@ -623,27 +623,37 @@ cudaError_t SetUpKernels(const DeviceLimits& device, DeviceLimits* block_shared)
        kBlockRegistersMaxThreads);
   load(BlockRegistersKernel<TIn, 4>, "block_registers", kRegisterScratch,
        kBlockRegistersMaxThreads);
-  // Last: its attributes are read below.
-  load(BlockSharedKernel<TIn>, "block_shared", sizeof(SharedScratch), kMaxThreads);
   if (err != cudaSuccess) return err;
+  // block_shared, per row and per group: each loaded, its static size read and its
+  // dynamic-size attribute set; the plan keeps to the stricter of the two.
   *block_shared = device;
-  block_shared->static_shared_bytes = attributes.sharedSizeBytes;
-  const size_t most_dynamic = device.optin_shared_bytes > attributes.sharedSizeBytes
-                                  ? device.optin_shared_bytes - attributes.sharedSizeBytes
-                                  : 0;
-  err = cudaFuncSetAttribute(BlockSharedKernel<TIn>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(most_dynamic));
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    // Refused inside graph capture: nothing is kept, so that a call outside capture sets
-    // it. Refused otherwise: the plan keeps to what the kernel allows as it is.
-    if (IsCaptureError(err)) return err;
-  }
-  err = cudaFuncGetAttributes(&attributes, BlockSharedKernel<TIn>);
-  if (err != cudaSuccess) return err;
-  block_shared->max_dynamic_shared_bytes =
-      static_cast<size_t>(std::max(0, attributes.maxDynamicSharedSizeBytes));
-  return cudaSuccess;
+  block_shared->static_shared_bytes = 0;
+  block_shared->max_dynamic_shared_bytes = SIZE_MAX;
+  const auto set_up = [&](auto kernel) {
+    if (err != cudaSuccess) return;
+    err = LoadKernel(kernel, "block_shared", sizeof(SharedScratch), kMaxThreads, &attributes);
+    if (err != cudaSuccess) return;
+    const size_t static_bytes = attributes.sharedSizeBytes;
+    block_shared->static_shared_bytes = std::max(block_shared->static_shared_bytes, static_bytes);
+    const size_t most_dynamic =
+        device.optin_shared_bytes > static_bytes ? device.optin_shared_bytes - static_bytes : 0;
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(most_dynamic));
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      // Refused inside graph capture: nothing is kept, so that a call outside capture sets
+      // it. Refused otherwise: the plan keeps to what the kernel allows as it is.
+      if (IsCaptureError(err)) return;
+    }
+    err = cudaFuncGetAttributes(&attributes, kernel);
+    if (err != cudaSuccess) return;
+    block_shared->max_dynamic_shared_bytes =
+        std::min(block_shared->max_dynamic_shared_bytes,
+                 static_cast<size_t>(std::max(0, attributes.maxDynamicSharedSizeBytes)));
+  };
+  set_up(BlockSharedKernel<TIn, false>);
+  set_up(BlockSharedKernel<TIn, true>);
+  return err;
 }
 
 cudaError_t SetUpDevice(int device, DeviceSetup* setup) {
@@ -718,8 +728,10 @@ cudaError_t LaunchPlanned(cudaStream_t stream, const RmsNormFp8Args& a, const La
       return LaunchKernel(kernel, p.blocks, p.threads, 0, stream, a);
     }
     default:
-      return LaunchKernel(BlockSharedKernel<TIn>, p.blocks, p.threads, p.dynamic_shared_bytes,
-                          stream, a, p.vectorized, p.cached);
+      return LaunchKernel(PerRowScale(a) ? BlockSharedKernel<TIn, false>
+                                         : BlockSharedKernel<TIn, true>,
+                          p.blocks, p.threads, p.dynamic_shared_bytes, stream, a, p.vectorized,
+                          p.cached);
   }
 }
 

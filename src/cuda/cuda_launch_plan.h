@@ -136,14 +136,14 @@ inline bool FitBlockRegisters(int64_t num_vecs, int* threads, int* vectors) {
   return false;
 }
 
-// Whether the register variants' group paths hold groups of `group_size` elements in
-// vectors of `width`: groups within one vector, or 1 to 32 whole vectors (a power of two)
-// on consecutive lanes of a warp. Other sizes go to block_shared.
+// Whether the register variants' group path holds groups of `group_size` elements in
+// vectors of `width`: 1 to 32 whole vectors (a power of two) on consecutive lanes of a
+// warp. Other sizes (smaller than a vector, or odd multiples) go to block_shared: a path
+// for them in the register kernels would cost every call registers.
 constexpr bool GroupFitsRegisters(int64_t group_size, int width) {
-  if (group_size <= 0) return false;
-  if (width % group_size == 0) return true;
+  if (group_size <= 0 || group_size % width != 0) return false;
   const int64_t lanes = group_size / width;
-  return group_size % width == 0 && lanes <= kWarp && (lanes & (lanes - 1)) == 0;
+  return lanes <= kWarp && (lanes & (lanes - 1)) == 0;
 }
 
 inline LaunchPlan PlanRmsNormFp8Launch(const RmsNormFp8Args& a, const DeviceLimits& limits,

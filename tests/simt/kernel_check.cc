@@ -62,6 +62,9 @@ struct Case {
   int limits;       // index into kLimits
   bool specials;    // rows of zeros, an Inf and a NaN
   float scale_ub;
+  int64_t group_size = 0;     // 0: one scale per row
+  bool power_of_two = false;  // power-of-two scales (set for e8m0)
+  float static_scale = 0.0f;  // a calibrated scale when nonzero
 };
 
 struct Rng {
@@ -118,7 +121,10 @@ bool SameBytes(const ExactBuffer& got, const ExactBuffer& want, const std::strin
 }
 
 const char* TypeName(FloatType t) {
-  return t == FloatType::kF32 ? "f32" : t == FloatType::kF16 ? "f16" : "bf16";
+  return t == FloatType::kF32   ? "f32"
+         : t == FloatType::kF16 ? "f16"
+         : t == FloatType::kE8M0 ? "e8m0"
+                                 : "bf16";
 }
 
 struct Coverage {
@@ -158,9 +164,12 @@ bool RunCase(const Case& c, KernelVariant variant, Coverage& coverage, int* runs
   struct Outputs {
     ExactBuffer y, scales, residual_out;
   };
+  const int64_t groups = c.group_size > 0 ? c.hidden / c.group_size : 1;
+  ExactBuffer static_scale(c.static_scale != 0.0f ? sizeof(float) : 0);
+  if (c.static_scale != 0.0f) std::memcpy(static_scale.data, &c.static_scale, sizeof(float));
   auto make_outputs = [&]() {
     return Outputs{ExactBuffer(elements),  // y: one byte per FP8 element
-                   ExactBuffer(static_cast<size_t>(c.rows) * FloatTypeBytes(c.scale)),
+                   ExactBuffer(static_cast<size_t>(c.rows * groups) * FloatTypeBytes(c.scale)),
                    ExactBuffer(c.residual ? elements * FloatTypeBytes(residual_type) : 0)};
   };
   Outputs emulated = make_outputs(), cpu = make_outputs();
@@ -180,17 +189,23 @@ bool RunCase(const Case& c, KernelVariant variant, Coverage& coverage, int* runs
     a.gamma_type = c.gamma;
     a.scale_type = c.scale;
     a.out_format = c.out;
-    a.constants = RowConstants{RoundTo(c.input, 1e-6f), RoundTo(c.input, 0.5f), c.scale_ub};
+    a.constants =
+        RowConstants{RoundTo(c.input, 1e-6f), RoundTo(c.input, 0.5f), c.scale_ub, c.power_of_two};
+    a.group_size = c.group_size > 0 ? c.group_size : c.hidden;
+    a.static_scale =
+        c.static_scale != 0.0f ? reinterpret_cast<const float*>(static_scale.data) : nullptr;
     return a;
   };
 
-  char name_text[240];
+  char name_text[300];
   std::snprintf(name_text, sizeof(name_text),
-                "%s %lldx%lld %s residual=%d gamma=%s scale=%s %s misalign=%zu limits=%s%s",
+                "%s %lldx%lld %s residual=%d gamma=%s scale=%s %s misalign=%zu limits=%s%s "
+                "group=%lld pow2=%d static=%g",
                 VariantName(variant), static_cast<long long>(c.rows),
                 static_cast<long long>(c.hidden), TypeName(c.input), c.residual, TypeName(c.gamma),
                 TypeName(c.scale), c.out == Fp8Format::kE4M3FN ? "e4m3fn" : "e4m3fnuz", c.misalign,
-                limits.name, c.specials ? " specials" : "");
+                limits.name, c.specials ? " specials" : "", static_cast<long long>(c.group_size),
+                c.power_of_two, c.static_scale);
   const std::string name = name_text;
 
   const RmsNormFp8Args emulated_args = args_for(emulated);
@@ -210,6 +225,7 @@ bool RunCase(const Case& c, KernelVariant variant, Coverage& coverage, int* runs
     buffers.Add("gamma", gamma.data, gamma.bytes);
     buffers.Add("y", emulated.y.data, emulated.y.bytes);
     buffers.Add("scales", emulated.scales.data, emulated.scales.bytes);
+    if (c.static_scale != 0.0f) buffers.Add("static_scale", static_scale.data, static_scale.bytes);
     if (c.residual)
       buffers.Add("residual_out", emulated.residual_out.data, emulated.residual_out.bytes);
     status = LaunchRmsNormFp8(nullptr, 0, emulated_args);
@@ -262,6 +278,12 @@ bool RunCase(const Case& c, KernelVariant variant, Coverage& coverage, int* runs
   if (c.hidden % VectorWidth(FloatTypeBytes(c.input)) != 0)
     coverage.Add("hidden not a vector multiple");
   if (c.specials) coverage.Add("zero, Inf and NaN rows");
+  if (c.group_size > 0 && c.group_size < c.hidden) {
+    coverage.Add(v + (variant == KernelVariant::kBlockShared ? ", groups per thread"
+                                                             : ", groups by shuffles"));
+  }
+  if (c.power_of_two) coverage.Add(std::string("power-of-two ") + TypeName(c.scale) + " scales");
+  if (c.static_scale != 0.0f) coverage.Add(v + ", static scale");
   return ok;
 }
 
@@ -354,6 +376,55 @@ int Main(bool quick) {
       }
     }
   }
+  // Scales per group (sizes within a vector, shuffled across 1-32 vectors, and others),
+  // power-of-two and e8m0 scales, and calibrated scales (valid, invalid, and one whose
+  // reciprocal is flushed).
+  const int64_t group_hiddens_full[] = {96, 384, 1024, 7168};
+  const int64_t group_hiddens_quick[] = {96, 384};
+  const std::vector<int64_t> group_hiddens =
+      quick ? std::vector<int64_t>(std::begin(group_hiddens_quick), std::end(group_hiddens_quick))
+            : std::vector<int64_t>(std::begin(group_hiddens_full), std::end(group_hiddens_full));
+  const float static_scales[] = {0.05f, -1.0f, 0x1p127f, 0.002f};
+  int g = 0;
+  for (const int64_t hidden : group_hiddens) {
+    for (const int64_t group : {int64_t{1}, int64_t{3}, int64_t{32}, int64_t{64}, int64_t{128}}) {
+      if (hidden % group != 0) continue;
+      for (const FloatType input : inputs) {
+        Case c{};
+        c.rows = quick ? 3 : 6;
+        c.hidden = hidden;
+        c.input = input;
+        c.residual = g % 3 == 1 ? 1 : 0;
+        c.gamma = g % 2 ? FloatType::kBF16 : FloatType::kF32;
+        const FloatType group_scales[] = {FloatType::kF32, FloatType::kE8M0, FloatType::kBF16,
+                                          FloatType::kF32};
+        c.scale = group_scales[g % 4];
+        c.power_of_two = g % 4 != 0;
+        c.out = g % 5 == 4 ? Fp8Format::kE4M3FNUZ : Fp8Format::kE4M3FN;
+        c.misalign = g % 6 == 5 ? FloatTypeBytes(input) : 0;
+        c.limits = g % 4;
+        c.specials = g % 3 == 2;
+        c.scale_ub = g % 7 == 3 ? 0.01f : INFINITY;
+        c.group_size = group;
+        cases.push_back(c);
+        ++g;
+      }
+    }
+    Case c{};
+    c.rows = quick ? 3 : 6;
+    c.hidden = hidden;
+    c.input = inputs[g % 3];
+    c.residual = g % 2;
+    c.gamma = FloatType::kF32;
+    c.scale = scales[g % 3];
+    c.out = Fp8Format::kE4M3FN;
+    c.specials = true;
+    c.scale_ub = INFINITY;
+    c.static_scale = static_scales[g % 4];
+    c.limits = g % 4;
+    cases.push_back(c);
+    ++g;
+  }
   Coverage coverage;
   int failures = CheckEmulator() + CheckRound();
   int runs = 0;
@@ -388,7 +459,16 @@ int Main(bool quick) {
                             "16-bit residual beside float32 x",
                             "misaligned x",
                             "hidden not a vector multiple",
-                            "zero, Inf and NaN rows"};
+                            "zero, Inf and NaN rows",
+                            "block_shared, groups per thread",
+                            "warp_rows, groups by shuffles",
+                            "block_registers, groups by shuffles",
+                            "power-of-two e8m0 scales",
+                            "power-of-two f32 scales",
+                            "power-of-two bf16 scales",
+                            "block_shared, static scale",
+                            "warp_rows, static scale",
+                            "block_registers, static scale"};
   std::printf("%zu cases, %d launches over the variants, %d failed; launch paths reached:\n",
               cases.size(), runs, failures);
   for (const auto& [path, count] : coverage.paths) std::printf("  %-34s %d\n", path.c_str(), count);
