@@ -490,14 +490,19 @@ __device__ __forceinline__ void RegisterRow(const RmsNormFp8Args& a, int64_t row
       if (held(k)) amax = max(amax, AbsBits(h[k][e]));
     }
   }
+  // Scales per group, or a calibrated scale, need no block-wide abs-max: the whole launch
+  // skips that reduction. Its barrier stays, when the sum's reduction crossed warps: it
+  // keeps the next row's sum slots from being written before every warp has read these.
+  const bool row_max = PerRowScale(a) && a.static_scale == nullptr;
+  if (row_max) {
+    amax = GroupReduce(
+        amax, 0u, [](uint32_t v) { return WarpMax(v); }, scratch.max_partial, group_warps);
+  } else if (group_warps > 1) {
+    __syncthreads();
+  }
   if (!PerRowScale(a)) {
     RegisterGroups<kVec, kVecs>(a, row, h, held, index, sum_sq, y);
     return;
-  }
-  // The calibrated scale needs no abs-max: the whole launch skips the reduction.
-  if (a.static_scale == nullptr) {
-    amax = GroupReduce(
-        amax, 0u, [](uint32_t v) { return WarpMax(v); }, scratch.max_partial, group_warps);
   }
   if (!valid) return;
   const RowScale s = RowScaleOf(a, sum_sq, amax);
