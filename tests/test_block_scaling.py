@@ -348,13 +348,14 @@ def test_dequantized_twins_repeat_group_scales(platform):
 )
 def test_rows_strided_over_few_blocks(platform, kw):
     # A grid of 3 blocks makes each block take several rows in turn, with rows held by
-    # several warps (block_registers: 1024 bf16 = 2 warps of 2 vectors). Without the
+    # several warps (4096 bf16: 4 warps of 4 vectors in warp_rows, 8 warps of 2 vectors in
+    # block_registers). Without the
     # row-wide abs-max, the barrier that kept the next row's partial sums from being
     # written early must still be there.
     if not is_simt(platform):
         pytest.skip("the emulated device's grid limit")
-    x = random_rows(30, (12, 1024), jnp.bfloat16)
-    gamma = random_gamma(31, 1024, jnp.float32)
+    x = random_rows(30, (12, 4096), jnp.bfloat16)
+    gamma = random_gamma(31, 4096, jnp.float32)
     with fp8norm.simt.device(max_grid_x=3):
         fp8norm.simt.take_launches()
         check(platform, "rms_norm_fp8", x, gamma, **kw)

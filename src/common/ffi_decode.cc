@@ -95,7 +95,8 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
   for (size_t i = 0; scale_shape_ok && i + 1 < dims.size(); ++i) {
     scale_shape_ok = scale_dims[i] == dims[i];
   }
-  if (!scale_shape_ok) return Invalid("scales must have shape x.shape[:-1] + (hidden / group_size,)");
+  if (!scale_shape_ok)
+    return Invalid("scales must have shape x.shape[:-1] + (hidden / group_size,)");
 
   const float* static_scale_data = nullptr;
   if (static_scale.has_value()) {

@@ -353,8 +353,33 @@ FP8NORM_HD uint32_t PowerOfTwoExponent(float a, float fp8_max, uint32_t floor) {
   return exponent > floor ? exponent : floor;
 }
 
-// The scale of a row or group from its sum of squares and the abs-max of its normalised
-// values (steps 5 and 6 of the spec, nearest-rounded or power-of-two).
+// Steps 5 and 6 of the spec with power-of-two scales, for a finite row: the scale of an
+// abs-max (ordered bits) bounded by ub = f32(scale_ub).
+FP8NORM_HD RowScale PowerOfTwoScale(uint32_t amax_bits, Fp8Format format, FloatType scale_type,
+                                    float ub) {
+  // The floor: e8m0's smallest value 2^-127 (byte 0), else float32's smallest normal.
+  const uint32_t floor = scale_type == FloatType::kE8M0 ? 0u : 1u;
+  const uint32_t e = PowerOfTwoExponent(NanMin(FloatOf(amax_bits), ub), Fp8Max(format), floor);
+  // 1 / 2^(e - 127) = 2^(127 - e), exactly: biased exponent 254 - e while normal. Past
+  // that (a scale of 2^127 or Inf, from an infinite abs-max) the reciprocal is 0.
+  const float recip = e <= 253u ? FloatOf((254u - e) << 23) : 0.0f;
+  const float scale = e == 0 ? FloatOf(0x00400000u) : FloatOf(e << 23);
+  return RowScale{scale, recip};
+}
+
+// Steps 5 and 6 with nearest-rounded scales, for a finite row; ub = f32(S(scale_ub)).
+FP8NORM_HD RowScale NearestScale(uint32_t amax_bits, Fp8Format format, FloatType scale_type,
+                                 float ub) {
+  const float amax = RoundTo(scale_type, FloatOf(amax_bits));
+  const float bounded = NanMin(amax, ub);
+  const float scale = RoundTo(scale_type, bounded / Fp8Max(format));
+  const float inverse = 1.0f / scale;
+  const float recip = (scale == 0.0f || !IsFinite(inverse)) ? 0.0f : inverse;
+  return RowScale{scale, recip};
+}
+
+// The scale of a row or group from its row's sum of squares and its own abs-max (steps
+// 5 and 6 of the spec, nearest-rounded or power-of-two).
 FP8NORM_HD RowScale ComputeScale(float sum_sq, uint32_t amax_bits, Fp8Format format,
                                  FloatType scale_type, const RowConstants& c) {
   if (!IsFinite(sum_sq)) {
@@ -362,23 +387,8 @@ FP8NORM_HD RowScale ComputeScale(float sum_sq, uint32_t amax_bits, Fp8Format for
     const float nan = FloatOf(kF32QuietNan);
     return RowScale{nan, nan};
   }
-  if (c.power_of_two) {
-    // The floor: e8m0's smallest value 2^-127 (byte 0), else float32's smallest normal.
-    const uint32_t floor = scale_type == FloatType::kE8M0 ? 0u : 1u;
-    const uint32_t e = PowerOfTwoExponent(NanMin(FloatOf(amax_bits), c.scale_ub),
-                                          Fp8Max(format), floor);
-    // 1 / 2^(e - 127) = 2^(127 - e), exactly: biased exponent 254 - e while normal. Past
-    // that (a scale of 2^127 or Inf, from an infinite abs-max) the reciprocal is 0.
-    const float recip = e <= 253u ? FloatOf((254u - e) << 23) : 0.0f;
-    const float scale = e == 0 ? FloatOf(0x00400000u) : FloatOf(e << 23);
-    return RowScale{scale, recip};
-  }
-  const float amax = RoundTo(scale_type, FloatOf(amax_bits));
-  const float bounded = NanMin(amax, c.scale_ub);
-  const float scale = RoundTo(scale_type, bounded / Fp8Max(format));
-  const float inverse = 1.0f / scale;
-  const float recip = (scale == 0.0f || !IsFinite(inverse)) ? 0.0f : inverse;
-  return RowScale{scale, recip};
+  return c.power_of_two ? PowerOfTwoScale(amax_bits, format, scale_type, c.scale_ub)
+                        : NearestScale(amax_bits, format, scale_type, c.scale_ub);
 }
 
 // A calibrated scale `static_scale` (float32, rounded here to the scale dtype) for a row

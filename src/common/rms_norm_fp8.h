@@ -19,7 +19,7 @@ struct RmsNormFp8Args {
   // [1] float32, the calibrated scale of every row; null for scales computed per row or
   // group. On the device of the kernel that reads it.
   const float* static_scale;
-  void* residual_out;    // [rows, hidden], residual_type; null when residual is null
+  void* residual_out;  // [rows, hidden], residual_type; null when residual is null
   int64_t rows;
   int64_t hidden;
   // Elements that share one scale: a divisor of hidden, hidden itself for one scale per

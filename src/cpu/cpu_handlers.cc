@@ -101,8 +101,8 @@ ffi::Error RmsNormFp8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
                           std::optional<ffi::AnyBuffer> static_scale, ffi::Result<ffi::AnyBuffer> y,
                           ffi::Result<ffi::AnyBuffer> scales, NormAttributes attributes) {
   RmsNormFp8Args args;
-  ffi::Error status = DecodeRmsNormFp8(x, nullptr, gamma, static_scale, y, scales, nullptr,
-                                       attributes, &args);
+  ffi::Error status =
+      DecodeRmsNormFp8(x, nullptr, gamma, static_scale, y, scales, nullptr, attributes, &args);
   if (status.failure()) return status;
   return RunOnPool(args, pool);
 }
@@ -112,8 +112,8 @@ ffi::Error AddRmsNormFp8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
                              ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
                              ffi::Result<ffi::AnyBuffer> residual_out, NormAttributes attributes) {
   RmsNormFp8Args args;
-  ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, static_scale, y, scales,
-                                       &residual_out, attributes, &args);
+  ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, static_scale, y, scales, &residual_out,
+                                       attributes, &args);
   if (status.failure()) return status;
   return RunOnPool(args, pool);
 }
@@ -131,23 +131,23 @@ ffi::Error RoundImpl(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out) {
 XLA_FFI_DEFINE_HANDLER(kRmsNormFp8Cpu, RmsNormFp8Impl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::ThreadPool>()
-                           .Arg<ffi::AnyBuffer>()  // x
+                           .Arg<ffi::AnyBuffer>()          // x
                            .Arg<ffi::AnyBuffer>()          // gamma
                            .OptionalArg<ffi::AnyBuffer>()  // static_scale
-                           .Ret<ffi::AnyBuffer>()  // y
-                           .Ret<ffi::AnyBuffer>()  // scales
+                           .Ret<ffi::AnyBuffer>()          // y
+                           .Ret<ffi::AnyBuffer>()          // scales
                            .Attrs<NormAttributes>());
 
 XLA_FFI_DEFINE_HANDLER(kAddRmsNormFp8Cpu, AddRmsNormFp8Impl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::ThreadPool>()
-                           .Arg<ffi::AnyBuffer>()  // x
-                           .Arg<ffi::AnyBuffer>()  // residual
+                           .Arg<ffi::AnyBuffer>()          // x
+                           .Arg<ffi::AnyBuffer>()          // residual
                            .Arg<ffi::AnyBuffer>()          // gamma
                            .OptionalArg<ffi::AnyBuffer>()  // static_scale
-                           .Ret<ffi::AnyBuffer>()  // y
-                           .Ret<ffi::AnyBuffer>()  // scales
-                           .Ret<ffi::AnyBuffer>()  // residual_out
+                           .Ret<ffi::AnyBuffer>()          // y
+                           .Ret<ffi::AnyBuffer>()          // scales
+                           .Ret<ffi::AnyBuffer>()          // residual_out
                            .Attrs<NormAttributes>());
 
 XLA_FFI_DEFINE_HANDLER(kRoundCpu, RoundImpl,

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -29,13 +30,14 @@ namespace {
 // that a 4096 x 4096 call still spreads over every core.
 constexpr int64_t kElementsPerTask = int64_t{1} << 17;
 
-// This thread's float32 row of `hidden` elements, kept between calls; null when the
-// memory for it cannot be had (the call then fails; the process goes on).
-float* ScratchRow(int64_t hidden) {
+// This thread's float32 scratch of `size` elements (a row, and its groups' reciprocal
+// scales), kept between calls; null when the memory for it cannot be had (the call then
+// fails; the process goes on).
+float* ScratchRow(int64_t size) {
   thread_local std::vector<float> scratch;
-  if (static_cast<int64_t>(scratch.size()) < hidden) {
+  if (static_cast<int64_t>(scratch.size()) < size) {
     try {
-      scratch.resize(hidden);
+      scratch.resize(size);
     } catch (const std::bad_alloc&) {
       return nullptr;
     }
@@ -144,7 +146,9 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   // a failed allocation is reported through this flag instead.
   std::atomic<bool> out_of_memory{false};
   parallel_for(num_tasks, [&](int64_t task) {
-    float* scratch = ScratchRow(a.hidden);
+    // The row, and the reciprocal scale of each of its groups when it has several.
+    const int64_t groups = GroupsPerRow(a);
+    float* scratch = ScratchRow(a.hidden + (groups > 1 ? groups : 0));
     if (scratch == nullptr) {
       out_of_memory.store(true, std::memory_order_relaxed);
       return;

@@ -119,8 +119,8 @@ ffi::Error RmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
                           std::optional<ffi::AnyBuffer> static_scale, ffi::Result<ffi::AnyBuffer> y,
                           ffi::Result<ffi::AnyBuffer> scales, NormAttributes attributes) {
   RmsNormFp8Args args;
-  ffi::Error status = DecodeRmsNormFp8(x, nullptr, gamma, static_scale, y, scales, nullptr,
-                                       attributes, &args);
+  ffi::Error status =
+      DecodeRmsNormFp8(x, nullptr, gamma, static_scale, y, scales, nullptr, attributes, &args);
   if (status.failure()) return status;
   return RunOnDevice(gpu.device, "rms_norm_fp8 launch",
                      [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
@@ -131,8 +131,8 @@ ffi::Error AddRmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer res
                              ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
                              ffi::Result<ffi::AnyBuffer> residual_out, NormAttributes attributes) {
   RmsNormFp8Args args;
-  ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, static_scale, y, scales,
-                                       &residual_out, attributes, &args);
+  ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, static_scale, y, scales, &residual_out,
+                                       attributes, &args);
   if (status.failure()) return status;
   return RunOnDevice(gpu.device, "add_rms_norm_fp8 launch",
                      [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
@@ -151,24 +151,24 @@ ffi::Error RoundImpl(GpuTarget gpu, ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffe
 XLA_FFI_DEFINE_HANDLER(kRmsNormFp8Cuda, RmsNormFp8Impl,
                        ffi::Ffi::Bind()
                            .Ctx<GpuTarget>()
-                           .Arg<ffi::AnyBuffer>()  // x
+                           .Arg<ffi::AnyBuffer>()          // x
                            .Arg<ffi::AnyBuffer>()          // gamma
                            .OptionalArg<ffi::AnyBuffer>()  // static_scale
-                           .Ret<ffi::AnyBuffer>()  // y
-                           .Ret<ffi::AnyBuffer>()  // scales
+                           .Ret<ffi::AnyBuffer>()          // y
+                           .Ret<ffi::AnyBuffer>()          // scales
                            .Attrs<NormAttributes>(),
                        {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER(kAddRmsNormFp8Cuda, AddRmsNormFp8Impl,
                        ffi::Ffi::Bind()
                            .Ctx<GpuTarget>()
-                           .Arg<ffi::AnyBuffer>()  // x
-                           .Arg<ffi::AnyBuffer>()  // residual
+                           .Arg<ffi::AnyBuffer>()          // x
+                           .Arg<ffi::AnyBuffer>()          // residual
                            .Arg<ffi::AnyBuffer>()          // gamma
                            .OptionalArg<ffi::AnyBuffer>()  // static_scale
-                           .Ret<ffi::AnyBuffer>()  // y
-                           .Ret<ffi::AnyBuffer>()  // scales
-                           .Ret<ffi::AnyBuffer>()  // residual_out
+                           .Ret<ffi::AnyBuffer>()          // y
+                           .Ret<ffi::AnyBuffer>()          // scales
+                           .Ret<ffi::AnyBuffer>()          // residual_out
                            .Attrs<NormAttributes>(),
                        {ffi::Traits::kCmdBufferCompatible});
 

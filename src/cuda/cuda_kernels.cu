@@ -733,10 +733,9 @@ cudaError_t LaunchPlanned(cudaStream_t stream, const RmsNormFp8Args& a, const La
       return LaunchKernel(kernel, p.blocks, p.threads, 0, stream, a);
     }
     default:
-      return LaunchKernel(PerRowScale(a) ? BlockSharedKernel<TIn, false>
-                                         : BlockSharedKernel<TIn, true>,
-                          p.blocks, p.threads, p.dynamic_shared_bytes, stream, a, p.vectorized,
-                          p.cached);
+      return LaunchKernel(
+          PerRowScale(a) ? BlockSharedKernel<TIn, false> : BlockSharedKernel<TIn, true>, p.blocks,
+          p.threads, p.dynamic_shared_bytes, stream, a, p.vectorized, p.cached);
   }
 }
 

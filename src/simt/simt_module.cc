@@ -41,8 +41,8 @@ XLA_FFI_Error* WithBuffers(XLA_FFI_CallFrame* frame, XLA_FFI_Handler* handler,
   std::optional<simt::ScopedCapture> capture;
   if (capture_calls.load()) capture.emplace();
   simt::ScopedBuffers buffers;
-  const auto add = [&](std::initializer_list<const char*> names, int64_t count,
-                       const auto* types, void* const* buffers_of) {
+  const auto add = [&](std::initializer_list<const char*> names, int64_t count, const auto* types,
+                       void* const* buffers_of) {
     auto name = names.begin();
     for (int64_t i = 0; i < count; ++i, ++name) {
       if (name == names.end()) return;
@@ -67,8 +67,7 @@ XLA_FFI_Error* RmsNormFp8(XLA_FFI_CallFrame* frame) {
 }
 XLA_FFI_Error* AddRmsNormFp8(XLA_FFI_CallFrame* frame) {
   return WithBuffers(frame, fp8norm::AddRmsNormFp8CudaHandler,
-                     {"x", "residual", "gamma", "static_scale"},
-                     {"y", "scales", "residual_out"});
+                     {"x", "residual", "gamma", "static_scale"}, {"y", "scales", "residual_out"});
 }
 XLA_FFI_Error* Round(XLA_FFI_CallFrame* frame) {
   return WithBuffers(frame, fp8norm::RoundCudaHandler, {"in"}, {"out"});

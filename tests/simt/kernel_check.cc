@@ -121,8 +121,8 @@ bool SameBytes(const ExactBuffer& got, const ExactBuffer& want, const std::strin
 }
 
 const char* TypeName(FloatType t) {
-  return t == FloatType::kF32   ? "f32"
-         : t == FloatType::kF16 ? "f16"
+  return t == FloatType::kF32    ? "f32"
+         : t == FloatType::kF16  ? "f16"
          : t == FloatType::kE8M0 ? "e8m0"
                                  : "bf16";
 }
