@@ -146,9 +146,9 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   // a failed allocation is reported through this flag instead.
   std::atomic<bool> out_of_memory{false};
   parallel_for(num_tasks, [&](int64_t task) {
-    // The row, and the reciprocal scale of each of its groups when it has several.
+    // The row, and the scale and its reciprocal of each of its groups when it has several.
     const int64_t groups = GroupsPerRow(a);
-    float* scratch = ScratchRow(a.hidden + (groups > 1 ? groups : 0));
+    float* scratch = ScratchRow(a.hidden + (groups > 1 ? 2 * groups : 0));
     if (scratch == nullptr) {
       out_of_memory.store(true, std::memory_order_relaxed);
       return;

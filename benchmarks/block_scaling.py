@@ -1,0 +1,68 @@
+"""Per-row against block-scaled and static scales in one process, calls interleaved.
+
+``python -m jax_fp8norm.bench`` times one op over its whole grid before the next, so on a
+noisy machine (a shared 2-core VM) its ops meet different conditions. This compares the
+scale layouts of rms_norm_fp8 on one shape with their calls interleaved: each round calls
+every layout once; the report gives each layout's minimum and median wall time per call
+(the jitted function, dispatch included) and its ratio to the per-row op's.
+
+    python benchmarks/block_scaling.py [--rows 4096] [--hidden 4096] [--rounds 40]
+    FP8NORM_CPU_THREADS=1 python benchmarks/block_scaling.py   # one CPU thread
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+import jax_fp8norm as fp8norm
+
+LAYOUTS = {
+    "per row": {},
+    "group 128": {"group_size": 128},
+    "group 128, e8m0": {"group_size": 128, "scale_dtype": jnp.float8_e8m0fnu},
+    "group 32": {"group_size": 32},
+    "MXFP8 (group 32, e8m0)": {"group_size": 32, "scale_dtype": jnp.float8_e8m0fnu},
+    "static": {"static_scale": 0.01},
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=40)
+    args = parser.parse_args(argv)
+    x = jax.random.normal(jax.random.PRNGKey(0), (args.rows, args.hidden), jnp.bfloat16)
+    gamma = 1.0 + 0.1 * jax.random.normal(jax.random.PRNGKey(1), (args.hidden,), jnp.float32)
+    fns = {
+        name: jax.jit(functools.partial(fp8norm.rms_norm_fp8, **kw)) for name, kw in LAYOUTS.items()
+    }
+    for fn in fns.values():
+        jax.block_until_ready(fn(x, gamma))
+    times = {name: [] for name in fns}
+    for _ in range(args.rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(x, gamma))
+            times[name].append(time.perf_counter() - start)
+    base = min(times["per row"])
+    print(
+        f"rms_norm_fp8, x bfloat16 {args.rows} x {args.hidden}, gamma float32, on "
+        f"{jax.devices()[0].device_kind}; {args.rounds} interleaved rounds"
+    )
+    for name, t in times.items():
+        print(
+            f"  {name:>24}: min {min(t) * 1e3:8.3f} ms  median {statistics.median(t) * 1e3:8.3f}"
+            f" ms  min / per-row min {min(t) / base:5.2f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
