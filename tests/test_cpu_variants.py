@@ -1,6 +1,6 @@
 """The CPU kernel's instruction-set variants (AVX2 + FMA + F16C, and the baseline) give
-the same bits: every dtype combination, hidden sizes that leave a partial lane block, and
-rows of zeros, NaN, Inf, huge, tiny and subnormal values."""
+the same bits: every dtype combination, hidden sizes that leave a partial lane block,
+rows of zeros, NaN, Inf, huge, tiny and subnormal values, and every scale layout."""
 
 from __future__ import annotations
 
@@ -58,6 +58,20 @@ SCRIPT = textwrap.dedent(
                     h32, residual, gamma.astype(dtype), **p.as_dict())
                 for name, v in (("y", y), ("s", s), ("r", r)):
                     outs[f"{hidden}-f32-with-{dtype}-{name}"] = np.asarray(v).view(np.uint8)
+    # Scales per group (the compile-time sizes 32 and 128, and a run-time one), power-of-
+    # two and e8m0, and a calibrated scale.
+    for hidden, group in ((384, 32), (384, 128), (384, 3), (4096, 128)):
+        x, residual, gamma = inputs(hidden, "bfloat16", hidden * 7 + group)
+        for kw in (
+            dict(group_size=group),
+            dict(group_size=group, scale_dtype=jnp.float8_e8m0fnu),
+            dict(group_size=group, power_of_two_scales=True, scale_dtype=jnp.bfloat16),
+            dict(static_scale=0.03, scale_dtype=jnp.float16),
+        ):
+            key = f"{hidden}-{group}-" + "-".join(f"{k}={v}" for k, v in kw.items())
+            y, s, r = fp8norm.add_rms_norm_fp8(x, residual, gamma.astype(np.float32), **kw)
+            for name, v in (("y", y), ("s", s), ("r", r)):
+                outs[f"{key}-{name}"] = np.asarray(v).view(np.uint8)
     outs["variant"] = np.frombuffer(fp8norm.cpu_kernel_variant().encode(), np.uint8)
     np.savez(sys.argv[1], **outs)
     """

@@ -63,6 +63,7 @@ if [ "$MODE" = check ]; then
     \$(python3 -c 'import jax_fp8norm_kernels._fp8norm_cuda as m; print(m.__file__)')"
   TAIL=60 step "A/B benchmark: every variant" "${BENCH_SECONDS:-170}" bench.log \
     python3 -m jax_fp8norm.bench --variants all --dtypes bfloat16 \
+    --ops rms_norm_fp8,add_rms_norm_fp8 \
     --rows 1,16,64,256,4096,16384 --hidden 2048,4096,8192,16384 --repeats 5 \
     --json "$OUT/bench.json" --png "$OUT/bench.png"
 elif [ "$MODE" = deep ]; then

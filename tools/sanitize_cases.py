@@ -3,10 +3,11 @@
 Every kernel variant (block_shared, warp_rows, block_registers) and every path of each is
 taken: vectorised and scalar, the shared-memory row cache and the re-reading path (rows
 longer than the cache), rows in registers with groups past the last row, one row and
-many, every input dtype, 16-bit gamma and residual next to float32 sums, and the rounding
-kernel. Each result is checked against the reference too, so a silent wrong answer fails
-as well. Exits non-zero on a mismatch; compute-sanitizer's own exit code reports its
-errors.
+many, every input dtype, 16-bit gamma and residual next to float32 sums, scales per group
+(shuffled in registers and per thread in block_shared), e8m0, power-of-two and static
+scales, and the rounding kernel. Each result is checked against the reference too, so a
+silent wrong answer fails as well. Exits non-zero on a mismatch; compute-sanitizer's own
+exit code reports its errors.
 
 The scalar path is reached by hidden sizes that are not a multiple of the vector width
 (1, 7, 9, 1023, 1025, 8193, 70001 in every dtype; 4098 for float32), not by offsets: XLA
@@ -49,6 +50,14 @@ def _reference(op, *args):
         return jax.jit(getattr(fp8norm.reference, op))(*(jax.device_put(a, cpu) for a in args))
 
 
+def _reference_with(op, keywords, *args):
+    cpu = jax.devices("cpu")[0]
+    fn = getattr(fp8norm.reference, op)
+    with jax.default_device(cpu):
+        placed = [jax.device_put(a, cpu) for a in args]
+        return jax.jit(lambda *a: fn(*a, **keywords))(*placed)
+
+
 def _shapes(platform: str, device) -> int:
     count = 0
     for i, (dtype, hidden) in enumerate(
@@ -71,6 +80,28 @@ def main(platform: str) -> int:
     for variant in fp8norm.cuda_kernel_variants()[1:]:  # every variant but auto
         with fp8norm.use_cuda_kernel(variant):
             count += _shapes(platform, device)
+    # Scales per group (shuffled in registers: 32 and 128; per thread in block_shared: 3,
+    # and rows too long for registers), e8m0 and power-of-two scales, a static scale.
+    layouts = (
+        dict(group_size=32, scale_dtype=jnp.float8_e8m0fnu),
+        dict(group_size=128, power_of_two_scales=True),
+        dict(group_size=3),
+        dict(static_scale=0.02),
+    )
+    for variant in fp8norm.cuda_kernel_variants()[1:]:
+        with fp8norm.use_cuda_kernel(variant):
+            for i, hidden in enumerate((384, 7296, 24576)):  # multiples of 3 and 128
+                x, residual, gamma = _inputs(100 + i, ROWS[i], hidden, jnp.bfloat16)
+                for kw in layouts:
+                    placed = [jax.device_put(a, device) for a in (x, residual, gamma)]
+                    out = jax.jit(lambda *a, kw=kw: fp8norm.add_rms_norm_fp8(*a, **kw))(*placed)
+                    ref = _reference_with("add_rms_norm_fp8", kw, x, residual, gamma)
+                    assert_matches_reference(
+                        [np.asarray(o) for o in out],
+                        [np.asarray(o) for o in ref],
+                        power_of_two=kw.get("power_of_two_scales") or None,
+                    )
+                    count += 1
     # A float32 sum meeting a bfloat16 residual stream (the float32 all-reduce's path).
     x, residual, gamma = _inputs(1, 7, 1031, jnp.bfloat16)
     params = make_params(

@@ -82,8 +82,8 @@ MUTANTS = [
     Mutant(
         "grid-stride loop: rows strided by the block size instead of the grid size",
         "cuda_kernels.cu",
-        "row < a.rows; row += gridDim.x) {\n    if (vectorized)",
-        "row < a.rows; row += blockDim.x) {\n    if (vectorized)",
+        "row < a.rows; row += gridDim.x) {\n    float* const row_cache",
+        "row < a.rows; row += blockDim.x) {\n    float* const row_cache",
     ),
     Mutant(
         "device setup: the dynamic shared memory attribute left at its default",
@@ -116,6 +116,25 @@ MUTANTS = [
         "cuda_kernels.cu",
         "lane + int64_t{k} * group_threads < num_vecs",
         "lane + int64_t{k} * group_threads <= num_vecs",
+    ),
+    Mutant(
+        "register row: no barrier in place of the abs-max reduction a group scale skips",
+        "cuda_kernels.cu",
+        "  } else if (group_warps > 1) {\n    __syncthreads();\n  }",
+        "  }",
+        race=True,
+    ),
+    Mutant(
+        "register groups: the shuffle loop stops one step early",
+        "cuda_kernels.cu",
+        "for (int offset = lanes / 2; offset > 0; offset /= 2)",
+        "for (int offset = lanes / 2; offset > 1; offset /= 2)",
+    ),
+    Mutant(
+        "shared groups: a group's last element left unquantised",
+        "cuda_kernels.cu",
+        "j < (g + 1) * group; ++j) {\n      const float normed[1]",
+        "j < (g + 1) * group - 1; ++j) {\n      const float normed[1]",
     ),
 ]
 
