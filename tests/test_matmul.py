@@ -129,14 +129,20 @@ def test_quantize_blocks():
     np.testing.assert_allclose(_dequantized(w8, scales, 0), w, rtol=2**-3, atol=0)
 
 
-def test_mxfp8_goes_to_cudnn_on_blackwell(platform):
-    # jax.nn.scaled_matmul lowers MXFP8 operands to cuDNN's block-scaled GEMM on GPUs of
-    # compute capability 10.0 and newer; fp8_matmul must take that path there.
+def _gpu_of_capability(platform: str, capability: float, what: str):
+    """The GPU, if the platform is one of at least this compute capability; else a skip."""
     if platform != "gpu":
         pytest.skip("a GPU-only check")
     device = device_of("gpu")
-    if float(getattr(device, "compute_capability", "0")) < 10.0:
-        pytest.skip(f"{device.device_kind} has no block-scaled tensor cores")
+    if float(getattr(device, "compute_capability", "0")) < capability:
+        pytest.skip(f"{device.device_kind} has no {what}")
+    return device
+
+
+def test_mxfp8_goes_to_cudnn_on_blackwell(platform):
+    # jax.nn.scaled_matmul lowers MXFP8 operands to cuDNN's block-scaled GEMM on GPUs of
+    # compute capability 10.0 and newer; fp8_matmul must take that path there.
+    device = _gpu_of_capability(platform, 10.0, "block-scaled tensor cores")
     a = jnp.ones((64, 256), jnp.float8_e4m3fn)
     a_scales = jnp.ones((64, 8), jnp.float8_e8m0fnu)
     w, w_scales = quantize_blocks(jnp.ones((256, 128), jnp.float32))
@@ -149,11 +155,7 @@ def test_mxfp8_goes_to_cudnn_on_blackwell(platform):
 def test_fp8_matmul_is_an_fp8_gemm_on_gpu(platform):
     # On GPUs with FP8 tensor cores (sm_89 and newer) XLA runs the FP8 dot as a cuBLASLt
     # FP8 GEMM rather than converting the operands to a wider type first.
-    if platform != "gpu":
-        pytest.skip("a GPU-only check")
-    device = device_of("gpu")
-    if float(getattr(device, "compute_capability", "0")) < 8.9:
-        pytest.skip(f"{device.device_kind} has no FP8 tensor cores")
+    device = _gpu_of_capability(platform, 8.9, "FP8 tensor cores")
     a = jnp.ones((64, 256), jnp.float8_e4m3fn)
     w = jnp.ones((256, 128), jnp.float8_e4m3fn)
     a_scales, w_scales = jnp.ones((64, 1), jnp.float32), jnp.ones((128,), jnp.float32)

@@ -32,6 +32,35 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
                             ffi::Result<ffi::AnyBuffer>* residual_out,
                             const NormAttributes& attributes, RmsNormFp8Args* args);
 
+// The signatures of the two norm targets, the same on every platform but for the
+// context (Ctx: the CPU's thread pool, the GPU's stream and device): x, [residual,]
+// gamma, an optional static_scale; y, scales[, residual_out]; the attributes.
+template <typename Ctx>
+auto RmsNormFp8Binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<Ctx>()
+      .template Arg<ffi::AnyBuffer>()          // x
+      .template Arg<ffi::AnyBuffer>()          // gamma
+      .template OptionalArg<ffi::AnyBuffer>()  // static_scale
+      .template Ret<ffi::AnyBuffer>()          // y
+      .template Ret<ffi::AnyBuffer>()          // scales
+      .template Attrs<NormAttributes>();
+}
+
+template <typename Ctx>
+auto AddRmsNormFp8Binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<Ctx>()
+      .template Arg<ffi::AnyBuffer>()          // x
+      .template Arg<ffi::AnyBuffer>()          // residual
+      .template Arg<ffi::AnyBuffer>()          // gamma
+      .template OptionalArg<ffi::AnyBuffer>()  // static_scale
+      .template Ret<ffi::AnyBuffer>()          // y
+      .template Ret<ffi::AnyBuffer>()          // scales
+      .template Ret<ffi::AnyBuffer>()          // residual_out
+      .template Attrs<NormAttributes>();
+}
+
 ffi::Error DecodeRound(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out, RoundArgs* args);
 
 }  // namespace fp8norm

@@ -128,27 +128,10 @@ ffi::Error RoundImpl(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out) {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kRmsNormFp8Cpu, RmsNormFp8Impl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::ThreadPool>()
-                           .Arg<ffi::AnyBuffer>()          // x
-                           .Arg<ffi::AnyBuffer>()          // gamma
-                           .OptionalArg<ffi::AnyBuffer>()  // static_scale
-                           .Ret<ffi::AnyBuffer>()          // y
-                           .Ret<ffi::AnyBuffer>()          // scales
-                           .Attrs<NormAttributes>());
+XLA_FFI_DEFINE_HANDLER(kRmsNormFp8Cpu, RmsNormFp8Impl, RmsNormFp8Binding<ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER(kAddRmsNormFp8Cpu, AddRmsNormFp8Impl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::ThreadPool>()
-                           .Arg<ffi::AnyBuffer>()          // x
-                           .Arg<ffi::AnyBuffer>()          // residual
-                           .Arg<ffi::AnyBuffer>()          // gamma
-                           .OptionalArg<ffi::AnyBuffer>()  // static_scale
-                           .Ret<ffi::AnyBuffer>()          // y
-                           .Ret<ffi::AnyBuffer>()          // scales
-                           .Ret<ffi::AnyBuffer>()          // residual_out
-                           .Attrs<NormAttributes>());
+                       AddRmsNormFp8Binding<ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER(kRoundCpu, RoundImpl,
                        ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());

@@ -148,28 +148,10 @@ ffi::Error RoundImpl(GpuTarget gpu, ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffe
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kRmsNormFp8Cuda, RmsNormFp8Impl,
-                       ffi::Ffi::Bind()
-                           .Ctx<GpuTarget>()
-                           .Arg<ffi::AnyBuffer>()          // x
-                           .Arg<ffi::AnyBuffer>()          // gamma
-                           .OptionalArg<ffi::AnyBuffer>()  // static_scale
-                           .Ret<ffi::AnyBuffer>()          // y
-                           .Ret<ffi::AnyBuffer>()          // scales
-                           .Attrs<NormAttributes>(),
+XLA_FFI_DEFINE_HANDLER(kRmsNormFp8Cuda, RmsNormFp8Impl, RmsNormFp8Binding<GpuTarget>(),
                        {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER(kAddRmsNormFp8Cuda, AddRmsNormFp8Impl,
-                       ffi::Ffi::Bind()
-                           .Ctx<GpuTarget>()
-                           .Arg<ffi::AnyBuffer>()          // x
-                           .Arg<ffi::AnyBuffer>()          // residual
-                           .Arg<ffi::AnyBuffer>()          // gamma
-                           .OptionalArg<ffi::AnyBuffer>()  // static_scale
-                           .Ret<ffi::AnyBuffer>()          // y
-                           .Ret<ffi::AnyBuffer>()          // scales
-                           .Ret<ffi::AnyBuffer>()          // residual_out
-                           .Attrs<NormAttributes>(),
+XLA_FFI_DEFINE_HANDLER(kAddRmsNormFp8Cuda, AddRmsNormFp8Impl, AddRmsNormFp8Binding<GpuTarget>(),
                        {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER(
