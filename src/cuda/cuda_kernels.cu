@@ -151,39 +151,22 @@ __device__ __forceinline__ void LoadH(const TIn* x, const void* residual, FloatT
   }
 }
 
-// y for vector i of the row. The output format is a run-time value, uniform over the
-// launch: a template parameter would double every kernel compiled per architecture.
-// Recip gives element k's reciprocal scale (one per row or group).
-template <int kVec, typename Recip>
-__device__ __forceinline__ void StoreFp8With(uint8_t* y, int64_t i, const float (&normed)[kVec],
-                                             Recip recip, Fp8Format format, int site) {
-  Vec<uint8_t, kVec> q;
-  if (format == Fp8Format::kE4M3FN) {
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      q.v[k] = QuantizeElement<Fp8Format::kE4M3FN>(normed[k], recip(k));
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      q.v[k] = QuantizeElement<Fp8Format::kE4M3FNUZ>(normed[k], recip(k));
-    }
-  }
-  StoreGlobal(reinterpret_cast<Vec<uint8_t, kVec>*>(y) + i, q, site);
-}
-
+// y for vector i of the row, with the reciprocal scale of its row or group. The output
+// format is a run-time value, uniform over the launch: a template parameter would double
+// every kernel compiled per architecture.
 template <int kVec>
 __device__ __forceinline__ void StoreFp8(uint8_t* y, int64_t i, const float (&normed)[kVec],
                                          float recip, Fp8Format format,
                                          int site = __builtin_LINE()) {
-  StoreFp8With<kVec>(y, i, normed, [recip](int) { return recip; }, format, site);
-}
-
-template <int kVec>
-__device__ __forceinline__ void StoreFp8(uint8_t* y, int64_t i, const float (&normed)[kVec],
-                                         const float (&recip)[kVec], Fp8Format format,
-                                         int site = __builtin_LINE()) {
-  StoreFp8With<kVec>(y, i, normed, [&recip](int k) { return recip[k]; }, format, site);
+  Vec<uint8_t, kVec> q;
+  if (format == Fp8Format::kE4M3FN) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) q.v[k] = QuantizeElement<Fp8Format::kE4M3FN>(normed[k], recip);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) q.v[k] = QuantizeElement<Fp8Format::kE4M3FNUZ>(normed[k], recip);
+  }
+  StoreGlobal(reinterpret_cast<Vec<uint8_t, kVec>*>(y) + i, q, site);
 }
 
 // Scale `index` of the call ([rows, groups] row-major); e8m0 as its exponent byte.
