@@ -1,6 +1,6 @@
-"""Block scaling and static scales (docs/spec.md, "Block scaling and static scales"):
-scales per group of ``group_size`` elements, power-of-two and e8m0 scales, and calibrated
-static scales, on every platform. The CPU kernel and the emulated CUDA kernels must give
+"""Scales per group, powers of two and calibrated scales (docs/spec.md, the section of that
+name): scales per group of ``group_size`` elements, power-of-two and e8m0 scales, and
+calibrated static scales, on every platform. The CPU kernel and the emulated CUDA kernels must give
 the reference's bits; a GPU, the spec's accuracy rule."""
 
 from __future__ import annotations
