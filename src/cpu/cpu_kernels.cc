@@ -16,12 +16,13 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include "fp8norm_math.h"
 #include "rms_norm_fp8.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FP8NORM_CPU_HAS_AVX2_VARIANT 1
+#include "cpu_avx2.h"
+#endif
 
 namespace fp8norm {
 namespace {
@@ -54,27 +55,27 @@ void GammaPlusOffset(const void* gamma, float weight_offset, int64_t n, float* o
 // The row loops for the baseline instruction set of the build (SSE2 on x86-64)...
 #define FP8NORM_CPU_ISA baseline
 #define FP8NORM_CPU_FMA false
-#define FP8NORM_CPU_F16C 0
+#define FP8NORM_CPU_AVX2 0
 #include "cpu_rows.inc"
 #undef FP8NORM_CPU_ISA
 #undef FP8NORM_CPU_FMA
-#undef FP8NORM_CPU_F16C
+#undef FP8NORM_CPU_AVX2
 
-// ...and, on x86-64 with GCC, again for AVX2 + FMA + F16C: twice the vector width, and
-// the exact square in one FMA instead of Dekker's seven operations. Chosen at run time.
-// Everything above this point (the shared math, the standard library) is compiled for
-// the baseline and inlined into these loops, never the other way round.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define FP8NORM_CPU_HAS_AVX2_VARIANT 1
+// ...and, on x86-64 with GCC, again for AVX2 + FMA + F16C, on the explicit vectors of
+// cpu_avx2.h: 8 lanes per instruction, the exact square in one FMA instead of Dekker's
+// seven operations, FP8 bytes stored 32 at a time. Chosen at run time. Everything above
+// this point (the shared math, the standard library) is compiled for the baseline and
+// inlined into these loops, never the other way round.
+#if defined(FP8NORM_CPU_HAS_AVX2_VARIANT)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #define FP8NORM_CPU_ISA avx2
 #define FP8NORM_CPU_FMA true
-#define FP8NORM_CPU_F16C 1  // the pragma enables the instructions, not the __F16C__ macro
+#define FP8NORM_CPU_AVX2 1
 #include "cpu_rows.inc"
 #undef FP8NORM_CPU_ISA
 #undef FP8NORM_CPU_FMA
-#undef FP8NORM_CPU_F16C
+#undef FP8NORM_CPU_AVX2
 #pragma GCC pop_options
 #endif
 

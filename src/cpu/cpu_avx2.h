@@ -1,0 +1,166 @@
+// Eight float32 lanes in AVX2 registers: the vector forms of the math header's loads,
+// stores, exact square and FP8 rounding, for the AVX2 row loops of cpu_rows.inc. Each one
+// is the scalar definition of fp8norm_math.h applied lane by lane, with the same IEEE
+// operations in the same order, so they give the same bits; tools/cpu_rounding_check.cc
+// holds the FP8 and 16-bit roundings to the scalar ones on every float32 input.
+//
+// x86-64 only. With GCC these functions are compiled for AVX2 + FMA + F16C whatever the
+// build's flags (the pragma below), so that a baseline build can hold an AVX2 variant
+// chosen at run time; they must only be called once the CPU is known to have them.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "fp8norm_math.h"
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+
+namespace fp8norm {
+namespace avx2_lanes {
+
+inline __m256i Splat(uint32_t v) { return _mm256_set1_epi32(static_cast<int32_t>(v)); }
+
+// ---------------------------------------------------------------------------------
+// Loads: 8 elements as float32, exactly (ToFloat).
+// ---------------------------------------------------------------------------------
+
+inline __m256 Load(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 Load(const BF16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// The hardware conversion, exact like ToFloat(F16); a signalling NaN comes back quiet,
+// and a NaN's payload never leaves the row (its outputs are the fixed NaN codes).
+inline __m256 Load(const F16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// ---------------------------------------------------------------------------------
+// Stores: 8 float32 lanes rounded to T (FromFloat<T>).
+// ---------------------------------------------------------------------------------
+
+inline __m256i IsNanMask(__m256i bits) {
+  return _mm256_cmpgt_epi32(_mm256_and_si256(bits, Splat(kF32AbsMask)), Splat(kF32Inf));
+}
+
+// The low 16 bits of each 32-bit lane, in order, as 8 halves.
+inline __m128i Narrow16(__m256i v) {
+  return _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+}
+
+inline void Store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+// ToBF16: round to nearest even on the bits; a NaN is quietened, its payload kept.
+inline void Store(BF16* p, __m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), Splat(1));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, Splat(0x7fffu)), odd), 16);
+  const __m256i quiet_nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), Splat(0x40u));
+  const __m256i out = _mm256_blendv_epi8(rounded, quiet_nan, IsNanMask(u));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), Narrow16(out));
+}
+
+// ToF16: the hardware's round to nearest even, which gives ToF16's bits for every number
+// (float32 subnormals become a signed zero either way); a NaN becomes ToF16's fixed quiet
+// NaN 0x7e00 with its sign, where the hardware would keep payload bits.
+inline void Store(F16* p, __m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m128i converted = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256i nan =
+      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u, 16), Splat(0x8000u)), Splat(0x7e00u));
+  const __m128i nan16 = Narrow16(nan);
+  const __m128i is_nan = Narrow16(_mm256_srli_epi32(IsNanMask(u), 16));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_blendv_epi8(converted, nan16, is_nan));
+}
+
+// ---------------------------------------------------------------------------------
+// The exact sum of squares (AddSquare with an FMA), 8 lanes.
+// ---------------------------------------------------------------------------------
+
+inline void AddSquare(__m256& hi, __m256& lo, __m256 v) {
+  const __m256 p = _mm256_mul_ps(v, v);
+  const __m256 square_error = _mm256_fmsub_ps(v, v, p);
+  // TwoSum(hi, p)
+  const __m256 s = _mm256_add_ps(hi, p);
+  const __m256 b_virtual = _mm256_sub_ps(s, hi);
+  const __m256 sum_error =
+      _mm256_add_ps(_mm256_sub_ps(hi, _mm256_sub_ps(s, b_virtual)), _mm256_sub_ps(p, b_virtual));
+  hi = s;
+  lo = _mm256_add_ps(lo, _mm256_add_ps(sum_error, square_error));
+}
+
+// AbsBits, 8 lanes.
+inline __m256i AbsBits(__m256 v) {
+  return _mm256_and_si256(_mm256_castps_si256(v), Splat(kF32AbsMask));
+}
+
+// The largest of 8 unsigned lanes.
+inline uint32_t HorizontalMax(__m256i v) {
+  __m128i m = _mm_max_epu32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(1, 0, 3, 2)));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(2, 3, 0, 1)));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
+}
+
+// ---------------------------------------------------------------------------------
+// FP8: Fp8Code<kFormat, true> (saturating), 8 lanes, as 32-bit codes; the same integer
+// and float operations as the scalar one.
+// ---------------------------------------------------------------------------------
+
+template <Fp8Format kFormat>
+inline __m256i Fp8Codes(__m256 v) {
+  using Tr = Fp8Traits<kFormat>;
+  constexpr uint32_t kMinNormalExponent = (127u + 1u - Tr::kBias) << 23;
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 24), Splat(0x80u));
+  const __m256i magnitude = _mm256_and_si256(u, Splat(kF32AbsMask));
+  const __m256i capped = _mm256_min_epu32(magnitude, Splat(Tr::kMaxBits));
+  const __m256i e =
+      _mm256_max_epu32(_mm256_and_si256(capped, Splat(kF32Inf)), Splat(kMinNormalExponent));
+  const __m256i c = _mm256_add_epi32(e, Splat(20u << 23));
+  const __m256i sum =
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(capped), _mm256_castsi256_ps(c)));
+  const __m256i steps = _mm256_sub_epi32(sum, c);
+  const __m256i code = _mm256_sub_epi32(_mm256_add_epi32(steps, _mm256_srli_epi32(e, 20)),
+                                        Splat((127u + 1u - Tr::kBias) << 3));
+  const __m256i nan = _mm256_cmpgt_epi32(magnitude, Splat(kF32Inf));
+  __m256i signed_code = _mm256_or_si256(code, sign);
+  if constexpr (kFormat == Fp8Format::kE4M3FNUZ) {
+    // No negative zero.
+    signed_code =
+        _mm256_andnot_si256(_mm256_cmpeq_epi32(code, _mm256_setzero_si256()), signed_code);
+  }
+  return _mm256_blendv_epi8(signed_code, Splat(Tr::kNanCode), nan);
+}
+
+// Four vectors of 8 byte values in 32-bit lanes (a, b, c, d in element order) as 32
+// bytes in that order. The packs interleave 128-bit halves; the permutation undoes it.
+inline __m256i PackBytes(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(a, b), _mm256_packus_epi32(c, d));
+  return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// y[0, 32) = QuantizeElement<kFormat>(normed[k], recip).
+template <Fp8Format kFormat>
+inline void Quantize32(const float* normed, __m256 recip, uint8_t* y) {
+  const __m256i a = Fp8Codes<kFormat>(_mm256_mul_ps(_mm256_loadu_ps(normed), recip));
+  const __m256i b = Fp8Codes<kFormat>(_mm256_mul_ps(_mm256_loadu_ps(normed + 8), recip));
+  const __m256i c = Fp8Codes<kFormat>(_mm256_mul_ps(_mm256_loadu_ps(normed + 16), recip));
+  const __m256i d = Fp8Codes<kFormat>(_mm256_mul_ps(_mm256_loadu_ps(normed + 24), recip));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), PackBytes(a, b, c, d));
+}
+
+}  // namespace avx2_lanes
+}  // namespace fp8norm
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
