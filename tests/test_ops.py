@@ -152,6 +152,23 @@ def test_non_finite_rows(platform, bad, out_dtype):
     assert np.isnan(scales[2]).all() and np.isnan(y[2].astype(np.float32)).all()
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, 3e38], ids=["nan", "inf", "overflows"])
+@pytest.mark.parametrize("group_size", [None, 32])
+@pytest.mark.parametrize("out_dtype", FP8S, ids=lambda d: jnp.dtype(d).name)
+def test_non_finite_gamma(platform, bad, group_size, out_dtype):
+    # Finite rows whose normalised values are not: a NaN or Inf gamma, or a finite one so
+    # large that (x * r) * gamma overflows. The abs-max is then NaN or Inf, the reciprocal
+    # 0, and the product at that column NaN (NaN * 0, Inf * 0); the kernels' vector path
+    # that skips NaN tests must not be taken for such rows.
+    x = random_rows(23, (3, 256), jnp.float32)
+    x[:, 70] = 50.0 * np.abs(x).max(axis=1)  # so that |x * r| > 1 there
+    gamma = random_gamma(24, 256, jnp.float32)
+    gamma[70] = bad
+    (y, _scales), _ = check_rms(platform, x, gamma, out_dtype=out_dtype, group_size=group_size)
+    assert np.isnan(y[:, 70].astype(np.float32)).all()
+    assert not np.isnan(np.delete(y, 70, axis=1).astype(np.float32)).any()
+
+
 def test_sum_of_squares_overflow(platform):
     x = random_rows(21, (4, 128), jnp.float32, spread=0.0)
     x[1] *= 1e20  # finite values, but their squares overflow float32

@@ -111,51 +111,78 @@ inline uint32_t HorizontalMax(__m256i v) {
 }
 
 // ---------------------------------------------------------------------------------
-// FP8: Fp8Code<kFormat, true> (saturating), 8 lanes, as 32-bit codes; the same integer
-// and float operations as the scalar one.
+// FP8: Fp8Code<kFormat, true> (saturating), 32 lanes at a time. The same integer and
+// float operations as the scalar one on each lane's magnitude; the sign goes on after the
+// codes are packed to bytes, 32 at a time.
 // ---------------------------------------------------------------------------------
 
-template <Fp8Format kFormat>
-inline __m256i Fp8Codes(__m256 v) {
+// The codes of |v| (below 2^8, one per 32-bit lane, no sign), kNanCode for a NaN.
+// kMayBeNan = false: for lanes known not to be NaN, which it then does not test.
+// e2 = max(E - E_min, 0), E the exponent field of the capped magnitude and E_min FP8's
+// smallest normal one, by a saturating subtraction on the upper 16 bits (both lower
+// halves are 0); then c = e2 + E_min + 20 * 2^23 and code = steps + (e2 >> 20), which is
+// Fp8Code's steps + (e >> 20) - (127 + 1 - bias) * 8.
+template <Fp8Format kFormat, bool kMayBeNan>
+inline __m256i Fp8MagnitudeCodes(__m256i u) {
   using Tr = Fp8Traits<kFormat>;
   constexpr uint32_t kMinNormalExponent = (127u + 1u - Tr::kBias) << 23;
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 24), Splat(0x80u));
   const __m256i magnitude = _mm256_and_si256(u, Splat(kF32AbsMask));
   const __m256i capped = _mm256_min_epu32(magnitude, Splat(Tr::kMaxBits));
-  const __m256i e =
-      _mm256_max_epu32(_mm256_and_si256(capped, Splat(kF32Inf)), Splat(kMinNormalExponent));
-  const __m256i c = _mm256_add_epi32(e, Splat(20u << 23));
+  const __m256i e2 =
+      _mm256_subs_epu16(_mm256_and_si256(capped, Splat(kF32Inf)), Splat(kMinNormalExponent));
+  const __m256i c = _mm256_add_epi32(e2, Splat(kMinNormalExponent + (20u << 23)));
   const __m256i sum =
       _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(capped), _mm256_castsi256_ps(c)));
-  const __m256i steps = _mm256_sub_epi32(sum, c);
-  const __m256i code = _mm256_sub_epi32(_mm256_add_epi32(steps, _mm256_srli_epi32(e, 20)),
-                                        Splat((127u + 1u - Tr::kBias) << 3));
+  const __m256i code = _mm256_add_epi32(_mm256_sub_epi32(sum, c), _mm256_srli_epi32(e2, 20));
+  if constexpr (!kMayBeNan) return code;
+  // A NaN's magnitude is capped like a finite one to the largest code, kMaxCode, and
+  // kNanCode is kMaxCode + 1 in both formats: subtracting the all-ones mask adds that 1.
+  static_assert(Tr::kNanCode == Tr::kMaxCode + 1, "NaN code follows the largest code");
   const __m256i nan = _mm256_cmpgt_epi32(magnitude, Splat(kF32Inf));
-  __m256i signed_code = _mm256_or_si256(code, sign);
-  if constexpr (kFormat == Fp8Format::kE4M3FNUZ) {
-    // No negative zero.
-    signed_code =
-        _mm256_andnot_si256(_mm256_cmpeq_epi32(code, _mm256_setzero_si256()), signed_code);
-  }
-  return _mm256_blendv_epi8(signed_code, Splat(Tr::kNanCode), nan);
+  return _mm256_sub_epi32(code, nan);
 }
 
-// Four vectors of 8 byte values in 32-bit lanes (a, b, c, d in element order) as 32
-// bytes in that order. The packs interleave 128-bit halves; the permutation undoes it.
-inline __m256i PackBytes(__m256i a, __m256i b, __m256i c, __m256i d) {
-  const __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(a, b), _mm256_packus_epi32(c, d));
+// The FP8 bytes of the 32 lanes a, b, c, d (in element order), in that order. kMayBeNan =
+// false: none of them is NaN, which saves the NaN tests.
+template <Fp8Format kFormat, bool kMayBeNan>
+inline __m256i Fp8Bytes(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256i ua = _mm256_castps_si256(a), ub = _mm256_castps_si256(b);
+  const __m256i uc = _mm256_castps_si256(c), ud = _mm256_castps_si256(d);
+  // Both packs interleave 128-bit halves the same way; the permutation at the end undoes it.
+  const __m256i codes =
+      _mm256_packus_epi16(_mm256_packus_epi32(Fp8MagnitudeCodes<kFormat, kMayBeNan>(ua),
+                                              Fp8MagnitudeCodes<kFormat, kMayBeNan>(ub)),
+                          _mm256_packus_epi32(Fp8MagnitudeCodes<kFormat, kMayBeNan>(uc),
+                                              Fp8MagnitudeCodes<kFormat, kMayBeNan>(ud)));
+  // Signed saturation keeps each lane's sign: 0x80 in its byte where v is negative.
+  const __m256i signs =
+      _mm256_and_si256(_mm256_packs_epi16(_mm256_packs_epi32(ua, ub), _mm256_packs_epi32(uc, ud)),
+                       _mm256_set1_epi8(static_cast<char>(0x80)));
+  // Where the sign goes: e4m3fn everywhere but the NaN code 0x7f (the one positive NaN
+  // the kernels write); e4m3fnuz on codes 1 to 0x7f only (no -0; NaN is 0x80 alone). As
+  // signed bytes, both are the codes below a bound.
+  __m256i bytes;
+  if constexpr (kFormat == Fp8Format::kE4M3FN && !kMayBeNan) {
+    bytes = _mm256_or_si256(codes, signs);
+  } else {
+    const __m256i takes_sign = kFormat == Fp8Format::kE4M3FN
+                                   ? _mm256_cmpgt_epi8(_mm256_set1_epi8(0x7f), codes)
+                                   : _mm256_cmpgt_epi8(codes, _mm256_setzero_si256());
+    bytes = _mm256_or_si256(codes, _mm256_and_si256(signs, takes_sign));
+  }
   return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-// y[0, 32) = QuantizeElement<kFormat>(normed[k], recip).
-template <Fp8Format kFormat>
+// y[0, 32) = QuantizeElement<kFormat>(normed[k], recip); kMayBeNan as for Fp8Bytes, of
+// the products normed[k] * recip.
+template <Fp8Format kFormat, bool kMayBeNan>
 inline void Quantize32(const float* normed, __m256 recip, uint8_t* y) {
-  const __m256i a = Fp8Codes<kFormat>(_mm256_mul_ps(_mm256_loadu_ps(normed), recip));
-  const __m256i b = Fp8Codes<kFormat>(_mm256_mul_ps(_mm256_loadu_ps(normed + 8), recip));
-  const __m256i c = Fp8Codes<kFormat>(_mm256_mul_ps(_mm256_loadu_ps(normed + 16), recip));
-  const __m256i d = Fp8Codes<kFormat>(_mm256_mul_ps(_mm256_loadu_ps(normed + 24), recip));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), PackBytes(a, b, c, d));
+  const __m256i bytes =
+      Fp8Bytes<kFormat, kMayBeNan>(_mm256_mul_ps(_mm256_loadu_ps(normed), recip),
+                                   _mm256_mul_ps(_mm256_loadu_ps(normed + 8), recip),
+                                   _mm256_mul_ps(_mm256_loadu_ps(normed + 16), recip),
+                                   _mm256_mul_ps(_mm256_loadu_ps(normed + 24), recip));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), bytes);
 }
 
 }  // namespace avx2_lanes
