@@ -82,17 +82,23 @@ inline void Store(F16* p, __m256 v) {
 }
 
 // ---------------------------------------------------------------------------------
-// The exact sum of squares (AddSquare with an FMA), 8 lanes.
+// The exact sum of squares, 8 lanes: AddSquare with an FMA, TwoSum(hi, p) computed as
+// Fast2Sum on the pair ordered by size. Both are error-free, so they give the same sum s
+// and the same error e (the one float equal to hi + p - s) with half the float additions,
+// which bound this loop. hi and p are non-negative, so their order is that of their bits
+// as unsigned integers, NaN above +Inf: a NaN stays in hi, and an Inf or an overflow
+// still leaves the pair non-finite. Under denormal flushing the two can flush different
+// subnormal intermediates (docs/spec.md says when that can show).
 // ---------------------------------------------------------------------------------
 
 inline void AddSquare(__m256& hi, __m256& lo, __m256 v) {
   const __m256 p = _mm256_mul_ps(v, v);
   const __m256 square_error = _mm256_fmsub_ps(v, v, p);
-  // TwoSum(hi, p)
-  const __m256 s = _mm256_add_ps(hi, p);
-  const __m256 b_virtual = _mm256_sub_ps(s, hi);
-  const __m256 sum_error =
-      _mm256_add_ps(_mm256_sub_ps(hi, _mm256_sub_ps(s, b_virtual)), _mm256_sub_ps(p, b_virtual));
+  const __m256i hi_bits = _mm256_castps_si256(hi), p_bits = _mm256_castps_si256(p);
+  const __m256 larger = _mm256_castsi256_ps(_mm256_max_epu32(hi_bits, p_bits));
+  const __m256 smaller = _mm256_castsi256_ps(_mm256_min_epu32(hi_bits, p_bits));
+  const __m256 s = _mm256_add_ps(larger, smaller);
+  const __m256 sum_error = _mm256_sub_ps(smaller, _mm256_sub_ps(s, larger));
   hi = s;
   lo = _mm256_add_ps(lo, _mm256_add_ps(sum_error, square_error));
 }

@@ -8,6 +8,7 @@
 // on a CPU without AVX2 + FMA + F16C, saying so.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cinttypes>
 #include <cstdio>
@@ -98,6 +99,67 @@ __attribute__((target("avx2,fma,f16c"))) void CheckLoads(bool flush) {
   }
 }
 
+// The vector AddSquare (Fast2Sum on the ordered pair) against the scalar one (TwoSum, the
+// FMA's exact square), bit for bit on both halves of every lane's (hi, lo), over sequences
+// of values from 2^min_exponent to 2^60 and past float32's range, zeros among them. Where
+// the scalar sum becomes non-finite (a square or a sum past float32), the vector one must
+// be too; that is all the kernel reads of such a row. With denormals flushed, the two
+// flush different intermediate subnormals, so values start at 2^-40: squares from 2^-80,
+// whose rounding errors are normal numbers (docs/spec.md).
+__attribute__((target("avx2,fma,f16c"))) void CheckSums(uint64_t seed, int sequences, bool flush) {
+  if (flush) _mm_setcsr(_mm_getcsr() | 0x8040);
+  const int min_exponent = flush ? -40 : -90;
+  uint64_t state = seed;
+  const auto next = [&state] {  // splitmix64
+    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  };
+  alignas(32) float values[8], vector_hi[8], vector_lo[8];
+  for (int sequence = 0; sequence < sequences; ++sequence) {
+    // Each lane's magnitudes around its own scale, so that sums of very different sizes
+    // meet the squares; one sequence in 64 reaches past float32's range.
+    const int lane_exponent = min_exponent + static_cast<int>(next() % (61 - min_exponent));
+    const bool huge = next() % 64 == 0;
+    __m256 hi = _mm256_setzero_ps(), lo = _mm256_setzero_ps();
+    float scalar_hi[8] = {}, scalar_lo[8] = {};
+    for (int step = 0; step < 64; ++step) {
+      for (int k = 0; k < 8; ++k) {
+        const uint64_t r = next();
+        const int exponent =
+            std::max(min_exponent, lane_exponent + static_cast<int>(r % 25) - 12) + (huge ? 70 : 0);
+        const uint32_t mantissa = static_cast<uint32_t>(r >> 40) & 0x7fffffu;
+        const uint32_t sign = static_cast<uint32_t>(r >> 63) << 31;
+        const int biased = std::min(254, std::max(1, exponent + 127));
+        values[k] = (r >> 8) % 16 == 0 ? 0.0f : FloatOf(sign | uint32_t(biased) << 23 | mantissa);
+        AddSquare<true>(scalar_hi[k], scalar_lo[k], values[k]);
+      }
+      v::AddSquare(hi, lo, _mm256_load_ps(values));
+      _mm256_store_ps(vector_hi, hi);
+      _mm256_store_ps(vector_lo, lo);
+      for (int k = 0; k < 8; ++k) {
+        const float scalar_total = Total({scalar_hi[k], scalar_lo[k]});
+        if (!IsFinite(scalar_total)) {
+          if (IsFinite(Total({vector_hi[k], vector_lo[k]}))) {
+            Report("sum of squares, non-finite", BitsOf(values[k]), BitsOf(vector_hi[k]),
+                   BitsOf(scalar_hi[k]));
+          }
+          continue;
+        }
+        if (BitsOf(vector_hi[k]) != BitsOf(scalar_hi[k])) {
+          Report("sum of squares, hi", BitsOf(values[k]), BitsOf(vector_hi[k]),
+                 BitsOf(scalar_hi[k]));
+        }
+        if (BitsOf(vector_lo[k]) != BitsOf(scalar_lo[k])) {
+          Report("sum of squares, lo", BitsOf(values[k]), BitsOf(vector_lo[k]),
+                 BitsOf(scalar_lo[k]));
+        }
+      }
+    }
+  }
+}
+
 int Run() {
   __builtin_cpu_init();
   if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
@@ -108,6 +170,7 @@ int Run() {
   const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
   for (const bool flush : {false, true}) {
     CheckLoads(flush);
+    CheckSums(flush ? 2 : 1, 1 << 16, flush);
     constexpr uint64_t kAll = uint64_t{1} << 32;
     const uint64_t share = (kAll / threads + 31) / 32 * 32;
     std::vector<std::thread> workers;
@@ -119,7 +182,8 @@ int Run() {
     }
     for (auto& worker : workers) worker.join();
     std::printf(
-        "rounding_check: all 2^32 float32 inputs and 2^16 16-bit inputs, denormals %s: "
+        "rounding_check: all 2^32 float32 inputs, all 2^16 16-bit inputs and 2^25 summed "
+        "squares, denormals %s: "
         "%" PRId64 " mismatches so far\n",
         flush ? "flushed" : "kept", mismatches.load());
   }
