@@ -1,10 +1,15 @@
 """The CPU kernel's instruction-set variants (AVX2 + FMA + F16C, and the baseline) give
 the same bits: every dtype combination, hidden sizes that leave a partial lane block,
-rows of zeros, NaN, Inf, huge, tiny and subnormal values, and every scale layout."""
+rows of zeros, NaN, Inf, huge, tiny and subnormal values, and every scale layout; and so
+does the standalone timing driver (benchmarks/cpu_kernel.cc) on rows split over threads."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import textwrap
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -107,3 +112,35 @@ def test_avx2_variant_matches_reference_on_ties():
     y_ref, s_ref = fp8norm.reference.rms_norm_fp8(x, gamma)
     np.testing.assert_array_equal(np.asarray(y).view(np.uint8), np.asarray(y_ref).view(np.uint8))
     np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+def test_timing_driver_variants_agree(tmp_path):
+    # The driver links the kernel's own source: it must build, and its output hash must
+    # not depend on the variant, on tasks split over 2 threads with rows and hidden sizes
+    # that leave partial blocks, groups and residuals.
+    exe = tmp_path / "cpu_kernel"
+    subprocess.run(
+        ["c++", "-std=c++17", "-O2", "-fno-math-errno", "-fno-trapping-math",
+         "-ffp-contract=off", f"-I{ROOT / 'src' / 'common'}",
+         str(ROOT / "benchmarks" / "cpu_kernel.cc"), str(ROOT / "src" / "cpu" / "cpu_kernels.cc"),
+         "-o", str(exe), "-lpthread"],
+        check=True,
+    )  # fmt: skip
+    cases = [
+        ["100", "4099", "bf16", "2", "1", "0", "1"],
+        ["37", "384", "f16", "2", "0", "128", "1"],
+        ["70", "4096", "f32", "2", "1", "32", "1"],
+    ]
+    for case in cases:
+        lines = {}
+        for isa in ("", "baseline"):
+            env = dict(os.environ, FP8NORM_CPU_ISA=isa)
+            run = subprocess.run([str(exe), *case], env=env, capture_output=True, text=True)
+            assert run.returncode == 0, run.stderr
+            lines[isa] = run.stdout.split()
+        assert lines["baseline"][0] == "baseline"
+        assert lines[""][-1] == lines["baseline"][-1], (case, lines)
