@@ -144,3 +144,35 @@ def test_timing_driver_variants_agree(tmp_path):
             lines[isa] = run.stdout.split()
         assert lines["baseline"][0] == "baseline"
         assert lines[""][-1] == lines["baseline"][-1], (case, lines)
+
+
+HUGE_OUTPUTS = textwrap.dedent(
+    """
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    import jax_fp8norm as fp8norm
+    jax.config.update("jax_platforms", "cpu")
+    rng = np.random.default_rng(5)
+    # y of 6 MiB and residual_out of 12 MiB, from a start that is not 2 MiB aligned:
+    # outputs the kernel advises onto huge pages.
+    x = jnp.asarray(rng.standard_normal((1536, 4096)), jnp.bfloat16)
+    residual = jnp.asarray(rng.standard_normal((1536, 4096)), jnp.bfloat16)
+    gamma = jnp.asarray(rng.uniform(-2, 2, 4096), jnp.float32)
+    y, s, r = jax.jit(fp8norm.add_rms_norm_fp8)(x, residual, gamma)
+    ref = fp8norm.reference.add_rms_norm_fp8(x, residual, gamma)
+    same = all(
+        np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+        for a, b in zip((y, s, r), ref)
+    )
+    np.savez(sys.argv[1], y=np.asarray(y).view(np.uint8), s=np.asarray(s),
+             r=np.asarray(r).view(np.uint16), same=np.array(same))
+    """
+)
+
+
+def test_huge_page_advice_keeps_the_bits(tmp_path):
+    advised = outputs_of_script(HUGE_OUTPUTS, tmp_path / "advised.npz", FP8NORM_CPU_HUGE_PAGES="")
+    plain = outputs_of_script(HUGE_OUTPUTS, tmp_path / "plain.npz", FP8NORM_CPU_HUGE_PAGES="0")
+    assert advised.pop("same") and plain.pop("same")
+    for name in advised:
+        np.testing.assert_array_equal(advised[name], plain[name], err_msg=name)
