@@ -42,19 +42,22 @@ constexpr int64_t kTasksPerCall = 64;
 constexpr int64_t kMinElementsPerTask = int64_t{1} << 14;
 constexpr int64_t kMaxElementsPerTask = int64_t{1} << 17;
 
-// This thread's float32 scratch of `size` elements (a row, and its groups' reciprocal
-// scales), kept between calls; null when the memory for it cannot be had (the call then
-// fails; the process goes on).
-float* ScratchRow(int64_t size) {
-  thread_local std::vector<float> scratch;
-  if (static_cast<int64_t>(scratch.size()) < size) {
+// Float32 buffers of this thread, kept between calls (grown to the largest size asked
+// for, never shrunk): null when the memory cannot be had (the call then fails; the
+// process goes on).
+enum class Buffer { kScratchRow, kGammaRow };
+
+template <Buffer kWhich>
+float* ThreadBuffer(int64_t size) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < size) {
     try {
-      scratch.resize(size);
+      buffer.resize(size);
     } catch (const std::bad_alloc&) {
       return nullptr;
     }
   }
-  return scratch.data();
+  return buffer.data();
 }
 
 template <typename TGamma>
@@ -159,23 +162,19 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
     for (int64_t row = 0; row < a.rows; ++row) StoreAs(a.scale_type, a.scales, row, s.scale);
     return true;
   }
-  // gamma + weight_offset once per call, in float32, shared by every row.
-  std::vector<float> gamma_plus_offset;
-  try {
-    gamma_plus_offset.resize(a.hidden);
-  } catch (const std::bad_alloc&) {
-    return false;
-  }
+  // gamma + weight_offset once per call, in float32, shared by every row: in the calling
+  // thread's buffer, which the tasks only read, and only while this call waits for them.
+  float* const gamma_plus_offset = ThreadBuffer<Buffer::kGammaRow>(a.hidden);
+  if (gamma_plus_offset == nullptr) return false;
   switch (a.gamma_type) {
     case FloatType::kF16:
-      GammaPlusOffset<F16>(a.gamma, a.constants.weight_offset, a.hidden, gamma_plus_offset.data());
+      GammaPlusOffset<F16>(a.gamma, a.constants.weight_offset, a.hidden, gamma_plus_offset);
       break;
     case FloatType::kBF16:
-      GammaPlusOffset<BF16>(a.gamma, a.constants.weight_offset, a.hidden, gamma_plus_offset.data());
+      GammaPlusOffset<BF16>(a.gamma, a.constants.weight_offset, a.hidden, gamma_plus_offset);
       break;
     default:
-      GammaPlusOffset<float>(a.gamma, a.constants.weight_offset, a.hidden,
-                             gamma_plus_offset.data());
+      GammaPlusOffset<float>(a.gamma, a.constants.weight_offset, a.hidden, gamma_plus_offset);
   }
   const size_t elements = static_cast<size_t>(a.rows) * static_cast<size_t>(a.hidden);
   AdviseHugePages(a.y, elements);
@@ -186,7 +185,7 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
       std::clamp(a.rows * a.hidden / kTasksPerCall, kMinElementsPerTask, kMaxElementsPerTask);
   const int64_t rows_per_task = std::max<int64_t>(1, task_elements / a.hidden);
   const int64_t num_tasks = (a.rows + rows_per_task - 1) / rows_per_task;
-  const float* gw = gamma_plus_offset.data();
+  const float* gw = gamma_plus_offset;
   const ProcessRowsFn process_rows = Variant().process_rows;
   // A task may run on a pool thread, where an escaping exception would end the process:
   // a failed allocation is reported through this flag instead.
@@ -194,7 +193,7 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   parallel_for(num_tasks, [&](int64_t task) {
     // The row, and the scale and its reciprocal of each of its groups when it has several.
     const int64_t groups = GroupsPerRow(a);
-    float* scratch = ScratchRow(a.hidden + (groups > 1 ? 2 * groups : 0));
+    float* scratch = ThreadBuffer<Buffer::kScratchRow>(a.hidden + (groups > 1 ? 2 * groups : 0));
     if (scratch == nullptr) {
       out_of_memory.store(true, std::memory_order_relaxed);
       return;
