@@ -1,5 +1,7 @@
-// The CPU kernel timed on its own, without XLA: RmsNormFp8Cpu on warm buffers (no page
-// faults, no dispatch), the best of `repeats` calls, spread over `threads` std::threads.
+// The CPU kernel timed on its own, without XLA: RmsNormFp8Cpu on warm input and output
+// buffers (no page faults, no dispatch), the best of `repeats` calls, spread over
+// `threads` std::threads started by each call (tens of microseconds, which small shapes
+// with several threads feel).
 // Prints the variant, the time and a hash of every output, so that two builds (say, before
 // and after a change) can be timed in turn and shown to give the same bits.
 //

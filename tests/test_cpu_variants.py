@@ -143,6 +143,8 @@ def test_timing_driver_variants_agree(tmp_path):
             assert run.returncode == 0, run.stderr
             lines[isa] = run.stdout.split()
         assert lines["baseline"][0] == "baseline"
+        # Built by the same compiler as the package, so with the same variants.
+        assert lines[""][0] == fp8norm.cpu_kernel_variant()
         assert lines[""][-1] == lines["baseline"][-1], (case, lines)
 
 
@@ -153,8 +155,7 @@ HUGE_OUTPUTS = textwrap.dedent(
     import jax_fp8norm as fp8norm
     jax.config.update("jax_platforms", "cpu")
     rng = np.random.default_rng(5)
-    # y of 6 MiB and residual_out of 12 MiB, from a start that is not 2 MiB aligned:
-    # outputs the kernel advises onto huge pages.
+    # y of 6 MiB and residual_out of 12 MiB: outputs the kernel advises onto huge pages.
     x = jnp.asarray(rng.standard_normal((1536, 4096)), jnp.bfloat16)
     residual = jnp.asarray(rng.standard_normal((1536, 4096)), jnp.bfloat16)
     gamma = jnp.asarray(rng.uniform(-2, 2, 4096), jnp.float32)

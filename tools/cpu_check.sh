@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU kernel's AVX2 vector arithmetic (src/cpu/cpu_avx2.h) against the scalar
 # definitions of src/common/fp8norm_math.h on every float32 input, with and without
-# denormal flushing (tests/cpu/rounding_check.cc; about 40 s on 2 cores). Run by
+# denormal flushing (tests/cpu/rounding_check.cc; about 45 s on 2 cores). Run by
 # .ci/run; needs cmake and a C++ compiler, and says so and passes on a CPU without AVX2.
 # BUILD sets the build directory.
 set -euo pipefail

@@ -1,8 +1,8 @@
 // Eight float32 lanes in AVX2 registers: the vector forms of the math header's loads,
 // stores, exact square and FP8 rounding, for the AVX2 row loops of cpu_rows.inc. Each one
 // is the scalar definition of fp8norm_math.h applied lane by lane, with the same IEEE
-// operations in the same order, so they give the same bits; tools/cpu_rounding_check.cc
-// holds the FP8 and 16-bit roundings to the scalar ones on every float32 input.
+// operations in the same order, so they give the same bits; tests/cpu/rounding_check.cc
+// (tools/cpu_check.sh) holds them to the scalar ones.
 //
 // x86-64 only. With GCC these functions are compiled for AVX2 + FMA + F16C whatever the
 // build's flags (the pragma below), so that a baseline build can hold an AVX2 variant
@@ -21,6 +21,7 @@
 #endif
 
 namespace fp8norm {
+namespace {  // internal linkage: these are compiled for AVX2 whatever the build's flags
 namespace avx2_lanes {
 
 inline __m256i Splat(uint32_t v) { return _mm256_set1_epi32(static_cast<int32_t>(v)); }
@@ -192,6 +193,7 @@ inline void Quantize32(const float* normed, __m256 recip, uint8_t* y) {
 }
 
 }  // namespace avx2_lanes
+}  // namespace
 }  // namespace fp8norm
 
 #if defined(__GNUC__) && !defined(__clang__)

@@ -68,11 +68,9 @@ void GammaPlusOffset(const void* gamma, float weight_offset, int64_t n, float* o
 
 // The row loops for the baseline instruction set of the build (SSE2 on x86-64)...
 #define FP8NORM_CPU_ISA baseline
-#define FP8NORM_CPU_FMA false
 #define FP8NORM_CPU_AVX2 0
 #include "cpu_rows.inc"
 #undef FP8NORM_CPU_ISA
-#undef FP8NORM_CPU_FMA
 #undef FP8NORM_CPU_AVX2
 
 // ...and, on x86-64 with GCC, again for AVX2 + FMA + F16C, on the explicit vectors of
@@ -84,11 +82,9 @@ void GammaPlusOffset(const void* gamma, float weight_offset, int64_t n, float* o
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #define FP8NORM_CPU_ISA avx2
-#define FP8NORM_CPU_FMA true
 #define FP8NORM_CPU_AVX2 1
 #include "cpu_rows.inc"
 #undef FP8NORM_CPU_ISA
-#undef FP8NORM_CPU_FMA
 #undef FP8NORM_CPU_AVX2
 #pragma GCC pop_options
 #endif
@@ -121,12 +117,13 @@ CpuVariant SelectVariant() {
 constexpr size_t kHugePageAdviceBytes = size_t{4} << 20;
 
 // Asks the kernel to back the whole 2 MiB pages inside [p, p + bytes) with transparent
-// huge pages (Linux; where THP is "madvise", the common default). XLA gives each large
-// output freshly mapped memory on every call, and writing it page by page costs one fault
-// per 4 KiB: about 9 ms per 16 MiB on the development VM against 1.6 ms with huge pages,
-// more than the kernel's own work. Only whole 2 MiB pages inside the output are advised, so
-// no memory outside it changes; pages already present are left as they are. Advice only:
-// a refusal changes nothing. FP8NORM_CPU_HUGE_PAGES=0 turns it off.
+// huge pages (Linux; where THP is "madvise", the common default). A large output of XLA's
+// is often freshly mapped memory (glibc maps large allocations and unmaps them when
+// freed), and writing it page by page costs one fault per 4 KiB: about 9 ms per 16 MiB on
+// the development VM against 1.6 ms with huge pages, more than the kernel's own work.
+// Only whole 2 MiB pages inside the output are advised, so no memory outside it is
+// affected; pages already present stay until the kernel's khugepaged may merge them.
+// Advice only: a refusal changes nothing. FP8NORM_CPU_HUGE_PAGES=0 turns it off.
 void AdviseHugePages(void* p, size_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   static const bool enabled = [] {

@@ -1,11 +1,16 @@
-// The AVX2 vector forms of cpu_avx2.h against the scalar definitions of fp8norm_math.h,
-// on every input they can take: all 2^32 float32 bit patterns for the FP8 codes
-// (e4m3fn and e4m3fnuz, saturating; the path without NaN tests on every non-NaN one)
-// and the bfloat16 / float16 stores, all 2^16 patterns
-// for the 16-bit loads. Once with the default floating-point environment and once with
-// denormals flushed (FTZ + DAZ, as XLA's CPU threads run), split over the machine's
-// cores. Prints the first mismatches and exits non-zero on any; exits 0 without checking
-// on a CPU without AVX2 + FMA + F16C, saying so.
+// The CPU kernel's AVX2 vector code against the scalar definitions of fp8norm_math.h and
+// the baseline variant's loops:
+// - the FP8 codes (e4m3fn and e4m3fnuz, saturating; the path without NaN tests on every
+//   non-NaN input) and the bfloat16 / float16 stores on all 2^32 float32 bit patterns,
+//   the 16-bit loads on all 2^16;
+// - the vector sum of squares against the scalar one on 2^25 squares (NaN and Inf
+//   included);
+// - the AVX2 row load against the baseline's, lane by lane, on rows of 1 to 4099
+//   elements.
+// Once with the default floating-point environment and once with denormals flushed
+// (FTZ + DAZ, as XLA's CPU threads run), split over the machine's cores. Prints the first
+// mismatches and exits non-zero on any; exits 0 without checking on a CPU without
+// AVX2 + FMA + F16C, saying so.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -17,6 +22,9 @@
 #include <vector>
 
 #include "cpu_avx2.h"
+// The kernel's own row loops, both variants, to compare their lanes (they live in that
+// file's anonymous namespace, so they are compiled into this check).
+#include "cpu_kernels.cc"
 #include "fp8norm_math.h"
 
 namespace fp8norm {
@@ -132,7 +140,11 @@ __attribute__((target("avx2,fma,f16c"))) void CheckSums(uint64_t seed, int seque
         const uint32_t mantissa = static_cast<uint32_t>(r >> 40) & 0x7fffffu;
         const uint32_t sign = static_cast<uint32_t>(r >> 63) << 31;
         const int biased = std::min(254, std::max(1, exponent + 127));
-        values[k] = (r >> 8) % 16 == 0 ? 0.0f : FloatOf(sign | uint32_t(biased) << 23 | mantissa);
+        const uint32_t kind = (r >> 8) % 512;  // mostly numbers; zeros, NaN and Inf of either sign
+        values[k] = kind < 32    ? 0.0f
+                    : kind == 32 ? FloatOf(sign | kF32QuietNan | (mantissa & 0x3fffffu))
+                    : kind == 33 ? FloatOf(sign | kF32Inf)
+                                 : FloatOf(sign | uint32_t(biased) << 23 | mantissa);
         AddSquare<true>(scalar_hi[k], scalar_lo[k], values[k]);
       }
       v::AddSquare(hi, lo, _mm256_load_ps(values));
@@ -160,6 +172,63 @@ __attribute__((target("avx2,fma,f16c"))) void CheckSums(uint64_t seed, int seque
   }
 }
 
+#if defined(FP8NORM_CPU_HAS_AVX2_VARIANT)
+// The AVX2 LoadRowLanes against the baseline's, bit for bit: h, residual_out and every
+// lane's (hi, lo) before the tree. A wrong lane for some element would rarely change a
+// row's total, so the lanes themselves are compared. Rows of 1 to 100 elements and a few
+// longer ones, values over many binades, both ops and the mixed float32 + bfloat16 case.
+template <typename TIn, typename TRes>
+void CheckLanesOf(const char* what, uint64_t seed) {
+  uint64_t state = seed;
+  const auto next = [&state] {
+    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  };
+  std::vector<int64_t> sizes;
+  for (int64_t n = 1; n <= 100; ++n) sizes.push_back(n);
+  for (int64_t n : {255, 256, 257, 4099}) sizes.push_back(n);
+  for (const int64_t n : sizes) {
+    for (const bool add : {false, true}) {
+      std::vector<TIn> x(n);
+      std::vector<TRes> residual(n), out_avx2(n), out_baseline(n);
+      for (int64_t j = 0; j < n; ++j) {
+        const uint64_t r = next();
+        // Values from 2^-27 to 2^22, of either sign.
+        const float a = FloatOf((uint32_t(r) & 0x7fffffu) | (uint32_t(100 + r % 50) << 23) |
+                                (uint32_t(r >> 63) << 31));
+        const float b =
+            FloatOf((uint32_t(r >> 32) & 0x7fffffu) | (uint32_t(100 + (r >> 8) % 50) << 23));
+        x[j] = FromFloat<TIn>(a);
+        residual[j] = FromFloat<TRes>(b);
+      }
+      std::vector<float> h_avx2(n), h_baseline(n);
+      float hi_avx2[16] = {}, lo_avx2[16] = {}, hi_baseline[16] = {}, lo_baseline[16] = {};
+      avx2::LoadRowLanes(x.data(), add ? residual.data() : nullptr, add ? out_avx2.data() : nullptr,
+                         h_avx2.data(), n, hi_avx2, lo_avx2);
+      baseline::LoadRowLanes(x.data(), add ? residual.data() : nullptr,
+                             add ? out_baseline.data() : nullptr, h_baseline.data(), n, hi_baseline,
+                             lo_baseline);
+      const bool same = std::memcmp(hi_avx2, hi_baseline, sizeof(hi_avx2)) == 0 &&
+                        std::memcmp(lo_avx2, lo_baseline, sizeof(lo_avx2)) == 0 &&
+                        std::memcmp(h_avx2.data(), h_baseline.data(), n * sizeof(float)) == 0 &&
+                        std::memcmp(out_avx2.data(), out_baseline.data(), n * sizeof(TRes)) == 0;
+      if (!same) Report(what, static_cast<uint32_t>(n), add, 0);
+    }
+  }
+}
+
+__attribute__((target("avx2,fma,f16c"))) void CheckLanes() {
+  CheckLanesOf<BF16, BF16>("lanes, bfloat16 (length, add)", 11);
+  CheckLanesOf<F16, F16>("lanes, float16 (length, add)", 12);
+  CheckLanesOf<float, float>("lanes, float32 (length, add)", 13);
+  CheckLanesOf<float, BF16>("lanes, float32 + bfloat16 (length, add)", 14);
+}
+#else
+void CheckLanes() {}
+#endif
+
 int Run() {
   __builtin_cpu_init();
   if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
@@ -168,6 +237,7 @@ int Run() {
     return 0;
   }
   const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
+  CheckLanes();
   for (const bool flush : {false, true}) {
     CheckLoads(flush);
     CheckSums(flush ? 2 : 1, 1 << 16, flush);
