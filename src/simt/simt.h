@@ -90,6 +90,21 @@ class ScopedBuffers {
   void Add(const char* name, const void* base, size_t bytes);
 };
 
+// While the guard lives, the calling OS thread's launches run only the blocks
+// `first <= blockIdx.x < last` of their grid; the others are skipped as if they had run
+// without touching memory. For a grid whose work at a far index is what a check needs
+// (tests/simt/index_check.cc: rows past element 2^31), at the cost of a few blocks.
+class ScopedBlockWindow {
+ public:
+  ScopedBlockWindow(unsigned first, unsigned last);
+  ~ScopedBlockWindow();
+  ScopedBlockWindow(const ScopedBlockWindow&) = delete;
+  ScopedBlockWindow& operator=(const ScopedBlockWindow&) = delete;
+
+ private:
+  unsigned previous_first_, previous_last_;
+};
+
 // Every launch recorded since the last call, from every OS thread, oldest first (the
 // latest 4096 at most).
 std::vector<LaunchRecord> TakeLaunches();

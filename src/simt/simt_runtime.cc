@@ -154,6 +154,9 @@ struct Executor {
   std::vector<std::unique_ptr<ThreadState>> threads;
   std::vector<WarpState> warps;
   std::vector<Buffer> buffers;
+  // The blocks a launch runs: [first_block, last_block) of its grid (ScopedBlockWindow).
+  unsigned first_block = 0;
+  unsigned last_block = ~0u;
 
   // The launch in progress.
   ThreadBody body = nullptr;
@@ -736,6 +739,7 @@ cudaError_t Launch(const void* kernel, const cudaLaunchConfig_t& config, ThreadB
   blockDim = block;
   bool ok = true;
   for (unsigned b = grid.x; b-- > 0;) {
+    if (b < ex.first_block || b >= ex.last_block) continue;
     if (!ex.RunBlock(b, dynamic_bytes)) {
       ok = false;
       break;
@@ -789,6 +793,17 @@ uint64_t SetScheduleSeed(uint64_t seed) {
   const uint64_t previous = g.seed;
   g.seed = seed;
   return previous;
+}
+
+ScopedBlockWindow::ScopedBlockWindow(unsigned first, unsigned last)
+    : previous_first_(executor.first_block), previous_last_(executor.last_block) {
+  executor.first_block = first;
+  executor.last_block = last;
+}
+
+ScopedBlockWindow::~ScopedBlockWindow() {
+  executor.first_block = previous_first_;
+  executor.last_block = previous_last_;
 }
 
 ScopedBuffers::~ScopedBuffers() { executor.buffers.clear(); }
