@@ -69,30 +69,143 @@ def _round_through(value: jax.Array, dtype) -> jax.Array:
     return jnp.where(jnp.isnan(value), value, rounded)
 
 
-def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
-    s = a + b
-    b_virtual = s - a
-    return s, (a - (s - b_virtual)) + (b - b_virtual)
+# The sum of squares in integer arithmetic. A float32 square x * x is M^2 * 2^(2E) with M
+# its 24-bit significand: an integer of at most 48 bits at an even bit offset. Placed on one
+# fixed-point grid and added as 16-bit limbs in uint32, the squares sum exactly, and integer
+# addition gives the same result in any order, so no choice of XLA's (reduction order,
+# fusion, reassociation, FMA contraction) can change it. The grid starts at 2^-172: squares
+# below 2^-126 (|x| < 2^-63, float32 subnormals) count as zero, as the kernels flush them.
+_LIMB_BITS = 16
+_LIMB_MASK = (1 << _LIMB_BITS) - 1
+# Elements summed before carrying: a limb takes at most one piece (below 2^16) from each
+# element, so 2^16 elements' pieces, plus a carry below 2^16, stay below 2^32. The
+# chunks' 16-bit limbs then add up the same way, at most 2^16 of them.
+_CHUNK = 1 << 16
+_MAX_CHUNKS = 1 << 16
+_MIN_EXPONENT = 64  # biased float32 exponent of 2^-63: the smallest |x| whose square counts
+_MAX_EXPONENT = 190  # of 2^63: |x| >= 2^64 has a square of 2^128 or more, beyond float32
+# 16-bit limbs of the grid: a square is below 2^(48 + 252) on it, 2^16 chunks of 2^16 of
+# them below 2^332, so 21 limbs hold any row of at most 2^32 elements.
+_LIMBS = 21
+# The rounding window below the highest nonzero limb (see _round_sum).
+_WINDOW = 6
+
+
+def _square_limbs(h: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+    """Each element's exact square on the grid: (the index of its lowest 16-bit limb, the four
+    16-bit pieces at that limb and the three above it)."""
+    u32 = jnp.uint32
+    bits = _bits(h)
+    exponent = (bits >> 23) & u32(0xFF)
+    counted = (exponent >= _MIN_EXPONENT) & (exponent <= _MAX_EXPONENT)
+    significand = jnp.where(counted, (bits & u32(0x7FFFFF)) | u32(0x800000), u32(0))
+    # The square in three 16-bit limbs, from products of at most 32 bits.
+    m0, m1 = significand & u32(_LIMB_MASK), significand >> 16
+    low = m0 * m0
+    middle = u32(2) * m1 * m0 + (low >> 16)
+    high = m1 * m1 + (middle >> 16)  # below 2^16: the square is below 2^48
+    limbs = (low & u32(_LIMB_MASK), middle & u32(_LIMB_MASK), high)
+    # Bit offset on the grid: 2 * (exponent - 64), even, 0..252.
+    offset = u32(2) * (jnp.clip(exponent, _MIN_EXPONENT, _MAX_EXPONENT) - u32(_MIN_EXPONENT))
+    base, shift = offset >> 4, offset & u32(15)
+    back = u32(16) - shift  # 16 when shift is 0: a uint32 shifted right by 16 of a limb is 0
+    pieces = [(limbs[0] << shift) & u32(_LIMB_MASK)]
+    for k in (1, 2):
+        pieces.append(((limbs[k] << shift) | (limbs[k - 1] >> back)) & u32(_LIMB_MASK))
+    pieces.append(limbs[2] >> back)
+    return base, pieces
+
+
+def _carry(limbs: jax.Array) -> jax.Array:
+    """Limbs [..., L] of any uint32 values below 2^32 - 2^16 to 16-bit limbs of the same
+    number (the carry out of the top limb must be 0, which _LIMBS guarantees)."""
+
+    def step(carry, limb):
+        total = limb + carry
+        return total >> _LIMB_BITS, total & jnp.uint32(_LIMB_MASK)
+
+    zero = jnp.zeros(limbs.shape[:-1], jnp.uint32)
+    _, out = jax.lax.scan(step, zero, jnp.moveaxis(limbs, -1, 0))
+    return jnp.moveaxis(out, 0, -1)
+
+
+def _exact_sum_limbs(h: jax.Array) -> jax.Array:
+    """The exact sum of squares of each row of float32 ``h`` [R, N], as 16-bit limbs [R, 21]
+    on the grid (value = sum of limbs[l] * 2^(16 l) * 2^-172)."""
+    rows, n = h.shape
+    chunks = max(1, -(-n // _CHUNK))
+    if chunks > _MAX_CHUNKS:
+        raise ValueError(f"rows of {n} elements: at most {_CHUNK * _MAX_CHUNKS} supported")
+    width = -(-n // chunks)
+    h = jnp.pad(h, ((0, 0), (0, chunks * width - n)))  # zeros add nothing
+    base, pieces = _square_limbs(h.reshape(rows * chunks, width))
+    # Piece k of an element goes to limb base + k of its row's chunk: one scatter-add.
+    cell = jnp.arange(rows * chunks, dtype=jnp.uint32)[:, None] * jnp.uint32(_LIMBS) + base
+    at = jnp.stack([cell + jnp.uint32(k) for k in range(len(pieces))])
+    sums = jnp.zeros((rows * chunks * _LIMBS,), jnp.uint32)
+    sums = sums.at[at.reshape(-1)].add(jnp.stack(pieces).reshape(-1))
+    limbs = _carry(sums.reshape(rows, chunks, _LIMBS))
+    if chunks > 1:
+        limbs = _carry(limbs.sum(axis=1, dtype=jnp.uint32))
+    return limbs.reshape(rows, _LIMBS)
+
+
+def _round_sum(limbs: jax.Array) -> jax.Array:
+    """The float32 of the exact sum in 16-bit ``limbs`` [R, L], rounded as the spec's
+    "The sum of squares" says: to nearest, ties to even, except that a sum within 2^-26 of
+    an ulp of a rounding tie rounds as the tie (s + RN(S - s), s = RN(S), rounded once more).
+    The compensated float32 sums of the kernels round those near-ties so."""
+    u32 = jnp.uint32
+    rows, count = limbs.shape
+    index = jnp.arange(count, dtype=jnp.int32)
+    nonzero = limbs != 0
+    top = jnp.max(jnp.where(nonzero, index, -1), axis=-1)  # -1: the sum is 0
+    # Six limbs from the top down (zeros below limb 0), and whether any limb below them is
+    # nonzero.
+    padded = jnp.concatenate([jnp.zeros((rows, _WINDOW), u32), limbs], axis=-1)
+    at = top[:, None] + _WINDOW - jnp.arange(_WINDOW, dtype=jnp.int32)[None, :]
+    g = jnp.take_along_axis(padded, jnp.maximum(at, 0), axis=-1)
+    below = jnp.any(nonzero & (index[None, :] < (top - (_WINDOW - 1))[:, None]), axis=-1)
+    # Shift the window left so that the sum's leading bit is bit 79 of five 16-bit limbs.
+    shift = (jax.lax.clz(g[:, 0]) - u32(16)).astype(u32)  # 0..15 for a nonzero top limb
+    shift = jnp.where(top >= 0, shift, u32(0))
+    back = u32(16) - shift
+    w = [((g[:, k] << shift) | (g[:, k + 1] >> back)) & u32(_LIMB_MASK) for k in range(5)]
+    left_out = g[:, 5] & ((u32(1) << back) - u32(1))
+    # 24 significant bits, the next 26 (the half-ulp is their bit 25), and whether all the
+    # bits below those are zero.
+    significand = (w[0] << 8) | (w[1] >> 8)
+    fraction = ((w[1] & u32(0xFF)) << 18) | (w[2] << 2) | (w[3] >> 14)
+    rest_zero = ((w[3] & u32(0x3FFF)) == 0) & (w[4] == 0) & (left_out == 0) & ~below
+    half = u32(1 << 25)
+    near_tie = (fraction == half - 1) | (fraction == half) | ((fraction == half + 1) & rest_zero)
+    up = jnp.where(near_tie, (significand & u32(1)) == 1, fraction >= half)
+    significand = significand + up.astype(u32)
+    carried = significand >> 24  # rounded up to 2^24
+    significand = jnp.where(carried == 1, u32(1 << 23), significand)
+    # The leading bit is bit 16 * top + 15 - shift of the grid, whose bit 0 is 2^-172.
+    biased = (top * 16 + 15 - shift.astype(jnp.int32)) - 45 + carried.astype(jnp.int32)
+    finite = _float((biased.astype(u32) << 23) | (significand & u32(0x7FFFFF)))
+    result = jnp.where(biased >= 255, jnp.float32(np.inf), finite)
+    return jnp.where(top >= 0, result, jnp.float32(0))
 
 
 def sum_of_squares(h: jax.Array) -> jax.Array:
-    """``sum(h * h)`` over the last axis of float32 ``h``, keeping every rounding error
-    (Dekker's exact square, TwoSum) in a second float32: the correctly rounded float32
-    sum in all but vanishingly rare near-tie cases, as the kernels compute it
-    (src/fp8norm_math.h, SumOfSquares). Returns shape ``h.shape[:-1] + (1,)``."""
-    f32 = jnp.float32
-    square = h * h
-    c = f32(4097) * h
-    high = c - (c - h)
-    low = h - high
-    square_error = ((high * high - square) + f32(2) * high * low) + low * low
-
-    def combine(a, b):
-        s, e = _two_sum(a[0], b[0])
-        return s, (a[1] + b[1]) + e
-
-    hi, lo = jax.lax.reduce((square, square_error), (f32(0), f32(0)), combine, (h.ndim - 1,))
-    return (hi + lo)[..., None]
+    """The spec's sum of squares of each row of float32 ``h`` [..., N]: the float32 nearest
+    to the exact sum of the exact squares (docs/spec.md, "The sum of squares"), computed in
+    integer arithmetic that no XLA rewrite can change. +inf where the sum overflows float32,
+    NaN where a row holds NaN or +-Inf. Returns shape ``h.shape[:-1] + (1,)``."""
+    h = jnp.asarray(h, jnp.float32)
+    lead, n = h.shape[:-1], h.shape[-1]
+    if n == 0 or int(np.prod(lead)) == 0:
+        return jnp.zeros(lead + (1,), jnp.float32)
+    rows = h.reshape(-1, n)
+    exponent = (_bits(rows) >> 23) & jnp.uint32(0xFF)
+    total = _round_sum(_exact_sum_limbs(rows))
+    overflow = jnp.any(exponent > _MAX_EXPONENT, axis=-1)
+    total = jnp.where(overflow, jnp.float32(np.inf), total)
+    total = jnp.where(jnp.any(exponent == 0xFF, axis=-1), jnp.float32(np.nan), total)
+    return total.reshape(lead + (1,))
 
 
 def _bits(value: jax.Array) -> jax.Array:
@@ -156,7 +269,7 @@ def quantize_rows(
     sum_sq = sum_of_squares(h)  # [..., 1]
     denom = _divide(sum_sq, max(n, 1)) + f32(p.eps)
     r = jnp.where(denom == 0, f32(0), _divide(jnp.ones_like(denom), jnp.sqrt(denom)))
-    normed = (h * r) * (gamma.astype(f32) + f32(p.weight_offset))
+    normed = (h * r) * _plus_constant(gamma.astype(f32), p.weight_offset)
     grouped = normed.reshape(rows + (groups, n // groups if groups else 0))
     if static_scale is not None:
         scale32, recip = _static_scales(static_scale, p)
@@ -184,7 +297,31 @@ def quantize_rows(
         scale = scale32.astype(p.scale_dtype)  # exact: scale32 is a scale_dtype value
         if static_scale is None:
             scale = jnp.where(row_finite, scale, jnp.asarray(np.nan, p.scale_dtype))
-    return q.astype(p.out_dtype), scale
+    return _to_fp8(q, p.out_dtype), scale
+
+
+# The NaN code of each FP8 format: the kernels write this one, whatever NaN they convert.
+_FP8_NAN_CODE = {np.dtype(jnp.float8_e4m3fn): 0x7F, np.dtype(jnp.float8_e4m3fnuz): 0x80}
+
+
+def _to_fp8(q: jax.Array, out_dtype) -> jax.Array:
+    """float32 ``q`` (clamped to +-FP8_MAX, or NaN) rounded to nearest even in ``out_dtype``,
+    every NaN as the format's one NaN code. XLA's conversion is what rounds (tests/
+    test_reference.py holds it to ml_dtypes at every rounding boundary); the NaN code is
+    set here, since XLA's conversion keeps a NaN's sign bit in e4m3fn."""
+    codes = jax.lax.bitcast_convert_type(q.astype(out_dtype), jnp.uint8)
+    codes = jnp.where(jnp.isnan(q), jnp.uint8(_FP8_NAN_CODE[np.dtype(out_dtype)]), codes)
+    return jax.lax.bitcast_convert_type(codes, out_dtype)
+
+
+def _plus_constant(value: jax.Array, constant: float) -> jax.Array:
+    """float32 ``value + constant``, rounded once. Adding 0.0 still turns -0.0 into +0.0, as
+    the kernels' addition does; XLA's simplifier drops an addition of 0.0, so that case is
+    written as what it computes."""
+    if constant != 0.0:
+        return value + jnp.float32(constant)
+    bits = _bits(value)
+    return _float(jnp.where(bits == jnp.uint32(0x80000000), jnp.uint32(0), bits))
 
 
 @norm_keywords

@@ -9,6 +9,7 @@ they fail instead. ``pytest -k simt`` selects the emulated runs.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import subprocess
@@ -46,8 +47,59 @@ SIMT_VARIANTS = ("block_shared", "warp_rows", "block_registers")
 SIMT_PLATFORMS = tuple(f"simt-{v}" for v in SIMT_VARIANTS)
 
 
+# The extended tier: the full cross products, the long rows and the subprocess-heavy
+# tests. `pytest` leaves them out (pyproject.toml's addopts); `pytest -m extended` runs
+# them, and CI runs both.
+EXTENDED = pytest.mark.extended
+
+
+# The session's -m expression (the tier), passed on to the tests a subprocess reruns.
+_markexpr = ""
+
+
+def pytest_configure(config):
+    global _markexpr
+    _markexpr = config.getoption("markexpr") or ""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """The default tier's share of the big tests: the rest of their items are marked
+    extended. ``@pytest.mark.sampled(n)`` keeps every n-th combination of a test's
+    parameters, and any combination that brings a value of a parameter no kept one has
+    (so every value of every parameter appears), on all platforms alike, so that they
+    share the reference's outputs. ``@pytest.mark.default_platforms(*names)`` keeps the
+    test's items on those platforms (and "gpu", which skips without a GPU)."""
+    kept: dict = {}  # test function -> {combination: kept}, {(parameter, value index)}
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        sampled = item.get_closest_marker("sampled")
+        if sampled is not None and callspec is not None:
+            combination = tuple(
+                sorted((k, repr(v)) for k, v in callspec.params.items() if k != "platform")
+            )
+            decided, covered = kept.setdefault(item.function, ({}, set()))
+            if combination not in decided:
+                first_of_n = len(decided) % sampled.args[0] == 0
+                decided[combination] = first_of_n or not covered.issuperset(combination)
+                if decided[combination]:
+                    covered.update(combination)
+            if not decided[combination]:
+                item.add_marker(EXTENDED)
+        platforms = item.get_closest_marker("default_platforms")
+        if platforms is not None and callspec is not None:
+            if callspec.params.get("platform") not in (*platforms.args, "gpu"):
+                item.add_marker(EXTENDED)
+
+
 def is_simt(platform: str) -> bool:
     return platform.startswith("simt")
+
+
+def is_gpu(platform: str) -> bool:
+    """The one platform held to the spec's accuracy rule; cpu and simt give the
+    reference's bits."""
+    return platform == "gpu"
 
 
 @pytest.fixture(params=["cpu", *SIMT_PLATFORMS, "gpu"])
@@ -90,28 +142,64 @@ def run_on(platform: str, fn, *args, jit: bool = True, **kwargs):
     return tuple(np.asarray(o) for o in outs)
 
 
+def _key_of(value):
+    """A hashable stand-in for an argument: arrays by dtype, shape and bytes."""
+    if isinstance(value, (np.ndarray, jax.Array, np.generic)):
+        array = np.asarray(value)
+        return ("array", array.dtype.str, array.shape, hashlib.sha1(array.tobytes()).digest())
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, *map(_key_of, value))
+    if isinstance(value, dict):
+        return ("dict", *sorted((k, _key_of(v)) for k, v in value.items()))
+    return ("value", type(value).__name__, repr(value))
+
+
+# Reference outputs by function, arguments and keywords: every kernel test runs on four
+# platforms against the same reference outputs, which are computed once.
+_reference_outputs: dict = {}
+
+
 def reference_on_cpu(fn, *args, **kwargs):
-    cpu = jax.devices("cpu")[0]
-    placed = [jax.device_put(a, cpu) for a in args]
-    with jax.default_device(cpu):
-        outs = jax.jit(lambda *a: fn(*a, **kwargs))(*placed)
-    return tuple(np.asarray(o) for o in outs)
+    key = (fn.__module__, fn.__qualname__, _key_of(args), _key_of(kwargs))
+    if key not in _reference_outputs:
+        cpu = jax.devices("cpu")[0]
+        placed = [jax.device_put(a, cpu) for a in args]
+        with jax.default_device(cpu):
+            outs = jax.jit(lambda *a: fn(*a, **kwargs))(*placed)
+        _reference_outputs[key] = tuple(np.asarray(o) for o in outs)
+    return tuple(o.copy() for o in _reference_outputs[key])
+
+
+def assert_kernel_matches(platform: str, got, want, **kwargs) -> None:
+    """The kernels' promise on ``platform``: the reference's bits on cpu and simt, the
+    spec's accuracy rule on a GPU (whose fast reciprocal square root may move a value
+    across a rounding tie)."""
+    if is_gpu(platform):
+        assert_matches_reference(got, want, power_of_two=kwargs.get("power_of_two_scales") or None)
+    else:
+        assert_same_bits(got, want)
 
 
 def check_against_reference(platform: str, op: str, *args, jit: bool = True, **kwargs):
     """Runs ``jax_fp8norm.<op>`` on ``platform`` and its twin ``jax_fp8norm.reference.<op>``
-    on the CPU, asserts the spec's accuracy rule and returns ``(outputs, reference)``."""
+    on the CPU, asserts what the platform promises (assert_kernel_matches) and returns
+    ``(outputs, reference)``."""
     out = run_on(platform, getattr(jax_fp8norm, op), *args, jit=jit, **kwargs)
     ref = reference_on_cpu(getattr(jax_fp8norm.reference, op), *args, **kwargs)
-    assert_matches_reference(out, ref, power_of_two=kwargs.get("power_of_two_scales") or None)
+    assert_kernel_matches(platform, out, ref, **kwargs)
     return out, ref
 
 
 def assert_same_bits(got, want) -> None:
     """Every output of ``got`` equals the one of ``want`` at its position, bit for bit (NaN
-    payloads, signed zeros and FP8 codes included)."""
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+    payloads, signed zeros and FP8 codes included), with the same dtype and shape."""
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        g, w = np.asarray(g), np.asarray(w)
+        assert (g.dtype, g.shape) == (w.dtype, w.shape), (i, g.dtype, g.shape, w.dtype, w.shape)
+        width = {1: np.uint8, 2: np.uint16, 4: np.uint32}[g.dtype.itemsize]
+        np.testing.assert_array_equal(
+            g.view(width), w.view(width), err_msg=f"output {i} ({g.dtype}) differs in its bits"
+        )
 
 
 COLLECTIVES = ("all-gather", "all-to-all", "reduce-scatter", "all-reduce", "collective-permute")
@@ -159,17 +247,19 @@ def outputs_of_script(script: str, path, **env: str) -> dict[str, np.ndarray]:
         return {k: data[k] for k in data.files}
 
 
-def rerun_with_virtual_cpu_devices(test_file: str, num_devices: int) -> None:
-    """Runs the test module ``test_file`` again in a subprocess whose jax has
-    ``num_devices`` virtual CPU devices (they must be requested before jax starts), and
-    fails with its output unless every test there passed."""
+def rerun_with_virtual_cpu_devices(test_file: str, num_devices: int, *pytest_args: str) -> None:
+    """Runs the test module ``test_file`` again (with ``pytest_args``) in a subprocess whose
+    jax has ``num_devices`` virtual CPU devices (they must be requested before jax starts),
+    and fails with its output unless every test there passed."""
     flags = os.environ.get("XLA_FLAGS", "")
     env = dict(
         os.environ,
         XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={num_devices}".strip(),
     )
+    tier = ["-m", _markexpr] if _markexpr else []
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tier, test_file]
+        + list(pytest_args),
         cwd=os.path.dirname(os.path.abspath(test_file)),
         env=env,
         capture_output=True,
@@ -178,6 +268,8 @@ def rerun_with_virtual_cpu_devices(test_file: str, num_devices: int) -> None:
         check=False,
     )
     summary = result.stdout[-6000:] + result.stderr[-3000:]
+    if result.returncode == 5 and tier:
+        pytest.skip(f"no test of {test_file} in this tier ({_markexpr})")
     assert result.returncode == 0, summary
     assert re.search(r"\d+ passed", result.stdout), summary
     assert "failed" not in result.stdout.splitlines()[-1], summary

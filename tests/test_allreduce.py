@@ -7,6 +7,7 @@ modules' single-device session alone; the subprocess runs the real cases.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -18,7 +19,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_fp8norm as fp8norm
-from jax_fp8norm.testing import assert_matches_reference
 
 NUM_DEVICES = 8
 HAVE_DEVICES = len(jax.devices("cpu")) >= NUM_DEVICES
@@ -76,6 +76,7 @@ else:
             for shard in shards[1:]:
                 np.testing.assert_array_equal(shard, shards[0])
 
+    @pytest.mark.sampled(23)
     @pytest.mark.parametrize("size", [1, 2, 4, 8])
     @pytest.mark.parametrize("rows", [1, 8, 17, 20, 1024])
     @pytest.mark.parametrize("hidden", [4096, 8192])
@@ -86,13 +87,15 @@ else:
         out, ref = _kernel_and_reference(mesh, partials, residual, gamma, reduce_dtype=reduce_dtype)
         assert out[0].shape == (rows, hidden) and out[0].dtype == jnp.float8_e4m3fn
         assert out[1].shape == (rows, 1) and out[2].dtype == jnp.bfloat16
-        assert_matches_reference(_numpy(out), _numpy(ref))
+        assert_same_bits(_numpy(out), _numpy(ref))
         _assert_same_on_every_device(out)
 
     @pytest.mark.parametrize("size", [2, 8])
     def test_float32_reduction_matches_the_unsharded_sum(size):
         # In float32 the sum of the partials, added to the residual in float32, is the
-        # add_rms_norm_fp8 of that sum: compare with the reference on one device.
+        # add_rms_norm_fp8 of that sum: compare with the reference on one device. XLA's CPU
+        # all-reduce adds the partials in device order (x_0 + x_1 + ...); should that
+        # order change, this test says so.
         partials, residual, gamma = _inputs(size, 20, 4096)
         out = _run(
             fp8norm.allreduce_residual_rms_norm_fp8,
@@ -102,11 +105,11 @@ else:
             gamma,
             reduce_dtype=jnp.float32,
         )
-        total = partials.astype(np.float32).sum(0)
+        total = functools.reduce(np.add, partials.astype(np.float32))
         h = total + residual.astype(np.float32)
-        ref = fp8norm.reference.add_rms_norm_fp8(h, np.zeros_like(h), gamma)
+        ref = jax.jit(fp8norm.reference.add_rms_norm_fp8)(h, np.zeros_like(h), gamma)
         ref = [np.asarray(ref[0]), np.asarray(ref[1]), h.astype(jnp.bfloat16)]
-        assert_matches_reference(_numpy(out), ref)
+        assert_same_bits(_numpy(out), ref)
 
     def test_keywords_and_dtypes_pass_through():
         mesh = _mesh(4)
@@ -119,7 +122,7 @@ else:
         )
         out, ref = _kernel_and_reference(mesh, partials, residual, gamma, **kw)
         assert out[0].dtype == jnp.float8_e4m3fnuz and out[1].dtype == jnp.bfloat16
-        assert_matches_reference(_numpy(out), _numpy(ref))
+        assert_same_bits(_numpy(out), _numpy(ref))
 
     @pytest.mark.parametrize(
         "kw",
@@ -156,7 +159,7 @@ else:
         ref = _run(
             fp8norm.reference.allreduce_residual_rms_norm_fp8, mesh, partials, residual, gamma
         )
-        assert_matches_reference(_numpy(out), _numpy(ref))
+        assert_same_bits(_numpy(out), _numpy(ref))
         assert all(o.sharding.is_fully_replicated for o in out)
         _assert_same_on_every_device(out)
         # The same under an outer jit.

@@ -62,6 +62,7 @@ def test_formula_computes_the_same_thing(op):
         np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))
 
 
+@pytest.mark.extended
 def test_small_run_writes_table_json_and_plot(tmp_path, capsys):
     out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
     argv = ["--preset", "smoke", "--impls", "fp8norm,xla_reference,xla_formula,copy"]

@@ -13,8 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
+    EXTENDED,
     assert_same_bits,
     check_against_reference,
+    is_gpu,
     is_simt,
     random_gamma,
     random_rows,
@@ -33,15 +35,15 @@ NAN_CODE = {jnp.float8_e4m3fn: 0x7F, jnp.float8_e4m3fnuz: 0x80}
 def check(platform, op, *args, **kw):
     """The op against its reference: bit for bit on the CPU and emulated kernels, by the
     accuracy rule on a GPU (where rsqrt may move a tie)."""
-    out, ref = check_against_reference(platform, op, *args, **kw)
-    if platform == "cpu" or is_simt(platform):
-        assert_same_bits(out, ref)
-    return out, ref
+    return check_against_reference(platform, op, *args, **kw)
 
 
-# Hidden sizes (7168: DeepSeek-V3) with every group size of the issue that divides them.
+# Hidden sizes (7168: DeepSeek-V3) with every group size of the issue that divides them;
+# the default tier takes the short rows and DeepSeek-V3's 1x128.
 GROUP_CASES = [
     (hidden, group)
+    if hidden < 4096 or (hidden, group) == (7168, 128)
+    else pytest.param(hidden, group, marks=EXTENDED)
     for hidden in (96, 384, 7168, 16384)
     for group in (1, 3, 32, 64, 128, hidden)
     if hidden % group == 0
@@ -70,6 +72,7 @@ def test_group_sizes(platform, hidden, group):
     )
 
 
+@pytest.mark.sampled(7)
 @pytest.mark.parametrize("x_dtype", FLOATS, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize(
     "scale_kw",
@@ -328,8 +331,14 @@ def test_dequantized_twins_repeat_group_scales(platform):
     residual = random_rows(21, (4, 256), jnp.float32, spread=0.5)
     gamma = random_gamma(22, 256, jnp.float32)
     for kw in (dict(group_size=32), dict(group_size=64, scale_dtype=E8M0), dict(static_scale=0.01)):
-        y, scales = run_on(platform, fp8norm.rms_norm_fp8, x, gamma, **kw)
-        want = np.asarray(fp8norm.reference.dequantize(y, scales))
+        # The twin's forward pass is f32(y) * each group's scale repeated over the group,
+        # here written in NumPy over the reference's outputs (the kernel's on a GPU, where
+        # they may differ from the reference by the accuracy rule).
+        source = run_on(platform, fp8norm.rms_norm_fp8, x, gamma, **kw)
+        if not is_gpu(platform):
+            source = reference_on_cpu(fp8norm.reference.rms_norm_fp8, x, gamma, **kw)
+        y, scales = (np.asarray(o).astype(np.float32) for o in source)
+        want = y * np.repeat(scales, x.shape[-1] // scales.shape[-1], axis=-1)
         (got,) = run_on(platform, _as_tuple(fp8norm.rms_norm_fp8_dequantized), x, gamma, **kw)
         np.testing.assert_array_equal(got, want)
         grads = run_on(

@@ -14,7 +14,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import outputs_of_script
+from conftest import outputs_of_script, reference_on_cpu
 
 import jax_fp8norm as fp8norm
 
@@ -109,7 +109,7 @@ def test_avx2_variant_matches_reference_on_ties():
     x = np.concatenate([codes, -codes, [448.0]]).astype(np.float32)[None, :]
     gamma = np.ones(x.shape[-1], np.float32)
     y, s = fp8norm.rms_norm_fp8(x, gamma)
-    y_ref, s_ref = fp8norm.reference.rms_norm_fp8(x, gamma)
+    y_ref, s_ref = reference_on_cpu(fp8norm.reference.rms_norm_fp8, x, gamma)
     np.testing.assert_array_equal(np.asarray(y).view(np.uint8), np.asarray(y_ref).view(np.uint8))
     np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
 
@@ -160,7 +160,7 @@ HUGE_OUTPUTS = textwrap.dedent(
     residual = jnp.asarray(rng.standard_normal((1536, 4096)), jnp.bfloat16)
     gamma = jnp.asarray(rng.uniform(-2, 2, 4096), jnp.float32)
     y, s, r = jax.jit(fp8norm.add_rms_norm_fp8)(x, residual, gamma)
-    ref = fp8norm.reference.add_rms_norm_fp8(x, residual, gamma)
+    ref = reference_on_cpu(fp8norm.reference.add_rms_norm_fp8, x, residual, gamma)
     same = all(
         np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
         for a, b in zip((y, s, r), ref)
@@ -171,6 +171,7 @@ HUGE_OUTPUTS = textwrap.dedent(
 )
 
 
+@pytest.mark.extended
 def test_huge_page_advice_keeps_the_bits(tmp_path):
     advised = outputs_of_script(HUGE_OUTPUTS, tmp_path / "advised.npz", FP8NORM_CPU_HUGE_PAGES="")
     plain = outputs_of_script(HUGE_OUTPUTS, tmp_path / "plain.npz", FP8NORM_CPU_HUGE_PAGES="0")

@@ -1,8 +1,10 @@
 """Property-based tests: random shapes, dtypes, constants and values (hypothesis), every
-kernel held to the reference under the spec's accuracy rule.
+kernel held to the reference: bit for bit on cpu and simt, by the spec's accuracy rule on
+a GPU.
 
-CI runs a bounded budget; FP8NORM_FUZZ_EXAMPLES raises it (tools/gpu_check.sh runs a larger
-one on the GPU) and FP8NORM_FUZZ_MAX_ELEMENTS raises the size cap of one example.
+The default tier runs a small budget, the extended tier (CI) the full one;
+FP8NORM_FUZZ_EXAMPLES sets the full budget (tools/gpu_check.sh runs a larger one on the
+GPU) and FP8NORM_FUZZ_MAX_ELEMENTS raises the size cap of one example.
 A failure prints the example and a `@reproduce_failure` blob that replays it.
 """
 
@@ -15,12 +17,18 @@ import numpy as np
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from conftest import SIMT_PLATFORMS, is_simt, reference_on_cpu, run_on  # noqa: E402
+from conftest import (  # noqa: E402
+    EXTENDED,
+    SIMT_PLATFORMS,
+    assert_kernel_matches,
+    is_simt,
+    reference_on_cpu,
+    run_on,
+)
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import jax_fp8norm as fp8norm  # noqa: E402
-from jax_fp8norm.testing import assert_matches_reference  # noqa: E402
 
 EXAMPLES = int(os.environ.get("FP8NORM_FUZZ_EXAMPLES", "300"))
 MAX_ELEMENTS = int(os.environ.get("FP8NORM_FUZZ_MAX_ELEMENTS", str(1 << 19)))
@@ -178,7 +186,7 @@ def _check_case(platform, case):
     ref = reference_on_cpu(getattr(fp8norm.reference, case["op"]), *args, **kw)
     keep = ~exempt_rows(h, x_dtype)
     assert out[0].shape == shape and out[1].shape == shape[:-1] + (1,)
-    assert_matches_reference(_keep_rows(out, keep), _keep_rows(ref, keep))
+    assert_kernel_matches(platform, _keep_rows(out, keep), _keep_rows(ref, keep))
 
 
 def _checker(examples: int):
@@ -191,9 +199,21 @@ def _checker(examples: int):
 
 
 # The emulated kernel variants share one budget: each is a third of the emulation's cost.
-_check_native = _checker(EXAMPLES)
-_check_emulated = _checker(max(1, EXAMPLES // len(SIMT_PLATFORMS)))
+# The default tier's budget reaches every row kind and op in a few seconds a platform.
+QUICK_EXAMPLES = 25
+_checkers = {
+    (quick, emulated): _checker(
+        max(1, (QUICK_EXAMPLES if quick else EXAMPLES) // (len(SIMT_PLATFORMS) if emulated else 1))
+    )
+    for quick in (True, False)
+    for emulated in (True, False)
+}
 
 
 def test_kernel_matches_reference_on_random_cases(platform):
-    (_check_emulated if is_simt(platform) else _check_native)(platform)
+    _checkers[True, is_simt(platform)](platform)
+
+
+@EXTENDED
+def test_kernel_matches_reference_on_the_full_budget(platform):
+    _checkers[False, is_simt(platform)](platform)

@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(TESTS_DIR, "multiprocess_child.py")
 NUM_PROCESSES = 2
@@ -90,6 +92,7 @@ def _run_children(logs_dir, *extra_args: str) -> tuple[list[int | None], list[st
     return codes, outputs, timed_out
 
 
+@pytest.mark.extended
 def test_two_processes_on_one_mesh(tmp_path):
     start = time.monotonic()
     codes, outputs, timed_out = _run_children(tmp_path)
@@ -106,6 +109,7 @@ def test_two_processes_on_one_mesh(tmp_path):
         assert "FAIL" not in out, report
 
 
+@pytest.mark.extended
 def test_a_wrong_result_fails(tmp_path):
     # The same run with one bit of one expected value flipped in process 0's checks: the
     # harness must report it (and still end both processes).

@@ -118,3 +118,15 @@ def test_build_without_a_cuda_compiler_warns(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "CMake Warning" in result.stderr and "no CUDA compiler" in result.stderr
     assert "FP8NORM_CUDA=ON python -m pip install" in " ".join(result.stderr.split())
+
+
+def test_test_requirements_are_the_test_extra():
+    """tests/requirements.txt (the README's test install, which builds nothing) lists what
+    pyproject.toml's `test` extra does."""
+    import tomllib
+
+    with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["test"]
+    with open(os.path.join(REPO_ROOT, "tests", "requirements.txt")) as f:
+        listed = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    assert sorted(listed) == sorted(extra)

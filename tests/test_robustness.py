@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
+    assert_kernel_matches,
     assert_same_bits,
     check_against_reference,
     device_of,
@@ -32,7 +33,6 @@ from conftest import (
 )
 
 import jax_fp8norm as fp8norm
-from jax_fp8norm.testing import assert_matches_reference
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 HUGE_ON_CPU = os.environ.get("FP8NORM_HUGE_TESTS", "") not in ("", "0")
@@ -41,6 +41,7 @@ HUGE_ON_CPU = os.environ.get("FP8NORM_HUGE_TESTS", "") not in ("", "0")
 # ------------------------------------------------------------------ sizes
 
 
+@pytest.mark.default_platforms("cpu")
 @pytest.mark.parametrize("rows,hidden", [(65536, 2), (70001, 8), (131073, 1)])
 def test_more_rows_than_a_grid_dimension(platform, rows, hidden):
     # 65535 is the CUDA limit of a grid's y and z dimensions; rows must not be bound by it.
@@ -87,7 +88,7 @@ def test_more_than_2_to_the_31_elements(platform):
         first = np.asarray(jax.jit(lambda: _periodic_rows(0, PERIOD))())
         head = (np.asarray(y[:PERIOD]), scales[:PERIOD, None])
     ref = reference_on_cpu(fp8norm.reference.rms_norm_fp8, first, np.ones(HUGE_HIDDEN, np.float32))
-    assert_matches_reference(head, ref)
+    assert_kernel_matches(platform, head, ref)
 
 
 # ------------------------------------------------------------------ buffers at an offset
@@ -113,9 +114,11 @@ def test_inputs_sliced_at_an_offset_inside_jit(platform, offset):
     out = run_on(platform, fn, flat, flat_residual, gamma)
     x = flat[offset : offset + total].reshape(rows, hidden)
     residual = flat_residual[offset : offset + total].reshape(rows, hidden)
-    assert_matches_reference(out[:2], reference_on_cpu(fp8norm.reference.rms_norm_fp8, x, gamma))
-    assert_matches_reference(
-        out[2:], reference_on_cpu(fp8norm.reference.add_rms_norm_fp8, x, residual, gamma)
+    assert_kernel_matches(
+        platform, out[:2], reference_on_cpu(fp8norm.reference.rms_norm_fp8, x, gamma)
+    )
+    assert_kernel_matches(
+        platform, out[2:], reference_on_cpu(fp8norm.reference.add_rms_norm_fp8, x, residual, gamma)
     )
 
 
@@ -131,9 +134,9 @@ def test_strided_slices_inside_jit(platform):
 
     out = run_on(platform, fn, full, gamma)
     ref = reference_on_cpu(fp8norm.reference.rms_norm_fp8, full[1:8, 3:], gamma)
-    assert_matches_reference(out[:2], ref)
+    assert_kernel_matches(platform, out[:2], ref)
     ref = reference_on_cpu(fp8norm.reference.rms_norm_fp8, full[::2, :1027], gamma)
-    assert_matches_reference(out[2:], ref)
+    assert_kernel_matches(platform, out[2:], ref)
 
 
 # ------------------------------------------------------------------ concurrency
@@ -159,6 +162,7 @@ def _thread_case_args(i):
     return op, (x, random_rows(i + 100, shape, dtype), gamma)
 
 
+@pytest.mark.default_platforms("cpu", "simt-block_shared")
 def test_eight_threads_at_once(platform):
     """8 Python threads, each its own op, shape and dtype, 25 calls each, all at once: every
     result equals (bit for bit) the one computed alone, which matches the reference."""
@@ -185,7 +189,9 @@ NUM_VIRTUAL_DEVICES = 8
 if len(jax.devices("cpu")) < NUM_VIRTUAL_DEVICES:
 
     def test_on_eight_virtual_cpu_devices():
-        rerun_with_virtual_cpu_devices(__file__ + "::test_eight_devices_at_once", 8)
+        rerun_with_virtual_cpu_devices(
+            __file__, 8, "-k", "test_eight_devices_at_once or test_every_gpu_at_once"
+        )
 
 else:
 
@@ -206,8 +212,21 @@ else:
                 assert {o.devices().pop() for o in outs} == {devices[i]}
                 assert_same_bits([np.asarray(o) for o in outs], alone[i])
 
-        with ThreadPoolExecutor(len(devices)) as pool:
-            list(pool.map(worker, range(len(devices))))
+        mesh = jax.sharding.Mesh(np.array(devices), ("rows",))
+        rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows", None))
+
+        def sharded_call():
+            op, args = _thread_case_args(3)  # 128 x 4096: 16 rows per device
+            placed = [jax.device_put(a, rows) for a in args[:-1]] + [args[-1]]
+            outs = jax.jit(getattr(fp8norm, op))(*placed)
+            assert all(len(o.sharding.device_set) == len(devices) for o in outs)
+            assert_same_bits([np.asarray(o) for o in outs], alone[3])
+
+        with ThreadPoolExecutor(len(devices) + 1) as pool:
+            calls = [pool.submit(worker, i) for i in range(len(devices))]
+            calls.append(pool.submit(sharded_call))
+            for call in calls:
+                call.result()
 
 
 def test_every_gpu_at_once(platform):
@@ -218,6 +237,8 @@ def test_every_gpu_at_once(platform):
     handler, so this cannot tell whether the handler's own device switch is needed; it
     holds the multi-GPU path to the right answers."""
     devices = jax.devices("gpu" if platform == "gpu" else "cpu")
+    if len(devices) < 2 and platform != "gpu":
+        pytest.skip("one CPU device here; test_on_eight_virtual_cpu_devices runs this on 8")
     shapes = [((64, 14336), jnp.bfloat16), ((9, 12189), jnp.float32), ((3, 70001), jnp.bfloat16)]
     cases = []
     for i, (shape, dtype) in enumerate(shapes):
@@ -231,7 +252,7 @@ def test_every_gpu_at_once(platform):
             placed = [jax.device_put(a, device) for a in args]
             outs = jax.jit(fp8norm.rms_norm_fp8)(*placed)
             assert {o.devices().pop() for o in outs} == {device}
-            assert_matches_reference([np.asarray(o) for o in outs], want)
+            assert_kernel_matches(platform, [np.asarray(o) for o in outs], want)
 
     with ThreadPoolExecutor(len(devices)) as pool:
         list(pool.map(worker, devices))
@@ -251,6 +272,7 @@ def _device_bytes_in_use(device) -> int | None:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads /proc (Linux)")
+@pytest.mark.default_platforms("cpu")
 def test_memory_flat_over_10000_calls(platform):
     """10,000 jitted calls and 2,000 eager ones (after a warm-up) leave host memory within
     16 MiB and the device's bytes in use unchanged. Every call's scratch is 16 KiB or more
@@ -284,6 +306,7 @@ def test_memory_flat_over_10000_calls(platform):
 # ------------------------------------------------------------------ bad input
 
 
+@pytest.mark.extended
 def test_bad_input_never_kills_the_process():
     """Every bad input of the spec, the handler-level refusals and the awkward shapes of
     tests/bad_input_child.py, in a subprocess: each raises the expected exception or
@@ -315,6 +338,7 @@ def test_bad_input_never_kills_the_process():
 # ------------------------------------------------------------------ determinism
 
 
+@pytest.mark.default_platforms("cpu", "simt-warp_rows")
 def test_same_input_same_bits(platform):
     x = random_rows(5, (300, 4099), jnp.bfloat16)
     residual = random_rows(6, (300, 4099), jnp.bfloat16)

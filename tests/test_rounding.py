@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from conftest import run_on
 
+import jax_fp8norm as fp8norm
 from jax_fp8norm.ops import round_float32
 
 TARGETS = [jnp.float8_e4m3fn, jnp.float8_e4m3fnuz, jnp.float16, jnp.bfloat16]
@@ -69,7 +70,13 @@ def test_boundaries_and_ties_match_ml_dtypes(platform, dtype):
         (float(inputs[i]), actual[i].view(np.uint8).tolist(), expected[i].view(np.uint8).tolist())
         for i in bad[:8]
     ]
-    assert inputs.size > 4 * _all_finite_values(dtype).size  # the test covers the ties
+    # The inputs hold every tie, and ties round both ways (to the even neighbour).
+    values = _all_finite_values(dtype)
+    ties = ((values[:-1] + values[1:]) / 2).astype(np.float32)
+    assert np.isin(ties, inputs).all()
+    with np.errstate(over="ignore", invalid="ignore"):
+        rounded = ties.astype(dtype).astype(np.float64)
+    assert np.any(rounded > ties) and np.any(rounded < ties)
 
 
 @pytest.mark.parametrize("dtype", TARGETS, ids=lambda d: jnp.dtype(d).name)
@@ -105,3 +112,19 @@ def test_round_rejects_bad_dtypes():
         round_float32(jnp.ones(3, jnp.float16), jnp.float8_e4m3fn)
     with pytest.raises(TypeError, match="dtype must be"):
         round_float32(jnp.ones(3, jnp.float32), jnp.int8)
+
+
+@pytest.mark.parametrize(
+    "dtype", [jnp.float8_e4m3fn, jnp.float8_e4m3fnuz], ids=lambda d: d.__name__
+)
+def test_reference_fp8_conversion_matches_ml_dtypes(dtype):
+    """The one rounding the reference leaves to XLA (docs/spec.md): its float32 -> FP8
+    conversion of clamped values, on every boundary and tie, and its NaN code."""
+    fp8_max = float(jnp.finfo(dtype).max)
+    inputs = _boundary_inputs(dtype)
+    inputs = inputs[np.isnan(inputs) | (np.abs(inputs) <= fp8_max)]
+    inputs = np.concatenate([inputs, np.float32([np.nan, -np.nan])])
+    (actual,) = run_on("cpu", lambda v: (fp8norm.reference._to_fp8(v, dtype),), inputs)
+    expected = inputs.astype(dtype).view(np.uint8).copy()
+    expected[np.isnan(inputs)] = 0x7F if np.dtype(dtype) == np.dtype(jnp.float8_e4m3fn) else 0x80
+    np.testing.assert_array_equal(actual.view(np.uint8), expected)

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import SIMT_PLATFORMS, is_simt
 
 import jax_fp8norm as fp8norm
 from jax_fp8norm import _ffi as fp8norm_ffi
@@ -216,9 +217,17 @@ HANDLER_CASES = [
 
 
 def handler_target(handler: str, target: str) -> str:
-    """The FFI target of `handler` on the CPU backend: the CPU kernels' handler, or the
-    CUDA handler compiled for the SIMT emulation."""
-    return fp8norm_ffi.simt_target(target) if handler == "simt" else target
+    """The FFI target of `handler` (a platform: "cpu", "simt" or "simt-<variant>") on the
+    CPU backend: the CPU kernels' handler, or the CUDA handler compiled for the SIMT
+    emulation."""
+    return fp8norm_ffi.simt_target(target) if is_simt(handler) else target
+
+
+def test_handler_target_of_every_platform():
+    target = "fp8norm_rms_norm_fp8"
+    assert handler_target("cpu", target) == target
+    for platform in ("simt", *SIMT_PLATFORMS):
+        assert handler_target(platform, target) == fp8norm_ffi.simt_target(target) != target
 
 
 @pytest.mark.parametrize("handler", ["cpu", "simt"])

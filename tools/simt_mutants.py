@@ -1,6 +1,7 @@
 """The mutation check of the SIMT emulation (docs/simt.md): plants known bugs, one at a
 time, into a copy of src/cuda and src/cpu, rebuilds the emulated kernels
-(tests/simt/kernel_check) and shows that each is caught. The unmutated copy must pass first, or a catch proves nothing.
+(tests/simt/kernel_check) and shows that each is caught. The unmutated copy must pass
+first, or a catch proves nothing.
 
     python tools/simt_mutants.py [--build DIR] [--tsan]
 
@@ -260,8 +261,8 @@ def main() -> int:
         verdict, output = plain.run()
         label = {"passed": "SURVIVED", "failed": "caught", "error": "NO VERDICT"}[verdict]
         survivors += verdict != "failed"
-        print(f"{label:8} {mutant.name}\n         by: {first_catch(output) if verdict != 'passed' else '-'}"
-              f" ({time.monotonic() - start:.0f} s)")  # fmt: skip
+        by = first_catch(output) if verdict != "passed" else "-"
+        print(f"{label:8} {mutant.name}\n         by: {by} ({time.monotonic() - start:.0f} s)")
         if tsan is not None and mutant.race:
             verdict, output = tsan.run(quick=True)
             raced = verdict == "failed" and "ThreadSanitizer: data race" in output

@@ -1,0 +1,122 @@
+"""An exact oracle of the spec's per-row op, in Python integers and fractions: the sum of
+squares with no floating-point addition at all, then steps 2-7 one correctly rounded
+float32 operation at a time (NumPy's float32 arithmetic and ml_dtypes' conversions are
+IEEE operations, rounded once each).
+
+It covers the default keywords (per-row float32 scales, ``float8_e4m3fn``, no
+``scale_ub``), which is all it needs: the keywords only change steps 4-7, which
+the rest of the suite holds to the reference bit for bit.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import ml_dtypes
+import numpy as np
+
+FP8_MAX = np.float32(448.0)
+_F32_MIN_EXPONENT = -126
+_F32_MANTISSA_BITS = 23
+
+
+def exact_sum_of_squares(row) -> Fraction:
+    """The exact sum of the exact squares of a float32 row (any float dtype, widened to
+    float32 exactly). Squares below 2^-126 count as zero, as the spec lets every
+    implementation flush them. Integers only: a finite float32 is m * 2^e with an integer
+    m below 2^24, so its square is m^2 * 2^(2e); the squares of each exponent are summed
+    as integers, and those sums shifted onto one grid."""
+    bits = np.asarray(row, np.float32).reshape(-1).view(np.uint32).astype(np.int64)
+    biased = (bits >> 23) & 0xFF
+    if np.any(biased == 0xFF):
+        raise ValueError("the oracle takes finite rows only")
+    significand = (bits & 0x7FFFFF) | 0x800000
+    exponent = biased - 150  # value = significand * 2^exponent for a normal float32
+    counted = biased >= 64  # |x| >= 2^-63: the square is at least 2^-126
+    total = Fraction(0)
+    for e in np.unique(exponent[counted]).tolist():
+        m = significand[counted & (exponent == e)]
+        high, low = m >> 12, m & 0xFFF  # m^2 = high^2 2^24 + 2 high low 2^12 + low^2
+        integer = (
+            (int(np.sum(high * high)) << 24)
+            + (int(np.sum(2 * high * low)) << 12)
+            + int(np.sum(low * low))
+        )
+        total += integer * Fraction(2) ** (2 * e)
+    return total
+
+
+def nearest_float32(value: Fraction) -> Fraction:
+    """``value`` rounded to the nearest float32, ties to even; +-inf past the largest."""
+    if value == 0:
+        return Fraction(0)
+    sign = -1 if value < 0 else 1
+    magnitude = abs(value)
+    exponent = magnitude.numerator.bit_length() - magnitude.denominator.bit_length()
+    if Fraction(2) ** exponent > magnitude:
+        exponent -= 1
+    ulp = Fraction(2) ** (max(exponent, _F32_MIN_EXPONENT) - _F32_MANTISSA_BITS)
+    units, remainder = divmod(magnitude, ulp)
+    if remainder > ulp / 2 or (remainder == ulp / 2 and units % 2 == 1):
+        units += 1
+    rounded = units * ulp
+    if rounded >= Fraction(2) ** 128:
+        return Fraction(sign) * Fraction(10) ** 400  # stands for inf; see as_float32
+    return sign * rounded
+
+
+def as_float32(value: Fraction) -> np.float32:
+    if abs(value) > Fraction(2) ** 128:
+        return np.float32(np.inf if value > 0 else -np.inf)
+    return np.float32(float(value))  # exact: value is a float32
+
+
+def spec_sum_of_squares(row) -> np.float32:
+    """The spec's ``ss``: the float32 nearest to the exact sum, except that a sum within 2^-26
+    of an ulp of a rounding tie rounds as the tie would (docs/spec.md, "The sum of
+    squares"): ``RN(s + RN(S - s))`` with ``s = RN(S)``."""
+    exact = exact_sum_of_squares(row)
+    s = nearest_float32(exact)
+    return as_float32(nearest_float32(s + nearest_float32(exact - s)))
+
+
+def correctly_rounded_sum_of_squares(row) -> np.float32:
+    """The float32 nearest to the exact sum, with no exception for near-ties."""
+    return as_float32(nearest_float32(exact_sum_of_squares(row)))
+
+
+def distance_to_tie(row) -> Fraction:
+    """How far the exact sum lies from the nearest float32 rounding tie, in ulps of its
+    rounded value (0.5 means exactly on a float32)."""
+    exact = exact_sum_of_squares(row)
+    s = nearest_float32(exact)
+    if s == 0:
+        return Fraction(1, 2)
+    exponent = abs(s).numerator.bit_length() - abs(s).denominator.bit_length()
+    if Fraction(2) ** exponent > abs(s):
+        exponent -= 1
+    ulp = Fraction(2) ** (max(exponent, _F32_MIN_EXPONENT) - _F32_MANTISSA_BITS)
+    return abs(abs(exact - s) - ulp / 2) / ulp
+
+
+def rms_norm_rows(x, gamma, eps: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
+    """Steps 1-7 of the spec for rows of ``x`` [R, N] with the default keywords, from the
+    oracle's sum of squares: (y as float8_e4m3fn, scales as float32 [R, 1])."""
+    x = np.asarray(x)
+    eps32 = np.float32(np.asarray(eps, x.dtype))
+    x32 = x.astype(np.float32)
+    g32 = np.asarray(gamma).astype(np.float32) + np.float32(0.0)
+    ys, scales = [], []
+    for row in x32:
+        ss = spec_sum_of_squares(row)
+        denom = np.float32(ss / np.float32(row.size)) + eps32
+        r = np.float32(0) if denom == 0 else np.float32(1) / np.sqrt(denom)
+        n = (row * r) * g32
+        scale = np.float32(np.max(np.abs(n), initial=np.float32(0)) / FP8_MAX)
+        with np.errstate(divide="ignore"):
+            inverse = np.float32(1) / scale
+        recip = inverse if scale != 0 and np.isfinite(inverse) else np.float32(0)
+        q = np.clip(n * recip, -FP8_MAX, FP8_MAX)
+        ys.append(q.astype(ml_dtypes.float8_e4m3fn))
+        scales.append(scale)
+    return np.stack(ys), np.asarray(scales, np.float32)[:, None]

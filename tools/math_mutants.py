@@ -1,0 +1,197 @@
+"""The mutation check of the shared arithmetic (src/common/fp8norm_math.h): plants known
+bugs, one at a time, into a copy of the header, rebuilds the CPU kernels' module from that
+copy and shows that the default tier's cpu tests fail on each. The header is also what the
+CUDA kernels and their emulation compute with, so only these tests, which hold the kernels
+to the reference and to the exact oracle, can show such a bug; the SIMT mutants
+(tools/simt_mutants.py) cover the kernels' own code.
+
+    python tools/math_mutants.py [--build DIR]
+
+The tests run with FP8NORM_CPU_ISA=baseline, the CPU variant that computes with the
+header's scalar functions (tools/cpu_check.sh holds the AVX2 variant's vector arithmetic to
+those functions on every float32 input). The unmutated build must pass first. A mutant
+counts as caught only when tests ran and failed: a mutant that does not build, a run that
+collects no test or stops on an error outside a test, or one that hangs, fails the check.
+Exits non-zero unless the baseline passes and every mutant is caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HEADER = Path("src") / "common" / "fp8norm_math.h"
+TESTS = ["tests/test_sum_of_squares.py", "tests/test_ops.py", "tests/test_rounding.py",
+         "tests/test_block_scaling.py"]  # fmt: skip
+# The cpu platform's items of those files (the simt ones build their own module).
+SELECT = "cpu and not virtual"
+TIMEOUT_S = 900
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    old: str
+    new: str
+
+
+MUTANTS = [
+    Mutant(
+        "sum of squares: each addition's rounding error dropped",
+        "  lo += sum_error + square_error;",
+        "  lo += square_error;",
+    ),
+    Mutant(
+        "sum of squares: each square's rounding error dropped",
+        "  lo += sum_error + square_error;",
+        "  lo += sum_error;",
+    ),
+    Mutant(
+        "FP8 rounding: exact ties rounded up instead of to even",
+        "BitsOf(FloatOf(capped) + FloatOf(c)) - c;",
+        "BitsOf(FloatOf(capped + (capped != 0 ? 1u : 0u)) + FloatOf(c)) - c;",
+    ),
+    Mutant(
+        "scale rule: the abs-max not rounded to the scale dtype before the division",
+        "  const float amax = RoundTo(scale_type, FloatOf(amax_bits));",
+        "  const float amax = FloatOf(amax_bits);",
+    ),
+    Mutant(
+        "scale rule: the reciprocal of a zero scale not guarded",
+        "(scale == 0.0f || !IsFinite(inverse)) ? 0.0f : inverse;",
+        "inverse;",
+    ),
+    Mutant(
+        "power-of-two rule: q rounded down to a power of two, not up",
+        "    exponent += (q & 0x007fffffu) != 0 ? 1u : 0u;",
+        "    exponent += 0u;",
+    ),
+    Mutant(
+        "inverse rms: eps added before the mean",
+        "  const float denom = sum_sq / float(hidden) + eps;",
+        "  const float denom = (sum_sq + eps) / float(hidden);",
+    ),
+]
+
+
+def installed_kernels() -> Path:
+    """The installed compiled-module package, whose other modules the mutant build joins."""
+    script = "import jax_fp8norm_kernels, os; print(os.path.dirname(jax_fp8norm_kernels.__file__))"
+    found = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd="/"
+    )
+    return Path(found.stdout.strip())
+
+
+class CpuModule:
+    """A configured CMake build of _fp8norm_cpu from a copy of the sources, and a package
+    directory where the built module replaces the installed one."""
+
+    def __init__(self, work: Path):
+        self.tree, self.build, self.package = work / "tree", work / "build", work / "package"
+        shutil.rmtree(self.tree, ignore_errors=True)
+        (self.tree / "jax_fp8norm").mkdir(parents=True)
+        shutil.copytree(ROOT / "src", self.tree / "src")
+        shutil.copy2(ROOT / "CMakeLists.txt", self.tree)
+        shutil.copy2(ROOT / "jax_fp8norm" / "_version.py", self.tree / "jax_fp8norm")
+        subprocess.run(
+            ["cmake", "-S", str(self.tree), "-B", str(self.build), "-DFP8NORM_CUDA=OFF",
+             "-DCMAKE_BUILD_TYPE=Release", f"-DPython_EXECUTABLE={sys.executable}"],
+            check=True, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        shutil.rmtree(self.package, ignore_errors=True)
+        shutil.copytree(installed_kernels(), self.package / "jax_fp8norm_kernels")
+
+    def write_header(self, text: str) -> None:
+        path = self.tree / HEADER
+        path.write_text(text)
+        os.utime(path)  # a fresh timestamp: the build must see every swap of the file
+
+    def build_module(self) -> str | None:
+        """Builds and places the module; None, or why it did not build."""
+        built = subprocess.run(
+            ["cmake", "--build", str(self.build), "--target", "_fp8norm_cpu", "-j",
+             str(os.cpu_count() or 2)],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if built.returncode != 0:
+            return (built.stdout + built.stderr)[-3000:]
+        suffix = sysconfig.get_config_var("EXT_SUFFIX")
+        shutil.copy2(self.build / f"_fp8norm_cpu{suffix}",
+                     self.package / "jax_fp8norm_kernels" / f"_fp8norm_cpu{suffix}")  # fmt: skip
+        return None
+
+    def run_tests(self) -> tuple[str, str]:
+        """('passed' | 'failed' | 'error', the run's last lines): pytest's exit code 1 is
+        a failing test; any other non-zero code is no verdict on the mutant."""
+        env = dict(os.environ, PYTHONPATH=str(self.package), FP8NORM_CPU_ISA="baseline")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k",
+               SELECT, *TESTS]  # fmt: skip
+        try:
+            ran = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                                 timeout=TIMEOUT_S, check=False)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return "error", f"timed out after {TIMEOUT_S} s (a hang)"
+        tail = (ran.stdout + ran.stderr)[-3000:]
+        if ran.returncode == 0 and re.search(r"\b\d+ passed", ran.stdout):
+            return "passed", tail
+        if ran.returncode == 1 and re.search(r"\b1 failed", ran.stdout):
+            return "failed", tail
+        return "error", f"pytest exit code {ran.returncode}\n{tail}"
+
+
+def first_failure(output: str) -> str:
+    found = re.search(r"^FAILED (\S+)", output, re.M)
+    return found.group(1) if found else output.strip().splitlines()[-1][:200]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--build", default=str(ROOT / "build" / "math-mutants"))
+    args = parser.parse_args()
+    module = CpuModule(Path(args.build))
+    original = (ROOT / HEADER).read_text()
+
+    start = time.monotonic()
+    module.write_header(original)
+    why = module.build_module()
+    verdict, output = ("error", why) if why else module.run_tests()
+    if verdict != "passed":
+        print(f"BASELINE FAILED: the unmutated header does not pass\n{output}")
+        return 1
+    print(f"baseline: the unmutated header passes ({time.monotonic() - start:.0f} s)")
+
+    failures = 0
+    for mutant in MUTANTS:
+        start = time.monotonic()
+        if original.count(mutant.old) != 1:
+            print(f"SETUP ERROR {mutant.name}: the text to mutate occurs "
+                  f"{original.count(mutant.old)} times")  # fmt: skip
+            failures += 1
+            continue
+        module.write_header(original.replace(mutant.old, mutant.new))
+        why = module.build_module()
+        verdict, output = ("error", f"build failed:\n{why}") if why else module.run_tests()
+        took = f"({time.monotonic() - start:.0f} s)"
+        if verdict == "failed":
+            print(f"caught   {mutant.name}\n         by: {first_failure(output)} {took}")
+        else:
+            failures += 1
+            label = "SURVIVED" if verdict == "passed" else "NO VERDICT"
+            print(f"{label} {mutant.name} {took}\n{output if verdict == 'error' else ''}")
+    module.write_header(original)
+    print(f"{len(MUTANTS)} mutants of {HEADER}, {failures} not caught")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
