@@ -124,7 +124,7 @@ def _carry(limbs: jax.Array) -> jax.Array:
         total = limb + carry
         return total >> _LIMB_BITS, total & jnp.uint32(_LIMB_MASK)
 
-    zero = jnp.zeros(limbs.shape[:-1], jnp.uint32)
+    zero = jnp.zeros_like(limbs[..., 0])  # typed as the limbs are (inside shard_map too)
     _, out = jax.lax.scan(step, zero, jnp.moveaxis(limbs, -1, 0))
     return jnp.moveaxis(out, 0, -1)
 

@@ -15,6 +15,14 @@ import re
 import subprocess
 import sys
 
+# The tests compile many small jitted functions, and LLVM's optimisation passes are most of
+# XLA's compile time on the CPU backend: level 0 makes the suite about a fifth faster. It
+# changes no result (no pass at any level may change IEEE float semantics). A level in
+# the caller's XLA_FLAGS wins, coming later.
+os.environ["XLA_FLAGS"] = (
+    "--xla_backend_optimization_level=0 " + os.environ.get("XLA_FLAGS", "")
+).strip()
+
 import jax
 import jax.numpy as jnp
 import numpy as np

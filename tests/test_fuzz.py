@@ -200,7 +200,7 @@ def _checker(examples: int):
 
 # The emulated kernel variants share one budget: each is a third of the emulation's cost.
 # The default tier's budget reaches every row kind and op in a few seconds a platform.
-QUICK_EXAMPLES = 25
+QUICK_EXAMPLES = 15
 _checkers = {
     (quick, emulated): _checker(
         max(1, (QUICK_EXAMPLES if quick else EXAMPLES) // (len(SIMT_PLATFORMS) if emulated else 1))
