@@ -59,15 +59,10 @@ SIMT_PLATFORMS = tuple(f"simt-{v}" for v in SIMT_VARIANTS)
 # tests. `pytest` leaves them out (pyproject.toml's addopts); `pytest -m extended` runs
 # them, and CI runs both.
 EXTENDED = pytest.mark.extended
-
-
-# The session's -m expression (the tier), passed on to the tests a subprocess reruns.
-_markexpr = ""
-
-
-def pytest_configure(config):
-    global _markexpr
-    _markexpr = config.getoption("markexpr") or ""
+# The tiers a test that reruns a module in a subprocess takes as a parameter: each tier's
+# item reruns that tier's tests of the module.
+TIERS = ["default", pytest.param("extended", marks=EXTENDED)]
+_TIER_MARKS = {"default": "not extended", "extended": "extended"}
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -255,19 +250,21 @@ def outputs_of_script(script: str, path, **env: str) -> dict[str, np.ndarray]:
         return {k: data[k] for k in data.files}
 
 
-def rerun_with_virtual_cpu_devices(test_file: str, num_devices: int, *pytest_args: str) -> None:
-    """Runs the test module ``test_file`` again (with ``pytest_args``) in a subprocess whose
-    jax has ``num_devices`` virtual CPU devices (they must be requested before jax starts),
-    and fails with its output unless every test there passed."""
+def rerun_with_virtual_cpu_devices(
+    test_file: str, num_devices: int, tier: str = "default", *pytest_args: str
+) -> None:
+    """Runs the tests of ``tier`` (TIERS) of the module ``test_file`` again (with
+    ``pytest_args``) in a subprocess whose jax has ``num_devices`` virtual CPU devices
+    (they must be requested before jax starts), and fails with its output unless every
+    test there passed. A tier with no test there skips."""
     flags = os.environ.get("XLA_FLAGS", "")
     env = dict(
         os.environ,
         XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={num_devices}".strip(),
     )
-    tier = ["-m", _markexpr] if _markexpr else []
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tier, test_file]
-        + list(pytest_args),
+        [*command, "-m", _TIER_MARKS[tier], test_file, *pytest_args],
         cwd=os.path.dirname(os.path.abspath(test_file)),
         env=env,
         capture_output=True,
@@ -276,8 +273,8 @@ def rerun_with_virtual_cpu_devices(test_file: str, num_devices: int, *pytest_arg
         check=False,
     )
     summary = result.stdout[-6000:] + result.stderr[-3000:]
-    if result.returncode == 5 and tier:
-        pytest.skip(f"no test of {test_file} in this tier ({_markexpr})")
+    if result.returncode == 5:
+        pytest.skip(f"no test of the {tier} tier in {os.path.basename(test_file)}")
     assert result.returncode == 0, summary
     assert re.search(r"\d+ passed", result.stdout), summary
     assert "failed" not in result.stdout.splitlines()[-1], summary

@@ -14,7 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_same_bits, random_gamma, random_rows, rerun_with_virtual_cpu_devices
+from conftest import (
+    TIERS,
+    assert_same_bits,
+    random_gamma,
+    random_rows,
+    rerun_with_virtual_cpu_devices,
+)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -26,8 +32,9 @@ HAVE_DEVICES = len(jax.devices("cpu")) >= NUM_DEVICES
 
 if not HAVE_DEVICES:
 
-    def test_on_eight_virtual_cpu_devices():
-        rerun_with_virtual_cpu_devices(__file__, NUM_DEVICES)
+    @pytest.mark.parametrize("tier", TIERS)
+    def test_on_eight_virtual_cpu_devices(tier):
+        rerun_with_virtual_cpu_devices(__file__, NUM_DEVICES, tier)
 
 else:
 

@@ -160,7 +160,7 @@ HUGE_OUTPUTS = textwrap.dedent(
     residual = jnp.asarray(rng.standard_normal((1536, 4096)), jnp.bfloat16)
     gamma = jnp.asarray(rng.uniform(-2, 2, 4096), jnp.float32)
     y, s, r = jax.jit(fp8norm.add_rms_norm_fp8)(x, residual, gamma)
-    ref = reference_on_cpu(fp8norm.reference.add_rms_norm_fp8, x, residual, gamma)
+    ref = jax.jit(fp8norm.reference.add_rms_norm_fp8)(x, residual, gamma)
     same = all(
         np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
         for a, b in zip((y, s, r), ref)

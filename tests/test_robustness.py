@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
+    TIERS,
     assert_kernel_matches,
     assert_same_bits,
     check_against_reference,
@@ -188,9 +189,10 @@ NUM_VIRTUAL_DEVICES = 8
 
 if len(jax.devices("cpu")) < NUM_VIRTUAL_DEVICES:
 
-    def test_on_eight_virtual_cpu_devices():
+    @pytest.mark.parametrize("tier", TIERS)
+    def test_on_eight_virtual_cpu_devices(tier):
         rerun_with_virtual_cpu_devices(
-            __file__, 8, "-k", "test_eight_devices_at_once or test_every_gpu_at_once"
+            __file__, 8, tier, "-k", "test_eight_devices_at_once or test_every_gpu_at_once"
         )
 
 else:

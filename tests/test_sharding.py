@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
+    TIERS,
     assert_same_bits,
     collectives_in,
     random_gamma,
@@ -29,8 +30,9 @@ NUM_DEVICES = 8
 
 if len(jax.devices("cpu")) < NUM_DEVICES:
 
-    def test_on_eight_virtual_cpu_devices():
-        rerun_with_virtual_cpu_devices(__file__, NUM_DEVICES)
+    @pytest.mark.parametrize("tier", TIERS)
+    def test_on_eight_virtual_cpu_devices(tier):
+        rerun_with_virtual_cpu_devices(__file__, NUM_DEVICES, tier)
 
 else:
 

@@ -5,14 +5,15 @@ CUDA kernels and their emulation compute with, so only these tests, which hold t
 to the reference and to the exact oracle, can show such a bug; the SIMT mutants
 (tools/simt_mutants.py) cover the kernels' own code.
 
-    python tools/math_mutants.py [--build DIR]
+    python tools/math_mutants.py [--build DIR] [--workers N]
 
 The tests run with FP8NORM_CPU_ISA=baseline, the CPU variant that computes with the
 header's scalar functions (tools/cpu_check.sh holds the AVX2 variant's vector arithmetic to
 those functions on every float32 input). The unmutated build must pass first. A mutant
 counts as caught only when tests ran and failed: a mutant that does not build, a run that
 collects no test or stops on an error outside a test, or one that hangs, fails the check.
-Exits non-zero unless the baseline passes and every mutant is caught.
+Exits non-zero unless the baseline passes and every mutant is caught. The mutants are
+shared among N workers (one per core, at most 2), each with its own build.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -154,41 +156,52 @@ def first_failure(output: str) -> str:
     return found.group(1) if found else output.strip().splitlines()[-1][:200]
 
 
+def check(module: CpuModule, original: str, mutant: Mutant) -> tuple[bool, str]:
+    """(caught, the report's lines) for one mutant, built and tested in `module`."""
+    start = time.monotonic()
+    if original.count(mutant.old) != 1:
+        return False, (
+            f"SETUP ERROR {mutant.name}: the text to mutate occurs "
+            f"{original.count(mutant.old)} times"
+        )
+    module.write_header(original.replace(mutant.old, mutant.new))
+    why = module.build_module()
+    verdict, output = ("error", f"build failed:\n{why}") if why else module.run_tests()
+    took = f"({time.monotonic() - start:.0f} s)"
+    if verdict == "failed":
+        return True, f"caught   {mutant.name}\n         by: {first_failure(output)} {took}"
+    label = "SURVIVED" if verdict == "passed" else "NO VERDICT"
+    return False, f"{label} {mutant.name} {took}" + (f"\n{output}" if verdict == "error" else "")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--build", default=str(ROOT / "build" / "math-mutants"))
+    parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     args = parser.parse_args()
-    module = CpuModule(Path(args.build))
     original = (ROOT / HEADER).read_text()
+    modules = [CpuModule(Path(args.build) / f"worker{i}") for i in range(max(1, args.workers))]
 
     start = time.monotonic()
-    module.write_header(original)
-    why = module.build_module()
-    verdict, output = ("error", why) if why else module.run_tests()
+    modules[0].write_header(original)
+    why = modules[0].build_module()
+    verdict, output = ("error", why) if why else modules[0].run_tests()
     if verdict != "passed":
         print(f"BASELINE FAILED: the unmutated header does not pass\n{output}")
         return 1
     print(f"baseline: the unmutated header passes ({time.monotonic() - start:.0f} s)")
 
+    # Worker i takes mutants i, i + len(modules), ...; the reports print in order.
+    shares = [MUTANTS[i :: len(modules)] for i in range(len(modules))]
+    with ThreadPoolExecutor(len(modules)) as pool:
+        results = list(
+            pool.map(lambda m, share: [check(m, original, x) for x in share], modules, shares)
+        )
     failures = 0
-    for mutant in MUTANTS:
-        start = time.monotonic()
-        if original.count(mutant.old) != 1:
-            print(f"SETUP ERROR {mutant.name}: the text to mutate occurs "
-                  f"{original.count(mutant.old)} times")  # fmt: skip
-            failures += 1
-            continue
-        module.write_header(original.replace(mutant.old, mutant.new))
-        why = module.build_module()
-        verdict, output = ("error", f"build failed:\n{why}") if why else module.run_tests()
-        took = f"({time.monotonic() - start:.0f} s)"
-        if verdict == "failed":
-            print(f"caught   {mutant.name}\n         by: {first_failure(output)} {took}")
-        else:
-            failures += 1
-            label = "SURVIVED" if verdict == "passed" else "NO VERDICT"
-            print(f"{label} {mutant.name} {took}\n{output if verdict == 'error' else ''}")
-    module.write_header(original)
+    for i in range(len(MUTANTS)):
+        caught, report = results[i % len(modules)][i // len(modules)]
+        failures += not caught
+        print(report)
     print(f"{len(MUTANTS)} mutants of {HEADER}, {failures} not caught")
     return 1 if failures else 0
 

@@ -3,12 +3,13 @@ time, into a copy of src/cuda and src/cpu, rebuilds the emulated kernels
 (tests/simt/kernel_check) and shows that each is caught. The unmutated copy must pass
 first, or a catch proves nothing.
 
-    python tools/simt_mutants.py [--build DIR] [--tsan]
+    python tools/simt_mutants.py [--build DIR] [--tsan] [--workers N] [--only TEXT]
 
 --tsan also builds each mutant that plants a race with ThreadSanitizer and requires a
 data-race report. A mutant counts as caught only when the check ran and reported it: one
 that does not build, or hangs, fails the check as a survivor does. Exits non-zero when the
-baseline fails or any mutant is not caught.
+baseline fails or any mutant is not caught. The mutants are shared among N workers (one
+per core, at most 2), each with its own copy and builds.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,64 +214,85 @@ def first_catch(output: str) -> str:
     return output.strip().splitlines()[-1][:220] if output.strip() else "(no output)"
 
 
+class Worker:
+    """A copy of src/cuda and src/cpu with its own builds (plain, and TSan with --tsan):
+    the mutants are shared among workers that build and run side by side, one per core."""
+
+    def __init__(self, build: Path, tsan: bool):
+        self.copy = build / "src"
+        shutil.rmtree(self.copy, ignore_errors=True)
+        for name in COPIED:
+            shutil.copytree(SRC / name, self.copy / name)
+        self.plain = Builder(build / "plain", self.copy)
+        self.tsan = Builder(build / "tsan", self.copy, "thread") if tsan else None
+
+    def restore(self) -> None:
+        for name in COPIED:
+            for path in (SRC / name).iterdir():
+                shutil.copy2(path, self.copy / name / path.name)
+                # A fresh timestamp: the build must see every swap of the file.
+                os.utime(self.copy / name / path.name)
+
+    def baseline(self) -> str | None:
+        """None when the unmutated copy passes, else why not."""
+        self.restore()
+        verdict, output = self.plain.run()
+        if verdict != "passed":
+            return f"BASELINE FAILED: the unmutated kernels do not pass\n{output[-4000:]}"
+        if self.tsan is not None:
+            verdict, output = self.tsan.run(quick=True)
+            if verdict != "passed":
+                return f"BASELINE FAILED under ThreadSanitizer\n{output[-4000:]}"
+        return None
+
+    def check(self, mutant: Mutant) -> tuple[bool, str]:
+        """(caught, the report's lines) for one mutant."""
+        self.restore()
+        target = self.copy / mutant.file
+        text = target.read_text()
+        count = text.count(mutant.old)
+        if count != 1:
+            return False, f"SETUP ERROR {mutant.name}: the text to mutate occurs {count} times"
+        target.write_text(text.replace(mutant.old, mutant.new))
+        start = time.monotonic()
+        verdict, output = self.plain.run()
+        label = {"passed": "SURVIVED", "failed": "caught", "error": "NO VERDICT"}[verdict]
+        caught = verdict == "failed"
+        by = first_catch(output) if verdict != "passed" else "-"
+        report = f"{label:8} {mutant.name}\n         by: {by} ({time.monotonic() - start:.0f} s)"
+        if self.tsan is not None and mutant.race:
+            verdict, output = self.tsan.run(quick=True)
+            raced = verdict == "failed" and "ThreadSanitizer: data race" in output
+            caught = caught and raced
+            report += (f"\n         TSan: {'data race reported' if raced else 'NO RACE REPORTED'}"
+                       f" ({first_catch(output)})")  # fmt: skip
+        return caught, report
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--build", default=str(ROOT / "build" / "simt-mutants"))
     parser.add_argument("--tsan", action="store_true")
     parser.add_argument("--only", default="", help="run the mutants whose name has this text")
+    parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     args = parser.parse_args()
     build = Path(args.build)
-    copy = build / "src"
-    shutil.rmtree(copy, ignore_errors=True)
-    for name in COPIED:
-        shutil.copytree(SRC / name, copy / name)
-    plain = Builder(build / "plain", copy)
-    tsan = Builder(build / "tsan", copy, "thread") if args.tsan else None
-
-    def restore():
-        for name in COPIED:
-            for path in (SRC / name).iterdir():
-                shutil.copy2(path, copy / name / path.name)
-                # A fresh timestamp: the build must see every swap of the file.
-                os.utime(copy / name / path.name)
-
-    restore()
-    verdict, output = plain.run()
-    if verdict != "passed":
-        print(f"BASELINE FAILED: the unmutated kernels do not pass\n{output[-4000:]}")
-        return 1
-    if tsan is not None:
-        verdict, output = tsan.run(quick=True)
-        if verdict != "passed":
-            print(f"BASELINE FAILED under ThreadSanitizer\n{output[-4000:]}")
-            return 1
-    print("baseline: the unmutated kernels pass" + (" (and under TSan)" if tsan else ""))
-
-    survivors = 0
     mutants = [m for m in MUTANTS if args.only in m.name]
-    for mutant in mutants:
-        restore()
-        target = copy / mutant.file
-        text = target.read_text()
-        count = text.count(mutant.old)
-        if count != 1:
-            print(f"SETUP ERROR {mutant.name}: the text to mutate occurs {count} times")
-            survivors += 1
-            continue
-        target.write_text(text.replace(mutant.old, mutant.new))
-        start = time.monotonic()
-        verdict, output = plain.run()
-        label = {"passed": "SURVIVED", "failed": "caught", "error": "NO VERDICT"}[verdict]
-        survivors += verdict != "failed"
-        by = first_catch(output) if verdict != "passed" else "-"
-        print(f"{label:8} {mutant.name}\n         by: {by} ({time.monotonic() - start:.0f} s)")
-        if tsan is not None and mutant.race:
-            verdict, output = tsan.run(quick=True)
-            raced = verdict == "failed" and "ThreadSanitizer: data race" in output
-            survivors += not raced
-            print(f"         TSan: {'data race reported' if raced else 'NO RACE REPORTED'}"
-                  f" ({first_catch(output)})")  # fmt: skip
-    restore()
+    workers = [Worker(build / f"worker{i}", args.tsan) for i in range(max(1, args.workers))]
+    with ThreadPoolExecutor(len(workers)) as pool:
+        failed = [why for why in pool.map(Worker.baseline, workers) if why is not None]
+        if failed:
+            print(failed[0])
+            return 1
+        print("baseline: the unmutated kernels pass" + (" (and under TSan)" if args.tsan else ""))
+        # Worker i takes mutants i, i + len(workers), ...; the reports print in order.
+        shares = [mutants[i :: len(workers)] for i in range(len(workers))]
+        results = list(pool.map(lambda w, share: [w.check(m) for m in share], workers, shares))
+    survivors = 0
+    for i in range(len(mutants)):
+        caught, report = results[i % len(workers)][i // len(workers)]
+        survivors += not caught
+        print(report)
     print(f"{len(mutants)} mutants, {survivors} not caught")
     return 1 if survivors else 0
 
