@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import jax_fp8norm as fp8norm  # noqa: E402
+from jax_fp8norm.testing import assert_matches_reference  # noqa: E402
 
 EXAMPLES = int(os.environ.get("FP8NORM_FUZZ_EXAMPLES", "300"))
 MAX_ELEMENTS = int(os.environ.get("FP8NORM_FUZZ_MAX_ELEMENTS", str(1 << 19)))
@@ -126,6 +127,17 @@ def exempt_rows(h: np.ndarray, x_dtype) -> np.ndarray:
         return np.all(np.abs(rows) < SMALLEST_NORMAL_F32, axis=-1)
 
 
+def flushed_rows(h: np.ndarray) -> np.ndarray:
+    """Rows whose last bits of the sum of squares may depend on denormal flushing
+    (docs/spec.md, "The sum of squares"): a sum below N * 2^-101, where the squares'
+    rounding errors below 2^-126 that a kernel may flush can reach its last bit. They are
+    held to the accuracy rule, not to bits."""
+    rows = h.reshape(-1, h.shape[-1]).astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        ss = np.sum(rows * rows, axis=-1)
+    return ss < rows.shape[-1] * 2.0**-96  # with margin
+
+
 def _keep_rows(outputs, keep: np.ndarray):
     if keep.all():
         return outputs
@@ -186,7 +198,11 @@ def _check_case(platform, case):
     ref = reference_on_cpu(getattr(fp8norm.reference, case["op"]), *args, **kw)
     keep = ~exempt_rows(h, x_dtype)
     assert out[0].shape == shape and out[1].shape == shape[:-1] + (1,)
-    assert_kernel_matches(platform, _keep_rows(out, keep), _keep_rows(ref, keep))
+    flushed = flushed_rows(h) & keep
+    bits = keep & ~flushed
+    assert_kernel_matches(platform, _keep_rows(out, bits), _keep_rows(ref, bits))
+    if flushed.any():
+        assert_matches_reference(_keep_rows(out, flushed), _keep_rows(ref, flushed))
 
 
 def _checker(examples: int):
