@@ -12,8 +12,8 @@ header's scalar functions (tools/cpu_check.sh holds the AVX2 variant's vector ar
 those functions on every float32 input). The unmutated build must pass first. A mutant
 counts as caught only when tests ran and failed: a mutant that does not build, a run that
 collects no test or stops on an error outside a test, or one that hangs, fails the check.
-Exits non-zero unless the baseline passes and every mutant is caught. The mutants are
-shared among N workers (one per core, at most 2), each with its own build.
+Exits non-zero unless the baseline passes and every mutant is caught. The baseline and the
+mutants are shared among N workers (one per core, at most 2), each with its own build.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import queue
 import re
 import shutil
 import subprocess
@@ -32,8 +33,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = Path("src") / "common" / "fp8norm_math.h"
-TESTS = ["tests/test_sum_of_squares.py", "tests/test_ops.py", "tests/test_rounding.py",
-         "tests/test_block_scaling.py"]  # fmt: skip
+# In this order, so that most mutants fail one of the first, quicker files.
+TESTS = ["tests/test_sum_of_squares.py", "tests/test_rounding.py", "tests/test_block_scaling.py",
+         "tests/test_ops.py"]  # fmt: skip
 # The cpu platform's items of those files (the simt ones build their own module).
 SELECT = "cpu and not virtual"
 TIMEOUT_S = 900
@@ -180,26 +182,38 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     args = parser.parse_args()
     original = (ROOT / HEADER).read_text()
-    modules = [CpuModule(Path(args.build) / f"worker{i}") for i in range(max(1, args.workers))]
+    workers = max(1, args.workers)
+    modules = queue.SimpleQueue()
+    for i in range(workers):
+        modules.put(CpuModule(Path(args.build) / f"worker{i}"))
 
-    start = time.monotonic()
-    modules[0].write_header(original)
-    why = modules[0].build_module()
-    verdict, output = ("error", why) if why else modules[0].run_tests()
-    if verdict != "passed":
-        print(f"BASELINE FAILED: the unmutated header does not pass\n{output}")
+    # The baseline runs beside the first mutants (each job takes a free worker's build);
+    # no mutant counts unless it passes.
+    baseline = Mutant("the unmutated header", "", "")
+
+    def run(job: Mutant) -> tuple[bool, str]:
+        module = modules.get()
+        try:
+            if job is not baseline:
+                return check(module, original, job)
+            start = time.monotonic()
+            module.write_header(original)
+            why = module.build_module()
+            verdict, output = ("error", why) if why else module.run_tests()
+            took = time.monotonic() - start
+            if verdict != "passed":
+                return False, f"BASELINE FAILED: the unmutated header does not pass\n{output}"
+            return True, f"baseline: the unmutated header passes ({took:.0f} s)"
+        finally:
+            modules.put(module)
+
+    with ThreadPoolExecutor(workers) as pool:
+        (passed, report), *results = pool.map(run, [baseline, *MUTANTS])
+    print(report)
+    if not passed:
         return 1
-    print(f"baseline: the unmutated header passes ({time.monotonic() - start:.0f} s)")
-
-    # Worker i takes mutants i, i + len(modules), ...; the reports print in order.
-    shares = [MUTANTS[i :: len(modules)] for i in range(len(modules))]
-    with ThreadPoolExecutor(len(modules)) as pool:
-        results = list(
-            pool.map(lambda m, share: [check(m, original, x) for x in share], modules, shares)
-        )
     failures = 0
-    for i in range(len(MUTANTS)):
-        caught, report = results[i % len(modules)][i // len(modules)]
+    for caught, report in results:
         failures += not caught
         print(report)
     print(f"{len(MUTANTS)} mutants of {HEADER}, {failures} not caught")
