@@ -147,7 +147,8 @@ int CheckIndexing() {
     std::printf("FAIL 64-bit indexing: the address space could not be reserved\n");
     return 1;
   }
-  std::vector<float> gamma(kHidden);
+  // Aligned for the register variants' vectors of gamma (8 float32 for a bfloat16 row).
+  alignas(64) static float gamma[kHidden];
   for (int64_t c = 0; c < kHidden; ++c) gamma[c] = 0.5f + 0.001f * static_cast<float>(c % 1000);
   for (const auto& window : kWindows) {
     FillRows(x.data(), window[0], window[1], 0);
@@ -161,10 +162,10 @@ int CheckIndexing() {
   FillRows(sx.data(), 0, kPeriod, 0);
   FillRows(sres.data(), 0, kPeriod, 3);
   const Buffers small{sx.data(), sres.data(), sy.data(), sscales.data(), sout.data()};
-  RunOnCpu(ArgsFor(small, kPeriod, gamma.data()), 0, kPeriod);
+  RunOnCpu(ArgsFor(small, kPeriod, gamma), 0, kPeriod);
 
   int failures = 0;
-  const RmsNormFp8Args args = ArgsFor(big, kRows, gamma.data());
+  const RmsNormFp8Args args = ArgsFor(big, kRows, gamma);
   auto clear_windows = [&]() {
     for (const auto& window : kWindows) {
       std::memset(y.data() + window[0] * kHidden, 0xa5, (window[1] - window[0]) * kHidden);
@@ -207,7 +208,7 @@ int CheckIndexing() {
       simt::ScopedBuffers buffers;
       buffers.Add("x", x.data(), x.bytes());
       buffers.Add("residual", residual.data(), residual.bytes());
-      buffers.Add("gamma", gamma.data(), sizeof(float) * gamma.size());
+      buffers.Add("gamma", gamma, sizeof(gamma));
       buffers.Add("y", y.data(), y.bytes());
       buffers.Add("scales", scales.data(), scales.bytes());
       buffers.Add("residual_out", residual_out.data(), residual_out.bytes());
