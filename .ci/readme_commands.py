@@ -1,6 +1,7 @@
 """Prints the README's set-up commands as one bash script: every ```bash block of the
 "## Set up" section, in order, each command echoed before it runs. The README stays the
-one place where those commands are written; CI runs them exactly as a user pastes them.
+one place where those commands are written; CI runs them exactly as a user pastes them,
+and prints how long each took.
 
 A command is as many lines as bash needs to parse it whole (an `if ... fi`, a loop, a
 heredoc, a backslash continuation); blank and comment-only lines between commands are
@@ -86,7 +87,9 @@ def script(readme: str) -> str:
             # stop at a failing `pip install .` in `pip install . && python -m jax_fp8norm`,
             # only at the last command of such a list.
             lines.append(f"echo {shlex.quote('$ ' + command)}")
+            lines.append("started=$SECONDS")
             lines.append(f"{{ {command}\n}} || exit $?")
+            lines.append('echo "(took $((SECONDS - started)) s)"')
     return "\n".join(lines)
 
 

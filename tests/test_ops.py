@@ -97,6 +97,19 @@ def test_weight_offset(platform, weight_offset):
     check_add(platform, x, x, gamma.astype(jnp.bfloat16), weight_offset=weight_offset)
 
 
+@pytest.mark.parametrize("gamma_dtype", FLOATS, ids=lambda d: jnp.dtype(d).name)
+def test_negative_zero_gamma(platform, gamma_dtype):
+    """gamma + weight_offset with weight_offset 0.0 turns a -0.0 in gamma into +0.0 (the
+    spec's step 3), so those columns are +0 codes, in the kernels and in the reference
+    alike (XLA's simplifier drops an addition of 0.0; the reference must not)."""
+    x = random_rows(14, (6, 96), jnp.bfloat16)
+    gamma = random_gamma(15, 96, gamma_dtype)
+    gamma[::3] = -0.0
+    (y, _), _ = check_rms(platform, x, gamma)
+    assert np.all(y.view(np.uint8)[:, ::3] == 0)
+    check_add(platform, x, x, gamma)
+
+
 @pytest.mark.parametrize("out_dtype", FP8S, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("scale_dtype", FLOATS, ids=lambda d: jnp.dtype(d).name)
 def test_scale_ub_that_binds(platform, out_dtype, scale_dtype):
