@@ -73,7 +73,7 @@ def pytest_collection_modifyitems(config, items):
     (so every value of every parameter appears), on all platforms alike, so that they
     share the reference's outputs. ``@pytest.mark.default_platforms(*names)`` keeps the
     test's items on those platforms (and "gpu", which skips without a GPU)."""
-    kept: dict = {}  # test function -> {combination: kept}, {(parameter, value index)}
+    kept: dict = {}  # test function -> ({combination: kept}, {(parameter, value) kept})
     for item in items:
         callspec = getattr(item, "callspec", None)
         sampled = item.get_closest_marker("sampled")

@@ -32,10 +32,9 @@ FP8_MAX = {jnp.float8_e4m3fn: 448.0, jnp.float8_e4m3fnuz: 240.0}
 NAN_CODE = {jnp.float8_e4m3fn: 0x7F, jnp.float8_e4m3fnuz: 0x80}
 
 
-def check(platform, op, *args, **kw):
-    """The op against its reference: bit for bit on the CPU and emulated kernels, by the
-    accuracy rule on a GPU (where rsqrt may move a tie)."""
-    return check_against_reference(platform, op, *args, **kw)
+# The op against its reference: bit for bit on the CPU and emulated kernels, by the
+# accuracy rule on a GPU (where rsqrt may move a tie).
+check = check_against_reference
 
 
 # Hidden sizes (7168: DeepSeek-V3) with every group size of the issue that divides them;
@@ -334,8 +333,9 @@ def test_dequantized_twins_repeat_group_scales(platform):
         # The twin's forward pass is f32(y) * each group's scale repeated over the group,
         # here written in NumPy over the reference's outputs (the kernel's on a GPU, where
         # they may differ from the reference by the accuracy rule).
-        source = run_on(platform, fp8norm.rms_norm_fp8, x, gamma, **kw)
-        if not is_gpu(platform):
+        if is_gpu(platform):
+            source = run_on(platform, fp8norm.rms_norm_fp8, x, gamma, **kw)
+        else:
             source = reference_on_cpu(fp8norm.reference.rms_norm_fp8, x, gamma, **kw)
         y, scales = (np.asarray(o).astype(np.float32) for o in source)
         want = y * np.repeat(scales, x.shape[-1] // scales.shape[-1], axis=-1)

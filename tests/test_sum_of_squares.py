@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import EXTENDED, assert_same_bits, is_gpu, reference_on_cpu, run_on
+from conftest import EXTENDED, assert_kernel_matches, assert_same_bits, reference_on_cpu, run_on
 from exact import (
     correctly_rounded_sum_of_squares,
     distance_to_tie,
@@ -18,7 +18,6 @@ from exact import (
 )
 
 import jax_fp8norm as fp8norm
-from jax_fp8norm.testing import assert_matches_reference
 
 FLOATS = [jnp.float32, jnp.float16, jnp.bfloat16]
 # Constant rows: the padding rows of a batch are constant, and they are where a summation
@@ -54,12 +53,8 @@ def _oracle(x) -> tuple[np.ndarray, np.ndarray]:
 def _check_rows_against_oracle(platform, x):
     """The op on ``platform`` against the oracle: bit for bit on cpu and simt, by the
     accuracy rule on a GPU (and the reference bit for bit, once per input)."""
-    want = _oracle(x)
     got = run_on(platform, fp8norm.rms_norm_fp8, x, np.ones(x.shape[-1], np.float32))
-    if is_gpu(platform):
-        assert_matches_reference(got, want)
-    else:
-        assert_same_bits(got, want)
+    assert_kernel_matches(platform, got, _oracle(x))
 
 
 # Rows of 40000 elements and more are the extended tier's (the default tier's reproducer

@@ -21,15 +21,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import queue
 import re
 import shutil
 import subprocess
 import sys
 import sysconfig
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from worker_pool import map_on_workers
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = Path("src") / "common" / "fp8norm_math.h"
@@ -182,33 +182,24 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     args = parser.parse_args()
     original = (ROOT / HEADER).read_text()
-    workers = max(1, args.workers)
-    modules = queue.SimpleQueue()
-    for i in range(workers):
-        modules.put(CpuModule(Path(args.build) / f"worker{i}"))
+    modules = [CpuModule(Path(args.build) / f"worker{i}") for i in range(max(1, args.workers))]
 
     # The baseline runs beside the first mutants (each job takes a free worker's build);
     # no mutant counts unless it passes.
     baseline = Mutant("the unmutated header", "", "")
 
-    def run(job: Mutant) -> tuple[bool, str]:
-        module = modules.get()
-        try:
-            if job is not baseline:
-                return check(module, original, job)
-            start = time.monotonic()
-            module.write_header(original)
-            why = module.build_module()
-            verdict, output = ("error", why) if why else module.run_tests()
-            took = time.monotonic() - start
-            if verdict != "passed":
-                return False, f"BASELINE FAILED: the unmutated header does not pass\n{output}"
-            return True, f"baseline: the unmutated header passes ({took:.0f} s)"
-        finally:
-            modules.put(module)
+    def run(module: CpuModule, job: Mutant) -> tuple[bool, str]:
+        if job is not baseline:
+            return check(module, original, job)
+        start = time.monotonic()
+        module.write_header(original)
+        why = module.build_module()
+        verdict, output = ("error", why) if why else module.run_tests()
+        if verdict != "passed":
+            return False, f"BASELINE FAILED: the unmutated header does not pass\n{output}"
+        return True, f"baseline: the unmutated header passes ({time.monotonic() - start:.0f} s)"
 
-    with ThreadPoolExecutor(workers) as pool:
-        (passed, report), *results = pool.map(run, [baseline, *MUTANTS])
+    (passed, report), *results = map_on_workers(modules, run, [baseline, *MUTANTS])
     print(report)
     if not passed:
         return 1

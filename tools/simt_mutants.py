@@ -9,7 +9,7 @@ first, or a catch proves nothing.
 data-race report. A mutant counts as caught only when the check ran and reported it: one
 that does not build, or hangs, fails the check as a survivor does. Exits non-zero when the
 baseline fails or any mutant is not caught. The mutants are shared among N workers (one
-per core, at most 2), each with its own copy and builds.
+per core, at most 2), each with its own copy and builds (tools/worker_pool.py).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from worker_pool import map_on_workers
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
@@ -279,18 +281,15 @@ def main() -> int:
     build = Path(args.build)
     mutants = [m for m in MUTANTS if args.only in m.name]
     workers = [Worker(build / f"worker{i}", args.tsan) for i in range(max(1, args.workers))]
+    # Every worker's own builds must pass unmutated before any catch counts.
     with ThreadPoolExecutor(len(workers)) as pool:
         failed = [why for why in pool.map(Worker.baseline, workers) if why is not None]
-        if failed:
-            print(failed[0])
-            return 1
-        print("baseline: the unmutated kernels pass" + (" (and under TSan)" if args.tsan else ""))
-        # Worker i takes mutants i, i + len(workers), ...; the reports print in order.
-        shares = [mutants[i :: len(workers)] for i in range(len(workers))]
-        results = list(pool.map(lambda w, share: [w.check(m) for m in share], workers, shares))
+    if failed:
+        print(failed[0])
+        return 1
+    print("baseline: the unmutated kernels pass" + (" (and under TSan)" if args.tsan else ""))
     survivors = 0
-    for i in range(len(mutants)):
-        caught, report = results[i % len(workers)][i // len(workers)]
+    for caught, report in map_on_workers(workers, Worker.check, mutants):
         survivors += not caught
         print(report)
     print(f"{len(mutants)} mutants, {survivors} not caught")
