@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     device = jax.devices()[0]
     kernels = ""
-    if jax.default_backend() == "cpu" and _ffi.emulating_cuda():
+    if jax.default_backend() == "cpu" and _ffi.emulating():
         kernels = f"; CPU backend runs the emulated CUDA kernels ({fp8norm.cuda_kernel()})"
     elif jax.default_backend() == "gpu":
         kernels = f"; CUDA kernel variant {fp8norm.cuda_kernel()}"

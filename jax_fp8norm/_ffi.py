@@ -37,7 +37,28 @@ def check_version(module) -> None:
         )
 
 
-check_version(_fp8norm_cpu)
+# The ops' FFI targets. Every compiled module registers its handlers under the op names
+# (src/common/ffi_registrations.h); the names of the targets are made here, once: the
+# same on every platform for the native kernels, "fp8norm_simt_<op>" for the emulated
+# CUDA kernels on the CPU backend.
+OPS = ("rms_norm_fp8", "add_rms_norm_fp8", "round")
+TARGETS = {op: f"fp8norm_{op}" for op in OPS}
+EMULATED_TARGETS = {op: f"fp8norm_simt_{op}" for op in OPS}
+
+
+def _register(module, targets: dict[str, str], platform: str) -> None:
+    check_version(module)
+    registrations = module.registrations()
+    if set(registrations) != set(OPS):
+        raise ImportError(
+            f"{module.__file__} registers the ops {sorted(registrations)}, expected {list(OPS)}: "
+            "reinstall with `python -m pip install .`"
+        )
+    for op, handler in registrations.items():
+        jax.ffi.register_ffi_target(targets[op], handler, platform=platform)
+
+
+_register(_fp8norm_cpu, TARGETS, "cpu")
 
 try:
     from jax_fp8norm_kernels import _fp8norm_cuda
@@ -50,33 +71,27 @@ except ImportError as _error:
         "`FP8NORM_CUDA=ON python -m pip install .`, or run on the CPU backend."
     )
 else:
-    check_version(_fp8norm_cuda)
+    _register(_fp8norm_cuda, TARGETS, "CUDA")
     CUDA_UNAVAILABLE_REASON = ""
-    for _name, _capsule in _fp8norm_cuda.registrations().items():
-        jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
-
 
 # The CUDA kernels and handlers compiled for the host against the SIMT emulation
-# (jax_fp8norm.simt): registered on the CPU backend under target names of their own.
-SIMT_TARGET_PREFIX = "fp8norm_simt_"
+# (jax_fp8norm.simt), registered on the CPU backend under target names of their own.
 try:
     from jax_fp8norm_kernels import _fp8norm_simt as simt_module
 except ImportError as _error:
     simt_module = None
     SIMT_ERROR = str(_error)
 else:
-    check_version(simt_module)
+    _register(simt_module, EMULATED_TARGETS, "cpu")
     SIMT_ERROR = ""
-    for _name, _capsule in simt_module.registrations().items():
-        jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 
 EMULATE_CUDA_ENV = "FP8NORM_EMULATE_CUDA"
 
 
 def emulating_cuda(environ=os.environ) -> bool:
-    """Whether ``FP8NORM_EMULATE_CUDA`` asks for the CPU backend's targets to run the
-    emulated CUDA kernels: "1" (or "true", "yes", "on") yes; unset, "", "0" (or "false",
-    "no", "off") no; anything else is an error."""
+    """Whether ``FP8NORM_EMULATE_CUDA`` asks for the CPU backend to run the emulated CUDA
+    kernels: "1" (or "true", "yes", "on") yes; unset, "", "0" (or "false", "no", "off")
+    no; anything else is an error."""
     value = environ.get(EMULATE_CUDA_ENV, "").strip().lower()
     if value in ("", "0", "false", "no", "off"):
         return False
@@ -85,22 +100,52 @@ def emulating_cuda(environ=os.environ) -> bool:
     raise ValueError(f"{EMULATE_CUDA_ENV}={environ[EMULATE_CUDA_ENV]!r}: expected 1 or 0")
 
 
-# The CPU backend's own targets: the CPU kernels or, with FP8NORM_EMULATE_CUDA=1, the
-# emulated CUDA kernels, so that any JAX program runs the CUDA code without a GPU.
+# The one switch between the CPU kernels and the emulated CUDA kernels on the CPU
+# backend: the lowering reads it (cpu_target), FP8NORM_EMULATE_CUDA seeds it and
+# emulate_cuda() toggles it, so that any JAX program runs the CUDA code without a GPU.
+_emulating = False
+
+
+def _require_simt():
+    if simt_module is None:
+        raise RuntimeError(f"jax_fp8norm was built without the SIMT emulation: {SIMT_ERROR}")
+    return simt_module
+
+
+def emulating() -> bool:
+    """Whether the ops lower to the emulated CUDA kernels on the CPU backend now."""
+    return _emulating
+
+
+def cpu_target(op: str) -> str:
+    """The FFI target the op ``op`` lowers to on the CPU backend now."""
+    return (EMULATED_TARGETS if _emulating else TARGETS)[op]
+
+
+@contextlib.contextmanager
+def emulate_cuda(on: bool = True) -> Iterator[None]:
+    """Within the block, the ops on the CPU backend run the emulated CUDA kernels (or, with
+    ``on=False``, the CPU kernels). Compiled executables do not know which kernels they
+    call, so jax's caches are cleared on the way in and out."""
+    global _emulating
+    if on:
+        _require_simt()
+    previous, _emulating = _emulating, bool(on)
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        _emulating = previous
+        jax.clear_caches()
+
+
 if emulating_cuda():
     if simt_module is None:
         raise ImportError(
             f"{EMULATE_CUDA_ENV}=1, but this build of jax_fp8norm has no SIMT emulation "
             f"({SIMT_ERROR})"
         )
-    _cpu_targets = {
-        name.replace(SIMT_TARGET_PREFIX, "fp8norm_", 1): capsule
-        for name, capsule in simt_module.registrations().items()
-    }
-else:
-    _cpu_targets = _fp8norm_cpu.registrations()
-for _name, _capsule in _cpu_targets.items():
-    jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+    _emulating = True
 
 CUDA_KERNEL_ENV = "FP8NORM_CUDA_KERNEL"
 
@@ -155,11 +200,6 @@ if os.environ.get(CUDA_KERNEL_ENV):
         set_cuda_kernel(os.environ[CUDA_KERNEL_ENV])
     except ValueError as _error:
         raise ValueError(f"{CUDA_KERNEL_ENV}: {_error}") from None
-
-
-def simt_target(target: str) -> str:
-    """The emulated twin of the FFI target ``target``."""
-    return SIMT_TARGET_PREFIX + target.removeprefix("fp8norm_")
 
 
 def cpu_kernel_variant() -> str:

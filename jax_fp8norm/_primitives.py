@@ -1,6 +1,7 @@
-"""JAX primitives of the ops: abstract evaluation (the shape rule), lowering to the XLA FFI
-custom calls per platform, partitioning under jit (custom_partitioning with a Shardy
-sharding rule), and batching rules (vmap)."""
+"""JAX primitives of the ops, with every rule of each in this file: abstract evaluation (the
+shape rule), lowering to the XLA FFI custom calls per platform, partitioning under jit
+(custom_partitioning with a Shardy sharding rule), batching (vmap) and differentiation
+(the FP8 outputs refuse a JVP; jax_fp8norm.autodiff holds the differentiable twins)."""
 
 from __future__ import annotations
 
@@ -11,17 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_fp8norm import _ffi, simt
+from jax_fp8norm import _ffi
 
-# FFI target names, the same on every platform.
-RMS_NORM_FP8_TARGET = "fp8norm_rms_norm_fp8"
-ADD_RMS_NORM_FP8_TARGET = "fp8norm_add_rms_norm_fp8"
-ROUND_TARGET = "fp8norm_round"
-TARGETS = (RMS_NORM_FP8_TARGET, ADD_RMS_NORM_FP8_TARGET, ROUND_TARGET)
+# The FFI target names of the native kernels, the same on every platform.
+TARGETS = tuple(_ffi.TARGETS.values())
 
 # What jax.export must be told to serialise a function that uses the ops: our custom-call
 # targets carry no cross-version compatibility guarantee from XLA, so the caller vouches
@@ -29,19 +27,20 @@ TARGETS = (RMS_NORM_FP8_TARGET, ADD_RMS_NORM_FP8_TARGET, ROUND_TARGET)
 # emulated CUDA kernels' targets (jax_fp8norm.simt) are listed too.
 EXPORT_DISABLED_CHECKS = tuple(
     jax.export.DisabledSafetyCheck.custom_call(name)
-    for t in TARGETS
-    for name in (t, _ffi.simt_target(t))
+    for targets in (_ffi.TARGETS, _ffi.EMULATED_TARGETS)
+    for name in targets.values()
 )
 
 
 @functools.cache
-def _jitted_bind(prim: Primitive, params: tuple) -> callable:
+def _jitted_bind(prim: Primitive, params: tuple, emulating: bool) -> callable:
     return jax.jit(functools.partial(prim.bind, **dict(params)))
 
 
 def _eager_impl(prim: Primitive, *args, **params):
-    """Eager calls compile the primitive once per set of parameters (and shapes)."""
-    return _jitted_bind(prim, tuple(sorted(params.items())))(*args)
+    """Eager calls compile the primitive once per set of parameters (and shapes), and per
+    kind of kernel the CPU backend runs (native or emulated)."""
+    return _jitted_bind(prim, tuple(sorted(params.items())), _ffi.emulating())(*args)
 
 
 def _ffi_lowering(target: str):
@@ -135,27 +134,21 @@ def _norm_abstract_eval(*avals, **params):
     return outs
 
 
-def clear_caches() -> None:
-    """Forgets the eager calls' compiled functions (see jax_fp8norm.simt)."""
-    _jitted_bind.cache_clear()
-
-
-def _cpu_lowering(target: str, make_rule):
-    """The CPU kernels, or inside jax_fp8norm.simt.kernels() the emulated CUDA ones."""
-    native = make_rule(target)
-    emulated = make_rule(_ffi.simt_target(target))
+def _cpu_lowering(op: str, make_rule):
+    """The CPU kernels, or the emulated CUDA ones while the FFI layer's switch is on."""
+    rules = {target: make_rule(target) for target in (_ffi.TARGETS[op], _ffi.EMULATED_TARGETS[op])}
 
     def lowering(ctx, *args, **params):
-        return (emulated if simt.active() else native)(ctx, *args, **params)
+        return rules[_ffi.cpu_target(op)](ctx, *args, **params)
 
     return lowering
 
 
-def _register_lowerings(prim: Primitive, target: str, make_rule) -> None:
+def _register_lowerings(prim: Primitive, op: str, make_rule) -> None:
     """The same FFI target name serves every platform; only the handler behind it differs."""
-    mlir.register_lowering(prim, _cpu_lowering(target, make_rule), platform="cpu")
+    mlir.register_lowering(prim, _cpu_lowering(op, make_rule), platform="cpu")
     if _ffi.built_with_cuda():
-        mlir.register_lowering(prim, make_rule(target), platform="cuda")
+        mlir.register_lowering(prim, make_rule(_ffi.TARGETS[op]), platform="cuda")
     else:
         mlir.register_lowering(prim, _unavailable_cuda_lowering, platform="cuda")
 
@@ -274,14 +267,30 @@ def _partitioned_lowering(kernel: Primitive):
     return lowering
 
 
-def _make_norm_primitive(name: str, target: str) -> Primitive:
+def _no_gradient(op: str):
+    """The JVP rule of the FP8 ops: JAX gives a cotangent the dtype of its primal, so a
+    gradient reaching y would be rounded to FP8 (and mostly underflow to zero)."""
+
+    def rule(primals, tangents, **params):
+        raise TypeError(
+            f"jax_fp8norm.{op} has no gradient: its output y is FP8, and a "
+            "cotangent rounded to FP8 would be mostly zeros. Differentiate "
+            f"jax_fp8norm.{op}_dequantized (the same kernel forward, a "
+            "straight-through RMSNorm gradient backward), or stop_gradient the inputs."
+        )
+
+    return rule
+
+
+def _make_norm_primitive(op: str) -> Primitive:
     """The op's primitive, and beneath it the kernel's. The op's lowering wraps the kernel
     in custom_partitioning (sharding under plain jit); its batching rule and gradient rule
     stay on the op, where custom_partitioning would not carry them."""
+    name = f"fp8norm_{op}"
     kernel = Primitive(f"{name}_kernel")
     kernel.multiple_results = True
     kernel.def_abstract_eval(_norm_abstract_eval)
-    _register_lowerings(kernel, target, _ffi_lowering)
+    _register_lowerings(kernel, op, _ffi_lowering)
 
     prim = Primitive(name)
     prim.multiple_results = True
@@ -289,14 +298,15 @@ def _make_norm_primitive(name: str, target: str) -> Primitive:
     prim.def_impl(functools.partial(_eager_impl, prim))
     mlir.register_lowering(prim, _partitioned_lowering(kernel))
     batching.primitive_batchers[prim] = _norm_batching_rule(prim)
+    ad.primitive_jvps[prim] = _no_gradient(op)
     # custom_partitioning needs the devices while lowering; jax provides them only for
     # primitives it knows to ask (jax's own custom_partitioning_p is in the same set).
     _requires_devices_during_lowering(prim)
     return prim
 
 
-rms_norm_fp8_p = _make_norm_primitive("fp8norm_rms_norm_fp8", RMS_NORM_FP8_TARGET)
-add_rms_norm_fp8_p = _make_norm_primitive("fp8norm_add_rms_norm_fp8", ADD_RMS_NORM_FP8_TARGET)
+rms_norm_fp8_p = _make_norm_primitive("rms_norm_fp8")
+add_rms_norm_fp8_p = _make_norm_primitive("add_rms_norm_fp8")
 
 # Element-wise float32 -> float16 / bfloat16 / FP8 rounding with the kernels' own code;
 # used by tests to check every rounding boundary on each platform.
@@ -310,5 +320,5 @@ def _round_lowering(target: str):
 
 
 round_p.def_impl(functools.partial(_eager_impl, round_p))
-_register_lowerings(round_p, ROUND_TARGET, _round_lowering)
+_register_lowerings(round_p, "round", _round_lowering)
 batching.defvectorized(round_p)

@@ -1,7 +1,8 @@
 """Gradients. The FP8 outputs of the ops are not differentiable: JAX gives a cotangent the
 dtype of its primal, so a gradient reaching ``y`` would be rounded to FP8 (and mostly
 underflow to zero). ``jax.grad`` through :func:`jax_fp8norm.rms_norm_fp8` or
-:func:`jax_fp8norm.add_rms_norm_fp8` therefore raises an error that says so.
+:func:`jax_fp8norm.add_rms_norm_fp8` therefore raises an error that says so (the
+primitives' JVP rule, in jax_fp8norm._primitives).
 
 What training code differentiates instead is the dequantised output, ``f32(y) *
 f32(scales)`` (each scale repeated over its group): :func:`rms_norm_fp8_dequantized` and
@@ -18,27 +19,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.interpreters import ad
 
 from jax_fp8norm._primitives import add_rms_norm_fp8_p, rms_norm_fp8_p
 from jax_fp8norm._validation import NormParams, norm_keywords, validate
 from jax_fp8norm.reference import dequantize
-
-
-def _no_gradient(public_name: str):
-    def rule(primals, tangents, **params):
-        raise TypeError(
-            f"jax_fp8norm.{public_name} has no gradient: its output y is FP8, and a "
-            "cotangent rounded to FP8 would be mostly zeros. Differentiate "
-            f"jax_fp8norm.{public_name}_dequantized (the same kernel forward, a "
-            "straight-through RMSNorm gradient backward), or stop_gradient the inputs."
-        )
-
-    return rule
-
-
-ad.primitive_jvps[rms_norm_fp8_p] = _no_gradient("rms_norm_fp8")
-ad.primitive_jvps[add_rms_norm_fp8_p] = _no_gradient("add_rms_norm_fp8")
 
 
 def _rms_norm_f32(h: jax.Array, gamma: jax.Array, p: NormParams) -> jax.Array:

@@ -1,7 +1,7 @@
 """The CUDA kernels on the CPU: the SIMT emulation, for tests (docs/simt.md).
 
-The build compiles ``src/cuda/cuda_kernels.cu`` and the CUDA FFI handlers a second time, with
-the host compiler, against an emulated CUDA runtime whose threads are fibers. Inside
+The build compiles the CUDA kernels (``src/cuda/*.cu``) and the CUDA FFI handlers a second
+time, with the host compiler, against an emulated CUDA runtime whose threads are fibers. Inside
 ``kernels()`` the ops lower to those on the CPU backend instead of the CPU kernels, so the
 CUDA code runs, bit for bit comparable with the reference, on a machine without a GPU::
 
@@ -18,11 +18,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import jax
-
 from jax_fp8norm import _ffi
-
-_active = False
 
 
 def available() -> bool:
@@ -32,30 +28,13 @@ def available() -> bool:
 
 def active() -> bool:
     """Whether the ops lower to the emulated CUDA kernels on the CPU backend now."""
-    return _active
+    return _ffi.emulating()
 
 
-def _clear_compiled() -> None:
-    # Compiled executables do not know which kernels they call: start over on each switch.
-    from jax_fp8norm import _primitives
-
-    _primitives.clear_caches()
-    jax.clear_caches()
-
-
-@contextlib.contextmanager
-def kernels() -> Iterator[None]:
-    """Within the block, the ops on the CPU backend run the CUDA kernels, emulated."""
-    global _active
-    _require()
-    previous = _active
-    _active = True
-    _clear_compiled()
-    try:
-        yield
-    finally:
-        _active = previous
-        _clear_compiled()
+def kernels() -> contextlib.AbstractContextManager[None]:
+    """Within the block, the ops on the CPU backend run the CUDA kernels, emulated (the FFI
+    layer's one switch, which FP8NORM_EMULATE_CUDA=1 turns on for a whole process)."""
+    return _ffi.emulate_cuda()
 
 
 @contextlib.contextmanager
@@ -105,6 +84,4 @@ def set_schedule_seed(seed: int) -> int:
 
 
 def _require():
-    if not available():
-        raise RuntimeError(f"jax_fp8norm was built without the SIMT emulation: {_ffi.SIMT_ERROR}")
-    return _ffi.simt_module
+    return _ffi._require_simt()

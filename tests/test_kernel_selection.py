@@ -1,7 +1,8 @@
-"""The environment's say over which kernels run: FP8NORM_EMULATE_CUDA=1 makes the CPU
-backend's own targets run the emulated CUDA kernels (any JAX program then runs the CUDA
-code without a GPU), and FP8NORM_CUDA_KERNEL picks the CUDA kernel variant. Both are read
-at import, so each case runs in a fresh interpreter."""
+"""The environment's say over which kernels run: FP8NORM_EMULATE_CUDA=1 turns on the FFI
+layer's emulation switch for the whole process, so that the ops lower to the emulated CUDA
+kernels on the CPU backend (any JAX program then runs the CUDA code without a GPU), and
+FP8NORM_CUDA_KERNEL picks the CUDA kernel variant. Both are read at import, so each case
+runs in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from jax_fp8norm import _ffi, simt
 
 pytestmark = pytest.mark.skipif(not simt.available(), reason="built without the emulation")
 
-# Runs both ops with the CPU backend's own target names (no simt.kernels()) and saves the
-# outputs, the reference's, and what the emulation recorded.
+# Runs both ops (no simt.kernels()) and saves the outputs, the reference's, the target the
+# program calls and what the emulation recorded.
 SCRIPT = """
 import sys
 import jax, jax.numpy as jnp, numpy as np
@@ -39,6 +40,8 @@ np.savez(
     **{f"got{i}": np.asarray(a).view(np.uint8) for i, a in enumerate(got)},
     **{f"want{i}": np.asarray(a).view(np.uint8) for i, a in enumerate(want)},
     native_target=np.array("fp8norm_add_rms_norm_fp8" in hlo and "fp8norm_simt_" not in hlo),
+    emulated_target=np.array("fp8norm_simt_add_rms_norm_fp8" in hlo),
+    active=np.array(simt.active()),
     launches=np.array(len(launches)),
     threads=np.array([l["threads"] for l in launches]),
     variant=np.array(fp8norm.cuda_kernel()),
@@ -49,7 +52,9 @@ np.savez(
 @pytest.mark.parametrize("emulate", ["1", ""])
 def test_emulate_cuda_runs_the_cuda_kernels_behind_the_cpu_targets(tmp_path, emulate):
     out = outputs_of_script(SCRIPT, tmp_path / "out.npz", FP8NORM_EMULATE_CUDA=emulate)
-    assert out["native_target"]  # the program itself is unchanged
+    # The switch's one effect: the target the program calls.
+    assert bool(out["native_target"]) != bool(emulate)
+    assert bool(out["emulated_target"]) == bool(out["active"]) == bool(emulate)
     for i in range(3):
         assert (out[f"got{i}"] == out[f"want{i}"]).all()
     # Emulated launches only when asked for: the CPU kernels record none.

@@ -6,12 +6,20 @@ opt-in. Runs without a GPU."""
 from __future__ import annotations
 
 import pytest
-from jax_fp8norm_kernels import _fp8norm_cpu
+from jax_fp8norm_kernels import _fp8norm_simt as host_logic
 
-F32, F16, BF16 = 0, 1, 2
+F32, F16, BF16 = (
+    host_logic.FloatType.float32,
+    host_logic.FloatType.float16,
+    host_logic.FloatType.bfloat16,
+)
 H100_OPTIN = 227 * 1024  # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90
 STATIC = 400  # block_shared's SharedScratch, as ptxas reports it
-VARIANTS = _fp8norm_cpu.cuda_kernel_variant_names()
+VARIANTS = host_logic.kernel_variants()
+PLAN_FIELDS = (
+    "variant", "vectorized", "vector_width", "threads", "blocks", "cached",
+    "dynamic_shared_bytes", "opt_in", "threads_per_row", "rows_per_block", "vectors_per_thread",
+)  # fmt: skip
 
 
 def plan(
@@ -28,19 +36,16 @@ def plan(
     variant="block_shared",
     **limits,
 ):
-    return _fp8norm_cpu.plan_rms_norm_fp8_launch(
-        rows,
-        hidden,
-        dtype,
-        residual,
-        gamma,
-        misalign,
-        optin,
-        static,
-        max_blocks,
-        variant=VARIANTS.index(variant),
-        **limits,
-    )
+    """The plan as a dict, with an H100's limits but for those given."""
+    device = host_logic.DeviceLimits()
+    device.optin_shared_bytes = optin
+    device.static_shared_bytes = static
+    device.max_blocks = max_blocks
+    for name, value in limits.items():
+        setattr(device, name, value)
+    kernel = getattr(host_logic.KernelVariant, variant)
+    p = host_logic.plan_launch(rows, hidden, dtype, residual, gamma, misalign, device, kernel)
+    return {name: getattr(p, name) for name in PLAN_FIELDS}
 
 
 def test_model_sized_row_is_vectorised_and_cached_without_opt_in():

@@ -95,9 +95,9 @@ def test_gpu_detection_does_not_start_jax_backends():
     ],
 )
 def test_cuda_driver_check_message(runtime, driver, expected):
-    from jax_fp8norm_kernels import _fp8norm_cpu
+    from jax_fp8norm_kernels import _fp8norm_simt
 
-    problem = _fp8norm_cpu.cuda_driver_problem(runtime, driver)
+    problem = _fp8norm_simt.cuda_driver_problem(runtime, driver)
     if expected is None:
         assert problem == ""
     else:

@@ -22,7 +22,7 @@ def _stack(outs_per_example, axis=0):
 
 def _custom_calls(fn, *args) -> int:
     hlo = jax.jit(fn).lower(*args).compile().as_text()
-    targets = [*fp8norm.FFI_TARGETS, *map(fp8norm_ffi.simt_target, fp8norm.FFI_TARGETS)]
+    targets = [*fp8norm_ffi.TARGETS.values(), *fp8norm_ffi.EMULATED_TARGETS.values()]
     return sum(hlo.count(f'custom_call_target="{t}"') for t in targets)
 
 
@@ -108,8 +108,8 @@ def test_aot_lower_compile(platform):
     device = device_of(platform)
     x, residual, gamma = (jax.device_put(a, device) for a in (x, residual, gamma))
     lowered = jax.jit(fp8norm.add_rms_norm_fp8).lower(x, residual, gamma)
-    target = fp8norm.FFI_TARGETS[1]
-    assert (fp8norm_ffi.simt_target(target) if is_simt(platform) else target) in lowered.as_text()
+    targets = fp8norm_ffi.EMULATED_TARGETS if is_simt(platform) else fp8norm_ffi.TARGETS
+    assert targets["add_rms_norm_fp8"] in lowered.as_text()
     compiled = lowered.compile()
     assert_same_bits(compiled(x, residual, gamma), fp8norm.add_rms_norm_fp8(x, residual, gamma))
 

@@ -216,24 +216,23 @@ HANDLER_CASES = [
 ]
 
 
-def handler_target(handler: str, target: str) -> str:
-    """The FFI target of `handler` (a platform: "cpu", "simt" or "simt-<variant>") on the
-    CPU backend: the CPU kernels' handler, or the CUDA handler compiled for the SIMT
-    emulation."""
-    return fp8norm_ffi.simt_target(target) if is_simt(handler) else target
+def handler_target(handler: str, op: str) -> str:
+    """The FFI target of the op `op` for `handler` (a platform: "cpu", "simt" or
+    "simt-<variant>") on the CPU backend: the CPU kernels' handler, or the CUDA handler
+    compiled for the SIMT emulation."""
+    return (fp8norm_ffi.EMULATED_TARGETS if is_simt(handler) else fp8norm_ffi.TARGETS)[op]
 
 
 def test_handler_target_of_every_platform():
-    target = "fp8norm_rms_norm_fp8"
-    assert handler_target("cpu", target) == target
+    assert handler_target("cpu", "rms_norm_fp8") == "fp8norm_rms_norm_fp8"
     for platform in ("simt", *SIMT_PLATFORMS):
-        assert handler_target(platform, target) == fp8norm_ffi.simt_target(target) != target
+        assert handler_target(platform, "rms_norm_fp8") == "fp8norm_simt_rms_norm_fp8"
 
 
 @pytest.mark.parametrize("handler", ["cpu", "simt"])
 @pytest.mark.parametrize("outs,args,kw,match", HANDLER_CASES)
 def test_handler_refuses_inconsistent_buffers(handler, outs, args, kw, match):
-    target = handler_target(handler, "fp8norm_rms_norm_fp8")
+    target = handler_target(handler, "rms_norm_fp8")
     with jax.default_device(jax.devices("cpu")[0]):
         with pytest.raises(Exception, match=match) as info:
             jax.block_until_ready(_ffi(target, outs, *args, **kw))
@@ -250,6 +249,6 @@ def test_handler_refuses_inconsistent_buffers(handler, outs, args, kw, match):
 @pytest.mark.parametrize("handler", ["cpu", "simt"])
 def test_handler_refuses_mismatched_residual(handler, residual, match):
     outs = GOOD_OUTS + (_sds(residual.shape, residual.dtype),)
-    target = handler_target(handler, "fp8norm_add_rms_norm_fp8")
+    target = handler_target(handler, "add_rms_norm_fp8")
     with pytest.raises(Exception, match=match):
         jax.block_until_ready(_ffi(target, outs, X, residual, GAMMA))

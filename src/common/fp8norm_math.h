@@ -326,6 +326,14 @@ FP8NORM_HD float InverseRms(float sum_sq, int64_t hidden, float eps) {
 // vectorises and reduces with integer instructions.
 FP8NORM_HD uint32_t AbsBits(float v) { return BitsOf(v) & kF32AbsMask; }
 
+// Step 5 of the spec, n = (h * r) * (gamma + weight_offset), in the order it fixes: every
+// kernel, CPU and CUDA, normalises through these two (the CPU's AVX2 lanes do the same two
+// products, gamma_plus_offset computed once per call).
+FP8NORM_HD float GammaPlusOffset(float gamma, float weight_offset) { return gamma + weight_offset; }
+FP8NORM_HD float Normalize(float h, float r, float gamma_plus_offset) {
+  return (h * r) * gamma_plus_offset;
+}
+
 struct RowScale {
   float scale;  // already rounded to the scale dtype
   float recip;  // multiplier applied before the clamp; NaN for a non-finite row

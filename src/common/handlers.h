@@ -2,17 +2,17 @@
 // only hand these to Python for registration.
 #pragma once
 
-#include "xla/ffi/api/c_api.h"
+#include "xla/ffi/api/api.h"
 
 namespace fp8norm {
 
-XLA_FFI_Error* RmsNormFp8CpuHandler(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* AddRmsNormFp8CpuHandler(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* RoundCpuHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(RmsNormFp8CpuHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AddRmsNormFp8CpuHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(RoundCpuHandler);
 
-XLA_FFI_Error* RmsNormFp8CudaHandler(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* AddRmsNormFp8CudaHandler(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* RoundCudaHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(RmsNormFp8CudaHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AddRmsNormFp8CudaHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(RoundCudaHandler);
 // The stage before execution of every CUDA target (kPrepareStage): the device's one-time
 // preparation. XLA's GPU backend runs the initialize stage with the call's device and
 // stream, before it records any command buffer; its CPU backend, where the emulated
@@ -22,6 +22,6 @@ inline constexpr char kPrepareStage[] = "instantiate";
 #else
 inline constexpr char kPrepareStage[] = "initialize";
 #endif
-XLA_FFI_Error* PrepareCudaHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PrepareCudaHandler);
 
 }  // namespace fp8norm

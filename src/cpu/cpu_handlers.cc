@@ -128,20 +128,13 @@ ffi::Error RoundImpl(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out) {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kRmsNormFp8Cpu, RmsNormFp8Impl, RmsNormFp8Binding<ffi::ThreadPool>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8CpuHandler, RmsNormFp8Impl,
+                              RmsNormFp8Binding<ffi::ThreadPool>());
 
-XLA_FFI_DEFINE_HANDLER(kAddRmsNormFp8Cpu, AddRmsNormFp8Impl,
-                       AddRmsNormFp8Binding<ffi::ThreadPool>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8CpuHandler, AddRmsNormFp8Impl,
+                              AddRmsNormFp8Binding<ffi::ThreadPool>());
 
-XLA_FFI_DEFINE_HANDLER(kRoundCpu, RoundImpl,
-                       ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
-
-XLA_FFI_Error* RmsNormFp8CpuHandler(XLA_FFI_CallFrame* call_frame) {
-  return kRmsNormFp8Cpu(call_frame);
-}
-XLA_FFI_Error* AddRmsNormFp8CpuHandler(XLA_FFI_CallFrame* call_frame) {
-  return kAddRmsNormFp8Cpu(call_frame);
-}
-XLA_FFI_Error* RoundCpuHandler(XLA_FFI_CallFrame* call_frame) { return kRoundCpu(call_frame); }
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RoundCpuHandler, RoundImpl,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
 
 }  // namespace fp8norm

@@ -61,9 +61,9 @@ float* ThreadBuffer(int64_t size) {
 }
 
 template <typename TGamma>
-void GammaPlusOffset(const void* gamma, float weight_offset, int64_t n, float* out) {
+void FillGammaPlusOffset(const void* gamma, float weight_offset, int64_t n, float* out) {
   const TGamma* g = static_cast<const TGamma*>(gamma);
-  for (int64_t j = 0; j < n; ++j) out[j] = ToFloat(g[j]) + weight_offset;
+  for (int64_t j = 0; j < n; ++j) out[j] = GammaPlusOffset(ToFloat(g[j]), weight_offset);
 }
 
 // The row loops for the baseline instruction set of the build (SSE2 on x86-64)...
@@ -165,13 +165,13 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   if (gamma_plus_offset == nullptr) return false;
   switch (a.gamma_type) {
     case FloatType::kF16:
-      GammaPlusOffset<F16>(a.gamma, a.constants.weight_offset, a.hidden, gamma_plus_offset);
+      FillGammaPlusOffset<F16>(a.gamma, a.constants.weight_offset, a.hidden, gamma_plus_offset);
       break;
     case FloatType::kBF16:
-      GammaPlusOffset<BF16>(a.gamma, a.constants.weight_offset, a.hidden, gamma_plus_offset);
+      FillGammaPlusOffset<BF16>(a.gamma, a.constants.weight_offset, a.hidden, gamma_plus_offset);
       break;
     default:
-      GammaPlusOffset<float>(a.gamma, a.constants.weight_offset, a.hidden, gamma_plus_offset);
+      FillGammaPlusOffset<float>(a.gamma, a.constants.weight_offset, a.hidden, gamma_plus_offset);
   }
   const size_t elements = static_cast<size_t>(a.rows) * static_cast<size_t>(a.hidden);
   AdviseHugePages(a.y, elements);

@@ -148,32 +148,24 @@ ffi::Error RoundImpl(GpuTarget gpu, ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffe
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kRmsNormFp8Cuda, RmsNormFp8Impl, RmsNormFp8Binding<GpuTarget>(),
-                       {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8CudaHandler, RmsNormFp8Impl,
+                              RmsNormFp8Binding<GpuTarget>(), {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER(kAddRmsNormFp8Cuda, AddRmsNormFp8Impl, AddRmsNormFp8Binding<GpuTarget>(),
-                       {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8CudaHandler, AddRmsNormFp8Impl,
+                              AddRmsNormFp8Binding<GpuTarget>(),
+                              {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER(
-    kRoundCuda, RoundImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    RoundCudaHandler, RoundImpl,
     ffi::Ffi::Bind().Ctx<GpuTarget>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>(),
     {ffi::Traits::kCmdBufferCompatible});
 
 #if defined(FP8NORM_SIMT)
-XLA_FFI_DEFINE_HANDLER(kPrepareCuda, PrepareImpl, ffi::Ffi::BindInstantiate().Ctx<GpuTarget>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PrepareCudaHandler, PrepareImpl,
+                              ffi::Ffi::BindInstantiate().Ctx<GpuTarget>());
 #else
-XLA_FFI_DEFINE_HANDLER(kPrepareCuda, PrepareImpl, ffi::Ffi::BindInitialize().Ctx<GpuTarget>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PrepareCudaHandler, PrepareImpl,
+                              ffi::Ffi::BindInitialize().Ctx<GpuTarget>());
 #endif
-
-XLA_FFI_Error* PrepareCudaHandler(XLA_FFI_CallFrame* call_frame) {
-  return kPrepareCuda(call_frame);
-}
-XLA_FFI_Error* RmsNormFp8CudaHandler(XLA_FFI_CallFrame* call_frame) {
-  return kRmsNormFp8Cuda(call_frame);
-}
-XLA_FFI_Error* AddRmsNormFp8CudaHandler(XLA_FFI_CallFrame* call_frame) {
-  return kAddRmsNormFp8Cuda(call_frame);
-}
-XLA_FFI_Error* RoundCudaHandler(XLA_FFI_CallFrame* call_frame) { return kRoundCuda(call_frame); }
 
 }  // namespace fp8norm

@@ -1,6 +1,7 @@
 // Python module of the SIMT emulation (docs/simt.md): the CUDA handlers and kernels run on
-// the CPU, registered for platform "cpu" under their own target names, and the emulated
-// device's controls and memory accounting for tests.
+// the CPU, registered for platform "cpu" under their own target names, the emulated
+// device's controls and memory accounting, and the CUDA path's host logic with injected
+// values (cuda_host_bindings.h), for tests.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
@@ -8,8 +9,9 @@
 #include <cstdint>
 #include <optional>
 
+#include "cuda_host_bindings.h"
 #include "cuda_kernels.h"
-#include "ffi_capsule.h"
+#include "ffi_registrations.h"
 #include "handlers.h"
 #include "kernel_variant_bindings.h"
 #include "simt.h"
@@ -78,15 +80,11 @@ XLA_FFI_Error* Round(XLA_FFI_CallFrame* frame) {
 NB_MODULE(_fp8norm_simt, m) {
   m.attr("version") = FP8NORM_VERSION;
   m.def("registrations", []() {
-    nanobind::dict targets;
-    const auto prepare = Prepare;
-    const char* stage = fp8norm::kPrepareStage;
-    targets["fp8norm_simt_rms_norm_fp8"] = fp8norm::FfiStages(stage, prepare, RmsNormFp8);
-    targets["fp8norm_simt_add_rms_norm_fp8"] = fp8norm::FfiStages(stage, prepare, AddRmsNormFp8);
-    targets["fp8norm_simt_round"] = fp8norm::FfiStages(stage, prepare, Round);
-    return targets;
+    return fp8norm::Registrations({RmsNormFp8, AddRmsNormFp8, Round},
+                                  {fp8norm::kPrepareStage, Prepare});
   });
   fp8norm::AddKernelVariantControls(m);
+  fp8norm::AddCudaHostLogic(m);
   m.def("set_capture", [](bool on) { capture_calls = on; }, nanobind::arg("on"));
   m.def("stale_errors", []() { return stale_errors.load(); });
   m.def(

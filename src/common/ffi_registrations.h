@@ -1,0 +1,49 @@
+// What each compiled module hands to jax.ffi.register_ffi_target: the ops' handlers for
+// one platform, keyed by op name. The op names are defined here once for every module;
+// the Python package makes the target names from them (jax_fp8norm/_ffi.py).
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+#include "xla/ffi/api/c_api.h"
+
+namespace fp8norm {
+
+using FfiHandler = XLA_FFI_Error*(XLA_FFI_CallFrame*);
+
+// The execute stage of each op on one platform.
+struct OpHandlers {
+  FfiHandler* rms_norm_fp8;
+  FfiHandler* add_rms_norm_fp8;
+  FfiHandler* round;
+};
+
+// A stage before execution ("initialize" or "instantiate") that every op of a platform
+// shares, or none.
+struct FirstStage {
+  const char* name = nullptr;
+  FfiHandler* handler = nullptr;
+};
+
+inline nanobind::capsule FfiCapsule(FfiHandler* handler) {
+  return nanobind::capsule(reinterpret_cast<void*>(handler));
+}
+
+// {op name: the capsule, or {first stage: capsule, "execute": capsule}} as
+// jax.ffi.register_ffi_target takes it.
+inline nanobind::dict Registrations(const OpHandlers& ops, FirstStage first = {}) {
+  const auto entry = [&](FfiHandler* execute) -> nanobind::object {
+    if (first.handler == nullptr) return FfiCapsule(execute);
+    nanobind::dict stages;
+    stages[first.name] = FfiCapsule(first.handler);
+    stages["execute"] = FfiCapsule(execute);
+    return stages;
+  };
+  nanobind::dict targets;
+  targets["rms_norm_fp8"] = entry(ops.rms_norm_fp8);
+  targets["add_rms_norm_fp8"] = entry(ops.add_rms_norm_fp8);
+  targets["round"] = entry(ops.round);
+  return targets;
+}
+
+}  // namespace fp8norm

@@ -1,0 +1,222 @@
+// The kernel families that hold a row in registers: warp_rows (a group of 1 to 8 warps per
+// row, several rows per block) and block_registers (a whole block per row). Vector i of
+// the row lives in thread i % group, so every global element is read and written once and
+// all of a thread's loads, gamma's included, are in flight before the first arithmetic; a
+// reduction spanning several warps costs one barrier. The same three sweeps as
+// block_shared.cu, over registers instead of shared memory. Aligned rows that fit only
+// (the launch plan decides).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernel_families.h"
+#include "kernel_launch.h"
+#include "row_blocks.cuh"
+
+namespace fp8norm {
+namespace {
+
+// One slot per warp of the block (at most 32) for each of the two reductions. A group
+// writes its sum slots before the barrier of its sum reduction and its max slots before
+// the barrier of its max reduction; every warp reads a slot before it arrives at the
+// other reduction's barrier, which the next write of that slot follows. So one barrier per
+// reduction suffices, also from one row to the next.
+struct RegisterScratch {
+  SumOfSquares sum_partial[kWarp];
+  uint32_t max_partial[kWarp];
+};
+
+// Reduces v over the `group_warps` consecutive warps of the calling thread's group; every
+// thread of the group gets the result. Every thread of the block calls it together.
+template <typename T, typename WarpOp>
+__device__ __forceinline__ T GroupReduce(T v, T identity, WarpOp warp_op, T* partial /*[32]*/,
+                                         int group_warps) {
+  v = warp_op(v);
+  if (group_warps == 1) return v;
+  const int lane = threadIdx.x % kWarp;
+  const int warp = threadIdx.x / kWarp;
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  const int first = warp - warp % group_warps;
+  return warp_op(lane < group_warps ? partial[first + lane] : identity);
+}
+
+// The register variants' scales per group (GroupFitsRegisters): a group of V whole vectors
+// (V a power of two up to 32) is held by V consecutive lanes, vector i of the row in lane
+// i % threads_per_row, and reduced by log2(V) shuffles, no barrier. Every lane of the warp
+// calls it (the shuffles need all 32), held vectors or not.
+template <int kVec, int kVecs, typename Held, typename Index>
+__device__ __forceinline__ void RegisterGroups(const RmsNormFp8Args& a, int64_t row,
+                                               const float (&normed)[kVecs][kVec], Held held,
+                                               Index index, float sum_sq, uint8_t* y) {
+  const int lanes = static_cast<int>(a.group_size / kVec);
+  const int64_t groups = a.hidden / a.group_size;
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+    uint32_t amax = 0;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      if (held(k)) amax = max(amax, AbsBits(normed[k][e]));
+    }
+    for (int offset = lanes / 2; offset > 0; offset /= 2) {
+      amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    }
+    if (!held(k)) continue;
+    const RowScale s = ComputeScale(sum_sq, amax, a.out_format, a.scale_type, a.constants);
+    if (index(k) % lanes == 0) StoreScale(a, row * groups + index(k) / lanes, s.scale);
+    StoreFp8<kVec>(y, index(k), normed[k], s.recip, a.out_format);
+  }
+}
+
+// Row `row` held by a group of `group_threads` threads (whole warps), the caller thread
+// being `lane` of it: vector i of the row in registers of thread i % group_threads. Every
+// thread of the block calls it equally often (the reductions may meet at a barrier); a
+// group past the last row only takes part in those.
+template <typename TIn, int kVecs>
+__device__ __forceinline__ void RegisterRow(const RmsNormFp8Args& a, int64_t row, int lane,
+                                            int group_threads, RegisterScratch& scratch) {
+  constexpr int kVec = kVecOf<TIn>;
+  const int group_warps = group_threads / kWarp;
+  const bool valid = row < a.rows;
+  const int64_t num_vecs = a.hidden / kVec;
+  const auto [x, residual, residual_out, y] = RowOf<TIn>(a, valid ? row : 0);
+  const auto held = [&](int k) { return valid && lane + int64_t{k} * group_threads < num_vecs; };
+  const auto index = [&](int k) { return lane + int64_t{k} * group_threads; };
+
+  // Sweep 1: every load of the thread issued before the first use of any.
+  float h[kVecs][kVec] = {};
+  float g[kVecs][kVec] = {};
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+    if (held(k)) {
+      LoadH<TIn, kVec>(x, residual, a.residual_type, index(k), h[k]);
+      LoadAny<kVec>(a.gamma, a.gamma_type, index(k), g[k]);
+    }
+  }
+  SumOfSquares acc{0.0f, 0.0f};
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+    if (held(k)) {
+      if (residual_out != nullptr) StoreAny<kVec>(residual_out, a.residual_type, index(k), h[k]);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) AddSquare<true>(acc.hi, acc.lo, h[k][e]);
+    }
+  }
+  acc = GroupReduce(
+      acc, SumOfSquares{0.0f, 0.0f}, [](SumOfSquares v) { return WarpSum(v); }, scratch.sum_partial,
+      group_warps);
+  const float sum_sq = Total(acc);
+  const float r = InverseRms(sum_sq, a.hidden, a.constants.eps);
+
+  // Sweep 2: n, in place of h, and its abs-max.
+  uint32_t amax = 0;
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      h[k][e] = Normalize(h[k][e], r, GammaPlusOffset(g[k][e], a.constants.weight_offset));
+      if (held(k)) amax = max(amax, AbsBits(h[k][e]));
+    }
+  }
+  // Scales per group, or a calibrated scale, need no block-wide abs-max: the whole launch
+  // skips that reduction. Its barrier stays, when the sum's reduction crossed warps: it
+  // keeps the next row's sum slots from being written before every warp has read these.
+  const bool row_max = PerRowScale(a) && a.static_scale == nullptr;
+  if (row_max) {
+    amax = GroupReduce(
+        amax, 0u, [](uint32_t v) { return WarpMax(v); }, scratch.max_partial, group_warps);
+  } else if (group_warps > 1) {
+    __syncthreads();
+  }
+  if (!PerRowScale(a)) {
+    RegisterGroups<kVec, kVecs>(a, row, h, held, index, sum_sq, y);
+    return;
+  }
+  if (!valid) return;
+  const RowScale s = RowScaleOf(a, sum_sq, amax);
+  if (lane == 0) StoreScale(a, row, s.scale);
+
+  // Sweep 3: quantise.
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+    if (held(k)) StoreFp8<kVec>(y, index(k), h[k], s.recip, a.out_format);
+  }
+}
+
+// warp_rows. grid: any number of blocks (groups of rows_per_block rows are strided over
+// them); block: kWarpRowsBlockThreads threads, `threads_per_row` (a power of two, 32 to
+// 256) per row. Aligned rows of at most threads_per_row * kVecs vectors.
+template <typename TIn, int kVecs>
+__global__ void __launch_bounds__(kWarpRowsBlockThreads, 2)
+    WarpRowsKernel(const RmsNormFp8Args a, const int threads_per_row) {
+  RegisterScratch& scratch = StaticShared<RegisterScratch>();
+  const int rows_per_block = static_cast<int>(blockDim.x) / threads_per_row;
+  const int group = static_cast<int>(threadIdx.x) / threads_per_row;
+  const int lane = static_cast<int>(threadIdx.x) % threads_per_row;
+  // The same trip count for every group of the block: a group past the end still meets
+  // the others at the reductions' barriers.
+  for (int64_t first = int64_t{blockIdx.x} * rows_per_block; first < a.rows;
+       first += int64_t{gridDim.x} * rows_per_block) {
+    RegisterRow<TIn, kVecs>(a, first + group, lane, threads_per_row, scratch);
+  }
+}
+
+// Registers per thread: at most 64 with 2 vectors (ptxas needs about 56 for bf16 without
+// spilling), so that blocks of up to 256 threads (rows up to 4096 bf16) run 4 to an SM
+// and 512-thread ones 2; at most 128 with 4 vectors (about 100 needed).
+constexpr int BlockRegistersMinBlocks(int vectors) { return vectors <= 2 ? 2 : 1; }
+
+// block_registers. grid: any number of blocks (rows are strided over them); block: up to
+// kBlockRegistersMaxThreads threads, whole warps, all holding one row. Aligned rows of at
+// most blockDim.x * kVecs vectors.
+template <typename TIn, int kVecs>
+__global__ void __launch_bounds__(kBlockRegistersMaxThreads, BlockRegistersMinBlocks(kVecs))
+    BlockRegistersKernel(const RmsNormFp8Args a) {
+  RegisterScratch& scratch = StaticShared<RegisterScratch>();
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    RegisterRow<TIn, kVecs>(a, row, static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x),
+                            scratch);
+  }
+}
+
+template <typename TIn>
+cudaError_t LoadRegisterRowKernelsFor() {
+  cudaFuncAttributes attributes{};
+  cudaError_t err = cudaSuccess;
+  const auto load = [&](auto kernel, const char* name, int max_threads) {
+    if (err == cudaSuccess) {
+      err = LoadKernel(kernel, name, sizeof(RegisterScratch), max_threads, &attributes);
+    }
+  };
+  load(WarpRowsKernel<TIn, 1>, "warp_rows", kWarpRowsBlockThreads);
+  load(WarpRowsKernel<TIn, 2>, "warp_rows", kWarpRowsBlockThreads);
+  load(WarpRowsKernel<TIn, 4>, "warp_rows", kWarpRowsBlockThreads);
+  load(BlockRegistersKernel<TIn, 2>, "block_registers", kBlockRegistersMaxThreads);
+  load(BlockRegistersKernel<TIn, 4>, "block_registers", kBlockRegistersMaxThreads);
+  return err;
+}
+
+}  // namespace
+
+cudaError_t LoadRegisterRowKernels(FloatType input) {
+  return WithInputType(input, [](auto type) {
+    return LoadRegisterRowKernelsFor<typename decltype(type)::Type>();
+  });
+}
+
+cudaError_t LaunchRegisterRows(cudaStream_t stream, const RmsNormFp8Args& a, const LaunchPlan& p) {
+  return WithInputType(a.input_type, [&](auto type) {
+    using TIn = typename decltype(type)::Type;
+    if (p.variant == KernelVariant::kWarpRows) {
+      const auto kernel = p.vectors_per_thread == 1   ? WarpRowsKernel<TIn, 1>
+                          : p.vectors_per_thread == 2 ? WarpRowsKernel<TIn, 2>
+                                                      : WarpRowsKernel<TIn, 4>;
+      return LaunchKernel(kernel, p.blocks, p.threads, 0, stream, a, p.threads_per_row);
+    }
+    const auto kernel =
+        p.vectors_per_thread == 2 ? BlockRegistersKernel<TIn, 2> : BlockRegistersKernel<TIn, 4>;
+    return LaunchKernel(kernel, p.blocks, p.threads, 0, stream, a);
+  });
+}
+
+}  // namespace fp8norm

@@ -1,0 +1,46 @@
+// The element-wise float32 -> float16 / bfloat16 / FP8 rounding kernel of the round target
+// (tests check the kernels' own conversions with it on every boundary).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda_kernels.h"
+#include "kernel_families.h"
+#include "kernel_launch.h"
+#include "row_blocks.cuh"
+
+namespace fp8norm {
+namespace {
+
+// grid: any number of blocks (elements are strided over them); block: any size.
+__global__ void RoundKernel(const RoundArgs a) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < a.count;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const uint16_t bits = RoundedBits(a.target, LoadGlobal(a.in + i));
+    if (IsFp8(a.target)) {
+      StoreGlobal(static_cast<uint8_t*>(a.out) + i, static_cast<uint8_t>(bits));
+    } else {
+      StoreGlobal(static_cast<uint16_t*>(a.out) + i, bits);
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t LoadRoundKernel() {
+  cudaFuncAttributes attributes{};
+  return cudaFuncGetAttributes(&attributes, RoundKernel);
+}
+
+cudaError_t LaunchRound(cudaStream_t stream, const RoundArgs& a) {
+  if (a.count == 0) return cudaSuccess;
+  // 256 threads and at most 65535 blocks: an element-wise kernel needs no tuning, and the
+  // grid-stride loop covers any count.
+  constexpr int kThreads = 256;
+  const unsigned blocks =
+      static_cast<unsigned>(std::min<int64_t>((a.count + kThreads - 1) / kThreads, 65535));
+  return LaunchKernel(RoundKernel, blocks, kThreads, 0, stream, a);
+}
+
+}  // namespace fp8norm

@@ -1,0 +1,190 @@
+// The device building blocks every kernel family of rms_norm_fp8 / add_rms_norm_fp8 is
+// made of: 16-byte vectors, warp and block reductions, the loads and stores of a row's
+// elements (any of the float input types, run-time dtypes for gamma and the residual),
+// FP8 codes and scales, and the row's pointers. Element-wise and per-row arithmetic comes
+// from fp8norm_math.h, shared with the CPU kernel. Global memory is reached through
+// device_memory.h so that the SIMT emulation can check and count each access.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda_launch_plan.h"
+#include "device_memory.h"
+#include "fp8norm_math.h"
+#include "rms_norm_fp8.h"
+
+namespace fp8norm {
+
+template <typename T, int kCount>
+struct alignas(sizeof(T) * kCount) Vec {
+  T v[kCount];
+};
+
+// Elements of TIn per 16-byte load.
+template <typename TIn>
+constexpr int kVecOf = VectorWidth(sizeof(TIn));
+
+// Reductions.
+
+__device__ __forceinline__ SumOfSquares WarpSum(SumOfSquares v) {
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    const SumOfSquares other{__shfl_xor_sync(0xffffffffu, v.hi, offset),
+                             __shfl_xor_sync(0xffffffffu, v.lo, offset)};
+    v = Combine(v, other);
+  }
+  return v;
+}
+
+__device__ __forceinline__ uint32_t WarpMax(uint32_t v) {
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    v = max(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  }
+  return v;
+}
+
+// Block-wide reduction; every thread gets the result. The partial and result slots are
+// separate so that back-to-back calls need no extra barrier.
+template <typename T, typename WarpOp>
+__device__ __forceinline__ T BlockReduce(T v, T identity, WarpOp warp_op, T* partial /*[32]*/,
+                                         T* result /*[1]*/) {
+  const int lane = threadIdx.x % kWarp;
+  const int warp = threadIdx.x / kWarp;
+  const int num_warps = (blockDim.x + kWarp - 1) / kWarp;
+  v = warp_op(v);
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    T w = lane < num_warps ? partial[lane] : identity;
+    w = warp_op(w);
+    if (lane == 0) *result = w;
+  }
+  __syncthreads();
+  return *result;
+}
+
+// Loads and stores. `site` is the kernel line a load or store comes from (the caller's, by default): the
+// emulation's memory accounting groups a warp's accesses by it. nvcc drops it.
+
+template <typename TIn, int kVec>
+__device__ __forceinline__ void LoadVec(const TIn* p, int64_t i, float (&out)[kVec], int site) {
+  const Vec<TIn, kVec> v = LoadGlobal(reinterpret_cast<const Vec<TIn, kVec>*>(p) + i, site);
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) out[k] = ToFloat(v.v[k]);
+}
+
+template <typename TIn, int kVec>
+__device__ __forceinline__ void StoreVec(TIn* p, int64_t i, const float (&in)[kVec], int site) {
+  Vec<TIn, kVec> v;
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) v.v[k] = FromFloat<TIn>(in[k]);
+  StoreGlobal(reinterpret_cast<Vec<TIn, kVec>*>(p) + i, v, site);
+}
+
+// gamma's and the residual's dtypes are run-time values: one uniform branch per vector,
+// instead of template parameters that would multiply the kernels compiled per architecture.
+template <int kVec>
+__device__ __forceinline__ void LoadAny(const void* p, FloatType type, int64_t i,
+                                        float (&out)[kVec], int site = __builtin_LINE()) {
+  switch (type) {
+    case FloatType::kF16:
+      LoadVec<F16, kVec>(static_cast<const F16*>(p), i, out, site);
+      break;
+    case FloatType::kBF16:
+      LoadVec<BF16, kVec>(static_cast<const BF16*>(p), i, out, site);
+      break;
+    default:
+      LoadVec<float, kVec>(static_cast<const float*>(p), i, out, site);
+  }
+}
+
+template <int kVec>
+__device__ __forceinline__ void StoreAny(void* p, FloatType type, int64_t i,
+                                         const float (&in)[kVec], int site = __builtin_LINE()) {
+  switch (type) {
+    case FloatType::kF16:
+      StoreVec<F16, kVec>(static_cast<F16*>(p), i, in, site);
+      break;
+    case FloatType::kBF16:
+      StoreVec<BF16, kVec>(static_cast<BF16*>(p), i, in, site);
+      break;
+    default:
+      StoreVec<float, kVec>(static_cast<float*>(p), i, in, site);
+  }
+}
+
+// h for vector i of the row: x (+ residual).
+template <typename TIn, int kVec>
+__device__ __forceinline__ void LoadH(const TIn* x, const void* residual, FloatType residual_type,
+                                      int64_t i, float (&h)[kVec], int site = __builtin_LINE()) {
+  LoadVec<TIn, kVec>(x, i, h, site);
+  if (residual != nullptr) {
+    float r[kVec];
+    LoadAny<kVec>(residual, residual_type, i, r, site);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) h[k] += r[k];
+  }
+}
+
+// y for vector i of the row, with the reciprocal scale of its row or group. The output
+// format is a run-time value, uniform over the launch: a template parameter would double
+// every kernel compiled per architecture.
+template <int kVec>
+__device__ __forceinline__ void StoreFp8(uint8_t* y, int64_t i, const float (&normed)[kVec],
+                                         float recip, Fp8Format format,
+                                         int site = __builtin_LINE()) {
+  Vec<uint8_t, kVec> q;
+  if (format == Fp8Format::kE4M3FN) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) q.v[k] = QuantizeElement<Fp8Format::kE4M3FN>(normed[k], recip);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) q.v[k] = QuantizeElement<Fp8Format::kE4M3FNUZ>(normed[k], recip);
+  }
+  StoreGlobal(reinterpret_cast<Vec<uint8_t, kVec>*>(y) + i, q, site);
+}
+
+// Scale `index` of the call ([rows, groups] row-major); e8m0 as its exponent byte.
+__device__ __forceinline__ void StoreScale(const RmsNormFp8Args& a, int64_t index, float scale,
+                                           int site = __builtin_LINE()) {
+  if (a.scale_type == FloatType::kE8M0) {
+    StoreGlobal(static_cast<uint8_t*>(a.scales) + index, E8M0Code(scale), site);
+    return;
+  }
+  const float value[1] = {scale};
+  StoreAny<1>(a.scales, a.scale_type, index, value, site);
+}
+
+// The scale of a row with one scale (dynamic per row, or the calibrated one).
+__device__ __forceinline__ RowScale RowScaleOf(const RmsNormFp8Args& a, float sum_sq,
+                                               uint32_t amax) {
+  if (a.static_scale != nullptr) {
+    return StaticScale(sum_sq, LoadGlobal(a.static_scale), a.scale_type);
+  }
+  return ComputeScale(sum_sq, amax, a.out_format, a.scale_type, a.constants);
+}
+
+// Row `row` of the row-major arrays: x, the residual and residual_out (null when the op
+// has none) and y.
+template <typename TIn>
+struct RowPointers {
+  const TIn* x;
+  const void* residual;
+  void* residual_out;
+  uint8_t* y;
+};
+
+template <typename TIn>
+__device__ __forceinline__ RowPointers<TIn> RowOf(const RmsNormFp8Args& a, int64_t row) {
+  const int64_t offset = row * a.hidden;
+  const size_t residual_bytes = FloatTypeBytes(a.residual_type);
+  return {static_cast<const TIn*>(a.x) + offset,
+          a.residual != nullptr ? static_cast<const char*>(a.residual) + offset * residual_bytes
+                                : nullptr,
+          a.residual_out != nullptr ? static_cast<char*>(a.residual_out) + offset * residual_bytes
+                                    : nullptr,
+          static_cast<uint8_t*>(a.y) + offset};
+}
+
+}  // namespace fp8norm
