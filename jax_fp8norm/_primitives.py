@@ -120,7 +120,7 @@ def _output_types(avals, static_scale: bool) -> dict:
 
 def _norm_abstract_eval(*avals, **params):
     x = avals[0]
-    static_scale = params["static_scale"]
+    static_scale = params["has_static_scale"]
     types = _output_types(avals, static_scale)
     n = x.shape[-1]
     groups = 1 if params["group_size"] is None else n // params["group_size"]
@@ -168,7 +168,7 @@ def _norm_batching_rule(prim: Primitive):
 
     def rule(args, dims, **params):
         size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
-        num_rows = _num_row_operands(len(args), params["static_scale"])
+        num_rows = _num_row_operands(len(args), params["has_static_scale"])
         rows = [
             _to_front(a, d, size) for a, d in zip(args[:num_rows], dims[:num_rows], strict=True)
         ]
@@ -201,7 +201,7 @@ def _partitioned(kernel: Primitive, params: tuple, num_operands: int):
     [..., N // G] keep the rows' sharding too); a hidden axis that is sharded is gathered
     first, since each row needs all of it. gamma and a calibrated scale are replicated."""
     kwargs = dict(params)
-    num_rows = _num_row_operands(num_operands, kwargs["static_scale"])
+    num_rows = _num_row_operands(num_operands, kwargs["has_static_scale"])
     num_shared = num_operands - num_rows
     num_results = num_rows + 1  # rms: (y, scales); add: (y, scales, residual_out)
 

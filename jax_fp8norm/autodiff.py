@@ -16,12 +16,15 @@ choice of scales, dynamic or calibrated, are treated as the identity).
 from __future__ import annotations
 
 import functools
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
 
+from jax_fp8norm._checks import validate
+from jax_fp8norm._params import NormKeywords, NormParams
 from jax_fp8norm._primitives import add_rms_norm_fp8_p, rms_norm_fp8_p
-from jax_fp8norm._validation import NormParams, norm_keywords, validate
+from jax_fp8norm._signatures import norm_keywords
 from jax_fp8norm.reference import dequantize
 
 
@@ -79,7 +82,9 @@ def _add_rms_norm_dequantized(p: NormParams):
 
 
 @norm_keywords
-def rms_norm_fp8_dequantized(x: jax.Array, gamma: jax.Array, **keywords) -> jax.Array:
+def rms_norm_fp8_dequantized(
+    x: jax.Array, gamma: jax.Array, **keywords: Unpack[NormKeywords]
+) -> jax.Array:
     """``f32(y) * f32(scales)`` of :func:`jax_fp8norm.rms_norm_fp8` (each scale repeated
     over its group), differentiable.
 
@@ -99,7 +104,7 @@ def rms_norm_fp8_dequantized(x: jax.Array, gamma: jax.Array, **keywords) -> jax.
 
 @norm_keywords
 def add_rms_norm_fp8_dequantized(
-    x: jax.Array, residual: jax.Array, gamma: jax.Array, **keywords
+    x: jax.Array, residual: jax.Array, gamma: jax.Array, **keywords: Unpack[NormKeywords]
 ) -> tuple[jax.Array, jax.Array]:
     """``(f32(y) * f32(scales), residual_out)`` of :func:`jax_fp8norm.add_rms_norm_fp8`,
     differentiable with the straight-through rule; ``residual_out``'s cotangent flows to

@@ -8,12 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_fp8norm._dtypes import E8M0
+
 FP8_DTYPES = (
     np.dtype(jnp.float8_e4m3fn),
     np.dtype(jnp.float8_e4m3fnuz),
     np.dtype(jnp.float8_e5m2),
 )
-E8M0 = np.dtype(jnp.float8_e8m0fnu)
 # What cuDNN's block-scaled GEMM (MXFP8, through jax.nn.scaled_matmul) takes: OCP FP8
 # operands, e8m0 scales, blocks of 32 along K.
 MXFP8_BLOCK = 32

@@ -9,16 +9,15 @@ the straight-through gradient (:mod:`jax_fp8norm.autodiff`).
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_fp8norm._validation import (
-    NORM_KEYWORDS,
-    check_static_scale,
-    norm_keywords,
-    validate,
-)
+from jax_fp8norm._checks import check_static_scale, validate
+from jax_fp8norm._params import NORM_KEYWORDS, NormKeywords
+from jax_fp8norm._signatures import norm_keywords
 from jax_fp8norm.autodiff import add_rms_norm_fp8_dequantized, rms_norm_fp8_dequantized
 from jax_fp8norm.ops import add_rms_norm_fp8, rms_norm_fp8
 
@@ -47,7 +46,7 @@ class RMSNormFP8(nnx.Module):
         param_dtype=jnp.float32,
         dequantize: bool = False,
         rngs: nnx.Rngs | None = None,
-        **keywords,
+        **keywords: Unpack[NormKeywords],
     ):
         del rngs
         # Checked now, so that a bad keyword fails where the module is made.

@@ -8,24 +8,25 @@ lowers to one custom call on the CPU or CUDA backend.
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_fp8norm._checks import check_static_scale, validate
+from jax_fp8norm._dtypes import FLOAT_DTYPES, OUT_DTYPES
+from jax_fp8norm._params import AllReduceKeywords, NormKeywords
 from jax_fp8norm._primitives import add_rms_norm_fp8_p, rms_norm_fp8_p, round_p
-from jax_fp8norm._validation import (
-    FLOAT_DTYPES,
-    OUT_DTYPES,
-    check_static_scale,
-    norm_keywords,
-    validate,
-)
+from jax_fp8norm._signatures import norm_keywords
 from jax_fp8norm.reference import all_reduce
 
 
 @norm_keywords
-def rms_norm_fp8(x: jax.Array, gamma: jax.Array, **keywords) -> tuple[jax.Array, jax.Array]:
+def rms_norm_fp8(
+    x: jax.Array, gamma: jax.Array, **keywords: Unpack[NormKeywords]
+) -> tuple[jax.Array, jax.Array]:
     """RMSNorm of each row of ``x``, quantised to FP8 with dynamic scales per row (or per
     group of ``group_size`` elements), or with one calibrated ``static_scale``.
 
@@ -47,7 +48,7 @@ def rms_norm_fp8(x: jax.Array, gamma: jax.Array, **keywords) -> tuple[jax.Array,
 
 @norm_keywords
 def add_rms_norm_fp8(
-    x: jax.Array, residual: jax.Array, gamma: jax.Array, **keywords
+    x: jax.Array, residual: jax.Array, gamma: jax.Array, **keywords: Unpack[NormKeywords]
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``h = x + residual`` in float32, then :func:`rms_norm_fp8` of ``h``, in one pass.
 
@@ -76,7 +77,7 @@ def allreduce_residual_rms_norm_fp8(
     *,
     axis_name,
     reduce_dtype=None,
-    **keywords,
+    **keywords: Unpack[NormKeywords],
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Tensor-parallel all-reduce of partial sums, then :func:`add_rms_norm_fp8`, fused.
 
@@ -115,7 +116,7 @@ def sharded_allreduce_residual_rms_norm_fp8(
     *,
     mesh: jax.sharding.Mesh,
     axis_name: str,
-    **kwargs,
+    **kwargs: Unpack[AllReduceKeywords],
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`allreduce_residual_rms_norm_fp8` for callers outside ``shard_map``.
 

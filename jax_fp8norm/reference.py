@@ -7,19 +7,16 @@ the kernels are one pass.
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fp8norm._validation import (
-    DEFAULT_EPS,
-    E8M0,
-    NormParams,
-    check_axis_name,
-    check_reduce_dtype,
-    norm_keywords,
-    validate,
-)
+from jax_fp8norm._checks import check_axis_name, check_reduce_dtype, validate
+from jax_fp8norm._dtypes import E8M0
+from jax_fp8norm._params import DEFAULT_EPS, NormKeywords, NormParams
+from jax_fp8norm._signatures import norm_keywords
 
 __all__ = [
     "DEFAULT_EPS",
@@ -325,7 +322,9 @@ def _plus_constant(value: jax.Array, constant: float) -> jax.Array:
 
 
 @norm_keywords
-def rms_norm_fp8(x: jax.Array, gamma: jax.Array, **keywords) -> tuple[jax.Array, jax.Array]:
+def rms_norm_fp8(
+    x: jax.Array, gamma: jax.Array, **keywords: Unpack[NormKeywords]
+) -> tuple[jax.Array, jax.Array]:
     """Reference of :func:`jax_fp8norm.rms_norm_fp8`; same arguments and results.
 
     Keywords:
@@ -333,13 +332,16 @@ def rms_norm_fp8(x: jax.Array, gamma: jax.Array, **keywords) -> tuple[jax.Array,
     """
     call = validate(x, gamma, **keywords)
     return quantize_rows(
-        jnp.asarray(x).astype(jnp.float32), jnp.asarray(gamma), call.params, call.static_scale
+        jnp.asarray(x).astype(jnp.float32),
+        jnp.asarray(gamma),
+        call.params,
+        call.static_scale_operand,
     )
 
 
 @norm_keywords
 def add_rms_norm_fp8(
-    x: jax.Array, residual: jax.Array, gamma: jax.Array, **keywords
+    x: jax.Array, residual: jax.Array, gamma: jax.Array, **keywords: Unpack[NormKeywords]
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Reference of :func:`jax_fp8norm.add_rms_norm_fp8`; same arguments and results.
 
@@ -353,7 +355,7 @@ def add_rms_norm_fp8(
 def _add_quantize(x, residual, gamma, call):
     """h = x + residual in float32; (y, scales) of the unrounded h; h in residual's dtype."""
     h = x.astype(jnp.float32) + residual.astype(jnp.float32)
-    y, scales = quantize_rows(h, gamma, call.params, call.static_scale)
+    y, scales = quantize_rows(h, gamma, call.params, call.static_scale_operand)
     return y, scales, h.astype(residual.dtype)
 
 
@@ -365,7 +367,7 @@ def allreduce_residual_rms_norm_fp8(
     *,
     axis_name,
     reduce_dtype=None,
-    **keywords,
+    **keywords: Unpack[NormKeywords],
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Reference of :func:`jax_fp8norm.allreduce_residual_rms_norm_fp8`; same arguments.
 

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from jax_fp8norm._dtypes import E8M0
+
 # Explicit mantissa widths and smallest normal exponents: np.finfo does not cover
 # every ml_dtypes type on every NumPy version.
 _MANTISSA_BITS = {np.dtype(jnp.float32): 23, np.dtype(jnp.float16): 10, np.dtype(jnp.bfloat16): 7}
@@ -53,9 +55,6 @@ def fp8_code_index(y) -> np.ndarray:
     bits = np.asarray(y).view(np.uint8).astype(np.int32)
     magnitude = bits & 0x7F
     return np.where(bits & 0x80, -magnitude, magnitude)
-
-
-E8M0 = np.dtype(jnp.float8_e8m0fnu)
 
 
 def _exponent_steps(actual: np.ndarray, expected: np.ndarray) -> np.ndarray:
@@ -168,3 +167,15 @@ def assert_matches_reference(
         assert_scales_close(scales, want_scales)
     if len(actual) == 3:
         assert_residual_close(actual[2], expected[2])
+
+
+def assert_same_bits(got, want) -> None:
+    """Every output of ``got`` equals the one of ``want`` at its position, bit for bit (NaN
+    payloads, signed zeros and FP8 codes included), with the same dtype and shape."""
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        g, w = np.asarray(g), np.asarray(w)
+        assert (g.dtype, g.shape) == (w.dtype, w.shape), (i, g.dtype, g.shape, w.dtype, w.shape)
+        width = {1: np.uint8, 2: np.uint16, 4: np.uint32}[g.dtype.itemsize]
+        np.testing.assert_array_equal(
+            g.view(width), w.view(width), err_msg=f"output {i} ({g.dtype}) differs in its bits"
+        )

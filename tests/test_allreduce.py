@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (
+from helpers import (
     TIERS,
     assert_same_bits,
     random_gamma,

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import device_of, random_gamma, random_rows
+from helpers import device_of, random_gamma, random_rows
 
 import jax_fp8norm as fp8norm
 

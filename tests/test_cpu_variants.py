@@ -14,7 +14,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import outputs_of_script, reference_on_cpu
+from helpers import outputs_of_script, reference_on_cpu
 
 import jax_fp8norm as fp8norm
 
@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     import jax_fp8norm as fp8norm
     from jax_fp8norm._primitives import add_rms_norm_fp8_p
-    from jax_fp8norm._validation import make_params
+    from jax_fp8norm._checks import make_params
     jax.config.update("jax_platforms", "cpu")
 
     def inputs(hidden, dtype, seed):

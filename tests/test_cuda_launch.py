@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SIMT_VARIANTS, assert_same_bits, random_gamma, random_rows
+from helpers import SIMT_VARIANTS, assert_same_bits, random_gamma, random_rows
 
 import jax_fp8norm as fp8norm
 from jax_fp8norm import _ffi, simt

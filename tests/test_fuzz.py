@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from conftest import (  # noqa: E402
+from helpers import (  # noqa: E402
     EXTENDED,
     SIMT_PLATFORMS,
     assert_kernel_matches,

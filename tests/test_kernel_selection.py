@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import outputs_of_script
+from helpers import outputs_of_script
 
 import jax_fp8norm as fp8norm
 from jax_fp8norm import _ffi, simt
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not simt.available(), reason="built without the 
 SCRIPT = """
 import sys
 import jax, jax.numpy as jnp, numpy as np
-from conftest import random_gamma, random_rows
+from helpers import random_gamma, random_rows
 import jax_fp8norm as fp8norm
 from jax_fp8norm import simt
 

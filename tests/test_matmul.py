@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import device_of, random_rows, run_on
+from helpers import device_of, random_rows, run_on
 
 import jax_fp8norm as fp8norm
 from jax_fp8norm.matmul import (

@@ -1,6 +1,6 @@
 """The ops across processes, multi-host style, with JAX's own runtime: two processes on
 localhost join one jax.distributed job (4 virtual CPU devices each, gloo collectives)
-and run tests/multiprocess_child.py on one 8-device mesh spanning both:
+and run tests/children/multiprocess.py on one 8-device mesh spanning both:
 allreduce_residual_rms_norm_fp8 under shard_map (reduce_dtype None and float32) and the
 row-sharded rms_norm_fp8 under plain jit, each process checking its own shards against
 references it computes alone. Gloo missing from jaxlib fails the test; it does not skip.
@@ -19,7 +19,7 @@ import time
 import pytest
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-CHILD = os.path.join(TESTS_DIR, "multiprocess_child.py")
+CHILD = os.path.join(TESTS_DIR, "children", "multiprocess.py")
 NUM_PROCESSES = 2
 TIMEOUT_S = 240
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_same_bits, device_of, random_rows
+from helpers import assert_same_bits, device_of, random_rows
 
 nnx = pytest.importorskip("flax.nnx")
 

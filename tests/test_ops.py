@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (
+from helpers import (
     assert_kernel_matches,
     assert_same_bits,
     check_against_reference,
@@ -277,8 +277,8 @@ def test_bitwise_equal_to_reference(platform, x_dtype, shape):
 def test_float32_sum_with_16bit_residual(platform, residual_dtype):
     # The path a float32 all-reduce takes: a float32 x meets a 16-bit residual stream, and
     # residual_out comes back in the residual's dtype.
+    from jax_fp8norm._checks import make_params
     from jax_fp8norm._primitives import add_rms_norm_fp8_p
-    from jax_fp8norm._validation import make_params
 
     x = random_rows(44, (19, 1030), jnp.float32)
     residual = random_rows(45, (19, 1030), residual_dtype)

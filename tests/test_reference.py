@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import random_gamma, random_rows, reference_on_cpu
+from helpers import random_gamma, random_rows, reference_on_cpu
 
 import jax_fp8norm as fp8norm
 from jax_fp8norm.testing import assert_matches_reference

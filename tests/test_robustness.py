@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (
+from helpers import (
     TIERS,
     assert_kernel_matches,
     assert_same_bits,
@@ -311,10 +311,10 @@ def test_memory_flat_over_10000_calls(platform):
 @pytest.mark.extended
 def test_bad_input_never_kills_the_process():
     """Every bad input of the spec, the handler-level refusals and the awkward shapes of
-    tests/bad_input_child.py, in a subprocess: each raises the expected exception or
+    tests/children/bad_input.py, in a subprocess: each raises the expected exception or
     matches the reference, and the process exits normally."""
     result = subprocess.run(
-        [sys.executable, os.path.join(TESTS_DIR, "bad_input_child.py")],
+        [sys.executable, os.path.join(TESTS_DIR, "children", "bad_input.py")],
         cwd=TESTS_DIR,
         env=dict(os.environ, PYTHONPATH=TESTS_DIR),
         capture_output=True,
@@ -356,7 +356,7 @@ DETERMINISM_SCRIPT = textwrap.dedent(
     import sys
     import jax, numpy as np
     import jax_fp8norm as fp8norm
-    from conftest import random_gamma, random_rows
+    from helpers import random_gamma, random_rows
     jax.config.update("jax_platforms", "cpu")
     outs = {}
     for hidden, rows in ((4099, 700), (70001, 9), (64, 20000)):

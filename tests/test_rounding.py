@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import run_on
+from helpers import run_on
 
 import jax_fp8norm as fp8norm
 from jax_fp8norm.ops import round_float32

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import check_against_reference, random_gamma, random_rows
+from helpers import check_against_reference, random_gamma, random_rows
 
 import jax_fp8norm as fp8norm
 from jax_fp8norm import simt

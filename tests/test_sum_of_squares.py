@@ -9,13 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import EXTENDED, assert_kernel_matches, assert_same_bits, reference_on_cpu, run_on
 from exact import (
     correctly_rounded_sum_of_squares,
     distance_to_tie,
     rms_norm_rows,
     spec_sum_of_squares,
 )
+from helpers import EXTENDED, assert_kernel_matches, assert_same_bits, reference_on_cpu, run_on
 
 import jax_fp8norm as fp8norm
 

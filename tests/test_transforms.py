@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_same_bits, device_of, is_simt, random_gamma, random_rows
+from helpers import assert_same_bits, device_of, is_simt, random_gamma, random_rows
 
 import jax_fp8norm as fp8norm
 from jax_fp8norm import _ffi as fp8norm_ffi

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SIMT_PLATFORMS, is_simt
+from helpers import SIMT_PLATFORMS, is_simt
 
 import jax_fp8norm as fp8norm
 from jax_fp8norm import _ffi as fp8norm_ffi

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fp8norm as fp8norm
+from jax_fp8norm._checks import make_params
 from jax_fp8norm._primitives import add_rms_norm_fp8_p
-from jax_fp8norm._validation import make_params
 from jax_fp8norm.ops import round_float32
 from jax_fp8norm.testing import assert_matches_reference
 

@@ -9,137 +9,20 @@ same float32 values.
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import math
 import numbers
-import textwrap
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-DEFAULT_EPS = 1e-6
-FLOAT_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
-FP8_MAX = {np.dtype(jnp.float8_e4m3fn): 448.0, np.dtype(jnp.float8_e4m3fnuz): 240.0}
-OUT_DTYPES = tuple(FP8_MAX)
-E8M0 = np.dtype(jnp.float8_e8m0fnu)
-SCALE_DTYPES = (*FLOAT_DTYPES, E8M0)
+from jax_fp8norm._dtypes import E8M0, FLOAT_DTYPES, OUT_DTYPES, SCALE_DTYPES
+from jax_fp8norm._params import NORM_KEYWORDS, NormCall, NormParams
 
 _FLOAT_NAMES = "float32, float16 or bfloat16"
 _SCALE_NAMES = "float32, float16, bfloat16 or float8_e8m0fnu"
 _FP8_NAMES = "float8_e4m3fn or float8_e4m3fnuz"
-
-
-@dataclasses.dataclass(frozen=True)
-class NormParams:
-    """Static parameters of one call, after checking and rounding (hashable)."""
-
-    eps: float  # f32(T(eps))
-    weight_offset: float  # f32(T(weight_offset))
-    # f32(S(scale_ub)) for nearest-rounded scales, f32(scale_ub) for power-of-two ones;
-    # inf when unbounded.
-    scale_ub: float
-    out_dtype: np.dtype
-    scale_dtype: np.dtype
-    group_size: int | None = None  # None: one scale per row
-    power_of_two_scales: bool = False  # also set for float8_e8m0fnu scales
-    static_scale: bool = False  # a calibrated scale operand follows gamma
-
-    @property
-    def fp8_max(self) -> float:
-        return FP8_MAX[self.out_dtype]
-
-    def groups(self, n: int) -> int:
-        """Scales per row of ``n`` elements."""
-        return 1 if self.group_size is None else n // self.group_size
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-# The keywords every op, reference twin, dequantised twin and the Flax module take, with
-# their defaults and what each means: the one place they are defined.
-NORM_KEYWORDS: dict[str, tuple[Any, str]] = {
-    "eps": (DEFAULT_EPS, "added to the mean square; rounded through ``x.dtype``."),
-    "weight_offset": (
-        0.0,
-        "added to gamma (1.0 for Gemma-style weights); rounded through ``x.dtype``.",
-    ),
-    "scale_ub": (
-        None,
-        "upper bound on a row's (or group's) absolute maximum before it becomes a scale "
-        "(the largest scale is ``scale_ub / FP8_MAX``); None for no bound.",
-    ),
-    "out_dtype": (
-        jnp.float8_e4m3fn,
-        "``float8_e4m3fn`` (max 448) or ``float8_e4m3fnuz`` (max 240).",
-    ),
-    "scale_dtype": (
-        jnp.float32,
-        "float32, float16, bfloat16, or ``float8_e8m0fnu`` (MXFP8: power-of-two scales stored "
-        "as their exponent byte).",
-    ),
-    "group_size": (
-        None,
-        "None for one scale per row, or G dividing N: one scale per G consecutive elements "
-        "(128 for DeepSeek-V3-style 1x128 activations, 32 for MXFP8); scales then have shape "
-        "``[..., N // G]``.",
-    ),
-    "power_of_two_scales": (
-        False,
-        "round each scale up to a power of two (UE8M0-style, for DeepGEMM), at least 2^-126; "
-        "implied by a ``float8_e8m0fnu`` scale_dtype.",
-    ),
-    "static_scale": (
-        None,
-        "a calibrated per-tensor scale (a float, or a float array of shape () or (1,), "
-        "possibly traced) used instead of dynamic scales; scales is it, rounded to scale_dtype, "
-        "with shape ``[..., 1]``. Not finite and positive: every y is NaN.",
-    ),
-}
-
-
-def _keywords_doc(indent: str) -> str:
-    return "\n".join(
-        textwrap.fill(
-            f"{name}: {text} Default {_default_repr(default)}.",
-            width=88,
-            initial_indent=indent,
-            subsequent_indent=indent + "  ",
-        )
-        for name, (default, text) in NORM_KEYWORDS.items()
-    )
-
-
-def _default_repr(value: Any) -> str:
-    return getattr(value, "__name__", None) or repr(value)
-
-
-def norm_keywords(fn: Callable) -> Callable:
-    """Gives ``fn(..., **keywords)`` (a function, or a class by its __init__) the signature
-    of the keywords in NORM_KEYWORDS (for help() and IDEs) and puts their descriptions
-    where its docstring says ``{keywords}``.
-    ``fn`` hands ``keywords`` to :func:`validate`, which applies the defaults and refuses
-    unknown names."""
-    if isinstance(fn, type):  # a class: its __init__ without self
-        signature = inspect.signature(fn.__init__)
-        signature = signature.replace(parameters=list(signature.parameters.values())[1:])
-    else:
-        signature = inspect.signature(fn)
-    parameters = [p for p in signature.parameters.values() if p.kind != p.VAR_KEYWORD]
-    parameters += [
-        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
-        for name, (default, _) in NORM_KEYWORDS.items()
-    ]
-    fn.__signature__ = signature.replace(parameters=parameters)
-    if fn.__doc__ and "{keywords}" in fn.__doc__:
-        line = next(t for t in fn.__doc__.splitlines() if "{keywords}" in t)
-        indent = line[: len(line) - len(line.lstrip())]
-        fn.__doc__ = fn.__doc__.replace(line, _keywords_doc(indent))
-    return fn
 
 
 def check_keyword_names(keywords: dict[str, Any]) -> None:
@@ -148,19 +31,6 @@ def check_keyword_names(keywords: dict[str, Any]) -> None:
         raise TypeError(
             f"unexpected keyword argument(s) {unknown}; expected some of {list(NORM_KEYWORDS)}"
         )
-
-
-@dataclasses.dataclass(frozen=True)
-class NormCall:
-    """One checked call: its static parameters and, if any, the calibrated scale as a
-    float32 ``(1,)`` array (the operand after gamma)."""
-
-    params: NormParams
-    static_scale: jax.Array | None = None
-
-    def operands(self, *arrays: jax.Array) -> tuple[jax.Array, ...]:
-        extra = () if self.static_scale is None else (self.static_scale,)
-        return (*arrays, *extra)
 
 
 def _dtype_of(value: Any, name: str) -> np.dtype:
@@ -227,11 +97,11 @@ def make_params(
     scale_dtype: Any,
     group_size: Any = None,
     power_of_two_scales: Any = False,
-    static_scale: bool = False,
+    has_static_scale: bool = False,
     hidden: int | None = None,
 ) -> NormParams:
     """Checks the static arguments and rounds the constants as the spec says.
-    ``static_scale`` says whether a calibrated scale was given; ``hidden`` (N) is what
+    ``has_static_scale`` says whether a calibrated scale was given; ``hidden`` (N) is what
     ``group_size`` must divide."""
     x_dtype = np.dtype(x_dtype)
     out = _as_dtype(out_dtype, "out_dtype", OUT_DTYPES, _FP8_NAMES)
@@ -247,7 +117,7 @@ def make_params(
             "float16 cannot hold the smallest power-of-two scale (2^-126)"
         )
     group = _check_group_size(group_size, hidden)
-    if static_scale:
+    if has_static_scale:
         conflicts = [
             name
             for name, given in (
@@ -295,7 +165,7 @@ def make_params(
         scale_dtype=scale,
         group_size=group,
         power_of_two_scales=power_of_two,
-        static_scale=bool(static_scale),
+        has_static_scale=bool(has_static_scale),
     )
 
 
@@ -343,7 +213,7 @@ def validate(x: Any, gamma: Any, residual: Any = None, **keywords: Any) -> NormC
     check_arrays(x, gamma, residual)
     static_scale = check_static_scale(given.pop("static_scale"))
     params = make_params(
-        x.dtype, **given, static_scale=static_scale is not None, hidden=int(x.shape[-1])
+        x.dtype, **given, has_static_scale=static_scale is not None, hidden=int(x.shape[-1])
     )
     return NormCall(params, static_scale)
 

@@ -12,11 +12,17 @@ programs run before any check, so a failed check cannot leave the other process 
 in a collective. Prints `FAIL process <i> <check>: <why>` for each failed check and ends with
 `PASS process <i>` (exit 0) or `FAILED process <i>` (exit 1).
 
-Usage: python multiprocess_child.py PROCESS_ID PORT [--corrupt]. --corrupt flips one bit
+Usage: python children/multiprocess.py PROCESS_ID PORT [--corrupt]. --corrupt flips one bit
 of one expected value, to see the failure a wrong result gives.
 """
 
 from __future__ import annotations
+
+import os
+import sys
+
+# The tests' helpers are in the directory above.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse
 import sys
@@ -62,7 +68,7 @@ def main() -> int:
 
     import jax.numpy as jnp
     import numpy as np
-    from conftest import assert_same_bits, random_gamma, random_rows
+    from helpers import assert_same_bits, random_gamma, random_rows
     from jax.experimental import multihost_utils
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -303,7 +309,7 @@ def _equal(got, want):
 
 
 def _one_kernel_call_no_collectives(hlo: str) -> None:
-    from conftest import collectives_in
+    from helpers import collectives_in
 
     calls = hlo.count('custom_call_target="fp8norm_rms_norm_fp8"')
     assert calls == 1, f"{calls} kernel calls in the row-sharded program"

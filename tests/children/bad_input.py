@@ -9,6 +9,12 @@ match the reference; a signal or an abort leaves a START without its PASS.
 
 from __future__ import annotations
 
+import os
+import sys
+
+# The tests' helpers are in the directory above.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import re
 import sys
 import traceback
@@ -16,7 +22,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import (
+from helpers import (
     SIMT_PLATFORMS,
     check_against_reference,
     device_of,

@@ -1,0 +1,122 @@
+"""The parameter model of the ops: the keywords every op, twin and module takes (their
+defaults, meanings and types), and what one checked call carries to the primitives
+(NormParams, NormCall). The checks that make them are in jax_fp8norm._checks."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypedDict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import DTypeLike
+
+from jax_fp8norm._dtypes import FP8_MAX
+
+DEFAULT_EPS = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class NormParams:
+    """Static parameters of one call, after checking and rounding (hashable)."""
+
+    eps: float  # f32(T(eps))
+    weight_offset: float  # f32(T(weight_offset))
+    # f32(S(scale_ub)) for nearest-rounded scales, f32(scale_ub) for power-of-two ones;
+    # inf when unbounded.
+    scale_ub: float
+    out_dtype: np.dtype
+    scale_dtype: np.dtype
+    group_size: int | None = None  # None: one scale per row
+    power_of_two_scales: bool = False  # also set for float8_e8m0fnu scales
+    has_static_scale: bool = False  # a calibrated scale operand follows gamma
+
+    @property
+    def fp8_max(self) -> float:
+        return FP8_MAX[self.out_dtype]
+
+    def groups(self, n: int) -> int:
+        """Scales per row of ``n`` elements."""
+        return 1 if self.group_size is None else n // self.group_size
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# The keywords every op, reference twin, dequantised twin and the Flax module take, with
+# their defaults and what each means: the one place they are defined.
+NORM_KEYWORDS: dict[str, tuple[Any, str]] = {
+    "eps": (DEFAULT_EPS, "added to the mean square; rounded through ``x.dtype``."),
+    "weight_offset": (
+        0.0,
+        "added to gamma (1.0 for Gemma-style weights); rounded through ``x.dtype``.",
+    ),
+    "scale_ub": (
+        None,
+        "upper bound on a row's (or group's) absolute maximum before it becomes a scale "
+        "(the largest scale is ``scale_ub / FP8_MAX``); None for no bound.",
+    ),
+    "out_dtype": (
+        jnp.float8_e4m3fn,
+        "``float8_e4m3fn`` (max 448) or ``float8_e4m3fnuz`` (max 240).",
+    ),
+    "scale_dtype": (
+        jnp.float32,
+        "float32, float16, bfloat16, or ``float8_e8m0fnu`` (MXFP8: power-of-two scales stored "
+        "as their exponent byte).",
+    ),
+    "group_size": (
+        None,
+        "None for one scale per row, or G dividing N: one scale per G consecutive elements "
+        "(128 for DeepSeek-V3-style 1x128 activations, 32 for MXFP8); scales then have shape "
+        "``[..., N // G]``.",
+    ),
+    "power_of_two_scales": (
+        False,
+        "round each scale up to a power of two (UE8M0-style, for DeepGEMM), at least 2^-126; "
+        "implied by a ``float8_e8m0fnu`` scale_dtype.",
+    ),
+    "static_scale": (
+        None,
+        "a calibrated per-tensor scale (a float, or a float array of shape () or (1,), "
+        "possibly traced) used instead of dynamic scales; scales is it, rounded to scale_dtype, "
+        "with shape ``[..., 1]``. Not finite and positive: every y is NaN.",
+    ),
+}
+
+
+class NormKeywords(TypedDict, total=False):
+    """The types of NORM_KEYWORDS, for ``**keywords: Unpack[NormKeywords]`` signatures."""
+
+    eps: float
+    weight_offset: float
+    scale_ub: float | None
+    out_dtype: DTypeLike
+    scale_dtype: DTypeLike
+    group_size: int | None
+    power_of_two_scales: bool
+    static_scale: float | jax.Array | None
+
+
+assert tuple(NormKeywords.__annotations__) == tuple(NORM_KEYWORDS), "one table, one TypedDict"
+
+
+class AllReduceKeywords(NormKeywords, total=False):
+    """The keywords of allreduce_residual_rms_norm_fp8 beyond the norm's (its axis_name
+    aside)."""
+
+    reduce_dtype: DTypeLike | None
+
+
+@dataclasses.dataclass(frozen=True)
+class NormCall:
+    """One checked call: its static parameters and, if any, the calibrated scale as a
+    float32 ``(1,)`` array (the operand after gamma)."""
+
+    params: NormParams
+    static_scale_operand: jax.Array | None = None
+
+    def operands(self, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+        extra = () if self.static_scale_operand is None else (self.static_scale_operand,)
+        return (*arrays, *extra)

@@ -1,0 +1,222 @@
+"""The tests' helpers, imported by the test modules and the child scripts (``from helpers
+import ...``): the platforms and how to run on each, the comparisons with the reference
+(bits on cpu and simt, the accuracy rule on a GPU), data generators and subprocess
+reruns. pytest's hooks and fixtures are in conftest.py."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import subprocess
+import sys
+
+# The tests compile many small jitted functions, and LLVM's optimisation passes are most of
+# XLA's compile time on the CPU backend: level 0 makes the suite about a fifth faster. It
+# changes no result (no pass at any level may change IEEE float semantics). A level in
+# the caller's XLA_FLAGS wins, coming later.
+os.environ["XLA_FLAGS"] = (
+    "--xla_backend_optimization_level=0 " + os.environ.get("XLA_FLAGS", "")
+).strip()
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+try:
+    import jax_fp8norm
+    import jax_fp8norm.simt
+except ImportError as error:
+    raise pytest.UsageError(
+        f"jax_fp8norm is not importable with its compiled modules ({error}). Install it: "
+        "`python -m pip install .`."
+    ) from error
+
+from jax_fp8norm.testing import assert_matches_reference, assert_same_bits
+
+REQUIRE_GPU = os.environ.get("FP8NORM_REQUIRE_GPU", "") not in ("", "0")
+
+
+def gpu_devices():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+# The emulated CUDA kernels, once per kernel variant (auto chooses among these; its table is
+# tests/test_launch_plan.py's): "simt-block_shared", "simt-warp_rows", "simt-block_registers".
+SIMT_VARIANTS = ("block_shared", "warp_rows", "block_registers")
+SIMT_PLATFORMS = tuple(f"simt-{v}" for v in SIMT_VARIANTS)
+
+
+# The extended tier: the full cross products, the long rows and the subprocess-heavy
+# tests. `pytest` leaves them out (pyproject.toml's addopts); `pytest -m extended` runs
+# them, and CI runs both.
+EXTENDED = pytest.mark.extended
+# The tiers a test that reruns a module in a subprocess takes as a parameter: each tier's
+# item reruns that tier's tests of the module.
+TIERS = ["default", pytest.param("extended", marks=EXTENDED)]
+TIER_MARKS = {"default": "not extended", "extended": "extended"}
+
+
+def is_simt(platform: str) -> bool:
+    return platform.startswith("simt")
+
+
+def is_gpu(platform: str) -> bool:
+    """The one platform held to the spec's accuracy rule; cpu and simt give the
+    reference's bits."""
+    return platform == "gpu"
+
+
+@contextlib.contextmanager
+def kernels_of(platform: str):
+    """Makes the ops use the platform's kernels: for `simt-<variant>` the emulated CUDA
+    kernels, that variant; the other platforms need nothing."""
+    if not is_simt(platform):
+        yield
+        return
+    variant = platform.partition("-")[2] or "auto"
+    with jax_fp8norm.simt.kernels(), jax_fp8norm.use_cuda_kernel(variant):
+        yield
+
+
+def device_of(platform: str) -> jax.Device:
+    """The jax device a platform's kernels run on: the emulated ones on the CPU."""
+    return jax.devices("cpu" if is_simt(platform) else platform)[0]
+
+
+def run_on(platform: str, fn, *args, jit: bool = True, **kwargs):
+    """Runs ``fn(*args, **kwargs)`` on ``platform`` and returns its outputs as NumPy."""
+    device = device_of(platform)
+    placed = [jax.device_put(a, device) for a in args]
+    call = jax.jit(lambda *a: fn(*a, **kwargs)) if jit else (lambda *a: fn(*a, **kwargs))
+    with jax.default_device(device):
+        outs = call(*placed)
+    return tuple(np.asarray(o) for o in outs)
+
+
+def _key_of(value):
+    """A hashable stand-in for an argument: arrays by dtype, shape and bytes."""
+    if isinstance(value, (np.ndarray, jax.Array, np.generic)):
+        array = np.asarray(value)
+        return ("array", array.dtype.str, array.shape, hashlib.sha1(array.tobytes()).digest())
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, *map(_key_of, value))
+    if isinstance(value, dict):
+        return ("dict", *sorted((k, _key_of(v)) for k, v in value.items()))
+    return ("value", type(value).__name__, repr(value))
+
+
+# Reference outputs by function, arguments and keywords: every kernel test runs on four
+# platforms against the same reference outputs, which are computed once.
+_reference_outputs: dict = {}
+
+
+def reference_on_cpu(fn, *args, **kwargs):
+    key = (fn.__module__, fn.__qualname__, _key_of(args), _key_of(kwargs))
+    if key not in _reference_outputs:
+        cpu = jax.devices("cpu")[0]
+        placed = [jax.device_put(a, cpu) for a in args]
+        with jax.default_device(cpu):
+            outs = jax.jit(lambda *a: fn(*a, **kwargs))(*placed)
+        _reference_outputs[key] = tuple(np.asarray(o) for o in outs)
+    return tuple(o.copy() for o in _reference_outputs[key])
+
+
+def assert_kernel_matches(platform: str, got, want, **kwargs) -> None:
+    """The kernels' promise on ``platform``: the reference's bits on cpu and simt, the
+    spec's accuracy rule on a GPU (whose fast reciprocal square root may move a value
+    across a rounding tie)."""
+    if is_gpu(platform):
+        assert_matches_reference(got, want, power_of_two=kwargs.get("power_of_two_scales") or None)
+    else:
+        assert_same_bits(got, want)
+
+
+def check_against_reference(platform: str, op: str, *args, jit: bool = True, **kwargs):
+    """Runs ``jax_fp8norm.<op>`` on ``platform`` and its twin ``jax_fp8norm.reference.<op>``
+    on the CPU, asserts what the platform promises (assert_kernel_matches) and returns
+    ``(outputs, reference)``."""
+    out = run_on(platform, getattr(jax_fp8norm, op), *args, jit=jit, **kwargs)
+    ref = reference_on_cpu(getattr(jax_fp8norm.reference, op), *args, **kwargs)
+    assert_kernel_matches(platform, out, ref, **kwargs)
+    return out, ref
+
+
+COLLECTIVES = ("all-gather", "all-to-all", "reduce-scatter", "all-reduce", "collective-permute")
+
+
+def collectives_in(hlo: str) -> list[str]:
+    """The cross-device collectives a compiled module's HLO text contains."""
+    return [c for c in COLLECTIVES if re.search(rf"\b{c}(?:-start)?\(", hlo)]
+
+
+def random_rows(seed: int, shape, dtype, *, spread: float = 2.0) -> np.ndarray:
+    """Normal values with a per-row magnitude spread over 10^[-spread, spread]."""
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal(shape)
+    if len(shape) >= 1 and shape[-1] > 0:
+        magnitude = 10.0 ** rng.uniform(-spread, spread, size=shape[:-1] + (1,))
+        values = values * magnitude
+    return values.astype(jnp.dtype(dtype))
+
+
+def random_gamma(seed: int, n: int, dtype) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.uniform(-2.0, 2.0, size=(n,)).astype(jnp.dtype(dtype))
+
+
+def outputs_of_script(script: str, path, **env: str) -> dict[str, np.ndarray]:
+    """Runs ``python -c script path`` with ``env`` added to the environment (an empty value
+    removes the variable) and returns the arrays the script saved to ``path`` with
+    ``np.savez``. It runs from tests/, with helpers importable."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    full_env = dict(os.environ, PYTHONPATH=tests_dir)
+    for name, value in env.items():
+        if value:
+            full_env[name] = value
+        else:
+            full_env.pop(name, None)
+    subprocess.run(
+        [sys.executable, "-c", script, str(path)],
+        env=full_env,
+        cwd=tests_dir,
+        check=True,
+        timeout=600,
+    )
+    with np.load(path) as data:
+        return {k: data[k] for k in data.files}
+
+
+def rerun_with_virtual_cpu_devices(
+    test_file: str, num_devices: int, tier: str = "default", *pytest_args: str
+) -> None:
+    """Runs the tests of ``tier`` (TIERS) of the module ``test_file`` again (with
+    ``pytest_args``) in a subprocess whose jax has ``num_devices`` virtual CPU devices
+    (they must be requested before jax starts), and fails with its output unless every
+    test there passed. A tier with no test there skips."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={num_devices}".strip(),
+    )
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    result = subprocess.run(
+        [*command, "-m", TIER_MARKS[tier], test_file, *pytest_args],
+        cwd=os.path.dirname(os.path.abspath(test_file)),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    summary = result.stdout[-6000:] + result.stderr[-3000:]
+    if result.returncode == 5:
+        pytest.skip(f"no test of the {tier} tier in {os.path.basename(test_file)}")
+    assert result.returncode == 0, summary
+    assert re.search(r"\d+ passed", result.stdout), summary
+    assert "failed" not in result.stdout.splitlines()[-1], summary
