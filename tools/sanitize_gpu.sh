@@ -3,7 +3,7 @@
 # each on the odd shapes of tools/sanitize_cases.py. Only this project's kernels are
 # instrumented (kns=fp8norm, the namespace in their mangled names), not XLA's own.
 # Passes when every tool reports zero errors and every result matches the reference.
-# Run from the repository root after installing the package. Not yet run on a GPU.
+# Run from the repository root after installing the package.
 # Usage: OUT=/some/dir bash tools/sanitize_gpu.sh [tool ...]   (default: all four)
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -71,8 +71,8 @@ ParallelFor PoolParallelFor(ffi::ThreadPool& pool) {
     queue->task = task;
     queue->num_tasks = num_tasks;
     // The caller works too: one helper fewer than the pool's threads keeps one thread
-    // per core (XLA sizes its pool to the cores) instead of oversubscribing them, which
-    // measured 10-20% slower on two cores.
+    // per core (XLA sizes its pool to the cores) instead of oversubscribing them
+    // (docs/performance.md, "Figures behind choices in the source").
     int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, num_tasks - 1);
     if (const int64_t cap = MaxThreadsPerCall(); cap > 0) helpers = std::min(helpers, cap - 1);
     // A helper that cannot be scheduled (its closure not allocated) leaves its share to

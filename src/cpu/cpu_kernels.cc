@@ -119,8 +119,8 @@ constexpr size_t kHugePageAdviceBytes = size_t{4} << 20;
 // Asks the kernel to back the whole 2 MiB pages inside [p, p + bytes) with transparent
 // huge pages (Linux; where THP is "madvise", the common default). A large output of XLA's
 // is often freshly mapped memory (glibc maps large allocations and unmaps them when
-// freed), and writing it page by page costs one fault per 4 KiB: about 9 ms per 16 MiB on
-// the development VM against 1.6 ms with huge pages, more than the kernel's own work.
+// freed), and writing it page by page costs one fault per 4 KiB, which can cost more than
+// the kernel's own work (docs/performance.md, "Figures behind choices in the source").
 // Only whole 2 MiB pages inside the output are advised, so no memory outside it is
 // affected; pages already present stay until the kernel's khugepaged may merge them.
 // Advice only: a refusal changes nothing. FP8NORM_CPU_HUGE_PAGES=0 turns it off.

@@ -1,5 +1,5 @@
 // Launch functions of the CUDA kernels: plain C++ over the CUDA runtime API, called by
-// the FFI handlers (host compiler) and defined in cuda_kernels.cu (nvcc).
+// the FFI handlers (host compiler) and defined in device_setup.cc and round.cu.
 #pragma once
 
 #include <cuda_runtime_api.h>

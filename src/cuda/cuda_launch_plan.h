@@ -2,7 +2,7 @@
 // decision the host makes (16-byte vectors or scalars, threads per block, blocks, the row
 // cached in shared memory or re-read, dynamic shared bytes, the attribute opt-in), as one
 // function of the call's arguments and the device's limits. The real launch
-// (cuda_kernels.cu) calls it with the device's limits; tests call it with injected ones
+// (device_setup.cc) calls it with the device's limits; tests call it with injected ones
 // (48 KiB or 100 KiB of shared memory, a grid cap of 3 blocks) to reach every path at
 // small sizes. Plain C++: no CUDA types.
 #pragma once
@@ -33,9 +33,9 @@ constexpr int VectorWidth(size_t element_bytes) {
   return kVectorBytes / static_cast<int>(element_bytes);
 }
 
-// The kernels of rms_norm_fp8 / add_rms_norm_fp8 (cuda_kernels.cu), each complete on its
-// own; FP8NORM_CUDA_KERNEL or jax_fp8norm.use_cuda_kernel picks one, `auto` by the table in
-// PlanRmsNormFp8Launch.
+// The kernels of rms_norm_fp8 / add_rms_norm_fp8 (block_shared.cu, register_rows.cu),
+// each complete on its own; FP8NORM_CUDA_KERNEL or jax_fp8norm.use_cuda_kernel picks one,
+// `auto` by the table in PlanRmsNormFp8Launch.
 enum class KernelVariant : int {
   kAuto = 0,
   // One block per row; the row's float32 values cached in dynamic shared memory when they
@@ -54,7 +54,8 @@ constexpr const char* kKernelVariantNames[kNumKernelVariants] = {"auto", "block_
 
 // The register variants: threads of a warp_rows block, and the most threads of a
 // block_registers block. A thread holds a vector as 2 x 8 floats for 16-bit inputs (h
-// and gamma): 4 vectors take about 100 registers (ptxas, sm_90a), 8 would spill. So
+// and gamma): 4 vectors fit in a thread's registers, 8 would spill (docs/performance.md,
+// "Figures behind choices in the source"). So
 // warp_rows holds up to 256 x 4 vectors (8192 bf16) and block_registers 512 x 4 (16384
 // bf16, 8192 float32); longer rows go to block_shared.
 constexpr int kWarpRowsBlockThreads = 256;
@@ -63,7 +64,7 @@ constexpr int kBlockRegistersMaxThreads = 512;
 constexpr int kWarpRowsMaxVectors = 4;
 constexpr int kBlockRegistersMaxVectors = 4;
 // auto: below this many rows per multiprocessor a row gets a block of its own, so that
-// short batches still spread over every SM (provisional until measured on a GPU).
+// short batches still spread over every SM (docs/performance.md says how it is chosen).
 constexpr int64_t kWarpRowsMinRowsPerSm = 4;
 
 struct DeviceLimits {

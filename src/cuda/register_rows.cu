@@ -161,9 +161,10 @@ __global__ void __launch_bounds__(kWarpRowsBlockThreads, 2)
   }
 }
 
-// Registers per thread: at most 64 with 2 vectors (ptxas needs about 56 for bf16 without
-// spilling), so that blocks of up to 256 threads (rows up to 4096 bf16) run 4 to an SM
-// and 512-thread ones 2; at most 128 with 4 vectors (about 100 needed).
+// Registers per thread: at most 64 with 2 vectors, which bf16 rows need without spilling
+// (docs/performance.md, "Figures behind choices in the source"), so that blocks of up to
+// 256 threads (rows up to 4096 bf16) run 4 to an SM and 512-thread ones 2; at most 128
+// with 4 vectors.
 constexpr int BlockRegistersMinBlocks(int vectors) { return vectors <= 2 ? 2 : 1; }
 
 // block_registers. grid: any number of blocks (rows are strided over them); block: up to

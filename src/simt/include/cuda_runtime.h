@@ -1,5 +1,5 @@
 // The SIMT emulation's stand-in for <cuda_runtime.h>: what the CUDA kernels of
-// jax_fp8norm use, for the host C++ compiler, so that src/cuda/cuda_kernels.cu compiles
+// jax_fp8norm use, for the host C++ compiler, so that src/cuda's kernel files compile
 // unchanged and its kernels run on the CPU (docs/simt.md).
 //
 // Only this directory is on the include path of the emulated build; nvcc builds never
