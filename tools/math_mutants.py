@@ -80,6 +80,11 @@ MUTANTS = [
         "    exponent += 0u;",
     ),
     Mutant(
+        "normalise: h * (r * gamma) instead of the spec's (h * r) * gamma",
+        "  return (h * r) * gamma_plus_offset;",
+        "  return h * (r * gamma_plus_offset);",
+    ),
+    Mutant(
         "inverse rms: eps added before the mean",
         "  const float denom = sum_sq / float(hidden) + eps;",
         "  const float denom = (sum_sq + eps) / float(hidden);",
@@ -106,6 +111,7 @@ class CpuModule:
         (self.tree / "jax_fp8norm").mkdir(parents=True)
         shutil.copytree(ROOT / "src", self.tree / "src")
         shutil.copy2(ROOT / "CMakeLists.txt", self.tree)
+        shutil.copytree(ROOT / "cmake", self.tree / "cmake")
         shutil.copy2(ROOT / "jax_fp8norm" / "_version.py", self.tree / "jax_fp8norm")
         subprocess.run(
             ["cmake", "-S", str(self.tree), "-B", str(self.build), "-DFP8NORM_CUDA=OFF",
