@@ -1,4 +1,81 @@
-// The CUDA FFI handlers, compiled by the host compiler against the SIMT emulation's
-// runtime (FP8NORM_SIMT is defined for this target): the same decoding, driver check,
-// device guard and launch calls, on XLA's CPU backend.
+// The emulated CUDA FFI handlers: the CUDA handlers (cuda_handlers.cc, compiled here by
+// the host compiler against the SIMT emulation's runtime, FP8NORM_SIMT defined: the same
+// decoding, driver check, device guard and launch calls), each run with the call's
+// buffers registered as the launch's global memory, on XLA's CPU backend.
+#include "simt_handlers.h"
+
+#include <atomic>
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
+
 #include "cuda_handlers.cc"
+#include "simt.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace fp8norm {
+namespace {
+
+std::atomic<bool> capture_calls{false};
+std::atomic<uint64_t> stale_errors{0};
+
+// Runs `handler` with every buffer of the call frame registered as the launch's global
+// memory, under the names of the op's arguments and results: an access outside them
+// fails the launch, and the accounting reports per buffer.
+//
+// Also, as tests ask: the call runs as if inside CUDA graph capture (set_capture), and a
+// runtime error the handler leaves set for a later call is counted (stale_errors).
+
+XLA_FFI_Error* CountingStaleErrors(XLA_FFI_CallFrame* frame, XLA_FFI_Handler* handler) {
+  XLA_FFI_Error* error = handler(frame);
+  if (cudaPeekAtLastError() != cudaSuccess) {
+    stale_errors += 1;
+    cudaGetLastError();
+  }
+  return error;
+}
+
+XLA_FFI_Error* WithBuffers(XLA_FFI_CallFrame* frame, XLA_FFI_Handler* handler,
+                           std::initializer_list<const char*> arg_names,
+                           std::initializer_list<const char*> ret_names) {
+  std::optional<simt::ScopedCapture> capture;
+  if (capture_calls.load()) capture.emplace();
+  simt::ScopedBuffers buffers;
+  const auto add = [&](std::initializer_list<const char*> names, int64_t count, const auto* types,
+                       void* const* buffers_of) {
+    auto name = names.begin();
+    for (int64_t i = 0; i < count; ++i, ++name) {
+      if (name == names.end()) return;
+      if (static_cast<int>(types[i]) != XLA_FFI_ArgType_BUFFER) continue;
+      const auto* buffer = static_cast<const XLA_FFI_Buffer*>(buffers_of[i]);
+      size_t bytes = xla::ffi::ByteWidth(static_cast<xla::ffi::DataType>(buffer->dtype));
+      for (int64_t d = 0; d < buffer->rank; ++d) bytes *= static_cast<size_t>(buffer->dims[d]);
+      buffers.Add(*name, buffer->data, bytes);
+    }
+  };
+  add(arg_names, frame->args.size, frame->args.types, frame->args.args);
+  add(ret_names, frame->rets.size, frame->rets.types, frame->rets.rets);
+  return CountingStaleErrors(frame, handler);
+}
+
+}  // namespace
+
+XLA_FFI_Error* SimtPrepareHandler(XLA_FFI_CallFrame* frame) {
+  return CountingStaleErrors(frame, fp8norm::PrepareCudaHandler);
+}
+XLA_FFI_Error* SimtRmsNormFp8Handler(XLA_FFI_CallFrame* frame) {
+  return WithBuffers(frame, fp8norm::RmsNormFp8CudaHandler, {"x", "gamma", "static_scale"},
+                     {"y", "scales"});
+}
+XLA_FFI_Error* SimtAddRmsNormFp8Handler(XLA_FFI_CallFrame* frame) {
+  return WithBuffers(frame, fp8norm::AddRmsNormFp8CudaHandler,
+                     {"x", "residual", "gamma", "static_scale"}, {"y", "scales", "residual_out"});
+}
+XLA_FFI_Error* SimtRoundHandler(XLA_FFI_CallFrame* frame) {
+  return WithBuffers(frame, fp8norm::RoundCudaHandler, {"in"}, {"out"});
+}
+
+void SetCaptureCalls(bool on) { capture_calls = on; }
+uint64_t StaleErrors() { return stale_errors.load(); }
+
+}  // namespace fp8norm

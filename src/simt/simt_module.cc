@@ -5,9 +5,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
-#include <atomic>
 #include <cstdint>
-#include <optional>
 
 #include "cuda_host_bindings.h"
 #include "cuda_kernels.h"
@@ -15,78 +13,19 @@
 #include "handlers.h"
 #include "kernel_variant_bindings.h"
 #include "simt.h"
-#include "xla/ffi/api/ffi.h"
-
-namespace {
-
-// Runs `handler` with every buffer of the call frame registered as the launch's global
-// memory, under the names of the op's arguments and results: an access outside them
-// fails the launch, and the accounting reports per buffer.
-//
-// Also, as tests ask: the call runs as if inside CUDA graph capture (set_capture), and a
-// runtime error the handler leaves set for a later call is counted (stale_errors).
-std::atomic<bool> capture_calls{false};
-std::atomic<uint64_t> stale_errors{0};
-
-XLA_FFI_Error* CountingStaleErrors(XLA_FFI_CallFrame* frame, XLA_FFI_Handler* handler) {
-  XLA_FFI_Error* error = handler(frame);
-  if (cudaPeekAtLastError() != cudaSuccess) {
-    stale_errors += 1;
-    cudaGetLastError();
-  }
-  return error;
-}
-
-XLA_FFI_Error* WithBuffers(XLA_FFI_CallFrame* frame, XLA_FFI_Handler* handler,
-                           std::initializer_list<const char*> arg_names,
-                           std::initializer_list<const char*> ret_names) {
-  std::optional<simt::ScopedCapture> capture;
-  if (capture_calls.load()) capture.emplace();
-  simt::ScopedBuffers buffers;
-  const auto add = [&](std::initializer_list<const char*> names, int64_t count, const auto* types,
-                       void* const* buffers_of) {
-    auto name = names.begin();
-    for (int64_t i = 0; i < count; ++i, ++name) {
-      if (name == names.end()) return;
-      if (static_cast<int>(types[i]) != XLA_FFI_ArgType_BUFFER) continue;
-      const auto* buffer = static_cast<const XLA_FFI_Buffer*>(buffers_of[i]);
-      size_t bytes = xla::ffi::ByteWidth(static_cast<xla::ffi::DataType>(buffer->dtype));
-      for (int64_t d = 0; d < buffer->rank; ++d) bytes *= static_cast<size_t>(buffer->dims[d]);
-      buffers.Add(*name, buffer->data, bytes);
-    }
-  };
-  add(arg_names, frame->args.size, frame->args.types, frame->args.args);
-  add(ret_names, frame->rets.size, frame->rets.types, frame->rets.rets);
-  return CountingStaleErrors(frame, handler);
-}
-
-XLA_FFI_Error* Prepare(XLA_FFI_CallFrame* frame) {
-  return CountingStaleErrors(frame, fp8norm::PrepareCudaHandler);
-}
-XLA_FFI_Error* RmsNormFp8(XLA_FFI_CallFrame* frame) {
-  return WithBuffers(frame, fp8norm::RmsNormFp8CudaHandler, {"x", "gamma", "static_scale"},
-                     {"y", "scales"});
-}
-XLA_FFI_Error* AddRmsNormFp8(XLA_FFI_CallFrame* frame) {
-  return WithBuffers(frame, fp8norm::AddRmsNormFp8CudaHandler,
-                     {"x", "residual", "gamma", "static_scale"}, {"y", "scales", "residual_out"});
-}
-XLA_FFI_Error* Round(XLA_FFI_CallFrame* frame) {
-  return WithBuffers(frame, fp8norm::RoundCudaHandler, {"in"}, {"out"});
-}
-
-}  // namespace
+#include "simt_handlers.h"
 
 NB_MODULE(_fp8norm_simt, m) {
   m.attr("version") = FP8NORM_VERSION;
   m.def("registrations", []() {
-    return fp8norm::Registrations({RmsNormFp8, AddRmsNormFp8, Round},
-                                  {fp8norm::kPrepareStage, Prepare});
+    return fp8norm::Registrations({fp8norm::SimtRmsNormFp8Handler,
+                                   fp8norm::SimtAddRmsNormFp8Handler, fp8norm::SimtRoundHandler},
+                                  {fp8norm::kPrepareStage, fp8norm::SimtPrepareHandler});
   });
   fp8norm::AddKernelVariantControls(m);
   fp8norm::AddCudaHostLogic(m);
-  m.def("set_capture", [](bool on) { capture_calls = on; }, nanobind::arg("on"));
-  m.def("stale_errors", []() { return stale_errors.load(); });
+  m.def("set_capture", &fp8norm::SetCaptureCalls, nanobind::arg("on"));
+  m.def("stale_errors", &fp8norm::StaleErrors);
   m.def(
       "inject_error",
       [](const std::string& function, int error, int count) {
