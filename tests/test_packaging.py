@@ -130,3 +130,19 @@ def test_test_requirements_are_the_test_extra():
     with open(os.path.join(REPO_ROOT, "tests", "requirements.txt")) as f:
         listed = [line.strip() for line in f if line.strip() and not line.startswith("#")]
     assert sorted(listed) == sorted(extra)
+
+
+def test_installed_package_is_typed_and_registers_every_op():
+    """py.typed ships (PEP 561: type checkers read the keyword signatures), and every
+    compiled module registers exactly the ops the FFI layer names targets for."""
+    import importlib.util
+
+    from jax_fp8norm import _ffi
+
+    spec = importlib.util.find_spec("jax_fp8norm")
+    installed = [p for p in spec.submodule_search_locations if "site-packages" in p]
+    for location in installed or spec.submodule_search_locations:
+        assert os.path.exists(os.path.join(location, "py.typed")), location
+    modules = [m for m in (_ffi._fp8norm_cpu, _ffi._fp8norm_cuda, _ffi.simt_module) if m]
+    for module in modules:
+        assert sorted(module.registrations()) == sorted(_ffi.OPS), module.__file__
