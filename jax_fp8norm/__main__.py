@@ -22,9 +22,9 @@ import numpy as np
 
 import jax_fp8norm as fp8norm
 from jax_fp8norm import _ffi, testing
+from jax_fp8norm._dtypes import DTYPE_BY_NAME
 
 DEFAULT_SHAPES = ((16, 4096), (512, 4096), (256, 8192), (64, 7168))
-DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
 
 def _median_seconds(fn, args, iters: int) -> float:
@@ -99,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m jax_fp8norm", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="x dtype")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPE_BY_NAME), default="bfloat16", help="x dtype"
+    )
     parser.add_argument(
         "--shape",
         action="append",
@@ -146,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         f"x {args.dtype}, gamma float32, y float8_e4m3fn, scales float32 per row or per 1x128 "
         "group, or e8m0 per 1x32 group (MXFP8); reference: jnp twin"
     )
-    ok = all(_run_shape(rows, hidden, DTYPES[args.dtype], args.iters) for rows, hidden in shapes)
+    ok = all(
+        _run_shape(rows, hidden, DTYPE_BY_NAME[args.dtype], args.iters) for rows, hidden in shapes
+    )
     print("all checks passed" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1
 

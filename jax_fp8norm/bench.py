@@ -45,6 +45,7 @@ import numpy as np
 
 import jax_fp8norm as fp8norm
 from jax_fp8norm import _ffi, reference, testing
+from jax_fp8norm._dtypes import DTYPE_BY_NAME
 
 # The ops with other scale layouts: name -> (the op, its keywords). Only the kernel and the
 # reference twin implement them; the other implementations are skipped for these.
@@ -58,7 +59,6 @@ SCALED_OPS = {
 }
 OPS = ("rms_norm_fp8", "add_rms_norm_fp8", *SCALED_OPS)
 IMPLS = ("fp8norm", "xla_reference", "xla_formula", "torch_compile", "copy", "numpy_copy")
-DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
 # The grid of the performance issue: the GPU preset. The CPU preset is the part of it a
 # development machine runs in minutes; "smoke" is for the tests of this module.
@@ -313,7 +313,7 @@ def bench_shape(
     variants: Sequence[str] = (),
 ) -> list[Result]:
     device = jax.devices()[0]
-    dtype = DTYPES[dtype_name]
+    dtype = DTYPE_BY_NAME[dtype_name]
     nbytes = op_bytes(op, rows, hidden, dtype)
     first = _inputs(op, rows, hidden, dtype, 0, 1, device)
     probe = jax.jit(JAX_IMPLS["fp8norm"][op])
@@ -569,8 +569,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if name not in IMPLS:
             parser.error(f"--impls: unknown implementation {name!r}; choose from {IMPLS}")
     for name in args.dtypes or ():
-        if name not in DTYPES:
-            parser.error(f"--dtypes: unknown dtype {name!r}; choose from {tuple(DTYPES)}")
+        if name not in DTYPE_BY_NAME:
+            parser.error(f"--dtypes: unknown dtype {name!r}; choose from {tuple(DTYPE_BY_NAME)}")
     variants = args.variants
     if variants:
         known = fp8norm.cuda_kernel_variants()
