@@ -1,0 +1,12 @@
+"""The benchmark harness and the performance reports (docs/performance.md).
+
+- ``python -m jax_fp8norm.bench``: device time of the fused kernels beside the other ways
+  of computing the same thing (:mod:`.cli`), built from
+  :mod:`.ops` (the ops, their bytes and inputs), :mod:`.presets` (the shape grids),
+  :mod:`.registry` and :mod:`.implementations` (what is timed), :mod:`.timing` (how),
+  :mod:`.runner` (one shape, one run), :mod:`.report` (table, summary, JSON) and
+  :mod:`.figure` (the PNG; ``python -m jax_fp8norm.bench.figure`` draws it from a JSON).
+
+The modules are imported one by one (``from jax_fp8norm.bench import runner``): importing
+this package runs nothing and loads neither jax's backends nor matplotlib.
+"""
