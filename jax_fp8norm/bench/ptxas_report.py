@@ -1,8 +1,11 @@
 """Registers, spills and static shared memory of every CUDA kernel, as ptxas reports them
 for one architecture (default sm_90a): the figures docs/performance.md records per kernel
-variant. Needs nvcc, no GPU.
+variant. Needs nvcc and the CUDA sources (a checkout's src/), no GPU.
 
-    python tools/ptxas_report.py [--arch sm_90a] [--nvcc PATH]
+    python -m jax_fp8norm.bench.ptxas_report [--arch sm_90a] [--nvcc PATH] [--source DIR]
+
+``--source`` defaults to the checkout this module sits in; an installed package has no
+sources, so point it at a checkout there. Exits 1 when a kernel spills.
 """
 
 from __future__ import annotations
@@ -13,12 +16,18 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+# jax_fp8norm/bench/ptxas_report.py in a checkout: the checkout's root.
+DEFAULT_SOURCE = Path(__file__).resolve().parents[2]
+KERNELS = Path("src/cuda/cuda_kernels.cu")
 
 
-def report(arch: str, nvcc: str) -> list[dict]:
+def report(arch: str, nvcc: str, source: Path = DEFAULT_SOURCE) -> list[dict]:
+    """One row per kernel of ``source``'s cuda_kernels.cu: its demangled name, registers,
+    static shared memory, stack frame and spills, compiled for ``arch``."""
+    root = Path(source)
     with tempfile.TemporaryDirectory() as tmp:
         done = subprocess.run(
             [
@@ -31,11 +40,11 @@ def report(arch: str, nvcc: str) -> list[dict]:
                 "-cubin",
                 "-Xptxas",
                 "-v",
-                f"-I{ROOT / 'src/common'}",
-                f"-I{ROOT / 'src/cuda'}",
+                f"-I{root / 'src/common'}",
+                f"-I{root / 'src/cuda'}",
                 "-o",
                 str(Path(tmp) / "kernels.cubin"),
-                str(ROOT / "src/cuda/cuda_kernels.cu"),
+                str(root / KERNELS),
             ],
             capture_output=True,
             text=True,
@@ -79,12 +88,33 @@ def report(arch: str, nvcc: str) -> list[dict]:
     return rows
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m jax_fp8norm.bench.ptxas_report", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--arch", default="sm_90a")
-    parser.add_argument("--nvcc", default=shutil.which("nvcc") or "nvcc")
-    args = parser.parse_args()
-    rows = report(args.arch, args.nvcc)
+    parser.add_argument("--nvcc", default="nvcc", help="the CUDA compiler (default: on PATH)")
+    parser.add_argument(
+        "--source",
+        type=Path,
+        default=DEFAULT_SOURCE,
+        help="a jax_fp8norm checkout, the root holding src/ (default: the one this module is in)",
+    )
+    args = parser.parse_args(argv)
+    if not (args.source / KERNELS).is_file():
+        parser.error(
+            f"--source: no {KERNELS} under {args.source}; pass the root of a jax_fp8norm "
+            "checkout (an installed package carries no CUDA sources)"
+        )
+    nvcc = shutil.which(args.nvcc)
+    if nvcc is None:
+        parser.error(
+            f"--nvcc: {args.nvcc!r} is not an executable on PATH; install the CUDA toolkit "
+            "or pass --nvcc /path/to/nvcc"
+        )
+    if shutil.which("c++filt") is None:
+        parser.error("c++filt (binutils) is not on PATH: it names the kernels")
+    rows = report(args.arch, nvcc, args.source)
     print(
         f"| kernel ({args.arch}) | registers | spill stores / loads (bytes) "
         "| static shared (bytes) |"
