@@ -6,6 +6,7 @@ help say, and a small run writes its table, JSON and plot. No timing is asserted
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import jax
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from jax_fp8norm import reference, simt
-from jax_fp8norm.bench import cli, implementations, ops, presets, report, runner, timing
+from jax_fp8norm.bench import cli, figure, implementations, ops, presets, report, runner, timing
 from jax_fp8norm.bench.implementations import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,6 +190,81 @@ def test_result_files_read_back(tmp_path):
         info, read = report.read_json(str(old))
         assert info["backend"] == "cpu" and len(read) == len(json.loads(old.read_text())["results"])
         assert all(r.seconds > 0 and r.gbps > 0 for r in read)
+
+
+def _cpu_like_results() -> list[report.Result]:
+    """A CPU run's kind of results: a per-row op and a scale layout (no formula for it), a
+    bf16 grid and one float32 spot shape, the kernel, XLA's formula and NumPy's copy."""
+    results = []
+    shapes = [("bfloat16", 1, 4096), ("bfloat16", 16, 4096), ("bfloat16", 1, 8192)]
+    shapes.append(("float32", 4096, 4096))
+    for op in ("rms_norm_fp8", "rms_norm_fp8/group128"):
+        for dtype, rows, hidden in shapes:
+            nbytes = ops.op_bytes(op, rows, hidden, dtype)
+            times = {"numpy_copy": 1e-6, "fp8norm": 4e-6, "xla_formula": 12e-6}
+            for impl, seconds in times.items():
+                if impl == "xla_formula" and op in ops.SCALED_OPS:
+                    continue
+                checked = impl == "fp8norm"
+                calls = 1 if impl == "numpy_copy" else 8
+                results.append(
+                    report.Result(op, impl, dtype, rows, hidden, nbytes, seconds * rows, calls,
+                                  calls, checked)
+                )  # fmt: skip
+    return results
+
+
+def test_figure_layout():
+    plan = figure.layout(_cpu_like_results())
+    assert [m.key for m in plan.measures] == ["speed_up", "share"]
+    # bfloat16 by hidden size, then rows; then the spot check's dtype.
+    assert plan.shapes == [
+        ("bfloat16", 1, 4096),
+        ("bfloat16", 16, 4096),
+        ("bfloat16", 1, 8192),
+        ("float32", 4096, 4096),
+    ]
+    speed_up = plan.panel("rms_norm_fp8", "speed_up")
+    assert list(speed_up.series) == ["fp8norm"]  # the formula is the line at 1x
+    assert [v for _, v in speed_up.series["fp8norm"]] == pytest.approx([3.0] * 4)
+    share = plan.panel("rms_norm_fp8", "share")
+    assert list(share.series) == ["fp8norm", "xla_formula"]  # NumPy's copy is the 100% line
+    assert [v for _, v in share.series["fp8norm"]] == pytest.approx([25.0] * 4)
+    empty = plan.panel("rms_norm_fp8/group128", "speed_up")
+    assert not empty.series and "per-row" in empty.note
+    assert plan.panel("rms_norm_fp8/group128", "share").series
+    for panel in plan.panels:
+        assert not panel.series or sum(len(p) for p in panel.series.values()) > 1
+    assert plan.implementations == ["fp8norm", "xla_formula", "numpy_copy"]
+
+
+def test_figure_falls_back_to_bandwidth_and_the_copy_it_has():
+    results = [r for r in _cpu_like_results() if r.impl == "fp8norm"]
+    assert [m.key for m in figure.layout(results).measures] == ["gbps"]
+    gpu_like = [
+        report.Result(r.op, "copy", r.dtype, r.rows, r.hidden, r.bytes, r.seconds, 8, 8, False)
+        for r in results
+    ]
+    plan = figure.layout(results + gpu_like)
+    assert [(m.key, m.reference) for m in plan.measures] == [("share", "copy")]
+
+
+def test_figure_without_matplotlib_says_so(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert figure.draw(_cpu_like_results(), str(tmp_path / "f.png")) is False
+    assert not (tmp_path / "f.png").exists()
+
+
+def test_figure_is_drawn_from_a_json(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "run.json"
+    report.write_json(str(path), {"backend": "cpu", "device": "cpu"}, _cpu_like_results())
+    assert figure.main([str(path)]) == 0  # beside the JSON, by default
+    png = (tmp_path / "run.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    assert 0.5 < width / height < 3, (width, height)
+    assert "wrote" in capsys.readouterr().out
 
 
 @pytest.mark.extended
