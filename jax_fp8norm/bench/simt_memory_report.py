@@ -2,7 +2,7 @@
 measured by the SIMT emulation's accounting (docs/simt.md); prints the Markdown table of
 docs/performance.md.
 
-    python tools/simt_memory_report.py [--rows 4] [--variants block_shared,warp_rows]
+    python -m jax_fp8norm.bench.simt_memory_report [--rows 4] [--variants block_shared,warp_rows]
 
 Each shape runs `--rows` rows on the emulated kernels (every row of a shape takes the same
 path, so the per-row figures hold for any row count) and is checked against the reference.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,16 +20,23 @@ import numpy as np
 
 import jax_fp8norm as fp8norm
 from jax_fp8norm import simt
+from jax_fp8norm._dtypes import DTYPE_BY_NAME
+from jax_fp8norm.bench.presets import PRESETS
 from jax_fp8norm.testing import assert_matches_reference
 
-# The GPU preset of jax_fp8norm.bench: bfloat16 at every hidden size, float16 and float32 at
-# its spot shapes' hidden sizes.
-SHAPES = [(jnp.bfloat16, h) for h in (2048, 4096, 7168, 8192, 16384)] + [
-    (dtype, h) for dtype in (jnp.float16, jnp.float32) for h in (4096, 8192)
+# The benchmark's GPU preset: its dtype at every hidden size, the spot-check dtypes at the
+# spot shapes' hidden sizes.
+_GPU = PRESETS["gpu"]
+SHAPES = [(DTYPE_BY_NAME[d], h) for d in _GPU["dtypes"] for h in _GPU["hidden"]] + [
+    (DTYPE_BY_NAME[d], h)
+    for d in _GPU["spot_dtypes"]
+    for h in sorted({h for _, h in _GPU["spot_shapes"]})
 ]
 
 
 def measure(op: str, dtype, hidden: int, rows: int, variant: str) -> dict:
+    """The traffic of one emulated launch of a variant, per row, checked against the
+    reference."""
     rng = np.random.default_rng(hidden)
     x = rng.standard_normal((rows, hidden)).astype(jnp.dtype(dtype))
     gamma = rng.uniform(-2, 2, hidden).astype(np.float32)
@@ -71,8 +79,11 @@ def measure(op: str, dtype, hidden: int, rows: int, variant: str) -> dict:
     }
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m jax_fp8norm.bench.simt_memory_report",
+        description=__doc__.split("\n\n")[0],
+    )
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument(
         "--variants",

@@ -6,8 +6,8 @@ scale layouts of rms_norm_fp8 on one shape with their calls interleaved: each ro
 every layout once; the report gives each layout's minimum and median wall time per call
 (the jitted function, dispatch included) and its ratio to the per-row op's.
 
-    python benchmarks/block_scaling.py [--rows 4096] [--hidden 4096] [--rounds 40]
-    FP8NORM_CPU_THREADS=1 python benchmarks/block_scaling.py   # one CPU thread
+    python -m jax_fp8norm.bench.block_scaling [--rows 4096] [--hidden 4096] [--rounds 40]
+    FP8NORM_CPU_THREADS=1 python -m jax_fp8norm.bench.block_scaling   # one CPU thread
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import argparse
 import functools
 import statistics
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +33,10 @@ LAYOUTS = {
 }
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m jax_fp8norm.bench.block_scaling", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=40)
