@@ -68,7 +68,7 @@ if [ "$MODE" = check ]; then
     --json "$OUT/bench.json" --png "$OUT/bench.png"
 elif [ "$MODE" = deep ]; then
   step "compute-sanitizer, every variant" "${SANITIZE_SECONDS:-360}" sanitize.log \
-    env OUT="$OUT" bash tools/sanitize_gpu.sh
+    env OUT="$OUT" bash tools/gpu/sanitize_gpu.sh
   if command -v ncu > /dev/null; then
     step "Nsight Compute: each variant at 16 and 4096 rows x 4096 bf16" \
       "${NCU_SECONDS:-180}" ncu.log ncu --set full -k "regex:Kernel" -c 12 -o "$OUT/ncu" \

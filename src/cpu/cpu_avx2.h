@@ -2,7 +2,7 @@
 // stores, exact square and FP8 rounding, for the AVX2 row loops of cpu_rows.inc. Each one
 // is the scalar definition of fp8norm_math.h applied lane by lane, with the same IEEE
 // operations in the same order, so they give the same bits; tests/cpu/rounding_check.cc
-// (tools/cpu_check.sh) holds them to the scalar ones.
+// (tools/checks/cpu_check.sh) holds them to the scalar ones.
 //
 // x86-64 only. With GCC these functions are compiled for AVX2 + FMA + F16C whatever the
 // build's flags (the pragma below), so that a baseline build can hold an AVX2 variant

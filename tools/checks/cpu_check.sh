@@ -5,7 +5,7 @@
 # .ci/run; needs cmake and a C++ compiler, and says so and passes on a CPU without AVX2.
 # BUILD sets the build directory.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 build="${BUILD:-build/cpu-check}"
 case "$(uname -m)" in
   x86_64 | amd64) ;;

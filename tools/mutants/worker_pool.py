@@ -1,6 +1,6 @@
 """Runs jobs on a fixed set of workers (each with its own copy and builds), as many at once
-as there are workers; shared by the mutation checks (tools/simt_mutants.py,
-tools/math_mutants.py)."""
+as there are workers; shared by the mutation checks (tools/mutants/simt_mutants.py,
+tools/mutants/math_mutants.py)."""
 
 from __future__ import annotations
 

@@ -4,11 +4,11 @@
 #      (tests/simt/kernel_check: exact-size buffers, so one element past the end is an error);
 #   2. ThreadSanitizer over the block-level paths (kernel_check --quick: every path at
 #      shorter rows; each emulated thread is a TSan thread of its own);
-#   3. tools/simt_mutants.py --tsan: planted bugs, each of which must be caught.
+#   3. tools/mutants/simt_mutants.py --tsan: planted bugs, each of which must be caught.
 # Any report or surviving mutant fails the script. Run by .ci/run; needs cmake and a C++
 # compiler with the sanitizers (GCC or Clang), no GPU. BUILD sets the build directory.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 build="${BUILD:-build/simt-check}"
 jobs="$(nproc 2>/dev/null || echo 2)"
 
@@ -32,5 +32,5 @@ configure_and_build tsan "thread"
 TSAN_OPTIONS=halt_on_error=1 "$build/tsan/kernel_check" --quick
 
 echo "== simt: mutation check"
-python tools/simt_mutants.py --build "$build/mutants" --tsan
+python tools/mutants/simt_mutants.py --build "$build/mutants" --tsan
 echo "== simt: done in ${SECONDS} s"

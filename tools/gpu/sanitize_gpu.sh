@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # compute-sanitizer over the CUDA kernels: memcheck, racecheck, initcheck and synccheck,
-# each on the odd shapes of tools/sanitize_cases.py. Only this project's kernels are
+# each on the odd shapes of tools/gpu/sanitize_cases.py. Only this project's kernels are
 # instrumented (kns=fp8norm, the namespace in their mangled names), not XLA's own.
 # Passes when every tool reports zero errors and every result matches the reference.
 # Run from the repository root after installing the package.
-# Usage: OUT=/some/dir bash tools/sanitize_gpu.sh [tool ...]   (default: all four)
+# Usage: OUT=/some/dir bash tools/gpu/sanitize_gpu.sh [tool ...]   (default: all four)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-sanitize_logs}
 mkdir -p "$OUT"
 tools=("$@")
@@ -28,7 +28,7 @@ for tool in "${tools[@]}"; do
   echo "== $tool"
   "$sanitizer" --tool "$tool" --error-exitcode 86 --print-limit 20 \
     --kernel-name kns=fp8norm \
-    python3 tools/sanitize_cases.py > "$OUT/sanitize_$tool.log" 2>&1
+    python3 tools/gpu/sanitize_cases.py > "$OUT/sanitize_$tool.log" 2>&1
   rc=$?
   tail -4 "$OUT/sanitize_$tool.log"
   if [ $rc -ne 0 ]; then

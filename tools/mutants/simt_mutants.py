@@ -3,13 +3,13 @@ time, into a copy of src/cuda and src/cpu, rebuilds the emulated kernels
 (tests/simt/kernel_check) and shows that each is caught. The unmutated copy must pass
 first, or a catch proves nothing.
 
-    python tools/simt_mutants.py [--build DIR] [--tsan] [--workers N] [--only TEXT]
+    python tools/mutants/simt_mutants.py [--build DIR] [--tsan] [--workers N] [--only TEXT]
 
 --tsan also builds each mutant that plants a race with ThreadSanitizer and requires a
 data-race report. A mutant counts as caught only when the check ran and reported it: one
 that does not build, or hangs, fails the check as a survivor does. Exits non-zero when the
 baseline fails or any mutant is not caught. The mutants are shared among N workers (one
-per core, at most 2), each with its own copy and builds (tools/worker_pool.py).
+per core, at most 2), each with its own copy and builds (tools/mutants/worker_pool.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from worker_pool import map_on_workers
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
 COPIED = ("cuda", "cpu")  # the directories the mutants patch, copied for the build
 

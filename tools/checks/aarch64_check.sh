@@ -10,7 +10,7 @@
 # passes on another host. AARCH64_CXXFLAGS adds flags to the aarch64 build only.
 # BUILD sets the build directory.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 build="${BUILD:-build/aarch64-check}"
 case "$(uname -m)" in
   x86_64 | amd64) ;;

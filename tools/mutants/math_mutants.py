@@ -3,12 +3,12 @@ bugs, one at a time, into a copy of the header, rebuilds the CPU kernels' module
 copy and shows that the default tier's cpu tests fail on each. The header is also what the
 CUDA kernels and their emulation compute with, so only these tests, which hold the kernels
 to the reference and to the exact oracle, can show such a bug; the SIMT mutants
-(tools/simt_mutants.py) cover the kernels' own code.
+(tools/mutants/simt_mutants.py) cover the kernels' own code.
 
-    python tools/math_mutants.py [--build DIR] [--workers N]
+    python tools/mutants/math_mutants.py [--build DIR] [--workers N]
 
 The tests run with FP8NORM_CPU_ISA=baseline, the CPU variant that computes with the
-header's scalar functions (tools/cpu_check.sh holds the AVX2 variant's vector arithmetic to
+header's scalar functions (tools/checks/cpu_check.sh holds the AVX2 variant's vector arithmetic to
 those functions on every float32 input). The unmutated build must pass first. A mutant
 counts as caught only when tests ran and failed: a mutant that does not build, a run that
 collects no test or stops on an error outside a test, or one that hangs, fails the check.
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from worker_pool import map_on_workers
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HEADER = Path("src") / "common" / "fp8norm_math.h"
 # In this order, so that most mutants fail one of the first, quicker files.
 TESTS = ["tests/test_sum_of_squares.py", "tests/test_rounding.py", "tests/test_block_scaling.py",

@@ -1,4 +1,4 @@
-"""The CUDA kernels on a grid of odd shapes, for compute-sanitizer (tools/sanitize_gpu.sh).
+"""The CUDA kernels on a grid of odd shapes, for compute-sanitizer (tools/gpu/sanitize_gpu.sh).
 
 Every kernel variant (block_shared, warp_rows, block_registers) and every path of each is
 taken: vectorised and scalar, the shared-memory row cache and the re-reading path (rows
@@ -14,7 +14,7 @@ The scalar path is reached by hidden sizes that are not a multiple of the vector
 hands a custom call a slice at an element offset as a fresh, aligned buffer, so a jax
 program cannot pass the kernel a misaligned row (tests/test_cuda_launch.py shows it on
 the emulated device). The misaligned vector path is the SIMT sanitizer run's
-(tools/simt_check.sh), which calls the launch with misaligned pointers directly.
+(tools/checks/simt_check.sh), which calls the launch with misaligned pointers directly.
 """
 
 from __future__ import annotations
