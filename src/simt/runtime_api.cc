@@ -31,10 +31,7 @@ using internal::KernelRecord;
 struct Shared {
   std::mutex mutex;
   DeviceLimits limits;
-  std::unordered_map<const void*, int> max_dynamic_shared;                // per kernel, as last set
-  std::unordered_map<const void*, size_t> static_shared;                  // per kernel, as declared
-  std::unordered_map<const void*, std::string> names;                     // per kernel, as declared
-  std::unordered_map<const void*, int> max_threads;                       // per kernel, as declared
+  std::unordered_map<const void*, KernelRecord> kernels;
   std::unordered_map<std::string, std::pair<cudaError_t, int>> injected;  // error, calls left
   std::deque<LaunchRecord> launches;
 };
@@ -46,18 +43,8 @@ Shared& Global() {
 
 // What the runtime knows of `kernel`; all defaults for one it has never heard of.
 KernelRecord RecordOf(const Shared& g, const void* kernel) {
-  KernelRecord record;
-  if (auto it = g.names.find(kernel); it != g.names.end()) record.name = it->second;
-  if (auto it = g.static_shared.find(kernel); it != g.static_shared.end()) {
-    record.static_shared = it->second;
-  }
-  if (auto it = g.max_threads.find(kernel); it != g.max_threads.end()) {
-    record.max_threads = it->second;
-  }
-  if (auto it = g.max_dynamic_shared.find(kernel); it != g.max_dynamic_shared.end()) {
-    record.max_dynamic_shared = it->second;
-  }
-  return record;
+  auto it = g.kernels.find(kernel);
+  return it == g.kernels.end() ? KernelRecord{} : it->second;
 }
 
 void Keep(LaunchRecord record) {
@@ -107,9 +94,10 @@ size_t PaddedStatic(size_t bytes) { return (bytes + 15) / 16 * 16; }
 void DeclareKernel(const void* kernel, const char* name, size_t static_bytes, int max_threads) {
   Shared& g = Global();
   std::lock_guard<std::mutex> lock(g.mutex);
-  g.static_shared[kernel] = PaddedStatic(static_bytes);
-  g.names[kernel] = name;
-  g.max_threads[kernel] = max_threads;
+  KernelRecord& record = g.kernels[kernel];
+  record.static_shared = PaddedStatic(static_bytes);
+  record.name = name;
+  record.max_threads = max_threads;
 }
 
 cudaError_t SetMaxDynamicShared(const void* kernel, int bytes) {
@@ -127,7 +115,7 @@ cudaError_t SetMaxDynamicShared(const void* kernel, int bytes) {
                           std::to_string(g.limits.shared_per_block_optin);
     return SetError(cudaErrorInvalidValue);
   }
-  g.max_dynamic_shared[kernel] = bytes;
+  g.kernels[kernel].max_dynamic_shared = bytes;
   return cudaSuccess;
 }
 
@@ -207,7 +195,8 @@ void SetDeviceLimits(const DeviceLimits& limits) {
   Shared& g = Global();
   std::lock_guard<std::mutex> lock(g.mutex);
   g.limits = limits;
-  g.max_dynamic_shared.clear();  // another device: attributes start over
+  // Another device: attributes start over.
+  for (auto& [kernel, record] : g.kernels) record.max_dynamic_shared.reset();
 }
 
 DeviceLimits GetDeviceLimits() {
