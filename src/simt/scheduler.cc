@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdarg>
 #include <cstdio>
 #include <cstring>
 #include <tuple>
@@ -35,6 +36,19 @@ constexpr size_t kStackBytes = 64 * 1024;
 // Relaxed: the seed publishes nothing else, and must add no ordering ThreadSanitizer sees.
 std::atomic<uint64_t> schedule_seed{0x9e3779b97f4a7c15ull};
 
+__attribute__((format(printf, 1, 2))) std::string Format(const char* format, ...) {
+  va_list arguments;
+  va_start(arguments, format);
+  va_list measuring;
+  va_copy(measuring, arguments);
+  const int length = std::vsnprintf(nullptr, 0, format, measuring);
+  va_end(measuring);
+  std::string text(length > 0 ? static_cast<size_t>(length) : 0, '\0');
+  std::vsnprintf(text.data(), text.size() + 1, format, arguments);
+  va_end(arguments);
+  return text;
+}
+
 }  // namespace
 
 uint64_t Scheduler::Random() {
@@ -45,14 +59,11 @@ uint64_t Scheduler::Random() {
 }
 
 void Scheduler::Fail(const std::string& message) {
-  if (error_.empty()) error_ = message;
+  if (!failure_) failure_ = message;
 }
 
 std::string Scheduler::Where() const {
-  char text[96];
-  std::snprintf(text, sizeof(text), "thread %u of block %u", current_ ? current_->index : 0u,
-                blockIdx.x);
-  return text;
+  return Format("thread %u of block %u", current_ ? current_->index : 0u, blockIdx.x);
 }
 
 void Scheduler::EnsureThreads(unsigned count) {
@@ -97,7 +108,7 @@ RunOutcome Scheduler::Run(const KernelRun& run) {
 #endif
   num_threads_ = run.block.x;
   static_bytes_ = run.static_shared_bytes;
-  error_.clear();
+  failure_.reset();
   barriers_ = 0;
   shuffles_ = 0;
   // The same seed and the same sequence of launches on a thread give the same schedules.
@@ -119,7 +130,8 @@ RunOutcome Scheduler::Run(const KernelRun& run) {
   bound_ = nullptr;
   if (!ok) RestartAll();
   RunOutcome outcome;
-  if (!ok) outcome.failure = error_;
+  outcome.failure = std::move(failure_);
+  failure_.reset();
   outcome.barriers = barriers_;
   outcome.shuffles = shuffles_;
   return outcome;
@@ -197,7 +209,7 @@ bool Scheduler::RunInRandomOrder(std::vector<ThreadState*>& ready) {
     }
     main_.SwitchTo(*s->fiber);
     current_ = nullptr;
-    if (!error_.empty()) return false;
+    if (failure_) return false;
   }
   return true;
 }
@@ -292,6 +304,29 @@ void Scheduler::SyncThreads() {
   Acquire(sync);
 }
 
+std::optional<std::string> Scheduler::ShuffleMisuse(uint32_t mask, unsigned lane, unsigned warp,
+                                                    unsigned source, int width) const {
+  const unsigned lanes = std::min(kWarpSize, num_threads_ - warp * kWarpSize);
+  const uint32_t existing = lanes == kWarpSize ? ~0u : (1u << lanes) - 1;
+  if (width != static_cast<int>(kWarpSize)) {
+    return Format("%s: __shfl_xor_sync with width %d (only 32 is emulated)", Where().c_str(),
+                  width);
+  }
+  if ((mask >> lane & 1u) == 0) {
+    return Format("%s: __shfl_xor_sync mask 0x%08x leaves out lane %u itself", Where().c_str(),
+                  mask, lane);
+  }
+  if ((mask & ~existing) != 0) {
+    return Format("%s: __shfl_xor_sync mask 0x%08x names lanes beyond the block's %u threads",
+                  Where().c_str(), mask, num_threads_);
+  }
+  if (source >= kWarpSize || (mask >> source & 1u) == 0) {
+    return Format("%s: __shfl_xor_sync reads lane %u, which mask 0x%08x leaves out",
+                  Where().c_str(), source, mask);
+  }
+  return std::nullopt;
+}
+
 uint32_t Scheduler::ShuffleXor(uint32_t mask, uint32_t value, int lane_mask, int width) {
   ThreadState* self = current_;
   const unsigned lane = self->index % kWarpSize;
@@ -300,26 +335,9 @@ uint32_t Scheduler::ShuffleXor(uint32_t mask, uint32_t value, int lane_mask, int
   unsigned source = 0;
   {
     Bookkeeping hidden;
-    const unsigned lanes = std::min(kWarpSize, num_threads_ - warp * kWarpSize);
-    const uint32_t existing = lanes == kWarpSize ? ~0u : (1u << lanes) - 1;
     source = lane ^ static_cast<unsigned>(lane_mask);
-    char text[200];
-    text[0] = '\0';
-    if (width != static_cast<int>(kWarpSize)) {
-      std::snprintf(text, sizeof(text), "%s: __shfl_xor_sync with width %d (only 32 is emulated)",
-                    Where().c_str(), width);
-    } else if ((mask >> lane & 1u) == 0) {
-      std::snprintf(text, sizeof(text), "%s: __shfl_xor_sync mask 0x%08x leaves out lane %u itself",
-                    Where().c_str(), mask, lane);
-    } else if ((mask & ~existing) != 0) {
-      std::snprintf(text, sizeof(text),
-                    "%s: __shfl_xor_sync mask 0x%08x names lanes beyond the block's %u threads",
-                    Where().c_str(), mask, num_threads_);
-    } else if (source >= kWarpSize || (mask >> source & 1u) == 0) {
-      std::snprintf(text, sizeof(text),
-                    "%s: __shfl_xor_sync reads lane %u, which mask 0x%08x leaves out",
-                    Where().c_str(), source, mask);
-    } else {
+    std::optional<std::string> misuse = ShuffleMisuse(mask, lane, warp, source, width);
+    if (!misuse) {
       const uint64_t n = self->shuffles++;
       exchange = &warps_[warp].exchange[n & 1];
       if (exchange->generation != n) {
@@ -327,27 +345,25 @@ uint32_t Scheduler::ShuffleXor(uint32_t mask, uint32_t value, int lane_mask, int
         exchange->mask = mask;
         exchange->arrived = 0;
       } else if (exchange->mask != mask) {
-        std::snprintf(text, sizeof(text),
-                      "%s: lanes of warp %u meet at a __shfl_xor_sync with masks 0x%08x and "
-                      "0x%08x",
-                      Where().c_str(), warp, exchange->mask, mask);
-      }
-      if (text[0] == '\0') {
-        exchange->values[lane] = value;
-        exchange->arrived |= 1u << lane;
-        self->wait = Wait::kShuffle;
-        if (exchange->arrived == mask) {
-          for (unsigned l = 0; l < kWarpSize; ++l) {
-            if (mask >> l & 1u) threads_[warp * kWarpSize + l]->wait = Wait::kNone;
-          }
-          shuffles_ += 1;
-          CloseWarpRequests(warp);
-        }
+        misuse =
+            Format("%s: lanes of warp %u meet at a __shfl_xor_sync with masks 0x%08x and 0x%08x",
+                   Where().c_str(), warp, exchange->mask, mask);
       }
     }
-    if (text[0] != '\0') {
-      Fail(text);
+    if (misuse) {
+      Fail(*misuse);
       self->wait = Wait::kAborted;
+    } else {
+      exchange->values[lane] = value;
+      exchange->arrived |= 1u << lane;
+      self->wait = Wait::kShuffle;
+      if (exchange->arrived == mask) {
+        for (unsigned l = 0; l < kWarpSize; ++l) {
+          if (mask >> l & 1u) threads_[warp * kWarpSize + l]->wait = Wait::kNone;
+        }
+        shuffles_ += 1;
+        CloseWarpRequests(warp);
+      }
     }
   }
   Yield();  // an aborted thread is never resumed

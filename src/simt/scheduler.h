@@ -122,13 +122,17 @@ class Scheduler {
   void CloseWarpRequests(unsigned w);
   void CloseAllWarpRequests();
   void RestartAll();
-  // Runs block `b` to completion; false when it failed (error_ says why).
+  // Runs block `b` to completion; false when it failed (failure_ says why).
   bool RunBlock(unsigned b, size_t dynamic_bytes);
   bool RunBlockThreads(unsigned b, size_t dynamic_bytes);
   // Resumes each of `ready` once, in random order, until it waits again or exits; false
   // when one of them failed the launch.
   bool RunInRandomOrder(std::vector<ThreadState*>& ready);
   std::string DescribeDeadlock() const;
+  // Why the running thread, lane `lane` of warp `warp`, may not enter a shuffle with these
+  // arguments; none when it may.
+  std::optional<std::string> ShuffleMisuse(uint32_t mask, unsigned lane, unsigned warp,
+                                           unsigned source, int width) const;
 
   Fiber main_;
   std::vector<std::unique_ptr<ThreadState>> threads_;
@@ -145,7 +149,7 @@ class Scheduler {
   std::unique_ptr<unsigned char[]> static_shared_;
   size_t static_bytes_ = 0;  // the running kernel's declared static shared memory
   ThreadState* current_ = nullptr;
-  std::string error_;
+  std::optional<std::string> failure_;
   uint64_t barriers_ = 0;
   uint64_t shuffles_ = 0;
   uint64_t rng_ = 0;
