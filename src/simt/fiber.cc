@@ -142,7 +142,7 @@ void Fiber::Prepare() {
   *--slot = 0;                                                      // r14
   *--slot = 0;                                                      // r15
   // MXCSR and the x87 control word at their reset values; the emulation sets each block's
-  // floating-point mode itself (simt_runtime.cc).
+  // floating-point mode itself (scheduler.cc).
   *--slot = uint64_t{0x1f80u} | uint64_t{0x037fu} << 32;
   saved_sp_ = slot;
 #else

@@ -3,7 +3,7 @@
 // stack swap, no system call). Sanitizers are told about every switch, so that
 // AddressSanitizer knows which stack is live and ThreadSanitizer sees each fiber as a
 // thread of its own, with no ordering between fibers beyond what the emulation declares
-// (simt_runtime.cc: barriers and the launch's start and end).
+// (scheduler.cc: barriers and the launch's start and end).
 #pragma once
 
 #include <cstddef>

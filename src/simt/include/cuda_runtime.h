@@ -3,7 +3,7 @@
 // unchanged and its kernels run on the CPU (docs/simt.md).
 //
 // Only this directory is on the include path of the emulated build; nvcc builds never
-// see it. Each thread of a block is a fiber (simt_runtime.cc says why); the built-in
+// see it. Each thread of a block is a fiber (scheduler.h says why); the built-in
 // variables are per-OS-thread values that the scheduler sets before it resumes a fiber.
 #pragma once
 
