@@ -10,7 +10,7 @@
 The contract is docs/spec.md; :mod:`jax_fp8norm.reference` holds the pure-jnp twins.
 """
 
-from jax_fp8norm import reference, testing
+from jax_fp8norm import reference, simt, testing
 from jax_fp8norm._ffi import (
     built_with_cuda,
     cpu_kernel_variant,
@@ -43,6 +43,7 @@ __all__ = [
     "rms_norm_fp8",
     "rms_norm_fp8_dequantized",
     "sharded_allreduce_residual_rms_norm_fp8",
+    "simt",
     "testing",
     "use_cuda_kernel",
 ]

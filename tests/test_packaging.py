@@ -146,3 +146,11 @@ def test_installed_package_is_typed_and_registers_every_op():
     modules = [m for m in (_ffi._fp8norm_cpu, _ffi._fp8norm_cuda, _ffi.simt_module) if m]
     for module in modules:
         assert sorted(module.registrations()) == sorted(_ffi.OPS), module.__file__
+
+
+def test_a_plain_import_carries_the_emulation_controls():
+    """``import jax_fp8norm`` alone gives ``jax_fp8norm.simt`` (as the docs use it)."""
+    script = "import jax_fp8norm; print(jax_fp8norm.simt.available(), jax_fp8norm.simt.active())"
+    result = _run([sys.executable, "-c", script], cwd="/")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["True", "False"]

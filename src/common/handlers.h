@@ -1,5 +1,8 @@
 // The XLA FFI handlers of jax_fp8norm, one per op and platform. The nanobind modules
-// only hand these to Python for registration.
+// only hand these to Python for registration. They are C symbols (XLA's handler-symbol
+// macros), hidden in each module (nanobind builds with hidden visibility): the CUDA
+// module and the emulation's both define the CUDA ones, so the two must never be linked
+// into one binary.
 #pragma once
 
 #include "xla/ffi/api/api.h"

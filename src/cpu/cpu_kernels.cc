@@ -34,10 +34,11 @@ namespace {
 // The rows of a call go out as tasks, which the calling thread and the pool's helpers
 // claim one by one (cpu_handlers.cc). About kTasksPerCall of them, so that a helper that
 // starts late still finds work and every core finishes within one task of the others;
-// each at least kMinElementsPerTask elements (about 10 us of work, well above the cost of
-// claiming one), so that a small call (16 x 4096) splits in a few and a one-row call stays
-// on the calling thread; at most kMaxElementsPerTask (about 70 us), which bounds how long
-// one core can wait for another at the end of a large call.
+// each at least kMinElementsPerTask elements (work well above the cost of claiming a
+// task), so that a small call (16 x 4096) splits in a few and a one-row call stays on the
+// calling thread; at most kMaxElementsPerTask, which bounds how long one core can wait for
+// another at the end of a large call (docs/performance.md, "Figures behind choices in the
+// source").
 constexpr int64_t kTasksPerCall = 64;
 constexpr int64_t kMinElementsPerTask = int64_t{1} << 14;
 constexpr int64_t kMaxElementsPerTask = int64_t{1} << 17;

@@ -1,7 +1,8 @@
 // Whether the machine's CUDA driver can run a module linked (statically) against a given
 // CUDA runtime, and what to tell the user when it cannot. Plain C++ with no CUDA types: the
-// CUDA handlers run it once per process with the real versions, and the CPU module exposes
-// it so that tests can inject versions on machines without a GPU.
+// CUDA handlers run it once per process with the real versions, and the emulation's module
+// exposes it (src/simt/cuda_host_bindings.h) so that tests can inject versions on machines
+// without a GPU.
 #pragma once
 
 #include <string>

@@ -172,7 +172,7 @@ inline LaunchPlan PlanRmsNormFp8Launch(const RmsNormFp8Args& a, const DeviceLimi
       registers && FitBlockRegisters(num_loads, &block_threads, &block_vectors);
   KernelVariant variant = requested;
   if (variant == KernelVariant::kAuto) {
-    // Provisional (docs/performance.md): many rows -> warp_rows; fewer, or longer rows that
+    // The table of docs/performance.md: many rows -> warp_rows; fewer, or longer rows that
     // fit -> block_registers; everything else -> block_shared.
     const bool many_rows = a.rows >= kWarpRowsMinRowsPerSm * limits.multiprocessors *
                                          (kWarpRowsBlockThreads / std::max(warp_threads, 1));

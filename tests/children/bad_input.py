@@ -106,7 +106,7 @@ def bad_input_cases():
 
 def handler_cases(platform):
     device = device_of(platform)
-    target = handler_target(platform, "fp8norm_rms_norm_fp8")
+    target = handler_target(platform, "rms_norm_fp8")
     for i, (outs, args, kw, match) in enumerate(HANDLER_CASES):
 
         def call(outs=outs, args=args, kw=kw):
