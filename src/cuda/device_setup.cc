@@ -144,7 +144,8 @@ KernelVariant RequestedKernelVariant() {
 cudaError_t PlanLaunch(int device, const RmsNormFp8Args& a, LaunchPlan* plan) {
   const DeviceSetup* setup = nullptr;
   const cudaError_t err = GetDeviceSetup(device, &setup);
-  if (err == cudaSuccess) *plan = PlanRmsNormFp8Launch(a, LimitsFor(*setup, a), RequestedKernelVariant());
+  if (err == cudaSuccess)
+    *plan = PlanRmsNormFp8Launch(a, LimitsFor(*setup, a), RequestedKernelVariant());
   return err;
 }
 

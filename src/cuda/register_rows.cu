@@ -200,9 +200,8 @@ cudaError_t LoadRegisterRowKernelsFor() {
 }  // namespace
 
 cudaError_t LoadRegisterRowKernels(FloatType input) {
-  return WithInputType(input, [](auto type) {
-    return LoadRegisterRowKernelsFor<typename decltype(type)::Type>();
-  });
+  return WithInputType(
+      input, [](auto type) { return LoadRegisterRowKernelsFor<typename decltype(type)::Type>(); });
 }
 
 cudaError_t LaunchRegisterRows(cudaStream_t stream, const RmsNormFp8Args& a, const LaunchPlan& p) {

@@ -64,8 +64,8 @@ __device__ __forceinline__ T BlockReduce(T v, T identity, WarpOp warp_op, T* par
   return *result;
 }
 
-// Loads and stores. `site` is the kernel line a load or store comes from (the caller's, by default): the
-// emulation's memory accounting groups a warp's accesses by it. nvcc drops it.
+// Loads and stores. `site` is the kernel line a load or store comes from (the caller's, by
+// default): the emulation's memory accounting groups a warp's accesses by it. nvcc drops it.
 
 template <typename TIn, int kVec>
 __device__ __forceinline__ void LoadVec(const TIn* p, int64_t i, float (&out)[kVec], int site) {
