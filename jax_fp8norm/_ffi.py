@@ -88,7 +88,7 @@ else:
 EMULATE_CUDA_ENV = "FP8NORM_EMULATE_CUDA"
 
 
-def emulating_cuda(environ=os.environ) -> bool:
+def emulation_requested(environ=os.environ) -> bool:
     """Whether ``FP8NORM_EMULATE_CUDA`` asks for the CPU backend to run the emulated CUDA
     kernels: "1" (or "true", "yes", "on") yes; unset, "", "0" (or "false", "no", "off")
     no; anything else is an error."""
@@ -139,7 +139,7 @@ def emulate_cuda(on: bool = True) -> Iterator[None]:
         jax.clear_caches()
 
 
-if emulating_cuda():
+if emulation_requested():
     if simt_module is None:
         raise ImportError(
             f"{EMULATE_CUDA_ENV}=1, but this build of jax_fp8norm has no SIMT emulation "

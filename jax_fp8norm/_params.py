@@ -99,9 +99,6 @@ class NormKeywords(TypedDict, total=False):
     static_scale: float | jax.Array | None
 
 
-assert tuple(NormKeywords.__annotations__) == tuple(NORM_KEYWORDS), "one table, one TypedDict"
-
-
 class AllReduceKeywords(NormKeywords, total=False):
     """The keywords of allreduce_residual_rms_norm_fp8 beyond the norm's (its axis_name
     aside)."""

@@ -145,7 +145,8 @@ def _cpu_lowering(op: str, make_rule):
 
 
 def _register_lowerings(prim: Primitive, op: str, make_rule) -> None:
-    """The same FFI target name serves every platform; only the handler behind it differs."""
+    """A native target's name is the same on every platform, only the handler behind it
+    differs; on the CPU the FFI layer's switch may pick the emulated target instead."""
     mlir.register_lowering(prim, _cpu_lowering(op, make_rule), platform="cpu")
     if _ffi.built_with_cuda():
         mlir.register_lowering(prim, make_rule(_ffi.TARGETS[op]), platform="cuda")

@@ -252,3 +252,11 @@ def test_handler_refuses_mismatched_residual(handler, residual, match):
     target = handler_target(handler, "add_rms_norm_fp8")
     with pytest.raises(Exception, match=match):
         jax.block_until_ready(_ffi(target, outs, X, residual, GAMMA))
+
+
+def test_the_keyword_types_cover_the_keyword_table():
+    """NormKeywords (the typed ``**keywords``) names exactly NORM_KEYWORDS, in order."""
+    from jax_fp8norm._params import NORM_KEYWORDS, AllReduceKeywords, NormKeywords
+
+    assert tuple(NormKeywords.__annotations__) == tuple(NORM_KEYWORDS)
+    assert set(AllReduceKeywords.__annotations__) == {*NORM_KEYWORDS, "reduce_dtype"}
