@@ -75,7 +75,7 @@ int main(int argc, char** argv) {
   a.group_size = group;
   a.input_type = a.residual_type = type;
   a.gamma_type = a.scale_type = FloatType::kF32;
-  a.out_format = fp8norm::Fp8Format::kE4M3FN;
+  a.out_format = fp8norm::OutFormat::kE4M3FN;
   a.constants = fp8norm::RowConstants{1e-6f, 0.0f, INFINITY, false};
   const fp8norm::ParallelFor parallel_for = [threads](int64_t tasks,
                                                       const std::function<void(int64_t)>& task) {

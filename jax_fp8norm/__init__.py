@@ -1,4 +1,4 @@
-"""jax_fp8norm: fused RMSNorm + dynamic per-row FP8 quantisation for JAX.
+"""jax_fp8norm: fused RMSNorm + FP8 / FP4 quantisation for JAX.
 
     import jax_fp8norm as fp8norm
     y, scales = fp8norm.rms_norm_fp8(x, gamma)
@@ -6,6 +6,9 @@
     # inside jax.shard_map, x a partial sum over the mesh axis "tp":
     y, scales, residual_out = fp8norm.allreduce_residual_rms_norm_fp8(
         x, residual, gamma, axis_name="tp")
+    # NVFP4: FP4 codes, e4m3 scales per 16 elements, a global decode scale
+    y, scales = fp8norm.rms_norm_fp8(x, gamma, out_dtype=jnp.float4_e2m1fn, group_size=16,
+                                     scale_dtype=jnp.float8_e4m3fn, global_scale=gs)
 
 The contract is docs/spec.md; :mod:`jax_fp8norm.reference` holds the pure-jnp twins.
 """
@@ -28,6 +31,7 @@ from jax_fp8norm.ops import (
     rms_norm_fp8,
     sharded_allreduce_residual_rms_norm_fp8,
 )
+from jax_fp8norm.reference import dequantize
 
 __all__ = [
     "EXPORT_DISABLED_CHECKS",
@@ -39,6 +43,7 @@ __all__ = [
     "cpu_kernel_variant",
     "cuda_kernel",
     "cuda_kernel_variants",
+    "dequantize",
     "reference",
     "rms_norm_fp8",
     "rms_norm_fp8_dequantized",

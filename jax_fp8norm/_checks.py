@@ -17,12 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fp8norm._dtypes import E8M0, FLOAT_DTYPES, OUT_DTYPES, SCALE_DTYPES
+from jax_fp8norm._dtypes import E4M3, E8M0, FLOAT_DTYPES, FP4, OUT_DTYPES, SCALE_DTYPES
 from jax_fp8norm._params import NORM_KEYWORDS, NormCall, NormParams
 
 _FLOAT_NAMES = "float32, float16 or bfloat16"
-_SCALE_NAMES = "float32, float16, bfloat16 or float8_e8m0fnu"
-_FP8_NAMES = "float8_e4m3fn or float8_e4m3fnuz"
+_SCALE_NAMES = "float32, float16, bfloat16, float8_e8m0fnu or float8_e4m3fn"
+_OUT_NAMES = "float8_e4m3fn, float8_e4m3fnuz or float4_e2m1fn"
 
 
 def check_keyword_names(keywords: dict[str, Any]) -> None:
@@ -98,13 +98,14 @@ def make_params(
     group_size: Any = None,
     power_of_two_scales: Any = False,
     has_static_scale: bool = False,
+    has_global_scale: bool = False,
     hidden: int | None = None,
 ) -> NormParams:
     """Checks the static arguments and rounds the constants as the spec says.
-    ``has_static_scale`` says whether a calibrated scale was given; ``hidden`` (N) is what
-    ``group_size`` must divide."""
+    ``has_static_scale`` / ``has_global_scale`` say whether a calibrated scale / a global
+    scale was given; ``hidden`` (N) is what ``group_size`` must divide."""
     x_dtype = np.dtype(x_dtype)
-    out = _as_dtype(out_dtype, "out_dtype", OUT_DTYPES, _FP8_NAMES)
+    out = _as_dtype(out_dtype, "out_dtype", OUT_DTYPES, _OUT_NAMES)
     scale = _as_dtype(scale_dtype, "scale_dtype", SCALE_DTYPES, _SCALE_NAMES)
     if not isinstance(power_of_two_scales, (bool, np.bool_)):
         raise TypeError(
@@ -117,6 +118,13 @@ def make_params(
             "float16 cannot hold the smallest power-of-two scale (2^-126)"
         )
     group = _check_group_size(group_size, hidden)
+    _check_fp4(out, scale, group, scale_ub, power_of_two_scales, has_static_scale)
+    nvfp4 = out == FP4 and scale == E4M3
+    if has_global_scale and not nvfp4:
+        raise ValueError(
+            "global_scale is NVFP4's (out_dtype=float4_e2m1fn, scale_dtype=float8_e4m3fn); "
+            f"got out_dtype={out}, scale_dtype={scale}"
+        )
     if has_static_scale:
         conflicts = [
             name
@@ -166,7 +174,41 @@ def make_params(
         group_size=group,
         power_of_two_scales=power_of_two,
         has_static_scale=bool(has_static_scale),
+        has_global_scale=nvfp4,
     )
+
+
+def _check_fp4(out, scale, group, scale_ub, power_of_two_scales, has_static_scale) -> None:
+    """The rules of FP4 outputs (docs/spec.md, "FP4 outputs"), and of NVFP4's scale dtype."""
+    if out != FP4:
+        if scale == E4M3:
+            raise ValueError(
+                "scale_dtype float8_e4m3fn is NVFP4's block scale: it needs "
+                f"out_dtype=float4_e2m1fn, got out_dtype={out}"
+            )
+        return
+    if scale not in (E4M3, E8M0):
+        raise ValueError(
+            "out_dtype float4_e2m1fn needs scale_dtype float8_e4m3fn (NVFP4) or "
+            f"float8_e8m0fnu (MXFP4), got scale_dtype={scale}"
+        )
+    if group is None or group % 2 != 0:
+        raise ValueError(
+            "out_dtype float4_e2m1fn is always block-scaled: group_size must be an even int "
+            f"(16 for NVFP4, 32 for MXFP4), got group_size={group}"
+        )
+    if has_static_scale:
+        raise ValueError("static_scale is an FP8 option: out_dtype float4_e2m1fn excludes it")
+    if bool(power_of_two_scales):
+        raise ValueError(
+            "power_of_two_scales does not apply to out_dtype float4_e2m1fn: MXFP4's "
+            "float8_e8m0fnu scales are powers of two already"
+        )
+    if scale == E4M3 and scale_ub is not None:
+        raise ValueError(
+            "scale_ub does not apply to NVFP4 (scale_dtype float8_e4m3fn): its scales are "
+            "bounded by the format (448); use global_scale"
+        )
 
 
 def _check_group_size(group_size: Any, hidden: int | None) -> int | None:
@@ -184,25 +226,35 @@ def _check_group_size(group_size: Any, hidden: int | None) -> int | None:
     return group
 
 
+def _scale_array(value: Any, name: str, float32_only: bool) -> jax.Array | None:
+    """A per-tensor scale as a float32 ``(1,)`` array: from a Python float, or an array
+    (concrete or traced) of shape () or (1,), of a float dtype (float32 only when
+    ``float32_only``)."""
+    if value is None:
+        return None
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+        return jnp.full((1,), float(value), jnp.float32)
+    kind = "a float32 array" if float32_only else "a float array"
+    if not hasattr(value, "dtype") or not hasattr(value, "shape"):
+        raise TypeError(f"{name} must be a float or {kind}, got {type(value).__name__}")
+    dtype = np.dtype(value.dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or (float32_only and dtype != np.float32):
+        raise TypeError(f"{name} must be a float or {kind}, got dtype {dtype}")
+    if tuple(value.shape) not in ((), (1,)):
+        raise ValueError(f"{name} must have shape () or (1,), got {tuple(value.shape)}")
+    return jnp.reshape(jnp.asarray(value).astype(jnp.float32), (1,))
+
+
 def check_static_scale(static_scale: Any) -> jax.Array | None:
     """The calibrated scale as a float32 ``(1,)`` array: from a Python float, or a float
     array (concrete or traced) of shape () or (1,)."""
-    if static_scale is None:
-        return None
-    if isinstance(static_scale, numbers.Real) and not isinstance(static_scale, (bool, np.bool_)):
-        return jnp.full((1,), float(static_scale), jnp.float32)
-    if not hasattr(static_scale, "dtype") or not hasattr(static_scale, "shape"):
-        raise TypeError(
-            f"static_scale must be a float or a float array, got {type(static_scale).__name__}"
-        )
-    dtype = np.dtype(static_scale.dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"static_scale must have a float dtype, got {dtype}")
-    if tuple(static_scale.shape) not in ((), (1,)):
-        raise ValueError(
-            f"static_scale must have shape () or (1,), got {tuple(static_scale.shape)}"
-        )
-    return jnp.reshape(jnp.asarray(static_scale).astype(jnp.float32), (1,))
+    return _scale_array(static_scale, "static_scale", float32_only=False)
+
+
+def check_global_scale(global_scale: Any) -> jax.Array | None:
+    """NVFP4's global scale as a float32 ``(1,)`` array: from a Python float, or a float32
+    array (concrete or traced) of shape () or (1,)."""
+    return _scale_array(global_scale, "global_scale", float32_only=True)
 
 
 def validate(x: Any, gamma: Any, residual: Any = None, **keywords: Any) -> NormCall:
@@ -212,9 +264,18 @@ def validate(x: Any, gamma: Any, residual: Any = None, **keywords: Any) -> NormC
     given = {name: default for name, (default, _) in NORM_KEYWORDS.items()} | keywords
     check_arrays(x, gamma, residual)
     static_scale = check_static_scale(given.pop("static_scale"))
+    global_scale = check_global_scale(given.pop("global_scale"))
     params = make_params(
-        x.dtype, **given, has_static_scale=static_scale is not None, hidden=int(x.shape[-1])
+        x.dtype,
+        **given,
+        has_static_scale=static_scale is not None,
+        has_global_scale=global_scale is not None,
+        hidden=int(x.shape[-1]),
     )
+    if params.has_global_scale:
+        # NVFP4 always carries its global scale: 1.0 unless given.
+        global_scale = jnp.ones((1,), jnp.float32) if global_scale is None else global_scale
+        return NormCall(params, global_scale)
     return NormCall(params, static_scale)
 
 

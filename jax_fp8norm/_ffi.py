@@ -46,6 +46,27 @@ TARGETS = {op: f"fp8norm_{op}" for op in OPS}
 EMULATED_TARGETS = {op: f"fp8norm_simt_{op}" for op in OPS}
 
 
+# How each platform's XLA holds a float4_e2m1fn buffer, as the handlers' fp4_layout
+# attribute says it (src/common/ffi_decode.h, Fp4Layout): 1, two codes per byte with
+# element 2k in the low nibble. XLA gives sub-byte types a packed layout on the CPU and
+# GPU backends (jaxlib 0.10.2's CPU backend: tests/test_fp4.py checks it, and
+# tools/gpu_check.sh the GPU's); 0, one code per byte, is what the handlers also take.
+# The FFI's buffer sizes cannot tell the two apart, so the layout travels as an attribute.
+FP4_ONE_PER_BYTE = 0
+FP4_PACKED_LOW_FIRST = 1
+FP4_LAYOUTS = {"cpu": FP4_PACKED_LOW_FIRST, "cuda": FP4_PACKED_LOW_FIRST}
+
+
+def fp4_layout(platform: str) -> int:
+    """The fp4_layout attribute of a custom call lowered for ``platform``."""
+    try:
+        return FP4_LAYOUTS[platform]
+    except KeyError:
+        raise NotImplementedError(
+            f"jax_fp8norm does not know how the {platform!r} backend holds float4_e2m1fn buffers"
+        ) from None
+
+
 def _register(module, targets: dict[str, str], platform: str) -> None:
     check_version(module)
     registrations = module.registrations()

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from jax_fp8norm._dtypes import FP8_MAX
+from jax_fp8norm._dtypes import E4M3, FP4, OUT_MAX
 
 DEFAULT_EPS = 1e-6
 
@@ -31,10 +31,26 @@ class NormParams:
     group_size: int | None = None  # None: one scale per row
     power_of_two_scales: bool = False  # also set for float8_e8m0fnu scales
     has_static_scale: bool = False  # a calibrated scale operand follows gamma
+    has_global_scale: bool = False  # NVFP4's global scale operand follows gamma
 
     @property
-    def fp8_max(self) -> float:
-        return FP8_MAX[self.out_dtype]
+    def out_max(self) -> float:
+        """FP8_MAX, or FP4_MAX = 6."""
+        return OUT_MAX[self.out_dtype]
+
+    @property
+    def fp4(self) -> bool:
+        return self.out_dtype == FP4
+
+    @property
+    def nvfp4(self) -> bool:
+        return self.fp4 and self.scale_dtype == E4M3
+
+    @property
+    def has_scale_operand(self) -> bool:
+        """Whether a float32 (1,) operand follows gamma: the calibrated scale, or
+        NVFP4's global scale."""
+        return self.has_static_scale or self.has_global_scale
 
     def groups(self, n: int) -> int:
         """Scales per row of ``n`` elements."""
@@ -59,12 +75,14 @@ NORM_KEYWORDS: dict[str, tuple[Any, str]] = {
     ),
     "out_dtype": (
         jnp.float8_e4m3fn,
-        "``float8_e4m3fn`` (max 448) or ``float8_e4m3fnuz`` (max 240).",
+        "``float8_e4m3fn`` (max 448), ``float8_e4m3fnuz`` (max 240), or ``float4_e2m1fn`` "
+        "(FP4, max 6: NVFP4 with ``float8_e4m3fn`` scales, MXFP4 with ``float8_e8m0fnu`` "
+        "ones; needs an even group_size).",
     ),
     "scale_dtype": (
         jnp.float32,
-        "float32, float16, bfloat16, or ``float8_e8m0fnu`` (MXFP8: power-of-two scales stored "
-        "as their exponent byte).",
+        "float32, float16, bfloat16, or ``float8_e8m0fnu`` (MXFP8 / MXFP4: power-of-two "
+        "scales stored as their exponent byte), or ``float8_e4m3fn`` (NVFP4 only).",
     ),
     "group_size": (
         None,
@@ -83,6 +101,13 @@ NORM_KEYWORDS: dict[str, tuple[Any, str]] = {
         "possibly traced) used instead of dynamic scales; scales is it, rounded to scale_dtype, "
         "with shape ``[..., 1]``. Not finite and positive: every y is NaN.",
     ),
+    "global_scale": (
+        None,
+        "NVFP4's global decode scale (a float, or a float32 array of shape () or (1,), "
+        "possibly traced; None means 1.0): each group is quantised from ``n / global_scale`` "
+        "and dequantises as ``f32(y) * f32(scale) * global_scale``. NVFP4 only. Not finite "
+        "and positive: every scale is NaN.",
+    ),
 }
 
 
@@ -97,6 +122,7 @@ class NormKeywords(TypedDict, total=False):
     group_size: int | None
     power_of_two_scales: bool
     static_scale: float | jax.Array | None
+    global_scale: float | jax.Array | None
 
 
 class AllReduceKeywords(NormKeywords, total=False):
@@ -108,12 +134,20 @@ class AllReduceKeywords(NormKeywords, total=False):
 
 @dataclasses.dataclass(frozen=True)
 class NormCall:
-    """One checked call: its static parameters and, if any, the calibrated scale as a
-    float32 ``(1,)`` array (the operand after gamma)."""
+    """One checked call: its static parameters and, if any, the operand after gamma as a
+    float32 ``(1,)`` array: the calibrated scale, or NVFP4's global scale."""
 
     params: NormParams
-    static_scale_operand: jax.Array | None = None
+    scale_operand: jax.Array | None = None
+
+    @property
+    def static_scale(self) -> jax.Array | None:
+        return self.scale_operand if self.params.has_static_scale else None
+
+    @property
+    def global_scale(self) -> jax.Array | None:
+        return self.scale_operand if self.params.has_global_scale else None
 
     def operands(self, *arrays: jax.Array) -> tuple[jax.Array, ...]:
-        extra = () if self.static_scale_operand is None else (self.static_scale_operand,)
+        extra = () if self.scale_operand is None else (self.scale_operand,)
         return (*arrays, *extra)

@@ -1,7 +1,7 @@
 """JAX primitives of the ops, with every rule of each in this file: abstract evaluation (the
 shape rule), lowering to the XLA FFI custom calls per platform, partitioning under jit
 (custom_partitioning with a Shardy sharding rule), batching (vmap) and differentiation
-(the FP8 outputs refuse a JVP; jax_fp8norm.autodiff holds the differentiable twins)."""
+(the FP8 / FP4 outputs refuse a JVP; jax_fp8norm.autodiff holds the differentiable twins)."""
 
 from __future__ import annotations
 
@@ -43,11 +43,12 @@ def _eager_impl(prim: Primitive, *args, **params):
     return _jitted_bind(prim, tuple(sorted(params.items())), _ffi.emulating())(*args)
 
 
-def _ffi_lowering(target: str):
+def _ffi_lowering(target: str, platform: str):
     rule = jax.ffi.ffi_lowering(target)
 
     def lowering(ctx, *args, **params):
-        # The dtypes are carried by the result types; a calibrated scale by its operand.
+        # The dtypes are carried by the result types; a calibrated or global scale by its
+        # operand; how the platform holds FP4 buffers by fp4_layout.
         return rule(
             ctx,
             *args,
@@ -56,6 +57,7 @@ def _ffi_lowering(target: str):
             scale_ub=np.float32(params["scale_ub"]),
             group_size=np.int64(params["group_size"] or 0),
             power_of_two_scales=bool(params["power_of_two_scales"]),
+            fp4_layout=np.int64(_ffi.fp4_layout(platform)),
         )
 
     return lowering
@@ -73,12 +75,17 @@ def _unreduced_axes(aval) -> frozenset:
     return frozenset(spec_axes) | frozenset(getattr(manual, "unreduced", None) or ())
 
 
-def _num_row_operands(num_operands: int, static_scale: bool) -> int:
-    """x (and residual): the operands before gamma (and the calibrated scale)."""
-    return num_operands - 1 - int(static_scale)
+def _has_scale_operand(params: dict) -> bool:
+    """Whether a calibrated scale or NVFP4's global scale follows gamma."""
+    return bool(params["has_static_scale"] or params["has_global_scale"])
 
 
-def _output_types(avals, static_scale: bool) -> dict:
+def _num_row_operands(num_operands: int, scale_operand: bool) -> int:
+    """x (and residual): the operands before gamma (and the scale operand)."""
+    return num_operands - 1 - int(scale_operand)
+
+
+def _output_types(avals, scale_operand: bool, scale_name: str) -> dict:
     """What every output's type shares besides its shape and dtype.
 
     The sharding: x's rows, the last axis whole. Each row needs all of its hidden axis, so
@@ -87,8 +94,8 @@ def _output_types(avals, static_scale: bool) -> dict:
     Under explicit mesh axes these types are checked, so they must say exactly that.
     Inside shard_map: varying over every manual axis any input varies over. Never
     unreduced or reduced: the norm is not linear, so a partial sum is refused."""
-    rows = ("x",) if _num_row_operands(len(avals), static_scale) == 1 else ("x", "residual")
-    names = (*rows, "gamma", "static_scale")
+    rows = ("x",) if _num_row_operands(len(avals), scale_operand) == 1 else ("x", "residual")
+    names = (*rows, "gamma", scale_name)
     for name, aval in zip(names, avals, strict=False):
         unreduced = _unreduced_axes(aval)
         if unreduced:
@@ -120,15 +127,16 @@ def _output_types(avals, static_scale: bool) -> dict:
 
 def _norm_abstract_eval(*avals, **params):
     x = avals[0]
-    static_scale = params["has_static_scale"]
-    types = _output_types(avals, static_scale)
+    scale_operand = _has_scale_operand(params)
+    scale_name = "global_scale" if params["has_global_scale"] else "static_scale"
+    types = _output_types(avals, scale_operand, scale_name)
     n = x.shape[-1]
     groups = 1 if params["group_size"] is None else n // params["group_size"]
     outs = [
         x.update(shape=x.shape, dtype=np.dtype(params["out_dtype"]), **types),
         x.update(shape=x.shape[:-1] + (groups,), dtype=np.dtype(params["scale_dtype"]), **types),
     ]
-    if _num_row_operands(len(avals), static_scale) == 2:
+    if _num_row_operands(len(avals), scale_operand) == 2:
         # x, residual, gamma: residual_out has the residual's dtype
         outs.append(x.update(shape=x.shape, dtype=avals[1].dtype, **types))
     return outs
@@ -136,7 +144,9 @@ def _norm_abstract_eval(*avals, **params):
 
 def _cpu_lowering(op: str, make_rule):
     """The CPU kernels, or the emulated CUDA ones while the FFI layer's switch is on."""
-    rules = {target: make_rule(target) for target in (_ffi.TARGETS[op], _ffi.EMULATED_TARGETS[op])}
+    rules = {
+        target: make_rule(target, "cpu") for target in (_ffi.TARGETS[op], _ffi.EMULATED_TARGETS[op])
+    }
 
     def lowering(ctx, *args, **params):
         return rules[_ffi.cpu_target(op)](ctx, *args, **params)
@@ -149,7 +159,7 @@ def _register_lowerings(prim: Primitive, op: str, make_rule) -> None:
     differs; on the CPU the FFI layer's switch may pick the emulated target instead."""
     mlir.register_lowering(prim, _cpu_lowering(op, make_rule), platform="cpu")
     if _ffi.built_with_cuda():
-        mlir.register_lowering(prim, make_rule(_ffi.TARGETS[op]), platform="cuda")
+        mlir.register_lowering(prim, make_rule(_ffi.TARGETS[op], "cuda"), platform="cuda")
     else:
         mlir.register_lowering(prim, _unavailable_cuda_lowering, platform="cuda")
 
@@ -169,7 +179,7 @@ def _norm_batching_rule(prim: Primitive):
 
     def rule(args, dims, **params):
         size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
-        num_rows = _num_row_operands(len(args), params["has_static_scale"])
+        num_rows = _num_row_operands(len(args), _has_scale_operand(params))
         rows = [
             _to_front(a, d, size) for a, d in zip(args[:num_rows], dims[:num_rows], strict=True)
         ]
@@ -202,7 +212,7 @@ def _partitioned(kernel: Primitive, params: tuple, num_operands: int):
     [..., N // G] keep the rows' sharding too); a hidden axis that is sharded is gathered
     first, since each row needs all of it. gamma and a calibrated scale are replicated."""
     kwargs = dict(params)
-    num_rows = _num_row_operands(num_operands, kwargs["has_static_scale"])
+    num_rows = _num_row_operands(num_operands, _has_scale_operand(kwargs))
     num_shared = num_operands - num_rows
     num_results = num_rows + 1  # rms: (y, scales); add: (y, scales, residual_out)
 
@@ -315,9 +325,9 @@ round_p = Primitive("fp8norm_round")
 round_p.def_abstract_eval(lambda x, *, dtype: x.update(dtype=np.dtype(dtype), weak_type=False))
 
 
-def _round_lowering(target: str):
+def _round_lowering(target: str, platform: str):
     rule = jax.ffi.ffi_lowering(target)
-    return lambda ctx, x, *, dtype: rule(ctx, x)
+    return lambda ctx, x, *, dtype: rule(ctx, x, fp4_layout=np.int64(_ffi.fp4_layout(platform)))
 
 
 round_p.def_impl(functools.partial(_eager_impl, round_p))

@@ -5,12 +5,13 @@ underflow to zero). ``jax.grad`` through :func:`jax_fp8norm.rms_norm_fp8` or
 primitives' JVP rule, in jax_fp8norm._primitives).
 
 What training code differentiates instead is the dequantised output, ``f32(y) *
-f32(scales)`` (each scale repeated over its group): :func:`rms_norm_fp8_dequantized` and
-:func:`add_rms_norm_fp8_dequantized` run the fused kernel forward and, backward, the
-straight-through rule: the cotangent of the dequantised output flows back as the gradient
-of the unquantised RMSNorm ``h * rsqrt(mean(h^2) + eps) * (gamma + weight_offset)``,
-computed in float32, to x, gamma and the residual (rounding, clamping, scale_ub and the
-choice of scales, dynamic or calibrated, are treated as the identity).
+f32(scales)`` (each scale repeated over its group, times NVFP4's global scale):
+:func:`rms_norm_fp8_dequantized` and :func:`add_rms_norm_fp8_dequantized` run the fused
+kernel forward and, backward, the straight-through rule: the cotangent of the dequantised
+output flows back as the gradient of the unquantised RMSNorm ``h * rsqrt(mean(h^2) + eps)
+* (gamma + weight_offset)``, computed in float32, to x, gamma and the residual (rounding,
+clamping, scale_ub and the choice of scales, dynamic or calibrated, are treated as the
+identity).
 """
 
 from __future__ import annotations
@@ -35,11 +36,17 @@ def _rms_norm_f32(h: jax.Array, gamma: jax.Array, p: NormParams) -> jax.Array:
     return h * jax.lax.rsqrt(mean_square + p.eps) * (gamma.astype(jnp.float32) + p.weight_offset)
 
 
+def _global_scale(p: NormParams, static: tuple) -> jax.Array | None:
+    """NVFP4's global scale, the operand after gamma, which dequantisation multiplies by."""
+    return static[0] if p.has_global_scale else None
+
+
 @functools.cache
 def _rms_norm_dequantized(p: NormParams):
     @jax.custom_vjp
     def fn(x, gamma, *static):
-        return dequantize(*rms_norm_fp8_p.bind(x, gamma, *static, **p.as_dict()))
+        y, scales = rms_norm_fp8_p.bind(x, gamma, *static, **p.as_dict())
+        return dequantize(y, scales, _global_scale(p, static))
 
     def fwd(x, gamma, *static):
         return fn(x, gamma, *static), (x, gamma, static)
@@ -47,7 +54,7 @@ def _rms_norm_dequantized(p: NormParams):
     def bwd(saved, cotangent):
         x, gamma, static = saved
         _, vjp = jax.vjp(lambda x, g: _rms_norm_f32(x, g, p), x, gamma)
-        # The calibrated scale is a constant of the straight-through rule.
+        # The calibrated or global scale is a constant of the straight-through rule.
         return (*vjp(cotangent), *(jnp.zeros_like(s) for s in static))
 
     fn.defvjp(fwd, bwd)
@@ -61,7 +68,7 @@ def _add_rms_norm_dequantized(p: NormParams):
         y, scales, residual_out = add_rms_norm_fp8_p.bind(
             x, residual, gamma, *static, **p.as_dict()
         )
-        return dequantize(y, scales), residual_out
+        return dequantize(y, scales, _global_scale(p, static)), residual_out
 
     def fwd(x, residual, gamma, *static):
         return fn(x, residual, gamma, *static), (x, residual, gamma, static)

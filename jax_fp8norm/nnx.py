@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_fp8norm._checks import check_static_scale, validate
+from jax_fp8norm._checks import check_global_scale, check_static_scale, validate
 from jax_fp8norm._params import NORM_KEYWORDS, NormKeywords
 from jax_fp8norm._signatures import norm_keywords
 from jax_fp8norm.autodiff import add_rms_norm_fp8_dequantized, rms_norm_fp8_dequantized
@@ -55,9 +55,12 @@ class RMSNormFP8(nnx.Module):
         offset = keywords.get("weight_offset", NORM_KEYWORDS["weight_offset"][0])
         start = 0.0 if offset == 1.0 else 1.0
         self.weight = nnx.Param(jnp.full((num_features,), start, param_dtype))
-        # The calibrated scale is data (an array the module carries); the rest are static.
+        # The calibrated and global scales are data (arrays the module carries); the rest
+        # are static.
         static_scale = check_static_scale(keywords.pop("static_scale", None))
         self.static_scale = nnx.data(static_scale) if static_scale is not None else None
+        global_scale = check_global_scale(keywords.pop("global_scale", None))
+        self.global_scale = nnx.data(global_scale) if global_scale is not None else None
         self.keywords = keywords
         self.dequantize = dequantize
 
@@ -69,6 +72,8 @@ class RMSNormFP8(nnx.Module):
         keywords = dict(self.keywords)
         if self.static_scale is not None:
             keywords["static_scale"] = self.static_scale
+        if self.global_scale is not None:
+            keywords["global_scale"] = self.global_scale
         if residual is None:
             op = rms_norm_fp8_dequantized if self.dequantize else rms_norm_fp8
             return op(x, weight, **keywords)

@@ -1,5 +1,5 @@
 """The fused ops: RMSNorm with FP8 quantisation (dynamic scales per row or per group, or a
-calibrated static scale), as XLA FFI custom calls.
+calibrated static scale) or FP4 quantisation (NVFP4, MXFP4), as XLA FFI custom calls.
 
 Each public function validates its arguments (TypeError / ValueError naming the
 argument), rounds the constants as docs/spec.md says and binds a JAX primitive that
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_fp8norm._checks import check_static_scale, validate
+from jax_fp8norm._checks import check_global_scale, check_static_scale, validate
 from jax_fp8norm._dtypes import FLOAT_DTYPES, OUT_DTYPES
 from jax_fp8norm._params import AllReduceKeywords, NormKeywords
 from jax_fp8norm._primitives import add_rms_norm_fp8_p, rms_norm_fp8_p, round_p
@@ -28,7 +28,9 @@ def rms_norm_fp8(
     x: jax.Array, gamma: jax.Array, **keywords: Unpack[NormKeywords]
 ) -> tuple[jax.Array, jax.Array]:
     """RMSNorm of each row of ``x``, quantised to FP8 with dynamic scales per row (or per
-    group of ``group_size`` elements), or with one calibrated ``static_scale``.
+    group of ``group_size`` elements), or with one calibrated ``static_scale``; or to FP4
+    (``out_dtype=jnp.float4_e2m1fn``): NVFP4 with ``float8_e4m3fn`` scales per group and a
+    ``global_scale``, MXFP4 with ``float8_e8m0fnu`` ones.
 
     Args:
       x: ``[..., N]`` float32, float16 or bfloat16, rank >= 1; each of the
@@ -39,7 +41,8 @@ def rms_norm_fp8(
     Returns:
       ``(y, scales)``: ``y`` is ``[..., N]`` in ``out_dtype``; ``scales`` is
       ``[..., N // group_size]`` (``[..., 1]`` per row) in ``scale_dtype``.
-      ``f32(y) * repeat(f32(scales), N // scales.shape[-1], axis=-1)`` dequantises.
+      ``f32(y) * repeat(f32(scales), N // scales.shape[-1], axis=-1)`` dequantises
+      (times ``global_scale`` for NVFP4: :func:`jax_fp8norm.dequantize`).
     """
     call = validate(x, gamma, **keywords)
     y, scales = rms_norm_fp8_p.bind(*call.operands(x, gamma), **call.params.as_dict())
@@ -127,7 +130,7 @@ def sharded_allreduce_residual_rms_norm_fp8(
       residual: ``[..., N]``, replicated. gamma: ``[N]``, replicated.
       mesh, axis_name: the mesh and the axis to reduce over.
       kwargs: the keywords of :func:`allreduce_residual_rms_norm_fp8` (a
-        ``static_scale`` array is replicated).
+        ``static_scale`` or ``global_scale`` array is replicated).
 
     Returns:
       ``(y, scales, residual_out)``, replicated over the mesh.
@@ -140,13 +143,17 @@ def sharded_allreduce_residual_rms_norm_fp8(
             f"per device of {axis_name!r}; got {tuple(partials.shape)}"
         )
 
-    # A calibrated scale enters shard_map as a replicated operand, not a closed-over one.
-    static_scale = check_static_scale(kwargs.pop("static_scale", None))
-    extra = () if static_scale is None else (static_scale,)
+    # A calibrated or global scale enters shard_map as a replicated operand, not a
+    # closed-over one.
+    data = {
+        "static_scale": check_static_scale(kwargs.pop("static_scale", None)),
+        "global_scale": check_global_scale(kwargs.pop("global_scale", None)),
+    }
+    data = {name: value for name, value in data.items() if value is not None}
+    extra = tuple(data.values())
 
-    def per_device(local_partials, residual, gamma, *static):
-        if static:
-            kwargs["static_scale"] = static[0]
+    def per_device(local_partials, residual, gamma, *scales):
+        kwargs.update(zip(data, scales, strict=True))
         return allreduce_residual_rms_norm_fp8(
             local_partials[0], residual, gamma, axis_name=axis_name, **kwargs
         )
@@ -178,11 +185,14 @@ def _place(value, sharding):
 
 
 def round_float32(x: jax.Array, dtype) -> jax.Array:
-    """Rounds float32 ``x`` to ``dtype`` (float16, bfloat16 or an FP8 E4M3 type) with the
-    kernels' own conversion code; for checking it against other implementations."""
+    """Rounds float32 ``x`` to ``dtype`` (float16, bfloat16, an FP8 E4M3 type or
+    float4_e2m1fn) with the kernels' own conversion code; for checking it against other
+    implementations."""
     check = jnp.dtype(dtype)
     if jnp.dtype(x.dtype) != jnp.float32:
         raise TypeError(f"x must be float32, got {x.dtype}")
     if check not in FLOAT_DTYPES[1:] + OUT_DTYPES:
-        raise TypeError(f"dtype must be float16, bfloat16 or an FP8 E4M3 type, got {check}")
+        raise TypeError(
+            f"dtype must be float16, bfloat16, an FP8 E4M3 type or float4_e2m1fn, got {check}"
+        )
     return round_p.bind(x, dtype=check)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_fp8norm._checks import check_axis_name, check_reduce_dtype, validate
-from jax_fp8norm._dtypes import E8M0
+from jax_fp8norm._dtypes import E4M3, E8M0, FP4_MAX
 from jax_fp8norm._params import DEFAULT_EPS, NormKeywords, NormParams
 from jax_fp8norm._signatures import norm_keywords
 
@@ -217,7 +217,7 @@ def _nearest_scales(amax: jax.Array, p: NormParams) -> tuple[jax.Array, jax.Arra
     """Steps 5-6 with nearest rounding: (scale as float32, recip)."""
     f32 = jnp.float32
     bounded = jnp.minimum(_round_through(amax, p.scale_dtype), f32(p.scale_ub))
-    scale32 = _round_through(_divide(bounded, p.fp8_max), p.scale_dtype)
+    scale32 = _round_through(_divide(bounded, p.out_max), p.scale_dtype)
     inverse = _divide(jnp.ones_like(scale32), scale32)
     recip = jnp.where((scale32 == 0) | ~jnp.isfinite(inverse), f32(0), inverse)
     return scale32, recip
@@ -230,12 +230,12 @@ def _power_of_two_exponents(amax: jax.Array, p: NormParams) -> tuple[jax.Array, 
     denormal flushing cannot change it (src/common/fp8norm_math.h, PowerOfTwoExponent)."""
     u32 = jnp.uint32
     a = jnp.minimum(amax, jnp.float32(p.scale_ub))
-    q = _bits(_divide(a, p.fp8_max))
+    q = _bits(_divide(a, p.out_max))
     exponent = (q >> 23) & u32(0xFF)
     rounded_up = jnp.where(
         (exponent != 0xFF) & ((q & u32(0x7FFFFF)) != 0), exponent + u32(1), exponent
     )
-    tiny_limit = np.float32(p.fp8_max) * np.float32(2.0**-127)  # a normal float32
+    tiny_limit = np.float32(p.out_max) * np.float32(2.0**-127)  # a normal float32
     tiny = jnp.where(a > tiny_limit, u32(1), u32(0))
     exponent = jnp.where(exponent == 0, tiny, rounded_up)
     exponent = jnp.maximum(exponent, u32(0 if p.scale_dtype == E8M0 else 1))
@@ -255,10 +255,12 @@ def _static_scales(static_scale: jax.Array, p: NormParams) -> tuple[jax.Array, j
 
 
 def quantize_rows(
-    h: jax.Array, gamma: jax.Array, p: NormParams, static_scale: jax.Array | None = None
+    h: jax.Array, gamma: jax.Array, p: NormParams, scale_operand: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Steps 2-7 of the spec on float32 rows ``h`` [..., N], with scales per row, per
-    group or calibrated (``static_scale``, a float32 (1,) array): returns (y, scales)."""
+    group, calibrated or FP4's: returns (y, scales). ``scale_operand``: the calibrated
+    scale, or NVFP4's global scale (a float32 (1,) array)."""
+    static_scale = scale_operand if p.has_static_scale else None
     f32 = jnp.float32
     n = h.shape[-1]
     groups = p.groups(n)
@@ -268,6 +270,10 @@ def quantize_rows(
     r = jnp.where(denom == 0, f32(0), _divide(jnp.ones_like(denom), jnp.sqrt(denom)))
     normed = (h * r) * _plus_constant(gamma.astype(f32), p.weight_offset)
     grouped = normed.reshape(rows + (groups, n // groups if groups else 0))
+    row_finite = jnp.isfinite(sum_sq)
+    if p.fp4:
+        y, scale = _fp4_groups(grouped, row_finite, p, scale_operand)
+        return y.reshape(h.shape), scale
     if static_scale is not None:
         scale32, recip = _static_scales(static_scale, p)
         scale32 = jnp.broadcast_to(scale32, rows + (1,))
@@ -282,10 +288,9 @@ def quantize_rows(
             scale32, recip = _nearest_scales(amax, p)
             exponent = None
     # The barrier keeps XLA from folding normed * (1 / scale) into normed / scale.
-    q = jnp.clip(grouped * jax.lax.optimization_barrier(recip)[..., None], -p.fp8_max, p.fp8_max)
+    q = jnp.clip(grouped * jax.lax.optimization_barrier(recip)[..., None], -p.out_max, p.out_max)
     # A NaN or Inf in the row, or an overflowing sum of squares: the whole row is NaN (and
     # its scales, unless calibrated).
-    row_finite = jnp.isfinite(sum_sq)
     q = jnp.where(row_finite[..., None], q, f32(np.nan)).reshape(h.shape)
     if p.scale_dtype == E8M0:
         exponent = jnp.where(row_finite, exponent, jnp.uint32(0xFF)).astype(jnp.uint8)
@@ -295,6 +300,45 @@ def quantize_rows(
         if static_scale is None:
             scale = jnp.where(row_finite, scale, jnp.asarray(np.nan, p.scale_dtype))
     return _to_fp8(q, p.out_dtype), scale
+
+
+def _fp4_groups(
+    grouped: jax.Array, row_finite: jax.Array, p: NormParams, global_scale: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """FP4 codes and scales of float32 normalised groups [..., groups, G] (docs/spec.md,
+    "FP4 outputs"). NVFP4: t = n / gs, scale = e4m3(min(max|t| / 6, 448)), y =
+    e2m1(clip(t / scale, -6, 6)). MXFP4: the power-of-two rule with FP4_MAX, y =
+    e2m1(clip(n * (1 / scale), -6, 6)). A group that is not finite (in a row that is not,
+    or holding NaN or Inf, after the division by gs for NVFP4), or NVFP4 under a global
+    scale that is not a positive normal float32, gets a NaN scale and zero codes; a zero
+    NVFP4 scale gives zero codes."""
+    f32 = jnp.float32
+    if p.nvfp4:
+        gs = global_scale.astype(f32).reshape(())
+        gs_bits = _bits(gs)
+        gs_valid = (gs_bits >= 0x00800000) & (gs_bits < 0x7F800000)
+        t = _divide(grouped, gs)
+        amax = jnp.max(jnp.abs(t), axis=-1, initial=f32(0))  # [..., groups]
+        finite = row_finite & gs_valid & jnp.isfinite(amax)
+        # The barrier keeps XLA from dropping the round trip through e4m3 (as jax.nn's
+        # quantiser does too).
+        scale = jax.lax.optimization_barrier(
+            jnp.minimum(_divide(amax, FP4_MAX), f32(448.0)).astype(E4M3)
+        )
+        scale32 = scale.astype(f32)
+        zero = ~finite | (scale32 == 0)
+        q = _divide(t, jnp.where(zero, f32(1), scale32)[..., None])
+        scale = jnp.where(finite, scale, jnp.asarray(np.nan, E4M3))
+    else:
+        amax = jnp.max(jnp.abs(grouped), axis=-1, initial=f32(0))
+        zero = ~(row_finite & jnp.isfinite(amax))
+        exponent, recip = _power_of_two_exponents(amax, p)
+        # The barrier keeps XLA from folding n * (1 / scale) into n / scale.
+        q = grouped * jax.lax.optimization_barrier(recip)[..., None]
+        exponent = jnp.where(zero, jnp.uint32(0xFF), exponent).astype(jnp.uint8)
+        scale = jax.lax.bitcast_convert_type(exponent, E8M0)
+    q = jnp.clip(jnp.where(zero[..., None], f32(0), q), -FP4_MAX, FP4_MAX)
+    return q.astype(p.out_dtype), scale
 
 
 # The NaN code of each FP8 format: the kernels write this one, whatever NaN they convert.
@@ -335,7 +379,7 @@ def rms_norm_fp8(
         jnp.asarray(x).astype(jnp.float32),
         jnp.asarray(gamma),
         call.params,
-        call.static_scale_operand,
+        call.scale_operand,
     )
 
 
@@ -355,7 +399,7 @@ def add_rms_norm_fp8(
 def _add_quantize(x, residual, gamma, call):
     """h = x + residual in float32; (y, scales) of the unrounded h; h in residual's dtype."""
     h = x.astype(jnp.float32) + residual.astype(jnp.float32)
-    y, scales = quantize_rows(h, gamma, call.params, call.static_scale_operand)
+    y, scales = quantize_rows(h, gamma, call.params, call.scale_operand)
     return y, scales, h.astype(residual.dtype)
 
 
@@ -379,15 +423,21 @@ def allreduce_residual_rms_norm_fp8(
     return _add_quantize(h, jnp.asarray(residual), jnp.asarray(gamma), call)
 
 
-def dequantize(y: jax.Array, scales: jax.Array) -> jax.Array:
-    """``f32(y) * f32(scales)``, each scale repeated over its group: float32 ``[..., N]``
-    from the ``(y, scales)`` of any op (per row, per group, e8m0 or static)."""
+def dequantize(
+    y: jax.Array, scales: jax.Array, global_scale: jax.Array | float | None = None
+) -> jax.Array:
+    """``f32(y) * f32(scales)``, each scale repeated over its group, times NVFP4's
+    ``global_scale`` when given: float32 ``[..., N]`` from the ``(y, scales)`` of any op
+    (per row, per group, e8m0, static, NVFP4 or MXFP4)."""
     n = y.shape[-1]
     groups = scales.shape[-1]
     scales32 = scales.astype(jnp.float32)
     if groups > 1:
         scales32 = jnp.repeat(scales32, n // groups, axis=-1)
-    return y.astype(jnp.float32) * scales32
+    out = y.astype(jnp.float32) * scales32
+    if global_scale is not None:
+        out = out * jnp.reshape(jnp.asarray(global_scale, jnp.float32), ())
+    return out
 
 
 def all_reduce(x: jax.Array, axis_name, reduce_dtype) -> jax.Array:

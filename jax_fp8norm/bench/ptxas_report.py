@@ -104,7 +104,7 @@ def _rows(ptxas_output: str) -> list[dict]:
         text = text.replace("fp8norm::(anonymous namespace)::", "").replace("fp8norm::", "")
         row["kernel"] = re.sub(r"\((?:RmsNormFp8Args|RoundArgs).*", "", text).removeprefix("void ")
         row["kernel"] = (
-            row["kernel"].replace("(Fp8Format)0", "e4m3fn").replace("(Fp8Format)1", "e4m3fnuz")
+            row["kernel"].replace("(OutFormat)0", "e4m3fn").replace("(OutFormat)1", "e4m3fnuz")
         )
     return rows
 

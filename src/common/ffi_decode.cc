@@ -24,11 +24,24 @@ ffi::Error Invalid(const std::string& what) {
   return ffi::Error::InvalidArgument("jax_fp8norm: " + what);
 }
 
+// Whether float4_e2m1fn buffers are packed under `layout`; empty for a layout this build
+// does not know.
+std::optional<bool> Fp4Packed(int64_t layout) {
+  switch (static_cast<Fp4Layout>(layout)) {
+    case Fp4Layout::kOnePerByte:
+      return false;
+    case Fp4Layout::kPackedLowFirst:
+      return true;
+    default:
+      return std::nullopt;
+  }
+}
+
 }  // namespace
 
 ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
                             const ffi::AnyBuffer& gamma,
-                            const std::optional<ffi::AnyBuffer>& static_scale,
+                            const std::optional<ffi::AnyBuffer>& scale_operand,
                             ffi::Result<ffi::AnyBuffer>& y, ffi::Result<ffi::AnyBuffer>& scales,
                             ffi::Result<ffi::AnyBuffer>* residual_out,
                             const NormAttributes& attributes, RmsNormFp8Args* args) {
@@ -65,13 +78,21 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
     }
   }
 
-  Fp8Format out_format;
+  OutFormat out_format;
   if (y->element_type() == ffi::DataType::F8E4M3FN) {
-    out_format = Fp8Format::kE4M3FN;
+    out_format = OutFormat::kE4M3FN;
   } else if (y->element_type() == ffi::DataType::F8E4M3FNUZ) {
-    out_format = Fp8Format::kE4M3FNUZ;
+    out_format = OutFormat::kE4M3FNUZ;
+  } else if (y->element_type() == ffi::DataType::F4E2M1FN) {
+    out_format = OutFormat::kE2M1;
   } else {
-    return Invalid("y must be float8_e4m3fn or float8_e4m3fnuz");
+    return Invalid("y must be float8_e4m3fn, float8_e4m3fnuz or float4_e2m1fn");
+  }
+  const bool fp4 = out_format == OutFormat::kE2M1;
+  const std::optional<bool> packed = Fp4Packed(attributes.fp4_layout);
+  if (fp4 && !packed) {
+    return Invalid("fp4_layout " + std::to_string(attributes.fp4_layout) +
+                   " is not a float4_e2m1fn layout this build knows");
   }
   if (!(y->dimensions() == dims)) return Invalid("y must have the shape of x");
 
@@ -79,13 +100,27 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
   if (group_size < 0 || (group_size > 0 && hidden % group_size != 0)) {
     return Invalid("group_size must be 0 (one scale per row) or a positive divisor of hidden");
   }
+  if (fp4 && (group_size <= 0 || group_size % 2 != 0)) {
+    return Invalid("float4_e2m1fn y needs an even group_size");
+  }
   const int64_t groups = group_size > 0 ? hidden / group_size : 1;
   const bool power_of_two = attributes.power_of_two_scales;
   std::optional<FloatType> scale_type = FloatTypeOf(scales->element_type());
   if (scales->element_type() == ffi::DataType::F8E8M0FNU) scale_type = FloatType::kE8M0;
-  if (!scale_type) return Invalid("scales must be float32, float16, bfloat16 or float8_e8m0fnu");
+  if (scales->element_type() == ffi::DataType::F8E4M3FN) scale_type = FloatType::kE4M3;
+  if (!scale_type) {
+    return Invalid("scales must be float32, float16, bfloat16, float8_e8m0fnu or float8_e4m3fn");
+  }
+  const bool nvfp4 = *scale_type == FloatType::kE4M3;
+  if (fp4 && !nvfp4 && *scale_type != FloatType::kE8M0) {
+    return Invalid("float4_e2m1fn y needs float8_e4m3fn (NVFP4) or float8_e8m0fnu (MXFP4) scales");
+  }
+  if (nvfp4 && !fp4) return Invalid("float8_e4m3fn scales are NVFP4's: y must be float4_e2m1fn");
   if (*scale_type == FloatType::kE8M0 && !power_of_two) {
     return Invalid("float8_e8m0fnu scales are powers of two: power_of_two_scales must be set");
+  }
+  if (nvfp4 && (power_of_two || !std::isinf(attributes.scale_ub))) {
+    return Invalid("NVFP4 scales take neither power_of_two_scales nor scale_ub");
   }
   if (*scale_type == FloatType::kF16 && power_of_two) {
     return Invalid("power-of-two scales need a float32, bfloat16 or float8_e8m0fnu scale dtype");
@@ -98,17 +133,20 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
   if (!scale_shape_ok)
     return Invalid("scales must have shape x.shape[:-1] + (hidden / group_size,)");
 
-  const float* static_scale_data = nullptr;
-  if (static_scale.has_value()) {
-    if (static_scale->element_type() != ffi::DataType::F32 || static_scale->element_count() != 1) {
-      return Invalid("static_scale must be one float32");
+  const float* scale_operand_data = nullptr;
+  if (scale_operand.has_value()) {
+    if (scale_operand->element_type() != ffi::DataType::F32 ||
+        scale_operand->element_count() != 1) {
+      return Invalid(nvfp4 ? "global_scale must be one float32" : "static_scale must be one float32");
     }
-    if (group_size > 0 || power_of_two) {
+    if (fp4 && !nvfp4) return Invalid("MXFP4 takes neither static_scale nor global_scale");
+    if (!fp4 && (group_size > 0 || power_of_two)) {
       return Invalid("static_scale excludes group_size and power-of-two scales");
     }
-    static_scale_data = static_cast<const float*>(static_scale->untyped_data());
+    scale_operand_data = static_cast<const float*>(scale_operand->untyped_data());
+  } else if (nvfp4) {
+    return Invalid("NVFP4 needs its global_scale operand");
   }
-
   if (!(eps >= 0.0f) || !std::isfinite(eps)) return Invalid("eps must be finite and >= 0");
   if (!std::isfinite(weight_offset)) return Invalid("weight_offset must be finite");
   if (!(scale_ub > 0.0f)) return Invalid("scale_ub must be > 0");
@@ -119,7 +157,8 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
       gamma.untyped_data(),
       y->untyped_data(),
       scales->untyped_data(),
-      static_scale_data,
+      nvfp4 ? nullptr : scale_operand_data,
+      nvfp4 ? scale_operand_data : nullptr,
       residual_out != nullptr ? (*residual_out)->untyped_data() : nullptr,
       rows,
       hidden,
@@ -129,13 +168,14 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
       *gamma_type,
       *scale_type,
       out_format,
+      fp4 && *packed,
       RowConstants{eps, weight_offset, scale_ub, power_of_two},
   };
   return ffi::Error::Success();
 }
 
 ffi::Error DecodeRound(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out,
-                       RoundArgs* args) {
+                       int64_t fp4_layout, RoundArgs* args) {
   if (in.element_type() != ffi::DataType::F32) return Invalid("round: input must be float32");
   if (!(in.dimensions() == out->dimensions())) {
     return Invalid("round: output must have the shape of the input");
@@ -154,11 +194,20 @@ ffi::Error DecodeRound(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& ou
     case ffi::DataType::F8E4M3FNUZ:
       target = RoundTarget::kE4M3FNUZ;
       break;
+    case ffi::DataType::F4E2M1FN:
+      target = RoundTarget::kE2M1;
+      break;
     default:
-      return Invalid("round: output must be float16, bfloat16 or an FP8 E4M3 type");
+      return Invalid("round: output must be float16, bfloat16, an FP8 E4M3 type or float4_e2m1fn");
+  }
+  const std::optional<bool> packed = Fp4Packed(fp4_layout);
+  if (target == RoundTarget::kE2M1 && !packed) {
+    return Invalid("round: fp4_layout " + std::to_string(fp4_layout) +
+                   " is not a float4_e2m1fn layout this build knows");
   }
   *args = RoundArgs{static_cast<const float*>(in.untyped_data()), out->untyped_data(),
-                    static_cast<int64_t>(in.element_count()), target};
+                    static_cast<int64_t>(in.element_count()), target,
+                    target == RoundTarget::kE2M1 && *packed};
   return ffi::Error::Success();
 }
 

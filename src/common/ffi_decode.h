@@ -21,27 +21,37 @@ struct NormAttributes {
   float scale_ub;
   int64_t group_size;  // 0: one scale per row
   bool power_of_two_scales;
+  // How the platform's float4_e2m1fn buffers hold their elements (a Fp4Layout), as the
+  // Python lowering knows it; FP4 outputs refuse any other value.
+  int64_t fp4_layout;
 };
 
-// `residual` and `residual_out` are null for rms_norm_fp8; `static_scale` is empty unless
-// the call has a calibrated scale.
+// The physical layouts of a float4_e2m1fn buffer: one code per byte (in the low nibble),
+// or two per byte with element 2k in the low nibble (XLA's CPU backend, docs/spec.md).
+// A buffer's size_bytes() cannot tell them apart: the FFI header counts one byte per F4
+// element either way.
+enum class Fp4Layout : int64_t { kOnePerByte = 0, kPackedLowFirst = 1 };
+
+// `residual` and `residual_out` are null for rms_norm_fp8. `scale_operand` is the
+// calibrated scale (FP8 outputs) or NVFP4's global scale (float4_e2m1fn y with
+// float8_e4m3fn scales, where it is required); empty otherwise.
 ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
                             const ffi::AnyBuffer& gamma,
-                            const std::optional<ffi::AnyBuffer>& static_scale,
+                            const std::optional<ffi::AnyBuffer>& scale_operand,
                             ffi::Result<ffi::AnyBuffer>& y, ffi::Result<ffi::AnyBuffer>& scales,
                             ffi::Result<ffi::AnyBuffer>* residual_out,
                             const NormAttributes& attributes, RmsNormFp8Args* args);
 
 // The signatures of the two norm targets, the same on every platform but for the
 // context (Ctx: the CPU's thread pool, the GPU's stream and device): x, [residual,]
-// gamma, an optional static_scale; y, scales[, residual_out]; the attributes.
+// gamma, an optional scale operand; y, scales[, residual_out]; the attributes.
 template <typename Ctx>
 auto RmsNormFp8Binding() {
   return ffi::Ffi::Bind()
       .Ctx<Ctx>()
       .template Arg<ffi::AnyBuffer>()          // x
       .template Arg<ffi::AnyBuffer>()          // gamma
-      .template OptionalArg<ffi::AnyBuffer>()  // static_scale
+      .template OptionalArg<ffi::AnyBuffer>()  // static_scale or global_scale
       .template Ret<ffi::AnyBuffer>()          // y
       .template Ret<ffi::AnyBuffer>()          // scales
       .template Attrs<NormAttributes>();
@@ -54,14 +64,16 @@ auto AddRmsNormFp8Binding() {
       .template Arg<ffi::AnyBuffer>()          // x
       .template Arg<ffi::AnyBuffer>()          // residual
       .template Arg<ffi::AnyBuffer>()          // gamma
-      .template OptionalArg<ffi::AnyBuffer>()  // static_scale
+      .template OptionalArg<ffi::AnyBuffer>()  // static_scale or global_scale
       .template Ret<ffi::AnyBuffer>()          // y
       .template Ret<ffi::AnyBuffer>()          // scales
       .template Ret<ffi::AnyBuffer>()          // residual_out
       .template Attrs<NormAttributes>();
 }
 
-ffi::Error DecodeRound(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out, RoundArgs* args);
+// fp4_layout: as NormAttributes::fp4_layout, for a float4_e2m1fn output.
+ffi::Error DecodeRound(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out,
+                       int64_t fp4_layout, RoundArgs* args);
 
 }  // namespace fp8norm
 
@@ -70,4 +82,5 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(fp8norm::NormAttributes,
                                       ::xla::ffi::StructMember<float>("weight_offset"),
                                       ::xla::ffi::StructMember<float>("scale_ub"),
                                       ::xla::ffi::StructMember<int64_t>("group_size"),
-                                      ::xla::ffi::StructMember<bool>("power_of_two_scales"));
+                                      ::xla::ffi::StructMember<bool>("power_of_two_scales"),
+                                      ::xla::ffi::StructMember<int64_t>("fp4_layout"));

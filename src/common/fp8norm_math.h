@@ -30,14 +30,17 @@ struct BF16 {
   uint16_t bits;
 };
 
-// Run-time tags for the float types a kernel does not specialise on. kE8M0 (MXFP8's
-// power-of-two scale: the float32 exponent byte, 0xFF for NaN) is a scale type only.
-enum class FloatType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2, kE8M0 = 3 };
+// Run-time tags for the float types a kernel does not specialise on. kE8M0 (MXFP8's and
+// MXFP4's power-of-two scale: the float32 exponent byte, 0xFF for NaN) and kE4M3 (NVFP4's
+// block scale, float8_e4m3fn) are scale types only.
+enum class FloatType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2, kE8M0 = 3, kE4M3 = 4 };
 
 FP8NORM_HD size_t FloatTypeBytes(FloatType type) {
-  return type == FloatType::kF32 ? 4 : (type == FloatType::kE8M0 ? 1 : 2);
+  return type == FloatType::kF32 ? 4 : (type == FloatType::kE8M0 || type == FloatType::kE4M3 ? 1 : 2);
 }
-enum class Fp8Format : int32_t { kE4M3FN = 0, kE4M3FNUZ = 1 };
+// The formats of y: FP8 (one code per byte) or FP4 E2M1 (float4_e2m1fn, always
+// block-scaled: NVFP4 with kE4M3 scales, MXFP4 with kE8M0 ones).
+enum class OutFormat : int32_t { kE4M3FN = 0, kE4M3FNUZ = 1, kE2M1 = 2 };
 
 FP8NORM_HD uint32_t BitsOf(float v) {
 #if defined(__CUDA_ARCH__)
@@ -144,6 +147,9 @@ FP8NORM_HD uint8_t E8M0Code(float power_of_two) {
   return uint8_t((BitsOf(power_of_two) >> 23) & 0xffu);
 }
 
+// The float8_e4m3fn byte of an NVFP4 scale (a value it holds exactly, or NaN: 0x7F).
+FP8NORM_HD uint8_t E4M3ScaleCode(float scale);
+
 // Stores v at p[i], p holding elements of a float type chosen at run time.
 FP8NORM_HD void StoreAs(FloatType type, void* p, int64_t i, float v) {
   switch (type) {
@@ -155,6 +161,9 @@ FP8NORM_HD void StoreAs(FloatType type, void* p, int64_t i, float v) {
       break;
     case FloatType::kE8M0:
       static_cast<uint8_t*>(p)[i] = E8M0Code(v);
+      break;
+    case FloatType::kE4M3:
+      static_cast<uint8_t*>(p)[i] = E4M3ScaleCode(v);
       break;
     default:
       static_cast<float*>(p)[i] = v;
@@ -179,10 +188,10 @@ FP8NORM_HD float RoundTo(FloatType type, float v) {
 // e4m3fnuz: bias 8, no Inf, no -0, NaN = 0x80, largest 240.
 // ---------------------------------------------------------------------------------
 
-template <Fp8Format kFormat>
+template <OutFormat kFormat>
 struct Fp8Traits;
 template <>
-struct Fp8Traits<Fp8Format::kE4M3FN> {
+struct Fp8Traits<OutFormat::kE4M3FN> {
   static constexpr uint32_t kBias = 7;
   static constexpr uint32_t kMaxCode = 0x7e;
   static constexpr uint32_t kNanCode = 0x7f;
@@ -190,7 +199,7 @@ struct Fp8Traits<Fp8Format::kE4M3FN> {
   static constexpr uint32_t kMaxBits = 0x43e00000u;  // bits of kMax
 };
 template <>
-struct Fp8Traits<Fp8Format::kE4M3FNUZ> {
+struct Fp8Traits<OutFormat::kE4M3FNUZ> {
   static constexpr uint32_t kBias = 8;
   static constexpr uint32_t kMaxCode = 0x7f;
   static constexpr uint32_t kNanCode = 0x80;
@@ -198,9 +207,13 @@ struct Fp8Traits<Fp8Format::kE4M3FNUZ> {
   static constexpr uint32_t kMaxBits = 0x43700000u;
 };
 
-FP8NORM_HD float Fp8Max(Fp8Format format) {
-  return format == Fp8Format::kE4M3FN ? Fp8Traits<Fp8Format::kE4M3FN>::kMax
-                                      : Fp8Traits<Fp8Format::kE4M3FNUZ>::kMax;
+constexpr float kFp4Max = 6.0f;
+
+// The largest finite value of y's format: FP8_MAX, or FP4_MAX = 6.
+FP8NORM_HD float OutMax(OutFormat format) {
+  return format == OutFormat::kE4M3FN    ? Fp8Traits<OutFormat::kE4M3FN>::kMax
+         : format == OutFormat::kE4M3FNUZ ? Fp8Traits<OutFormat::kE4M3FNUZ>::kMax
+                                          : kFp4Max;
 }
 
 // The FP8 code of v. kSaturate: magnitudes past the largest finite value (Inf included)
@@ -213,7 +226,7 @@ FP8NORM_HD float Fp8Max(Fp8Format format) {
 // bits(|v| + C) - bits(C) counts steps, a carry into the next binade included. No branch
 // and no float32 subnormal (those round to 0 either way), so it vectorises and gives the
 // same bits with or without denormal flushing.
-template <Fp8Format kFormat, bool kSaturate>
+template <OutFormat kFormat, bool kSaturate>
 FP8NORM_HD uint8_t Fp8Code(float v) {
   using Tr = Fp8Traits<kFormat>;
   constexpr uint32_t kMinNormalExponent = (127u + 1u - Tr::kBias) << 23;
@@ -232,7 +245,7 @@ FP8NORM_HD uint8_t Fp8Code(float v) {
   // Signed comparisons: both sides are below 2^31, and SSE / AVX2 compare only signed.
   const bool nan = (int32_t(magnitude) > int32_t(kF32Inf)) |
                    (!kSaturate && int32_t(code) > int32_t(Tr::kMaxCode));
-  if (kFormat == Fp8Format::kE4M3FNUZ) {
+  if (kFormat == OutFormat::kE4M3FNUZ) {
     return uint8_t(Select(nan, Tr::kNanCode, Select(code == 0, 0u, code | sign)));
   }
   // Saturating (the kernels): a NaN's sign depends on the order a compiler gave the
@@ -241,10 +254,55 @@ FP8NORM_HD uint8_t Fp8Code(float v) {
   return uint8_t(Select(nan, Tr::kNanCode | (kSaturate ? 0u : sign), code | sign));
 }
 
-template <Fp8Format kFormat>
+template <OutFormat kFormat>
 FP8NORM_HD uint8_t ToFp8(float v) {
   return Fp8Code<kFormat, false>(v);
 }
+
+FP8NORM_HD uint8_t E4M3ScaleCode(float scale) { return Fp8Code<OutFormat::kE4M3FN, true>(scale); }
+
+// The float32 value of a float8_e4m3fn code: NVFP4's scale as the element division takes it.
+FP8NORM_HD float E4M3FnValue(uint8_t code) {
+  const uint32_t exponent = (code >> 3) & 0xfu;
+  const uint32_t mantissa = code & 0x7u;
+  // A subnormal code, mantissa * 2^-9: a product of normal floats, exact.
+  const uint32_t subnormal = BitsOf(float(mantissa) * FloatOf((127u - 9u) << 23));
+  const uint32_t normal = ((exponent + 127u - 7u) << 23) | (mantissa << 20);
+  const uint32_t magnitude =
+      (code & 0x7fu) == 0x7fu ? kF32QuietNan : (exponent == 0 ? subnormal : normal);
+  return FloatOf(magnitude | (uint32_t(code & 0x80u) << 24));
+}
+
+// ---------------------------------------------------------------------------------
+// float32 -> FP4 E2M1 (float4_e2m1fn), round to nearest even: bias 1, one mantissa bit,
+// no Inf, no NaN; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; the sign is bit 3.
+// ---------------------------------------------------------------------------------
+
+constexpr uint32_t kFp4MaxBits = 0x40c00000u;  // bits of kFp4Max
+
+// The E2M1 code of v (in the low nibble). Magnitudes past 6, Inf included, saturate to
+// +-6: the clamp of the spec, and what ml_dtypes' conversion does too. The same
+// construction as Fp8Code: C = max(E, 2^0) * 2^22 puts the unit in the last place at
+// E2M1's step for v's binade. A NaN, which the kernels never convert (a group holding one
+// gets zero codes), becomes what ml_dtypes makes of it: a zero of the opposite sign.
+FP8NORM_HD uint8_t Fp4Code(float v) {
+  constexpr uint32_t kMinNormalExponent = 127u << 23;
+  const uint32_t u = BitsOf(v);
+  const uint32_t sign = (u >> 28) & 0x8u;
+  const uint32_t magnitude = u & kF32AbsMask;
+  const uint32_t capped = magnitude < kFp4MaxBits ? magnitude : kFp4MaxBits;
+  const uint32_t exponent = capped & kF32Inf;
+  const uint32_t e = exponent > kMinNormalExponent ? exponent : kMinNormalExponent;
+  const uint32_t c = e + (22u << 23);
+  const uint32_t steps = BitsOf(FloatOf(capped) + FloatOf(c)) - c;
+  const uint32_t code = steps + (e >> 22) - (127u << 1);
+  const bool nan = int32_t(magnitude) > int32_t(kF32Inf);
+  return uint8_t(Select(nan, sign ^ 0x8u, code | sign));
+}
+
+// Two FP4 codes in one byte, element 2k in the low nibble: the packed layout of
+// float4_e2m1fn buffers (docs/spec.md, "FP4 outputs").
+FP8NORM_HD uint8_t PackFp4(uint8_t even, uint8_t odd) { return uint8_t(even | (odd << 4)); }
 
 // ---------------------------------------------------------------------------------
 // Row arithmetic: steps 2, 5, 6 and 7 of the spec.
@@ -343,6 +401,12 @@ FP8NORM_HD float NanMin(float a, float b) { return (IsNan(a) || a < b) ? a : b; 
 
 constexpr uint32_t kF32MinNormalBits = 0x00800000u;
 
+// A positive, normal, finite float32 (a subnormal one counts as flushed to 0).
+FP8NORM_HD bool IsPositiveNormal(float v) {
+  const uint32_t bits = BitsOf(v);
+  return bits >= kF32MinNormalBits && bits < kF32Inf;
+}
+
 // The biased float32 exponent of P(q), the smallest power of two >= q = a / fp8_max, at
 // least `floor`. A q below 2^-126 (a float32 subnormal, flushed to 0 by GPUs and XLA's CPU
 // threads) is decided from a instead, exactly: 2^-126 if a > fp8_max * 2^-127, else 2^-127
@@ -363,11 +427,11 @@ FP8NORM_HD uint32_t PowerOfTwoExponent(float a, float fp8_max, uint32_t floor) {
 
 // Steps 5 and 6 of the spec with power-of-two scales, for a finite row: the scale of an
 // abs-max (ordered bits) bounded by ub = f32(scale_ub).
-FP8NORM_HD RowScale PowerOfTwoScale(uint32_t amax_bits, Fp8Format format, FloatType scale_type,
+FP8NORM_HD RowScale PowerOfTwoScale(uint32_t amax_bits, OutFormat format, FloatType scale_type,
                                     float ub) {
   // The floor: e8m0's smallest value 2^-127 (byte 0), else float32's smallest normal.
   const uint32_t floor = scale_type == FloatType::kE8M0 ? 0u : 1u;
-  const uint32_t e = PowerOfTwoExponent(NanMin(FloatOf(amax_bits), ub), Fp8Max(format), floor);
+  const uint32_t e = PowerOfTwoExponent(NanMin(FloatOf(amax_bits), ub), OutMax(format), floor);
   // 1 / 2^(e - 127) = 2^(127 - e), exactly: biased exponent 254 - e while normal. Past
   // that (a scale of 2^127 or Inf, from an infinite abs-max) the reciprocal is 0.
   const float recip = e <= 253u ? FloatOf((254u - e) << 23) : 0.0f;
@@ -376,11 +440,11 @@ FP8NORM_HD RowScale PowerOfTwoScale(uint32_t amax_bits, Fp8Format format, FloatT
 }
 
 // Steps 5 and 6 with nearest-rounded scales, for a finite row; ub = f32(S(scale_ub)).
-FP8NORM_HD RowScale NearestScale(uint32_t amax_bits, Fp8Format format, FloatType scale_type,
+FP8NORM_HD RowScale NearestScale(uint32_t amax_bits, OutFormat format, FloatType scale_type,
                                  float ub) {
   const float amax = RoundTo(scale_type, FloatOf(amax_bits));
   const float bounded = NanMin(amax, ub);
-  const float scale = RoundTo(scale_type, bounded / Fp8Max(format));
+  const float scale = RoundTo(scale_type, bounded / OutMax(format));
   const float inverse = 1.0f / scale;
   const float recip = (scale == 0.0f || !IsFinite(inverse)) ? 0.0f : inverse;
   return RowScale{scale, recip};
@@ -388,7 +452,7 @@ FP8NORM_HD RowScale NearestScale(uint32_t amax_bits, Fp8Format format, FloatType
 
 // The scale of a row or group from its row's sum of squares and its own abs-max (steps
 // 5 and 6 of the spec, nearest-rounded or power-of-two).
-FP8NORM_HD RowScale ComputeScale(float sum_sq, uint32_t amax_bits, Fp8Format format,
+FP8NORM_HD RowScale ComputeScale(float sum_sq, uint32_t amax_bits, OutFormat format,
                                  FloatType scale_type, const RowConstants& c) {
   if (!IsFinite(sum_sq)) {
     // A NaN or Inf in the row, or a sum of squares past float32: the whole row is NaN.
@@ -406,9 +470,8 @@ FP8NORM_HD RowScale ComputeScale(float sum_sq, uint32_t amax_bits, Fp8Format for
 // non-finite row gives NaN y and keeps the scale.
 FP8NORM_HD RowScale StaticScale(float sum_sq, float static_scale, FloatType scale_type) {
   const float scale = RoundTo(scale_type, static_scale);
-  const uint32_t bits = BitsOf(scale);
   const float nan = FloatOf(kF32QuietNan);
-  if (!(bits >= kF32MinNormalBits && bits < kF32Inf) || !IsFinite(sum_sq)) {
+  if (!IsPositiveNormal(scale) || !IsFinite(sum_sq)) {
     return RowScale{scale, nan};
   }
   const float inverse = 1.0f / scale;
@@ -416,9 +479,57 @@ FP8NORM_HD RowScale StaticScale(float sum_sq, float static_scale, FloatType scal
 }
 
 // FP8(clamp(normed * recip, +-FP8_MAX)): the clamp is the saturation of Fp8Code.
-template <Fp8Format kFormat>
+template <OutFormat kFormat>
 FP8NORM_HD uint8_t QuantizeElement(float normed, float recip) {
   return Fp8Code<kFormat, true>(normed * recip);
+}
+
+// ---------------------------------------------------------------------------------
+// FP4 groups (the spec's "FP4 outputs"): a group's scale and its elements' codes.
+// ---------------------------------------------------------------------------------
+
+// How the elements of one FP4 group become codes. NVFP4: E2M1((n / global_scale) / scale),
+// two float32 divisions, as jax.nn's NVFP4 quantiser makes them. MXFP4: E2M1(n * recip),
+// recip = 1 / scale exactly (a power of two). zero: every code of the group is 0 (its
+// scale is 0 or NaN).
+struct Fp4Scale {
+  float scale;  // as stored: e4m3 (NVFP4) or a power of two (MXFP4); NaN for a non-finite group
+  float recip;  // MXFP4's multiplier
+  float global_scale;  // NVFP4's first divisor
+  bool nvfp4;
+  bool zero;
+};
+
+// NVFP4's scale of a group of normalised values with abs-max amax_bits (ordered bits), in a
+// row with sum of squares sum_sq, under the global decode scale gs: e4m3(min(amax / gs / 6,
+// 448)). max_j |n_j / gs| is (max_j |n_j|) / gs, since a correctly rounded division by a
+// positive number is monotonic. NaN, with zero codes, for a non-finite row, a global scale
+// that is not a positive normal float32, or a group whose values divided by it are not all
+// finite; 0, with zero codes, for a group whose scale rounds to 0.
+FP8NORM_HD Fp4Scale Nvfp4Scale(float sum_sq, uint32_t amax_bits, float global_scale) {
+  const float amax = FloatOf(amax_bits) / global_scale;
+  if (!IsFinite(sum_sq) || !IsPositiveNormal(global_scale) || !IsFinite(amax)) {
+    return Fp4Scale{FloatOf(kF32QuietNan), 0.0f, global_scale, true, true};
+  }
+  // The saturating conversion is the clamp at 448.
+  const float scale = E4M3FnValue(E4M3ScaleCode(amax / kFp4Max));
+  return Fp4Scale{scale, 0.0f, global_scale, true, BitsOf(scale) == 0};
+}
+
+// MXFP4's scale: the power-of-two rule with FP4_MAX, bounded by ub = f32(scale_ub). NaN,
+// with zero codes, for a non-finite row or a group holding NaN or Inf (before the bound).
+FP8NORM_HD Fp4Scale Mxfp4Scale(float sum_sq, uint32_t amax_bits, float ub) {
+  if (!IsFinite(sum_sq) || !IsFinite(FloatOf(amax_bits))) {
+    return Fp4Scale{FloatOf(kF32QuietNan), 0.0f, 0.0f, false, true};
+  }
+  const RowScale s = PowerOfTwoScale(amax_bits, OutFormat::kE2M1, FloatType::kE8M0, ub);
+  return Fp4Scale{s.scale, s.recip, 0.0f, false, false};
+}
+
+// The FP4 code of a normalised element of a group (the clamp is Fp4Code's saturation).
+FP8NORM_HD uint8_t QuantizeFp4Element(float normed, const Fp4Scale& s) {
+  const float v = s.nvfp4 ? (normed / s.global_scale) / s.scale : normed * s.recip;
+  return s.zero ? uint8_t{0} : Fp4Code(v);
 }
 
 }  // namespace fp8norm

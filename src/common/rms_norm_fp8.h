@@ -14,11 +14,16 @@ struct RmsNormFp8Args {
   const void* x;         // [rows, hidden], input_type
   const void* residual;  // [rows, hidden], residual_type; null for rms_norm_fp8
   const void* gamma;     // [hidden], gamma_type
-  void* y;               // [rows, hidden], FP8 in out_format
-  void* scales;          // [rows, hidden / group_size], scale_type
+  // [rows, hidden] in out_format: FP8, one code per byte; FP4, two codes per byte (element
+  // 2k in the low nibble) when y_packed, else one per byte (in the low nibble).
+  void* y;
+  void* scales;  // [rows, hidden / group_size], scale_type
   // [1] float32, the calibrated scale of every row; null for scales computed per row or
   // group. On the device of the kernel that reads it.
   const float* static_scale;
+  // [1] float32, NVFP4's global decode scale; null for every other format. On the device
+  // of the kernel that reads it.
+  const float* global_scale;
   void* residual_out;  // [rows, hidden], residual_type; null when residual is null
   int64_t rows;
   int64_t hidden;
@@ -31,13 +36,31 @@ struct RmsNormFp8Args {
   FloatType residual_type;
   FloatType gamma_type;
   FloatType scale_type;
-  Fp8Format out_format;
+  OutFormat out_format;
+  bool y_packed;
   RowConstants constants;
 };
 
-// One scale for the whole row (per row, or static).
+FP8NORM_HD bool IsFp4(const RmsNormFp8Args& a) { return a.out_format == OutFormat::kE2M1; }
+
+// One scale for the whole row (per row, or static). FP4 always takes the group paths, a
+// group of the whole row included.
 FP8NORM_HD bool PerRowScale(const RmsNormFp8Args& a) {
-  return a.group_size <= 0 || a.group_size == a.hidden;
+  return (a.group_size <= 0 || a.group_size == a.hidden) && !IsFp4(a);
+}
+
+// The byte of y where element `element` of the call (row-major) starts: packed FP4 holds
+// two per byte (element counts are even in every row: group sizes are).
+FP8NORM_HD int64_t YByte(const RmsNormFp8Args& a, int64_t element) {
+  return a.y_packed ? element / 2 : element;
+}
+
+// The FP4 scale of a group: NVFP4 (e4m3 scales) or MXFP4 (e8m0); global_scale is
+// *a.global_scale, read by the caller where it lives.
+FP8NORM_HD Fp4Scale Fp4ScaleOf(const RmsNormFp8Args& a, float sum_sq, uint32_t amax,
+                               float global_scale) {
+  return a.scale_type == FloatType::kE4M3 ? Nvfp4Scale(sum_sq, amax, global_scale)
+                                          : Mxfp4Scale(sum_sq, amax, a.constants.scale_ub);
 }
 
 // Scales per row: hidden / group_size, or 1.
@@ -47,13 +70,16 @@ FP8NORM_HD int64_t GroupsPerRow(const RmsNormFp8Args& a) {
 
 // Element-wise rounding of float32 values, the same functions the kernels use; exposed so
 // that tests can hold every FP8 / float16 / bfloat16 boundary against ml_dtypes.
-enum class RoundTarget : int32_t { kF16 = 0, kBF16 = 1, kE4M3FN = 2, kE4M3FNUZ = 3 };
+enum class RoundTarget : int32_t { kF16 = 0, kBF16 = 1, kE4M3FN = 2, kE4M3FNUZ = 3, kE2M1 = 4 };
 
 struct RoundArgs {
   const float* in;  // [count]
-  void* out;        // [count], 2 bytes per element for float16 / bfloat16, 1 for FP8
+  // [count]: 2 bytes per element for float16 / bfloat16, 1 for FP8; FP4 codes two per
+  // byte when out_packed (element 2k in the low nibble), else one per byte.
+  void* out;
   int64_t count;
   RoundTarget target;
+  bool out_packed;
 };
 
 // float32 v rounded to `target`, as the one definition the CPU loop and the CUDA kernel
@@ -61,9 +87,11 @@ struct RoundArgs {
 FP8NORM_HD uint16_t RoundedBits(RoundTarget target, float v) {
   switch (target) {
     case RoundTarget::kE4M3FN:
-      return ToFp8<Fp8Format::kE4M3FN>(v);
+      return ToFp8<OutFormat::kE4M3FN>(v);
     case RoundTarget::kE4M3FNUZ:
-      return ToFp8<Fp8Format::kE4M3FNUZ>(v);
+      return ToFp8<OutFormat::kE4M3FNUZ>(v);
+    case RoundTarget::kE2M1:
+      return Fp4Code(v);
     case RoundTarget::kF16:
       return ToF16(v).bits;
     default:
@@ -71,8 +99,27 @@ FP8NORM_HD uint16_t RoundedBits(RoundTarget target, float v) {
   }
 }
 
-FP8NORM_HD bool IsFp8(RoundTarget target) {
-  return target == RoundTarget::kE4M3FN || target == RoundTarget::kE4M3FNUZ;
+// One byte per element (FP8, or unpacked FP4) or two (float16 / bfloat16).
+FP8NORM_HD bool IsOneByte(RoundTarget target) {
+  return target == RoundTarget::kE4M3FN || target == RoundTarget::kE4M3FNUZ ||
+         target == RoundTarget::kE2M1;
+}
+
+// Output k of a round call (a byte when IsOneByte, else 16 bits): elements 2k and 2k + 1
+// packed (FP4, out_packed), element k otherwise. load(i) reads input i.
+template <typename Load>
+FP8NORM_HD uint16_t RoundedOutput(const RoundArgs& a, int64_t k, Load load) {
+  if (a.target == RoundTarget::kE2M1 && a.out_packed) {
+    const uint8_t even = Fp4Code(load(2 * k));
+    const uint8_t odd = 2 * k + 1 < a.count ? Fp4Code(load(2 * k + 1)) : uint8_t{0};
+    return PackFp4(even, odd);
+  }
+  return RoundedBits(a.target, load(k));
+}
+
+// The number of output bytes (or 16-bit words) of a round call.
+FP8NORM_HD int64_t RoundedOutputs(const RoundArgs& a) {
+  return a.target == RoundTarget::kE2M1 && a.out_packed ? (a.count + 1) / 2 : a.count;
 }
 
 // `parallel_for(num_tasks, task)` calls task(i) once for every i in [0, num_tasks), in

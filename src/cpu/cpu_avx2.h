@@ -129,7 +129,7 @@ inline uint32_t HorizontalMax(__m256i v) {
 // smallest normal one, by a saturating subtraction on the upper 16 bits (both lower
 // halves are 0); then c = e2 + E_min + 20 * 2^23 and code = steps + (e2 >> 20), which is
 // Fp8Code's steps + (e >> 20) - (127 + 1 - bias) * 8.
-template <Fp8Format kFormat, bool kMayBeNan>
+template <OutFormat kFormat, bool kMayBeNan>
 inline __m256i Fp8MagnitudeCodes(__m256i u) {
   using Tr = Fp8Traits<kFormat>;
   constexpr uint32_t kMinNormalExponent = (127u + 1u - Tr::kBias) << 23;
@@ -151,7 +151,7 @@ inline __m256i Fp8MagnitudeCodes(__m256i u) {
 
 // The FP8 bytes of the 32 lanes a, b, c, d (in element order), in that order. kMayBeNan =
 // false: none of them is NaN, which saves the NaN tests.
-template <Fp8Format kFormat, bool kMayBeNan>
+template <OutFormat kFormat, bool kMayBeNan>
 inline __m256i Fp8Bytes(__m256 a, __m256 b, __m256 c, __m256 d) {
   const __m256i ua = _mm256_castps_si256(a), ub = _mm256_castps_si256(b);
   const __m256i uc = _mm256_castps_si256(c), ud = _mm256_castps_si256(d);
@@ -169,10 +169,10 @@ inline __m256i Fp8Bytes(__m256 a, __m256 b, __m256 c, __m256 d) {
   // the kernels write); e4m3fnuz on codes 1 to 0x7f only (no -0; NaN is 0x80 alone). As
   // signed bytes, both are the codes below a bound.
   __m256i bytes;
-  if constexpr (kFormat == Fp8Format::kE4M3FN && !kMayBeNan) {
+  if constexpr (kFormat == OutFormat::kE4M3FN && !kMayBeNan) {
     bytes = _mm256_or_si256(codes, signs);
   } else {
-    const __m256i takes_sign = kFormat == Fp8Format::kE4M3FN
+    const __m256i takes_sign = kFormat == OutFormat::kE4M3FN
                                    ? _mm256_cmpgt_epi8(_mm256_set1_epi8(0x7f), codes)
                                    : _mm256_cmpgt_epi8(codes, _mm256_setzero_si256());
     bytes = _mm256_or_si256(codes, _mm256_and_si256(signs, takes_sign));
@@ -182,7 +182,7 @@ inline __m256i Fp8Bytes(__m256 a, __m256 b, __m256 c, __m256 d) {
 
 // y[0, 32) = QuantizeElement<kFormat>(normed[k], recip); kMayBeNan as for Fp8Bytes, of
 // the products normed[k] * recip.
-template <Fp8Format kFormat, bool kMayBeNan>
+template <OutFormat kFormat, bool kMayBeNan>
 inline void Quantize32(const float* normed, __m256 recip, uint8_t* y) {
   const __m256i bytes =
       Fp8Bytes<kFormat, kMayBeNan>(_mm256_mul_ps(_mm256_loadu_ps(normed), recip),

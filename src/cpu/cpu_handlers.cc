@@ -98,29 +98,29 @@ ffi::Error RunOnPool(const RmsNormFp8Args& args, ffi::ThreadPool& pool) {
 }
 
 ffi::Error RmsNormFp8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
-                          std::optional<ffi::AnyBuffer> static_scale, ffi::Result<ffi::AnyBuffer> y,
+                          std::optional<ffi::AnyBuffer> scale_operand, ffi::Result<ffi::AnyBuffer> y,
                           ffi::Result<ffi::AnyBuffer> scales, NormAttributes attributes) {
   RmsNormFp8Args args;
   ffi::Error status =
-      DecodeRmsNormFp8(x, nullptr, gamma, static_scale, y, scales, nullptr, attributes, &args);
+      DecodeRmsNormFp8(x, nullptr, gamma, scale_operand, y, scales, nullptr, attributes, &args);
   if (status.failure()) return status;
   return RunOnPool(args, pool);
 }
 
 ffi::Error AddRmsNormFp8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer residual,
-                             ffi::AnyBuffer gamma, std::optional<ffi::AnyBuffer> static_scale,
+                             ffi::AnyBuffer gamma, std::optional<ffi::AnyBuffer> scale_operand,
                              ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
                              ffi::Result<ffi::AnyBuffer> residual_out, NormAttributes attributes) {
   RmsNormFp8Args args;
-  ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, static_scale, y, scales, &residual_out,
+  ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, scale_operand, y, scales, &residual_out,
                                        attributes, &args);
   if (status.failure()) return status;
   return RunOnPool(args, pool);
 }
 
-ffi::Error RoundImpl(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error RoundImpl(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out, int64_t fp4_layout) {
   RoundArgs args;
-  ffi::Error status = DecodeRound(in, out, &args);
+  ffi::Error status = DecodeRound(in, out, fp4_layout, &args);
   if (status.failure()) return status;
   RoundCpu(args);
   return ffi::Error::Success();
@@ -135,6 +135,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8CpuHandler, AddRmsNormFp8Impl,
                               AddRmsNormFp8Binding<ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RoundCpuHandler, RoundImpl,
-                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("fp4_layout"));
 
 }  // namespace fp8norm

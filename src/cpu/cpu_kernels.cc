@@ -175,7 +175,7 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
       FillGammaPlusOffset<float>(a.gamma, a.constants.weight_offset, a.hidden, gamma_plus_offset);
   }
   const size_t elements = static_cast<size_t>(a.rows) * static_cast<size_t>(a.hidden);
-  AdviseHugePages(a.y, elements);
+  AdviseHugePages(a.y, static_cast<size_t>(YByte(a, static_cast<int64_t>(elements))));
   if (a.residual_out != nullptr) {
     AdviseHugePages(a.residual_out, elements * FloatTypeBytes(a.residual_type));
   }
@@ -206,12 +206,13 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
 const char* CpuKernelVariant() { return Variant().name; }
 
 void RoundCpu(const RoundArgs& a) {
-  for (int64_t i = 0; i < a.count; ++i) {
-    const uint16_t bits = RoundedBits(a.target, a.in[i]);
-    if (IsFp8(a.target)) {
-      static_cast<uint8_t*>(a.out)[i] = static_cast<uint8_t>(bits);
+  const auto load = [&](int64_t i) { return a.in[i]; };
+  for (int64_t k = 0, n = RoundedOutputs(a); k < n; ++k) {
+    const uint16_t bits = RoundedOutput(a, k, load);
+    if (IsOneByte(a.target)) {
+      static_cast<uint8_t*>(a.out)[k] = static_cast<uint8_t>(bits);
     } else {
-      static_cast<uint16_t*>(a.out)[i] = bits;
+      static_cast<uint16_t*>(a.out)[k] = bits;
     }
   }
 }

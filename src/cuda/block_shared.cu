@@ -52,9 +52,20 @@ __device__ __forceinline__ void SharedGroups(const RmsNormFp8Args& a, int64_t ro
     LoadAny<1>(a.gamma, a.gamma_type, j, g);
     return Normalize(h[0], r, GammaPlusOffset(g[0], a.constants.weight_offset));
   };
+  const float global_scale = GlobalScaleOf(a);
   for (int64_t g = threadIdx.x; g < groups; g += blockDim.x) {
     uint32_t amax = 0;
     for (int64_t j = g * group; j < (g + 1) * group; ++j) amax = max(amax, AbsBits(normed_at(j)));
+    if (IsFp4(a)) {
+      // In pairs (group sizes are even): one packed byte, or two codes, per pair.
+      const Fp4Scale s = Fp4ScaleOf(a, sum_sq, amax, global_scale);
+      StoreScale(a, row * groups + g, s.scale);
+      for (int64_t j = g * group; j < (g + 1) * group; j += 2) {
+        const float pair[2] = {normed_at(j), normed_at(j + 1)};
+        StoreFp4<2>(y, j / 2, pair, s, a.y_packed);
+      }
+      continue;
+    }
     const RowScale s = ComputeScale(sum_sq, amax, a.out_format, a.scale_type, a.constants);
     StoreScale(a, row * groups + g, s.scale);
     for (int64_t j = g * group; j < (g + 1) * group; ++j) {

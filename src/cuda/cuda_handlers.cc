@@ -116,31 +116,32 @@ ffi::Error PrepareImpl(GpuTarget gpu) {
 }
 
 ffi::Error RmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
-                          std::optional<ffi::AnyBuffer> static_scale, ffi::Result<ffi::AnyBuffer> y,
+                          std::optional<ffi::AnyBuffer> scale_operand, ffi::Result<ffi::AnyBuffer> y,
                           ffi::Result<ffi::AnyBuffer> scales, NormAttributes attributes) {
   RmsNormFp8Args args;
   ffi::Error status =
-      DecodeRmsNormFp8(x, nullptr, gamma, static_scale, y, scales, nullptr, attributes, &args);
+      DecodeRmsNormFp8(x, nullptr, gamma, scale_operand, y, scales, nullptr, attributes, &args);
   if (status.failure()) return status;
   return RunOnDevice(gpu.device, "rms_norm_fp8 launch",
                      [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
 }
 
 ffi::Error AddRmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer residual,
-                             ffi::AnyBuffer gamma, std::optional<ffi::AnyBuffer> static_scale,
+                             ffi::AnyBuffer gamma, std::optional<ffi::AnyBuffer> scale_operand,
                              ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
                              ffi::Result<ffi::AnyBuffer> residual_out, NormAttributes attributes) {
   RmsNormFp8Args args;
-  ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, static_scale, y, scales, &residual_out,
+  ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, scale_operand, y, scales, &residual_out,
                                        attributes, &args);
   if (status.failure()) return status;
   return RunOnDevice(gpu.device, "add_rms_norm_fp8 launch",
                      [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
 }
 
-ffi::Error RoundImpl(GpuTarget gpu, ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error RoundImpl(GpuTarget gpu, ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out,
+                     int64_t fp4_layout) {
   RoundArgs args;
-  ffi::Error status = DecodeRound(in, out, &args);
+  ffi::Error status = DecodeRound(in, out, fp4_layout, &args);
   if (status.failure()) return status;
   return RunOnDevice(gpu.device, "round launch",
                      [&](int) { return LaunchRound(gpu.stream, args); });
@@ -157,7 +158,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8CudaHandler, AddRmsNormFp8Impl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     RoundCudaHandler, RoundImpl,
-    ffi::Ffi::Bind().Ctx<GpuTarget>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>(),
+    ffi::Ffi::Bind()
+        .Ctx<GpuTarget>()
+        .Arg<ffi::AnyBuffer>()
+        .Ret<ffi::AnyBuffer>()
+        .Attr<int64_t>("fp4_layout"),
     {ffi::Traits::kCmdBufferCompatible});
 
 #if defined(FP8NORM_SIMT)

@@ -51,6 +51,7 @@ __device__ __forceinline__ void RegisterGroups(const RmsNormFp8Args& a, int64_t 
                                                Index index, float sum_sq, uint8_t* y) {
   const int lanes = static_cast<int>(a.group_size / kVec);
   const int64_t groups = a.hidden / a.group_size;
+  const float global_scale = GlobalScaleOf(a);
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
     uint32_t amax = 0;
@@ -62,6 +63,14 @@ __device__ __forceinline__ void RegisterGroups(const RmsNormFp8Args& a, int64_t 
       amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
     }
     if (!held(k)) continue;
+    if constexpr (kVec % 2 == 0) {
+      if (IsFp4(a)) {
+        const Fp4Scale s = Fp4ScaleOf(a, sum_sq, amax, global_scale);
+        if (index(k) % lanes == 0) StoreScale(a, row * groups + index(k) / lanes, s.scale);
+        StoreFp4<kVec>(y, index(k), normed[k], s, a.y_packed);
+        continue;
+      }
+    }
     const RowScale s = ComputeScale(sum_sq, amax, a.out_format, a.scale_type, a.constants);
     if (index(k) % lanes == 0) StoreScale(a, row * groups + index(k) / lanes, s.scale);
     StoreFp8<kVec>(y, index(k), normed[k], s.recip, a.out_format);

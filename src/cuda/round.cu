@@ -1,4 +1,4 @@
-// The element-wise float32 -> float16 / bfloat16 / FP8 rounding kernel of the round target
+// The element-wise float32 -> float16 / bfloat16 / FP8 / FP4 rounding kernel of the round target
 // (tests check the kernels' own conversions with it on every boundary).
 #include <cuda_runtime.h>
 
@@ -15,13 +15,15 @@ namespace {
 
 // grid: any number of blocks (elements are strided over them); block: any size.
 __global__ void RoundKernel(const RoundArgs a) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < a.count;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const uint16_t bits = RoundedBits(a.target, LoadGlobal(a.in + i));
-    if (IsFp8(a.target)) {
-      StoreGlobal(static_cast<uint8_t*>(a.out) + i, static_cast<uint8_t>(bits));
+  const auto load = [&](int64_t i) { return LoadGlobal(a.in + i); };
+  const int64_t outputs = RoundedOutputs(a);
+  for (int64_t k = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; k < outputs;
+       k += int64_t{gridDim.x} * blockDim.x) {
+    const uint16_t bits = RoundedOutput(a, k, load);
+    if (IsOneByte(a.target)) {
+      StoreGlobal(static_cast<uint8_t*>(a.out) + k, static_cast<uint8_t>(bits));
     } else {
-      StoreGlobal(static_cast<uint16_t*>(a.out) + i, bits);
+      StoreGlobal(static_cast<uint16_t*>(a.out) + k, bits);
     }
   }
 }

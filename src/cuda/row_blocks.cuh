@@ -132,24 +132,55 @@ __device__ __forceinline__ void LoadH(const TIn* x, const void* residual, FloatT
 // every kernel compiled per architecture.
 template <int kVec>
 __device__ __forceinline__ void StoreFp8(uint8_t* y, int64_t i, const float (&normed)[kVec],
-                                         float recip, Fp8Format format,
+                                         float recip, OutFormat format,
                                          int site = __builtin_LINE()) {
   Vec<uint8_t, kVec> q;
-  if (format == Fp8Format::kE4M3FN) {
+  if (format == OutFormat::kE4M3FN) {
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) q.v[k] = QuantizeElement<Fp8Format::kE4M3FN>(normed[k], recip);
+    for (int k = 0; k < kVec; ++k) q.v[k] = QuantizeElement<OutFormat::kE4M3FN>(normed[k], recip);
   } else {
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) q.v[k] = QuantizeElement<Fp8Format::kE4M3FNUZ>(normed[k], recip);
+    for (int k = 0; k < kVec; ++k) q.v[k] = QuantizeElement<OutFormat::kE4M3FNUZ>(normed[k], recip);
   }
   StoreGlobal(reinterpret_cast<Vec<uint8_t, kVec>*>(y) + i, q, site);
 }
 
-// Scale `index` of the call ([rows, groups] row-major); e8m0 as its exponent byte.
+// FP4 codes for vector i of a row of an FP4 group with scale s, at the row's y: kVec / 2
+// bytes when packed (element 2k in the low nibble), else kVec (kVec even).
+template <int kVec>
+__device__ __forceinline__ void StoreFp4(uint8_t* y, int64_t i, const float (&normed)[kVec],
+                                         const Fp4Scale& s, bool packed,
+                                         int site = __builtin_LINE()) {
+  static_assert(kVec % 2 == 0, "FP4 codes are stored in pairs");
+  uint8_t codes[kVec];
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) codes[k] = QuantizeFp4Element(normed[k], s);
+  if (packed) {
+    Vec<uint8_t, kVec / 2> q;
+#pragma unroll
+    for (int k = 0; k < kVec / 2; ++k) q.v[k] = PackFp4(codes[2 * k], codes[2 * k + 1]);
+    StoreGlobal(reinterpret_cast<Vec<uint8_t, kVec / 2>*>(y) + i, q, site);
+  } else {
+    Vec<uint8_t, kVec> q;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) q.v[k] = codes[k];
+    StoreGlobal(reinterpret_cast<Vec<uint8_t, kVec>*>(y) + i, q, site);
+  }
+}
+
+// NVFP4's global scale (0 for every other format), read once per row.
+__device__ __forceinline__ float GlobalScaleOf(const RmsNormFp8Args& a) {
+  return a.global_scale != nullptr ? LoadGlobal(a.global_scale) : 0.0f;
+}
+
+// Scale `index` of the call ([rows, groups] row-major); e8m0 as its exponent byte, NVFP4's
+// e4m3 as its code.
 __device__ __forceinline__ void StoreScale(const RmsNormFp8Args& a, int64_t index, float scale,
                                            int site = __builtin_LINE()) {
-  if (a.scale_type == FloatType::kE8M0) {
-    StoreGlobal(static_cast<uint8_t*>(a.scales) + index, E8M0Code(scale), site);
+  if (a.scale_type == FloatType::kE8M0 || a.scale_type == FloatType::kE4M3) {
+    const uint8_t code =
+        a.scale_type == FloatType::kE8M0 ? E8M0Code(scale) : E4M3ScaleCode(scale);
+    StoreGlobal(static_cast<uint8_t*>(a.scales) + index, code, site);
     return;
   }
   const float value[1] = {scale};
@@ -166,7 +197,7 @@ __device__ __forceinline__ RowScale RowScaleOf(const RmsNormFp8Args& a, float su
 }
 
 // Row `row` of the row-major arrays: x, the residual and residual_out (null when the op
-// has none) and y.
+// has none) and y (its first byte: packed FP4 rows take hidden / 2).
 template <typename TIn>
 struct RowPointers {
   const TIn* x;
@@ -184,7 +215,7 @@ __device__ __forceinline__ RowPointers<TIn> RowOf(const RmsNormFp8Args& a, int64
                                 : nullptr,
           a.residual_out != nullptr ? static_cast<char*>(a.residual_out) + offset * residual_bytes
                                     : nullptr,
-          static_cast<uint8_t*>(a.y) + offset};
+          static_cast<uint8_t*>(a.y) + YByte(a, offset)};
 }
 
 }  // namespace fp8norm

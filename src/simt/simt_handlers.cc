@@ -48,8 +48,15 @@ XLA_FFI_Error* WithBuffers(XLA_FFI_CallFrame* frame, XLA_FFI_Handler* handler,
       if (name == names.end()) return;
       if (static_cast<int>(types[i]) != XLA_FFI_ArgType_BUFFER) continue;
       const auto* buffer = static_cast<const XLA_FFI_Buffer*>(buffers_of[i]);
-      size_t bytes = xla::ffi::ByteWidth(static_cast<xla::ffi::DataType>(buffer->dtype));
-      for (int64_t d = 0; d < buffer->rank; ++d) bytes *= static_cast<size_t>(buffer->dims[d]);
+      const auto dtype = static_cast<xla::ffi::DataType>(buffer->dtype);
+      size_t elements = 1;
+      for (int64_t d = 0; d < buffer->rank; ++d) elements *= static_cast<size_t>(buffer->dims[d]);
+      // XLA's CPU backend packs float4_e2m1fn two per byte (docs/spec.md), while the FFI
+      // header's ByteWidth counts one byte: the buffer's true size, so that the emulation
+      // refuses a write past it.
+      const size_t bytes = dtype == xla::ffi::DataType::F4E2M1FN
+                               ? (elements + 1) / 2
+                               : elements * xla::ffi::ByteWidth(dtype);
       buffers.Add(*name, buffer->data, bytes);
     }
   };
@@ -64,12 +71,12 @@ XLA_FFI_Error* SimtPrepareHandler(XLA_FFI_CallFrame* frame) {
   return CountingStaleErrors(frame, fp8norm::PrepareCudaHandler);
 }
 XLA_FFI_Error* SimtRmsNormFp8Handler(XLA_FFI_CallFrame* frame) {
-  return WithBuffers(frame, fp8norm::RmsNormFp8CudaHandler, {"x", "gamma", "static_scale"},
+  return WithBuffers(frame, fp8norm::RmsNormFp8CudaHandler, {"x", "gamma", "scale_operand"},
                      {"y", "scales"});
 }
 XLA_FFI_Error* SimtAddRmsNormFp8Handler(XLA_FFI_CallFrame* frame) {
   return WithBuffers(frame, fp8norm::AddRmsNormFp8CudaHandler,
-                     {"x", "residual", "gamma", "static_scale"}, {"y", "scales", "residual_out"});
+                     {"x", "residual", "gamma", "scale_operand"}, {"y", "scales", "residual_out"});
 }
 XLA_FFI_Error* SimtRoundHandler(XLA_FFI_CallFrame* frame) {
   return WithBuffers(frame, fp8norm::RoundCudaHandler, {"in"}, {"out"});

@@ -57,17 +57,17 @@ __attribute__((target("avx2,fma,f16c"))) void CheckFloats(uint64_t first, uint64
       v::Store(reinterpret_cast<F16*>(f16 + 8 * i), x[i]);
     }
     _mm256_store_si256(reinterpret_cast<__m256i*>(fn),
-                       v::Fp8Bytes<Fp8Format::kE4M3FN, true>(x[0], x[1], x[2], x[3]));
+                       v::Fp8Bytes<OutFormat::kE4M3FN, true>(x[0], x[1], x[2], x[3]));
     _mm256_store_si256(reinterpret_cast<__m256i*>(fnuz),
-                       v::Fp8Bytes<Fp8Format::kE4M3FNUZ, true>(x[0], x[1], x[2], x[3]));
+                       v::Fp8Bytes<OutFormat::kE4M3FNUZ, true>(x[0], x[1], x[2], x[3]));
     _mm256_store_si256(reinterpret_cast<__m256i*>(fn_finite),
-                       v::Fp8Bytes<Fp8Format::kE4M3FN, false>(x[0], x[1], x[2], x[3]));
+                       v::Fp8Bytes<OutFormat::kE4M3FN, false>(x[0], x[1], x[2], x[3]));
     _mm256_store_si256(reinterpret_cast<__m256i*>(fnuz_finite),
-                       v::Fp8Bytes<Fp8Format::kE4M3FNUZ, false>(x[0], x[1], x[2], x[3]));
+                       v::Fp8Bytes<OutFormat::kE4M3FNUZ, false>(x[0], x[1], x[2], x[3]));
     for (int k = 0; k < 32; ++k) {
       const float f = FloatOf(bits[k]);
-      const uint32_t want_fn = Fp8Code<Fp8Format::kE4M3FN, true>(f);
-      const uint32_t want_fnuz = Fp8Code<Fp8Format::kE4M3FNUZ, true>(f);
+      const uint32_t want_fn = Fp8Code<OutFormat::kE4M3FN, true>(f);
+      const uint32_t want_fnuz = Fp8Code<OutFormat::kE4M3FNUZ, true>(f);
       if (fn[k] != want_fn) Report("e4m3fn", bits[k], fn[k], want_fn);
       if (fnuz[k] != want_fnuz) Report("e4m3fnuz", bits[k], fnuz[k], want_fnuz);
       // The path for lanes known not to be NaN, on every other input (Inf included).

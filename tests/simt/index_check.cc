@@ -96,7 +96,7 @@ RmsNormFp8Args ArgsFor(const Buffers& b, int64_t rows, const float* gamma) {
   a.input_type = a.residual_type = FloatType::kBF16;
   a.gamma_type = FloatType::kF32;
   a.scale_type = FloatType::kF32;
-  a.out_format = Fp8Format::kE4M3FN;
+  a.out_format = OutFormat::kE4M3FN;
   a.constants = RowConstants{RoundTo(FloatType::kBF16, 1e-6f), 0.0f, INFINITY, false};
   return a;
 }

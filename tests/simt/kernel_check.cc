@@ -59,7 +59,7 @@ struct Case {
   int residual;  // 0: none, 1: the input's dtype, 2: bfloat16 beside a float32 input
   FloatType gamma;
   FloatType scale;
-  Fp8Format out;
+  OutFormat out;
   size_t misalign;  // bytes x (and residual) start past an aligned address
   int limits;       // index into kLimits
   bool specials;    // rows of zeros, an Inf and a NaN
@@ -205,7 +205,7 @@ bool RunCase(const Case& c, KernelVariant variant, Coverage& coverage, int* runs
                 "group=%lld pow2=%d static=%g",
                 VariantName(variant), static_cast<long long>(c.rows),
                 static_cast<long long>(c.hidden), TypeName(c.input), c.residual, TypeName(c.gamma),
-                TypeName(c.scale), c.out == Fp8Format::kE4M3FN ? "e4m3fn" : "e4m3fnuz", c.misalign,
+                TypeName(c.scale), c.out == OutFormat::kE4M3FN ? "e4m3fn" : "e4m3fnuz", c.misalign,
                 limits.name, c.specials ? " specials" : "", static_cast<long long>(c.group_size),
                 c.power_of_two, c.static_scale);
   const std::string name = name_text;
@@ -293,17 +293,20 @@ bool RunCase(const Case& c, KernelVariant variant, Coverage& coverage, int* runs
 int CheckRound() {
   int failures = 0;
   for (const int64_t count : {int64_t{1}, int64_t{255}, int64_t{1000}, int64_t{70001}}) {
-    for (const RoundTarget target :
-         {RoundTarget::kF16, RoundTarget::kBF16, RoundTarget::kE4M3FN, RoundTarget::kE4M3FNUZ}) {
+    for (const auto [target, packed] :
+         {std::pair{RoundTarget::kF16, false}, std::pair{RoundTarget::kBF16, false},
+          std::pair{RoundTarget::kE4M3FN, false}, std::pair{RoundTarget::kE4M3FNUZ, false},
+          std::pair{RoundTarget::kE2M1, false}, std::pair{RoundTarget::kE2M1, true}}) {
       Rng rng{static_cast<uint64_t>(count) * 31 + static_cast<uint64_t>(target) + 1};
       ExactBuffer in(static_cast<size_t>(count) * sizeof(float));
       for (int64_t i = 0; i < count; ++i) {
         const float v = rng.Normal() * std::pow(2.0f, static_cast<float>(rng.Next() % 40) - 20);
         std::memcpy(in.data + i * sizeof(float), &v, sizeof(float));
       }
-      const size_t out_bytes = static_cast<size_t>(count) * (IsFp8(target) ? 1 : 2);
+      RoundArgs a{reinterpret_cast<const float*>(in.data), nullptr, count, target, packed};
+      const size_t out_bytes = static_cast<size_t>(RoundedOutputs(a)) * (IsOneByte(target) ? 1 : 2);
       ExactBuffer emulated(out_bytes), cpu(out_bytes);
-      RoundArgs a{reinterpret_cast<const float*>(in.data), emulated.data, count, target};
+      a.out = emulated.data;
       cudaError_t status;
       {
         simt::ScopedBuffers buffers;
@@ -368,7 +371,7 @@ int Main(bool quick) {
           // k / 4 picks the options the four limits share, so that each meets each limit.
           c.gamma = (k / 4 + limits) % 2 ? FloatType::kBF16 : FloatType::kF32;
           c.scale = scales[k % 3];
-          c.out = k % 5 == 4 ? Fp8Format::kE4M3FNUZ : Fp8Format::kE4M3FN;
+          c.out = k % 5 == 4 ? OutFormat::kE4M3FNUZ : OutFormat::kE4M3FN;
           c.misalign = (k / 4 + limits) % 4 == 1 ? FloatTypeBytes(input) : 0;
           c.limits = limits;
           c.specials = k % 3 == 2;
@@ -402,7 +405,7 @@ int Main(bool quick) {
                                           FloatType::kF32};
         c.scale = group_scales[g % 4];
         c.power_of_two = g % 4 != 0;
-        c.out = g % 5 == 4 ? Fp8Format::kE4M3FNUZ : Fp8Format::kE4M3FN;
+        c.out = g % 5 == 4 ? OutFormat::kE4M3FNUZ : OutFormat::kE4M3FN;
         c.misalign = g % 6 == 5 ? FloatTypeBytes(input) : 0;
         c.limits = g % 4;
         c.specials = g % 3 == 2;
@@ -419,7 +422,7 @@ int Main(bool quick) {
     c.residual = g % 2;
     c.gamma = FloatType::kF32;
     c.scale = scales[g % 3];
-    c.out = Fp8Format::kE4M3FN;
+    c.out = OutFormat::kE4M3FN;
     c.specials = true;
     c.scale_ub = INFINITY;
     c.static_scale = static_scales[g % 4];
@@ -437,7 +440,7 @@ int Main(bool quick) {
     c.input = FloatType::kBF16;
     c.gamma = FloatType::kF32;
     c.scale = FloatType::kF32;
-    c.out = Fp8Format::kE4M3FN;
+    c.out = OutFormat::kE4M3FN;
     c.limits = 3;
     c.scale_ub = INFINITY;
     c.group_size = calibrated ? 0 : 64;
