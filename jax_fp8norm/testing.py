@@ -8,6 +8,9 @@ Power-of-two scales (``power_of_two_scales=True`` or ``float8_e8m0fnu``): at lea
 identical to the reference's and the rest one power of two away; ``y`` obeys its rule
 where its group's scale is identical. Scales per group (``[..., N // G]``) are compared
 group by group. NaN must stand exactly where the reference has NaN, in every output.
+FP4 (NVFP4, MXFP4): scales identical to the reference's in at least 99.9% of groups and
+otherwise one e4m3 code (or one power of two) away; where a group's scale is identical,
+``y`` within one FP4 step and at least 99.9% identical.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fp8norm._dtypes import E8M0
+from jax_fp8norm._dtypes import E8M0, FP4
 
 # Explicit mantissa widths and smallest normal exponents: np.finfo does not cover
 # every ml_dtypes type on every NumPy version.
@@ -145,6 +148,47 @@ def assert_fp8_close(
         )
 
 
+def fp4_code_index(y) -> np.ndarray:
+    """Position of each FP4 E2M1 value on the number line, in code steps (0 for +-0)."""
+    bits = np.asarray(y).view(np.uint8).astype(np.int32)
+    magnitude = bits & 0x7
+    return np.where(bits & 0x8, -magnitude, magnitude)
+
+
+def _assert_fp4_close(actual: Sequence, expected: Sequence) -> None:
+    """The FP4 rule (module docstring) for ``(y, scales)``."""
+    y, want_y = np.asarray(actual[0]), np.asarray(expected[0])
+    scales, want_scales = np.asarray(actual[1]), np.asarray(expected[1])
+    assert (y.dtype, y.shape) == (want_y.dtype, want_y.shape), (y.dtype, y.shape, want_y.shape)
+    assert (scales.dtype, scales.shape) == (want_scales.dtype, want_scales.shape)
+    _nan_positions_match(scales.astype(np.float32), want_scales.astype(np.float32), "scales")
+    if scales.dtype == E8M0:
+        steps = _exponent_steps(scales, want_scales)
+    else:  # e4m3 codes: their index on the number line
+        steps = np.abs(fp8_code_index(scales) - fp8_code_index(want_scales))
+        steps = np.where(np.isnan(want_scales.astype(np.float32)), 0, steps)
+    if steps.size and steps.max() > 1:
+        i = np.unravel_index(np.argmax(steps), steps.shape)
+        raise AssertionError(f"scales: {steps.max()} codes from the reference at {i}; at most 1")
+    identical = steps == 0
+    if identical.size and identical.mean() < MIN_IDENTICAL_FRACTION:
+        raise AssertionError(
+            f"scales: only {identical.mean():.4%} identical to the reference; "
+            f"at least {MIN_IDENTICAL_FRACTION:.1%} required"
+        )
+    if not y.size:
+        return
+    keep = np.repeat(identical, y.shape[-1] // identical.shape[-1], axis=-1)
+    step = np.abs(fp4_code_index(y) - fp4_code_index(want_y))[keep]
+    if step.size and step.max() > 1:
+        raise AssertionError(f"y: {step.max()} FP4 steps from the reference; at most 1")
+    if step.size and np.mean(step == 0) < MIN_IDENTICAL_FRACTION:
+        raise AssertionError(
+            f"y: only {np.mean(step == 0):.4%} of elements identical to the reference; "
+            f"at least {MIN_IDENTICAL_FRACTION:.1%} required"
+        )
+
+
 def assert_matches_reference(
     actual: Sequence, expected: Sequence, power_of_two: bool | None = None
 ) -> None:
@@ -152,6 +196,11 @@ def assert_matches_reference(
     ``power_of_two``: the scales are powers of two (None: if their dtype is e8m0)."""
     assert len(actual) == len(expected), (len(actual), len(expected))
     scales, want_scales = np.asarray(actual[1]), np.asarray(expected[1])
+    if np.asarray(actual[0]).dtype == FP4:
+        _assert_fp4_close(actual, expected)
+        if len(actual) == 3:
+            assert_residual_close(actual[2], expected[2])
+        return
     if power_of_two is None:
         power_of_two = scales.dtype == E8M0
     if power_of_two:
