@@ -276,6 +276,46 @@ def test_nvfp4_traced_global_scales_compile_once():
     assert len(traces) == 1
 
 
+def _documented_scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type):
+    """jax.nn.scaled_matmul's math, as its docstring states it (it has no CPU lowering)."""
+    assert lhs.ndim == rhs.ndim == lhs_scales.ndim == rhs_scales.ndim == 3
+    assert lhs.shape[::2] == rhs.shape[::2] and lhs_scales.shape[::2] == rhs_scales.shape[::2]
+    assert lhs_scales.shape[1] == lhs.shape[1] and rhs_scales.shape[1] == rhs.shape[1]
+    block = lhs.shape[-1] // lhs_scales.shape[-1]
+    a = lhs.astype(jnp.float32) * jnp.repeat(lhs_scales.astype(jnp.float32), block, -1)
+    b = rhs.astype(jnp.float32) * jnp.repeat(rhs_scales.astype(jnp.float32), block, -1)
+    out = jnp.einsum("BMK,BNK->BMN", a, b, precision=jax.lax.Precision.HIGHEST)
+    return out.astype(preferred_element_type)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_scaled_matmul_path_operands(monkeypatch, fmt):
+    # The "scaled_matmul" path (Blackwell only) with jax.nn.scaled_matmul replaced by its
+    # documented math: the operands' layout (rows flattened, w transposed to [N, K]) and
+    # the NVFP4 global scales give the dequantised product.
+    import jax_fp8norm.matmul as matmul
+
+    if fmt == "nvfp4":
+        a, a_scales, w, w_scales, w_gs = _fp4_operands("nvfp4", (2, 8), k=128, n=32)
+        kwargs = dict(a_global_scale=0.03, w_global_scale=w_gs)
+        expected = _deq(a, a_scales, -1, 0.03) @ _deq(w, w_scales, 0, float(w_gs))
+    else:
+        rng = np.random.default_rng(63)
+        a, a_scales = quantize_blocks(rng.standard_normal((128, 16)).astype(np.float32))
+        a, a_scales = np.asarray(a).T.reshape(2, 8, 128), np.asarray(a_scales).T.reshape(2, 8, 4)
+        w, w_scales = quantize_blocks(rng.standard_normal((128, 32)).astype(np.float32))
+        kwargs = {}
+        expected = _deq(a, a_scales, -1) @ _deq(w, w_scales, 0)
+    monkeypatch.setattr(matmul, "native_block_scaled_available", lambda: True)
+    monkeypatch.setattr(jax.nn, "scaled_matmul", _documented_scaled_matmul)
+    assert matmul_path(a, a_scales, w, w_scales) == "scaled_matmul"
+    out = jax.jit(lambda *args: fp8_matmul(*args, out_dtype=jnp.float32, **kwargs))(
+        a, a_scales, w, w_scales
+    )
+    assert out.shape == (2, 8, 32)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
 def test_quantize_weights_nvfp4():
     rng = np.random.default_rng(61)
     w = rng.standard_normal((64, 24)).astype(np.float32)
