@@ -1,6 +1,22 @@
-"""FP8 matmul with the scales this package produces: per-row or per-group activation scales
-(the ``scales`` of :func:`jax_fp8norm.rms_norm_fp8`, float or e8m0) and per-output-channel
-or per-block weight scales."""
+"""Matmuls with the scales this package produces, FP8 and FP4.
+
+FP8: ``a`` FP8 with per-row or per-group activation scales (the ``scales`` of
+:func:`jax_fp8norm.rms_norm_fp8`, float or e8m0) and ``w`` FP8 with per-output-channel or
+per-block weight scales.
+
+FP4: ``a`` and ``w`` float4_e2m1fn, block-scaled along K (the contraction axis), in one of
+two formats, the same for both operands:
+
+- NVFP4: blocks of 16, float8_e4m3fn scales, and a float32 global (decode) scale per
+  operand: ``deq(v) = f32(v) * repeat(f32(scales), 16) * global_scale``.
+- MXFP4: blocks of 32, float8_e8m0fnu (power-of-two) scales, no global scale:
+  ``deq(v) = f32(v) * repeat(2^e, 32)``.
+
+Activation scales are ``[..., M, K // block]`` (the layout of the norm ops' ``scales``);
+weight scales ``[K // block, N]``, the blocked weight layout of the FP8 path. The helpers
+:func:`quantize_weights_nvfp4` and :func:`quantize_weights_mxfp4` make such weights.
+:func:`matmul_path` says how :func:`fp8_matmul` computes each case.
+"""
 
 from __future__ import annotations
 
@@ -20,12 +36,27 @@ FP8_DTYPES = (
 MXFP8_BLOCK = 32
 MXFP8_OPERANDS = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 
+# FP4 (E2M1: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6) and its two block-scaled formats.
+FP4 = np.dtype(jnp.float4_e2m1fn)
+FP4_MAX = 6.0
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+E4M3_MAX = 448.0
+NVFP4_BLOCK = 16
+MXFP4_BLOCK = 32
+# An FP4 operand's format, by its scales' dtype: (name, block size along K).
+FP4_FORMATS = {E4M3: ("nvfp4", NVFP4_BLOCK), E8M0: ("mxfp4", MXFP4_BLOCK)}
+_FORMAT_NAMES = {
+    "fp8": "FP8",
+    "nvfp4": "NVFP4 (float4_e2m1fn, float8_e4m3fn scales per 16)",
+    "mxfp4": "MXFP4 (float4_e2m1fn, float8_e8m0fnu scales per 32)",
+}
+
 
 def native_block_scaled_available() -> bool:
-    """Whether jax.nn.scaled_matmul runs MXFP8 natively here: the default backend is a
-    GPU with block-scaled tensor cores (compute capability 10.0 and newer, Blackwell),
-    where jax lowers it to cuDNN. Elsewhere (CPU: no lowering at all) fp8_matmul
-    dequantises instead."""
+    """Whether jax.nn.scaled_matmul runs MXFP8 and NVFP4 natively here: the default
+    backend is a GPU with block-scaled tensor cores (compute capability 10.0 and newer,
+    Blackwell), where jax lowers it to cuDNN. Elsewhere (CPU: no lowering at all)
+    fp8_matmul dequantises instead."""
     try:
         device = jax.devices()[0]
     except RuntimeError:
@@ -35,11 +66,39 @@ def native_block_scaled_available() -> bool:
     return float(getattr(device, "compute_capability", "0")) >= 10.0
 
 
+def _blocks_match(a, a_scales, w, w_scales, block: int) -> bool:
+    """Whether the scales are one per `block` elements along K, of a and of w's columns."""
+    return (
+        a_scales.ndim == a.ndim
+        and a.shape[-1] == block * a_scales.shape[-1]
+        and w_scales.ndim == 2
+        and w.shape[0] == block * w_scales.shape[0]
+    )
+
+
 def matmul_path(a, a_scales, w, w_scales) -> str:
-    """The path :func:`fp8_matmul` takes for these operands: "scaled_matmul" (MXFP8 on
-    cuDNN), "fp8_dot" (one scale per row and per output channel: an FP8 GEMM with the
-    scales applied to its float32 result) or "dequantize" (scales per group or block: the
-    operands dequantised to float32, then a float32 matmul)."""
+    """The path :func:`fp8_matmul` takes for these operands:
+
+    - "scaled_matmul": ``jax.nn.scaled_matmul``, cuDNN's block-scaled GEMM, on GPUs of
+      compute capability 10.0 and newer, for MXFP8 (FP8 operands, e8m0 scales per 32) and
+      NVFP4 (FP4 operands, e4m3 scales per 16; the global scales multiply its float32
+      result).
+    - "fp8_dot": FP8 with one scale per row and per output channel: an FP8 GEMM with the
+      scales applied to its float32 result.
+    - "dequantize": everything else (FP8 scales per group or block, MXFP4 anywhere, NVFP4
+      and MXFP8 off Blackwell): the operands dequantised to float32, then a float32
+      matmul (and for NVFP4 the global scales applied to its result).
+    """
+    if FP4 in (np.dtype(a.dtype), np.dtype(w.dtype)):
+        nvfp4 = (
+            np.dtype(a.dtype) == FP4
+            and np.dtype(w.dtype) == FP4
+            and np.dtype(a_scales.dtype) == E4M3
+            and np.dtype(w_scales.dtype) == E4M3
+            and _blocks_match(a, a_scales, w, w_scales, NVFP4_BLOCK)
+        )
+        # cuDNN (and XLA's block-scaled dot) take NVFP4 but not MXFP4.
+        return "scaled_matmul" if nvfp4 and native_block_scaled_available() else "dequantize"
     per_row = a_scales.shape[-1] == 1
     per_channel = w_scales.ndim == 1
     if per_row and per_channel:
@@ -49,21 +108,32 @@ def matmul_path(a, a_scales, w, w_scales) -> str:
         and np.dtype(w_scales.dtype) == E8M0
         and np.dtype(a.dtype) in MXFP8_OPERANDS
         and np.dtype(w.dtype) in MXFP8_OPERANDS
-        and a.shape[-1] == MXFP8_BLOCK * a_scales.shape[-1]
-        and w_scales.ndim == 2
-        and w.shape[0] == MXFP8_BLOCK * w_scales.shape[0]
+        and _blocks_match(a, a_scales, w, w_scales, MXFP8_BLOCK)
     )
     if mxfp8 and native_block_scaled_available():
         return "scaled_matmul"
     return "dequantize"
 
 
-def _check(a, a_scales, w, w_scales) -> None:
-    for name, value in (("a", a), ("w", w)):
-        if np.dtype(value.dtype) not in FP8_DTYPES:
-            raise TypeError(f"{name} must be an FP8 array, got {value.dtype}")
-    if w.ndim != 2 or a.ndim < 1 or a.shape[-1] != w.shape[0]:
-        raise ValueError(f"w must have shape (a.shape[-1], M); got a {a.shape}, w {w.shape}")
+def _format(name: str, value, scales) -> str:
+    """ "fp8", "nvfp4" or "mxfp4": the format of operand `name` with these scales."""
+    dtype = np.dtype(value.dtype)
+    if dtype in FP8_DTYPES:
+        return "fp8"
+    if dtype != FP4:
+        raise TypeError(
+            f"{name} must be an FP8 array or an FP4 (float4_e2m1fn) array, got {value.dtype}"
+        )
+    fmt = FP4_FORMATS.get(np.dtype(scales.dtype))
+    if fmt is None:
+        raise TypeError(
+            f"{name}_scales of an FP4 {name} must be float8_e4m3fn (NVFP4) or "
+            f"float8_e8m0fnu (MXFP4), got {scales.dtype}"
+        )
+    return fmt[0]
+
+
+def _check_fp8(a, a_scales, w, w_scales) -> None:
     k, m = w.shape
     groups = a_scales.shape[-1] if a_scales.ndim == a.ndim else 0
     if a_scales.ndim != a.ndim or tuple(a_scales.shape[:-1]) != tuple(a.shape[:-1]):
@@ -82,6 +152,86 @@ def _check(a, a_scales, w, w_scales) -> None:
         )
 
 
+def _check_fp4(fmt: str, a, a_scales, w, w_scales) -> None:
+    k, n = w.shape
+    block = NVFP4_BLOCK if fmt == "nvfp4" else MXFP4_BLOCK
+    label = fmt.upper()
+    if k % block:
+        raise ValueError(f"{label} operands need K a multiple of {block}; got K = {k}")
+    want = tuple(a.shape[:-1]) + (k // block,)
+    if tuple(a_scales.shape) != want:
+        raise ValueError(
+            f"a_scales must have shape a.shape[:-1] + (K // {block},) = {want} for {label} a "
+            f"(one scale per block of {block} along K); got {tuple(a_scales.shape)}"
+        )
+    if tuple(w_scales.shape) != (k // block, n):
+        raise ValueError(
+            f"w_scales must have shape (K // {block}, N) = {(k // block, n)} for {label} w "
+            f"(one scale per block of {block} rows of w in each column); got "
+            f"{tuple(w_scales.shape)}"
+        )
+
+
+def _check(a, a_scales, w, w_scales) -> str:
+    """Validates the operands; returns their format: "fp8", "nvfp4" or "mxfp4"."""
+    a_format = _format("a", a, a_scales)
+    w_format = _format("w", w, w_scales)
+    if a_format != w_format:
+        raise ValueError(
+            "a and w (with a_scales and w_scales) must be of one format: both FP8, both "
+            f"NVFP4 or both MXFP4; got a {_FORMAT_NAMES[a_format]} and w "
+            f"{_FORMAT_NAMES[w_format]}"
+        )
+    if w.ndim != 2 or a.ndim < 1 or a.shape[-1] != w.shape[0]:
+        raise ValueError(f"w must have shape (a.shape[-1], M); got a {a.shape}, w {w.shape}")
+    if a_format == "fp8":
+        _check_fp8(a, a_scales, w, w_scales)
+    else:
+        _check_fp4(a_format, a, a_scales, w, w_scales)
+    return a_format
+
+
+def _global_scale(name: str, value) -> jax.Array:
+    """A float32 global scale (a Python float, or a float32 array of shape () or (1,),
+    possibly traced) as a float32 array of shape ()."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a Python float or a float32 array, got {value!r}")
+    if isinstance(value, (int, float)):
+        return jnp.asarray(value, jnp.float32)
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or np.dtype(dtype) != np.float32:
+        raise TypeError(
+            f"{name} must be a Python float or a float32 array, got {dtype or type(value)}"
+        )
+    if tuple(value.shape) not in ((), (1,)):
+        raise ValueError(f"{name} must have shape () or (1,), got {tuple(value.shape)}")
+    return jnp.reshape(value, ())
+
+
+def _global_scales(fmt: str, a_global_scale, w_global_scale):
+    """The product of the two global scales (float32, shape ()) for NVFP4, else None."""
+    given = [
+        name
+        for name, value in (("a_global_scale", a_global_scale), ("w_global_scale", w_global_scale))
+        if value is not None
+    ]
+    if fmt != "nvfp4":
+        if given:
+            raise ValueError(
+                f"{' and '.join(given)} are only for NVFP4 operands; a and w are "
+                f"{_FORMAT_NAMES[fmt]}"
+            )
+        return None
+    if len(given) != 2:
+        raise ValueError(
+            "NVFP4 operands need a_global_scale and w_global_scale (float32 decode scales: "
+            "deq = f32(v) * f32(block scale) * global_scale; 1.0 for none)"
+        )
+    return _global_scale("a_global_scale", a_global_scale) * _global_scale(
+        "w_global_scale", w_global_scale
+    )
+
+
 def _dequantize_weights(w: jax.Array, w_scales: jax.Array) -> jax.Array:
     scales = w_scales.astype(jnp.float32)
     if scales.ndim == 2:
@@ -96,29 +246,49 @@ def fp8_matmul(
     w_scales: jax.Array,
     *,
     out_dtype=jnp.bfloat16,
+    a_global_scale=None,
+    w_global_scale=None,
 ) -> jax.Array:
     """``dequantize(a, a_scales) @ dequantize(w, w_scales)``, accumulated in float32.
 
     Args:
-      a: ``[..., K]`` FP8 activations.
-      a_scales: ``[..., 1]`` (one scale per row) or ``[..., K // G]`` (one per group of G
-        consecutive elements, e.g. DeepSeek-style 1x128 or MXFP8's 1x32), float32,
-        float16, bfloat16 or float8_e8m0fnu: the ``scales`` of
-        :func:`jax_fp8norm.rms_norm_fp8`.
-      w: ``[K, M]`` FP8 weights.
-      w_scales: ``[M]`` (one per output channel) or ``[K // B, M]`` (one per block of B
-        rows of ``w`` in each column, e.g. MXFP8 weights with B = 32 and e8m0 scales).
+      a: ``[..., K]`` FP8 or FP4 (float4_e2m1fn) activations.
+      a_scales: for FP8 ``a``, ``[..., 1]`` (one scale per row) or ``[..., K // G]`` (one
+        per group of G consecutive elements, e.g. DeepSeek-style 1x128 or MXFP8's 1x32),
+        float32, float16, bfloat16 or float8_e8m0fnu: the ``scales`` of
+        :func:`jax_fp8norm.rms_norm_fp8`. For FP4 ``a``, ``[..., K // 16]``
+        float8_e4m3fn (NVFP4) or ``[..., K // 32]`` float8_e8m0fnu (MXFP4).
+      w: ``[K, N]`` FP8 or FP4 weights, of the same format as ``a``.
+      w_scales: for FP8 ``w``, ``[N]`` (one per output channel) or ``[K // B, N]`` (one
+        per block of B rows of ``w`` in each column, e.g. MXFP8 weights with B = 32 and
+        e8m0 scales). For FP4 ``w``, ``[K // 16, N]`` float8_e4m3fn (NVFP4) or
+        ``[K // 32, N]`` float8_e8m0fnu (MXFP4): see :func:`quantize_weights_nvfp4` and
+        :func:`quantize_weights_mxfp4`.
       out_dtype: the result's dtype (bfloat16, float16 or float32).
+      a_global_scale, w_global_scale: NVFP4 only, and then both required: the operands'
+        float32 global decode scales (``deq(a) = f32(a) * repeat(f32(a_scales), 16) *
+        a_global_scale``), each a Python float or a float32 array of shape ``()`` or
+        ``(1,)``; they are data, so they may be traced. Their product multiplies the
+        float32 result. Given with any other format they are a ValueError.
 
     Returns:
-      ``[..., M]`` in ``out_dtype``. :func:`matmul_path` says how it is computed: with
-      per-row and per-channel scales the FP8 operands go to the dot directly
+      ``[..., N]`` in ``out_dtype``. :func:`matmul_path` says how it is computed: with
+      per-row and per-channel FP8 scales the FP8 operands go to the dot directly
       (``preferred_element_type=float32``), an FP8 GEMM on GPUs that have one; MXFP8
-      operands (e8m0 scales, blocks of 32) go to ``jax.nn.scaled_matmul``, cuDNN's
-      block-scaled GEMM, on Blackwell GPUs; everything else is dequantised to float32
-      first (any backend).
+      operands (e8m0 scales, blocks of 32) and NVFP4 operands go to
+      ``jax.nn.scaled_matmul``, cuDNN's block-scaled GEMM, on Blackwell GPUs, with the
+      leading dims of ``a`` flattened into its rows and ``w`` transposed to ``[N, K]``;
+      everything else (MXFP4 always) is dequantised to float32 first (any backend).
+
+    Raises:
+      TypeError: an operand neither FP8 nor FP4, FP4 scales neither e4m3 nor e8m0, or a
+        global scale that is not float32.
+      ValueError: operands of two formats (FP8 with FP4, NVFP4 with MXFP4), shapes that
+        do not fit (scales not one per block of the format's size), global scales missing
+        for NVFP4 or given for another format.
     """
-    _check(a, a_scales, w, w_scales)
+    fmt = _check(a, a_scales, w, w_scales)
+    global_scale = _global_scales(fmt, a_global_scale, w_global_scale)
     path = matmul_path(a, a_scales, w, w_scales)
     if path == "fp8_dot":
         acc = jax.lax.dot_general(
@@ -127,6 +297,8 @@ def fp8_matmul(
         scaled = acc * a_scales.astype(jnp.float32) * w_scales.astype(jnp.float32)
         return scaled.astype(out_dtype)
     if path == "scaled_matmul":
+        # jax.nn.scaled_matmul takes (B, M, K) and (B, N, K) operands with (B, M, K // b)
+        # and (B, N, K // b) scales, K contracted on both.
         rows, k = a.shape[:-1], a.shape[-1]
         lhs = a.reshape(1, -1, k)
         lhs_scales = a_scales.reshape(1, -1, a_scales.shape[-1])
@@ -134,18 +306,23 @@ def fp8_matmul(
         out = jax.nn.scaled_matmul(
             lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.float32
         )
-        return out.reshape(*rows, w.shape[1]).astype(out_dtype)
-    scales = a_scales.astype(jnp.float32)
-    if scales.shape[-1] > 1:
-        scales = jnp.repeat(scales, a.shape[-1] // scales.shape[-1], axis=-1)
-    a32 = a.astype(jnp.float32) * scales
-    out = jax.lax.dot_general(
-        a32,
-        _dequantize_weights(w, w_scales),
-        (((a.ndim - 1,), (0,)), ((), ())),
-        precision=jax.lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32,
-    )
+        out = out.reshape(*rows, w.shape[1])
+    else:
+        scales = a_scales.astype(jnp.float32)
+        if scales.shape[-1] > 1:
+            scales = jnp.repeat(scales, a.shape[-1] // scales.shape[-1], axis=-1)
+        a32 = a.astype(jnp.float32) * scales
+        out = jax.lax.dot_general(
+            a32,
+            _dequantize_weights(w, w_scales),
+            (((a.ndim - 1,), (0,)), ((), ())),
+            precision=jax.lax.Precision.HIGHEST,
+            preferred_element_type=jnp.float32,
+        )
+    if global_scale is not None:
+        # As jax.nn.scaled_dot_general does for NVFP4: the block-scaled product in
+        # float32, times the product of the two global scales, then the output dtype.
+        out = out * global_scale
     return out.astype(out_dtype)
 
 
@@ -157,6 +334,21 @@ def quantize_per_channel(w: jax.Array, out_dtype=jnp.float8_e4m3fn) -> tuple[jax
     amax = jnp.max(jnp.abs(w32), axis=0)
     scales = jnp.where(amax > 0, amax / fp8_max, 1.0)
     return (w32 / scales).astype(out_dtype), scales
+
+
+def _pow2(exponent: jax.Array) -> jax.Array:
+    """2^exponent in float32, exactly, for integer exponents in [-126, 127] (built from
+    the bits: XLA's exp2 is not exact on every backend)."""
+    bits = (exponent.astype(jnp.int32) + 127) << 23
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _power_of_two_exponent(q: jax.Array) -> jax.Array:
+    """The exponent of the smallest power of two >= q, at least -126 (int32)."""
+    # q = mantissa * 2^e with mantissa in [0.5, 1): the power of two is 2^(e - 1) when q is
+    # one, else 2^e. Exact, where a ceil of log2 may round a power of two up.
+    mantissa, e = jnp.frexp(jnp.maximum(q, 2.0**-126))
+    return jnp.where(mantissa == 0.5, e - 1, e).astype(jnp.int32)
 
 
 def quantize_blocks(
@@ -172,11 +364,78 @@ def quantize_blocks(
     fp8_max = float(jnp.finfo(out_dtype).max)
     blocks = w.astype(jnp.float32).reshape(k // block_size, block_size, m)
     amax = jnp.max(jnp.abs(blocks), axis=1)
-    # q = mantissa * 2^e with mantissa in [0.5, 1): the power of two is 2^(e - 1) when q is
-    # one, else 2^e. Exact, where a ceil of log2 may round a power of two up.
-    mantissa, e = jnp.frexp(jnp.maximum(amax / fp8_max, 2.0**-126))
-    exponent = jnp.where(mantissa == 0.5, e - 1, e)
-    w8 = (blocks * jnp.exp2(-exponent.astype(jnp.float32))[:, None, :]).reshape(k, m)
+    exponent = _power_of_two_exponent(amax / fp8_max)
+    w8 = (blocks * _pow2(-exponent)[:, None, :]).reshape(k, m)
     w8 = w8.astype(out_dtype)
     codes = (exponent + 127).astype(jnp.uint8)
     return w8, jax.lax.bitcast_convert_type(codes, E8M0)
+
+
+def _fp4_blocks(w, block: int, name: str) -> jax.Array:
+    """``[K, N]`` weights as float32 ``[K // block, block, N]``: blocks along K."""
+    if np.ndim(w) != 2 or not jnp.issubdtype(w.dtype, jnp.floating):
+        raise ValueError(f"w must be a float array of shape (K, N), got {w.dtype} {np.shape(w)}")
+    k, n = w.shape
+    if k % block:
+        raise ValueError(f"{name} weights need K a multiple of {block}; got K = {k}")
+    return jnp.asarray(w, jnp.float32).reshape(k // block, block, n)
+
+
+def quantize_weights_nvfp4(
+    w: jax.Array, global_scale=None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``[K, N]`` weights to NVFP4: blocks of 16 rows of each column (along K, the
+    contraction axis), the rule the norm ops use for rows (``t = w / global_scale``,
+    ``s = E4M3(min(max|t| / 6, 448))`` per block, ``y = E2M1(clip(t / f32(s), -6, 6))``).
+
+    ``global_scale`` (a decode scale: ``deq = f32(y) * f32(s) * global_scale``; a Python
+    float or a float32 array of shape ``()`` or ``(1,)``) defaults to
+    ``max|w| / (448 * 6)``, which puts the largest block scale at 448, and to 1.0 for an
+    all-zero ``w``. A zero block gets scale 0 and zero codes; a block holding NaN or Inf
+    gets a NaN scale and zero codes (so it dequantises to NaN).
+
+    Returns ``(w4 [K, N] float4_e2m1fn, scales [K // 16, N] float8_e4m3fn, global_scale
+    float32 of shape ())``, the operand, ``w_scales`` and ``w_global_scale`` of
+    :func:`fp8_matmul`.
+    """
+    blocks = _fp4_blocks(w, NVFP4_BLOCK, "NVFP4")
+    k, n = w.shape
+    if global_scale is None:
+        amax = jnp.max(jnp.abs(blocks))
+        # A NaN amax stays NaN (and so does every scale), never a silent 1.
+        gs = jnp.where(amax == 0, jnp.float32(1.0), amax / jnp.float32(E4M3_MAX * FP4_MAX))
+    else:
+        gs = _global_scale("global_scale", global_scale)
+    finite = jnp.isfinite(jnp.max(jnp.abs(blocks), axis=1))[:, None, :]
+    t = blocks / gs
+    amax = jnp.max(jnp.abs(t), axis=1, keepdims=True)
+    scales = jnp.minimum(amax / FP4_MAX, E4M3_MAX).astype(E4M3)
+    scales = jnp.where(finite, scales, jnp.array(jnp.nan, E4M3))
+    s = scales.astype(jnp.float32)
+    keep = finite & (s > 0)
+    y = jnp.where(keep, jnp.clip(t / jnp.where(keep, s, 1.0), -FP4_MAX, FP4_MAX), 0.0)
+    return y.reshape(k, n).astype(FP4), scales[:, 0, :], gs
+
+
+def quantize_weights_mxfp4(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``[K, N]`` weights to MXFP4: blocks of 32 rows of each column (along K), each with
+    an e8m0 scale, the smallest power of two >= ``amax / 6`` (the rule of
+    :func:`quantize_blocks` with FP4's 6 in place of FP8_MAX), so that no weight is
+    clipped. A block whose ``amax / 6`` is at most 2^-127 (a zero block) gets 2^-127,
+    e8m0's code 0; a block holding NaN or Inf gets a NaN scale (code 0xFF) and zero codes.
+
+    Returns ``(w4 [K, N] float4_e2m1fn, scales [K // 32, N] float8_e8m0fnu)``, the
+    operand and ``w_scales`` of :func:`fp8_matmul`.
+    """
+    blocks = _fp4_blocks(w, MXFP4_BLOCK, "MXFP4")
+    k, n = w.shape
+    amax = jnp.max(jnp.abs(blocks), axis=1)
+    finite = jnp.isfinite(amax)
+    exponent = _power_of_two_exponent(amax / FP4_MAX)
+    # 6 * 2^-127 is a normal float32: the comparison forms no subnormal.
+    exponent = jnp.where(amax <= FP4_MAX * 2.0**-127, -127, exponent)
+    # 2^-exponent is at most 2^127 here; the block of scale 2^-127 is zero or near it.
+    y = jnp.clip(blocks * _pow2(-exponent)[:, None, :], -FP4_MAX, FP4_MAX)
+    y = jnp.where(finite[:, None, :], y, 0.0)
+    codes = jnp.where(finite, exponent + 127, 255).astype(jnp.uint8)
+    return y.reshape(k, n).astype(FP4), jax.lax.bitcast_convert_type(codes, E8M0)
