@@ -238,8 +238,10 @@ def _scale_array(value: Any, name: str, float32_only: bool) -> jax.Array | None:
     if not hasattr(value, "dtype") or not hasattr(value, "shape"):
         raise TypeError(f"{name} must be a float or {kind}, got {type(value).__name__}")
     dtype = np.dtype(value.dtype)
-    if not jnp.issubdtype(dtype, jnp.floating) or (float32_only and dtype != np.float32):
-        raise TypeError(f"{name} must be a float or {kind}, got dtype {dtype}")
+    if float32_only and dtype != np.float32:
+        raise TypeError(f"{name} must have dtype float32, got {dtype}")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must have a float dtype, got {dtype}")
     if tuple(value.shape) not in ((), (1,)):
         raise ValueError(f"{name} must have shape () or (1,), got {tuple(value.shape)}")
     return jnp.reshape(jnp.asarray(value).astype(jnp.float32), (1,))

@@ -12,13 +12,15 @@ from helpers import run_on
 import jax_fp8norm as fp8norm
 from jax_fp8norm.ops import round_float32
 
-TARGETS = [jnp.float8_e4m3fn, jnp.float8_e4m3fnuz, jnp.float16, jnp.bfloat16]
+TARGETS = [jnp.float8_e4m3fn, jnp.float8_e4m3fnuz, jnp.float16, jnp.bfloat16, jnp.float4_e2m1fn]
 
 
 def _all_finite_values(dtype) -> np.ndarray:
     """Every finite value of a 8- or 16-bit float type, as float64, sorted, unique."""
     width = np.dtype(dtype).itemsize
-    bits = np.arange(2 ** (8 * width), dtype=np.uint8 if width == 1 else np.uint16)
+    if np.dtype(dtype) == np.dtype(jnp.float4_e2m1fn):
+        width = 0.5  # 16 codes, one per byte in NumPy
+    bits = np.arange(int(2 ** (8 * width)), dtype=np.uint8 if width <= 1 else np.uint16)
     with np.errstate(invalid="ignore", over="ignore"):
         values = bits.view(dtype).astype(np.float64)
     return np.unique(values[np.isfinite(values)])
@@ -128,3 +130,23 @@ def test_reference_fp8_conversion_matches_ml_dtypes(dtype):
     expected = inputs.astype(dtype).view(np.uint8).copy()
     expected[np.isnan(inputs)] = 0x7F if np.dtype(dtype) == np.dtype(jnp.float8_e4m3fn) else 0x80
     np.testing.assert_array_equal(actual.view(np.uint8), expected)
+
+
+def test_fp4_special_encodings():
+    """FP4 E2M1: saturation at 6 (no Inf), the ties to even, signed zeros, and the packed
+    layout of an odd count (the last byte's high nibble is padding)."""
+    v = np.array([6.0, 7.0, np.inf, -np.inf, -0.0, 0.25, 0.75, 2.5, 5.0, -1e-30, 1.75], np.float32)
+    (got,) = run_on("cpu", lambda v: (round_float32(v, jnp.float4_e2m1fn),), v)
+    codes = got.view(np.uint8).tolist()
+    assert codes == [0x7, 0x7, 0x7, 0xF, 0x8, 0x0, 0x2, 0x4, 0x6, 0x8, 0x4]
+    assert got.dtype == np.dtype(ml_dtypes.float4_e2m1fn)
+
+
+def test_reference_fp4_conversion_matches_ml_dtypes():
+    """The reference's float32 -> FP4 conversion of clamped values (XLA's), on every
+    boundary and tie."""
+    inputs = _boundary_inputs(jnp.float4_e2m1fn)
+    inputs = inputs[np.abs(inputs) <= 6.0]
+    (actual,) = run_on("cpu", lambda v: (v.astype(jnp.float4_e2m1fn),), inputs)
+    expected = inputs.astype(ml_dtypes.float4_e2m1fn)
+    np.testing.assert_array_equal(actual.view(np.uint8), expected.view(np.uint8))

@@ -13,6 +13,10 @@ import jax_fp8norm as fp8norm
 from jax_fp8norm import _ffi as fp8norm_ffi
 
 X = jnp.ones((4, 16), jnp.bfloat16)
+F4 = jnp.float4_e2m1fn
+E4M3 = jnp.float8_e4m3fn
+E8M0 = jnp.float8_e8m0fnu
+NVFP4 = dict(out_dtype=F4, scale_dtype=E4M3, group_size=16)
 GAMMA = jnp.ones((16,), jnp.float32)
 
 
@@ -45,7 +49,7 @@ BAD_KEYWORDS = [
     (dict(out_dtype=jnp.int8), TypeError, "out_dtype must be"),
     (dict(out_dtype="not a dtype"), TypeError, "out_dtype must be"),
     (dict(scale_dtype=np.float64), TypeError, "scale_dtype must be"),
-    (dict(scale_dtype=jnp.float8_e4m3fn), TypeError, "scale_dtype must be"),
+    (dict(scale_dtype=jnp.float8_e4m3fn), ValueError, "float8_e4m3fn is NVFP4's block scale"),
     (dict(eps=-1e-6), ValueError, "eps must be"),
     (dict(eps=float("nan")), ValueError, "eps must be"),
     (dict(eps=float("inf")), ValueError, "eps must be"),
@@ -93,6 +97,26 @@ BAD_KEYWORDS = [
         "static_scale .* excludes scale_dtype=float8_e8m0fnu",
     ),
     (dict(group_sizes=4), TypeError, "unexpected keyword argument.*group_sizes"),
+    # FP4 (docs/spec.md, "FP4 outputs").
+    (dict(out_dtype=F4), ValueError, "float4_e2m1fn needs scale_dtype"),
+    (dict(out_dtype=F4, scale_dtype=E4M3), ValueError, "group_size must be an even int"),
+    (dict(out_dtype=F4, scale_dtype=E4M3, group_size=1), ValueError, "group_size must be an even"),
+    (dict(out_dtype=F4, scale_dtype=jnp.bfloat16, group_size=16), ValueError, "needs scale_dtype"),
+    (dict(out_dtype=jnp.float4_e2m1fn, scale_dtype=E4M3, group_size=16, scale_ub=1.0), ValueError,
+     "scale_ub does not apply to NVFP4"),
+    (dict(out_dtype=F4, scale_dtype=E8M0, group_size=16, power_of_two_scales=True), ValueError,
+     "power_of_two_scales does not apply"),
+    (dict(out_dtype=F4, scale_dtype=E8M0, group_size=16, static_scale=0.1), ValueError,
+     "static_scale is an FP8 option"),
+    (dict(out_dtype=F4, scale_dtype=E8M0, group_size=16, global_scale=0.1), ValueError,
+     "global_scale is NVFP4's"),
+    (dict(global_scale=0.1), ValueError, "global_scale is NVFP4's"),
+    (dict(NVFP4, global_scale=jnp.ones((2,), jnp.float32)), ValueError,
+     "global_scale must have shape"),
+    (dict(NVFP4, global_scale=jnp.ones((), jnp.bfloat16)), TypeError,
+     "global_scale must have dtype float32"),
+    (dict(NVFP4, global_scale="1"), TypeError, "global_scale must be a float"),
+    (dict(NVFP4, global_scale=True), TypeError, "global_scale must be a float"),
 ]
 
 
@@ -159,6 +183,7 @@ def _ffi(
     scale_ub=np.inf,
     group_size=0,
     power_of_two_scales=False,
+    fp4_layout=fp8norm_ffi.FP4_PACKED_LOW_FIRST,
 ):
     call = jax.ffi.ffi_call(target, outs)
     return call(
@@ -168,6 +193,7 @@ def _ffi(
         scale_ub=np.float32(scale_ub),
         group_size=np.int64(group_size),
         power_of_two_scales=power_of_two_scales,
+        fp4_layout=np.int64(fp4_layout),
     )
 
 
@@ -176,6 +202,8 @@ def _sds(shape, dtype):
 
 
 GOOD_OUTS = (_sds((4, 16), jnp.float8_e4m3fn), _sds((4, 1), jnp.float32))
+FP4_OUTS = (_sds((4, 16), F4), _sds((4, 4), E4M3))
+ONE = jnp.ones((1,), jnp.float32)
 
 
 # Calls that bypass the Python checks: the handler must refuse them with an error.
@@ -213,6 +241,22 @@ HANDLER_CASES = [
         dict(group_size=4),
         "static_scale excludes",
     ),
+    # FP4: the layout, the group size, the scale formats and the global scale operand.
+    (FP4_OUTS, (X, GAMMA, ONE), dict(group_size=4, fp4_layout=7), "fp4_layout 7 is not"),
+    (FP4_OUTS, (X, GAMMA, ONE), dict(group_size=4, fp4_layout=-1), "fp4_layout -1 is not"),
+    ((FP4_OUTS[0], _sds((4, 16), E4M3)), (X, GAMMA, ONE), dict(group_size=1), "even group_size"),
+    ((FP4_OUTS[0], _sds((4, 1), E4M3)), (X, GAMMA, ONE), {}, "even group_size"),
+    (FP4_OUTS, (X, GAMMA), dict(group_size=4), "needs its global_scale"),
+    ((FP4_OUTS[0], _sds((4, 4), jnp.float32)), (X, GAMMA), dict(group_size=4), "float8_e4m3fn"),
+    ((GOOD_OUTS[0], _sds((4, 4), E4M3)), (X, GAMMA, ONE), dict(group_size=4), "NVFP4's"),
+    (
+        (FP4_OUTS[0], _sds((4, 4), E8M0)),
+        (X, GAMMA, ONE),
+        dict(group_size=4, power_of_two_scales=True),
+        "MXFP4 takes neither",
+    ),
+    (FP4_OUTS, (X, GAMMA, ONE), dict(group_size=4, scale_ub=1.0), "neither power_of_two"),
+    (FP4_OUTS, (X, GAMMA, jnp.ones((2,), jnp.float32)), dict(group_size=4), "global_scale must"),
 ]
 
 

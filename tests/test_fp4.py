@@ -1,0 +1,345 @@
+"""FP4 outputs (docs/spec.md, "FP4 outputs: NVFP4 and MXFP4"): the kernels against the
+reference on every platform (bit for bit on cpu and simt), the reference's NVFP4 against
+jax.nn's own quantiser, the edge groups, traced global scales, the physical layout of
+float4_e2m1fn buffers and the ops' transformations."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import (
+    EXTENDED,
+    assert_same_bits,
+    check_against_reference,
+    device_of,
+    is_gpu,
+    kernels_of,
+    random_gamma,
+    random_rows,
+    reference_on_cpu,
+    run_on,
+)
+
+import jax_fp8norm as fp8norm
+from jax_fp8norm import _ffi as fp8norm_ffi
+
+F4 = jnp.float4_e2m1fn
+E4M3 = jnp.float8_e4m3fn
+E8M0 = jnp.float8_e8m0fnu
+FLOATS = [jnp.float32, jnp.float16, jnp.bfloat16]
+FORMATS = {
+    "nvfp4": dict(out_dtype=F4, group_size=16, scale_dtype=E4M3),
+    "mxfp4": dict(out_dtype=F4, group_size=32, scale_dtype=E8M0),
+}
+# The global scale an NVFP4 caller computes from calibration: amax / (448 * 6).
+GLOBAL_SCALE = np.float32(0.0021)
+
+check = check_against_reference
+
+
+def _format(name: str, **extra) -> dict:
+    kw = dict(FORMATS[name], **extra)
+    if name == "nvfp4" and "global_scale" not in kw:
+        kw["global_scale"] = GLOBAL_SCALE
+    return kw
+
+
+def _codes(y) -> np.ndarray:
+    return np.asarray(y).view(np.uint8)
+
+
+# Hidden sizes 64 to 16384 (7168: DeepSeek-V3; 2880 and 5120: shapes whose rows are not
+# a power of two), each format, each op. The default tier takes a few per platform.
+SIZE_CASES = [
+    pytest.param(fmt, hidden, dtype, marks=() if default else EXTENDED)
+    for fmt in FORMATS
+    for hidden in (64, 512, 2880, 4096, 5120, 7168, 16384)
+    for dtype in FLOATS
+    for default in [
+        (fmt, hidden, dtype)
+        in {
+            ("nvfp4", 512, jnp.bfloat16),
+            ("mxfp4", 7168, jnp.bfloat16),
+            ("nvfp4", 64, jnp.float32),
+            ("mxfp4", 2880, jnp.float16),
+        }
+    ]
+]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "hidden", "dtype"), SIZE_CASES, ids=lambda v: getattr(v, "__name__", str(v))
+)
+def test_fp4_matches_the_reference(platform, fmt, hidden, dtype):
+    rows = 3 if hidden >= 4096 else 11
+    x = random_rows(hidden, (rows, hidden), dtype)
+    residual = random_rows(hidden + 1, (rows, hidden), dtype)
+    gamma = random_gamma(hidden, hidden, jnp.float32)
+    kw = _format(fmt)
+    (y, scales), _ = check(platform, "rms_norm_fp8", x, gamma, **kw)
+    assert y.dtype == np.dtype(F4) and y.shape == (rows, hidden)
+    assert scales.shape == (rows, hidden // kw["group_size"])
+    assert scales.dtype == np.dtype(kw["scale_dtype"])
+    check(platform, "add_rms_norm_fp8", x, residual, gamma, **kw)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("group", [2, 6, 64, 128])
+def test_fp4_other_group_sizes(platform, fmt, group):
+    # Any even group size: pairs of codes never straddle a group.
+    hidden = 768
+    x = random_rows(group, (5, hidden), jnp.bfloat16)
+    gamma = random_gamma(group, hidden, jnp.bfloat16)
+    check(platform, "rms_norm_fp8", x, gamma, **_format(fmt, group_size=group))
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_fp4_options_and_many_rows(platform, fmt):
+    # eps, weight_offset, MXFP4's scale_ub, the rows of a 3-D input.
+    kw = _format(fmt, eps=1e-3, weight_offset=1.0)
+    if fmt == "mxfp4":
+        kw["scale_ub"] = 0.5
+    x = random_rows(3, (4, 33, 96), jnp.bfloat16, spread=6.0)
+    gamma = random_gamma(4, 96, jnp.float32)
+    check(platform, "rms_norm_fp8", x, gamma, **kw)
+
+
+def _edge_rows(hidden: int, group: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Rows that reach every edge group of the spec: zeros, a NaN, an Inf, a sum of squares
+    past float32 (only when the input dtype can hold it), a group of tiny values beside
+    large ones, all-equal values and values that saturate after a bounded scale."""
+    rng = np.random.default_rng(group)
+    x = rng.standard_normal((8, hidden)).astype(np.float32)
+    x[0] = 0.0  # a zero row
+    x[1, :group] = 0.0  # one zero group
+    x[1, group : 2 * group] = -0.0  # signed zeros
+    x[2, 5] = np.nan
+    x[3, 7] = np.inf
+    x[4, :group] = 1e-6  # a group far below the row's scale
+    x[4, group:] = 1e3
+    x[5] = 2.5
+    finfo = jnp.finfo(dtype)
+    x[6] = float(finfo.max) / 2 if np.dtype(dtype) == np.float32 else float(finfo.max) * 0.9
+    x[7, ::3] = -x[7, ::3] * 40
+    gamma = rng.standard_normal(hidden).astype(np.float32)
+    gamma[group : 2 * group] = np.nan  # a NaN gamma: one group's values are NaN
+    gamma[3 * group] = np.inf
+    return x.astype(dtype), gamma
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_fp4_edge_groups(platform, fmt, dtype):
+    kw = _format(fmt)
+    group = kw["group_size"]
+    x, gamma = _edge_rows(8 * group, group, dtype)
+    (y, scales), _ = check(platform, "rms_norm_fp8", x, gamma, **kw)
+    scales32 = scales.astype(np.float32)
+    codes = _codes(y).reshape(8, 8, group)
+    # FP4 has no NaN: a non-finite group has a NaN scale and zero codes, so that it
+    # dequantises to NaN; a NaN or Inf anywhere in a row makes the whole row so.
+    nan_groups = np.isnan(scales32)
+    assert nan_groups[2].all() and nan_groups[3].all()
+    assert nan_groups[:, 1].all() and nan_groups[:, 3].all()  # the NaN and Inf gammas
+    assert (codes[nan_groups] == 0).all()
+    dequantized = run_on(
+        "cpu", lambda y, s: (fp8norm.dequantize(y, s, kw.get("global_scale")),), y, scales
+    )[0]
+    assert np.isnan(dequantized.reshape(8, 8, group)[nan_groups]).all()
+    # A zero row or group: scale 0 (NVFP4) or 2^-127 (MXFP4): byte 0 either way; codes
+    # +-0. (Groups 1 and 3 of row 0 meet the NaN and Inf gammas: 0 * Inf is NaN.)
+    assert (_codes(scales)[0, [0, 2, 4, 5, 6, 7]] == 0).all()
+    assert (codes[0] & 0x7 == 0).all() and (codes[1, 0] & 0x7 == 0).all()
+    # A group far below its row's scale: NVFP4's scale rounds to 0, MXFP4 keeps a
+    # power of two of its own.
+    if fmt == "nvfp4":
+        assert _codes(scales)[4, 0] == 0 and (codes[4, 0] & 0x7 == 0).all()
+    else:
+        assert (codes[4, 0] & 0x7).max() >= 5
+    # Every other group uses the top of the range: its largest value is 3 or more (code 5).
+    used = ~nan_groups & (_codes(scales) != 0)
+    assert ((codes & 0x7).max(axis=-1)[used] >= 5).all()
+
+
+def _nvfp4_in_numpy(normed: np.ndarray, gs: np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """The spec's NVFP4 of float32 normalised rows, in NumPy (every division correctly
+    rounded, ml_dtypes' conversions): (codes, scale codes)."""
+    t = (normed / gs).reshape(*normed.shape[:-1], -1, 16)
+    amax = np.abs(t).max(axis=-1)
+    scale = np.minimum(amax / np.float32(6), np.float32(448)).astype(ml_dtypes.float8_e4m3fn)
+    scale32 = scale.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.clip(t / scale32[..., None], -6, 6)
+    q = np.where(scale32[..., None] == 0, np.float32(0), q).astype(ml_dtypes.float4_e2m1fn)
+    return q.reshape(normed.shape).view(np.uint8), scale.view(np.uint8)
+
+
+def test_nvfp4_matches_jax_nn_quantiser():
+    """The spec's NVFP4 is jax.nn's own quantiser (the one behind jax.nn.scaled_matmul's
+    nvfp4 config) applied to the normalised float32 rows, on every group whose scale is not
+    0 (there jax divides 0 by 0): the kernel gives the bits of that definition, written
+    out in NumPy, everywhere. XLA compiles jax.nn's divisions by a broadcast scalar into
+    multiplications by its rounded reciprocal, so jax.nn's results as XLA runs them may
+    differ from the definition in rare elements; the test bounds how rare, and checks that
+    the definition is on the kernel's side wherever they differ."""
+    quantize = pytest.importorskip("jax._src.cudnn.scaled_matmul_stablehlo").quantize
+    from jax_fp8norm.reference import sum_of_squares
+
+    rng = np.random.default_rng(0)
+    hidden = 1024
+    mismatched = total = 0
+    for trial in range(6):
+        x = random_rows(trial, (64, hidden), jnp.float32, spread=float(rng.uniform(1, 12)))
+        gamma = random_gamma(trial, hidden, jnp.float32)
+        gs = np.float32(np.exp(rng.uniform(-9, 2)))
+        kw = _format("nvfp4", global_scale=jnp.float32(gs))
+        y, scales = run_on("cpu", fp8norm.rms_norm_fp8, x, gamma, **kw)
+        # The normalised rows by the spec's steps 1-3, in NumPy float32 (each operation
+        # correctly rounded), from the reference's exact sum of squares.
+        (ss,) = run_on("cpu", lambda x: (sum_of_squares(x),), x)
+        r = np.float32(1) / np.sqrt(ss / np.float32(hidden) + np.float32(1e-6))
+        normed = (x * r) * gamma
+        codes, scale_codes = _nvfp4_in_numpy(normed, gs)
+        np.testing.assert_array_equal(_codes(scales), scale_codes)
+        np.testing.assert_array_equal(_codes(y), codes)
+
+        def jax_nn_quantize(n, gs):
+            return quantize(n[None], jax.nn.get_scaled_dot_general_config("nvfp4", gs))
+
+        want_y, want_scales = run_on("cpu", jax_nn_quantize, normed, np.full((1,), gs, np.float32))
+        nonzero = scale_codes != 0
+        assert nonzero.mean() > 0.5
+        keep = np.repeat(nonzero, 16, axis=-1)
+        same_scales = _codes(want_scales[0]) == scale_codes
+        same_codes = _codes(want_y[0]) == codes
+        mismatched += (~same_scales[nonzero]).sum() + (~same_codes[keep]).sum()
+        total += nonzero.sum() + keep.sum()
+    assert mismatched <= total * 1e-4, (mismatched, total)
+
+
+def test_nvfp4_global_scale_is_data(platform):
+    """A traced global scale: one compiled program for every value, each value's bits; a
+    global scale that is not a positive normal float32 makes every scale NaN."""
+    x = random_rows(1, (6, 256), jnp.bfloat16)
+    gamma = random_gamma(1, 256, jnp.float32)
+    traces = []
+
+    def layer(x, gamma, gs):
+        traces.append(1)
+        return fp8norm.rms_norm_fp8(x, gamma, **_format("nvfp4", global_scale=gs))
+
+    fn = jax.jit(layer)
+    device = device_of(platform)
+    x_d, g_d = jax.device_put(x, device), jax.device_put(gamma, device)
+    values = (np.float32(1.0), np.float32(0.003), np.float32(7.5))
+    bad_values = (0.0, -1.0, np.nan, np.inf, 1e-40)
+    with kernels_of(platform):
+        outs = [
+            [np.asarray(o) for o in fn(x_d, g_d, jax.device_put(np.float32(gs), device))]
+            for gs in values + bad_values
+        ]
+    assert len(traces) == 1
+    for gs, got in zip(values, outs, strict=False):
+        want = reference_on_cpu(
+            fp8norm.reference.rms_norm_fp8, x, gamma, **_format("nvfp4", global_scale=gs)
+        )
+        if is_gpu(platform):
+            fp8norm.testing.assert_matches_reference(got, want)
+        else:
+            assert_same_bits(got, want)
+    for gs, (y, scales) in zip(bad_values, outs[len(values) :], strict=True):
+        assert np.isnan(scales.astype(np.float32)).all() and (_codes(y) == 0).all(), gs
+    # A float32 array of shape (1,) is a global scale too.
+    check(
+        platform, "rms_norm_fp8", x, gamma, **_format("nvfp4", global_scale=np.ones(1, np.float32))
+    )
+
+
+def test_fp4_layout_of_the_cpu_backend():
+    """XLA's CPU backend holds float4_e2m1fn buffers two per byte (its layout says
+    E(4)), as the handlers are told; a custom call's FP4 output decodes to the reference
+    only under that layout, and an fp4_layout the handlers do not know is refused."""
+    assert fp8norm_ffi.fp4_layout("cpu") == fp8norm_ffi.FP4_PACKED_LOW_FIRST
+    hlo = jax.jit(lambda v: v.astype(F4)).lower(jnp.ones((8,), jnp.float32)).compile().as_text()
+    assert "f4e2m1fn[8]{0:E(4)}" in hlo, hlo
+    # The element order: the round target writes element 2k in the low nibble, and XLA
+    # reads those bytes back as these values.
+    values = np.float32([1, 2, 3, 4, 6, -1, 0.5, 0])
+    (got,) = run_on("cpu", lambda v: (fp8norm.ops.round_float32(v, F4),), values)
+    np.testing.assert_array_equal(
+        got.view(np.uint8), values.astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
+    )
+    with pytest.raises(NotImplementedError, match="does not know"):
+        fp8norm_ffi.fp4_layout("tpu")
+
+
+def test_fp4_unknown_layout_is_refused(monkeypatch):
+    monkeypatch.setitem(fp8norm_ffi.FP4_LAYOUTS, "cpu", 5)
+    jax.clear_caches()
+    try:
+        x = jnp.ones((2, 32), jnp.float32)
+        with pytest.raises(Exception, match="fp4_layout 5 is not"):
+            jax.block_until_ready(
+                jax.jit(functools.partial(fp8norm.rms_norm_fp8, **FORMATS["mxfp4"]))(x, x[0])
+            )
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+
+
+def test_fp4_under_vmap_jit_and_dequantised_gradients():
+    x = random_rows(2, (3, 4, 128), jnp.bfloat16)
+    gamma = random_gamma(2, 128, jnp.float32)
+    kw = _format("nvfp4")
+    batched = jax.jit(jax.vmap(lambda x: fp8norm.rms_norm_fp8(x, gamma, **kw)))(x)
+    assert_same_bits(batched, fp8norm.rms_norm_fp8(x, gamma, **kw))
+    # The dequantised twin: the kernel's outputs times the global scale, differentiable.
+    value = fp8norm.rms_norm_fp8_dequantized(x, gamma, **kw)
+    y, scales = fp8norm.rms_norm_fp8(x, gamma, **kw)
+    assert_same_bits([value], [fp8norm.dequantize(y, scales, GLOBAL_SCALE)])
+    grad = jax.grad(lambda g: fp8norm.rms_norm_fp8_dequantized(x, g, **kw).sum())(gamma)
+    assert grad.shape == gamma.shape and np.isfinite(np.asarray(grad)).all()
+    with pytest.raises(TypeError, match="no gradient"):
+        jax.grad(lambda g: fp8norm.rms_norm_fp8(x, g, **kw)[0].astype(jnp.float32).sum())(gamma)
+
+
+def test_fp4_export_and_aot():
+    pytest.importorskip("flatbuffers", reason="jax.export's serialisation needs flatbuffers")
+    x = random_rows(5, (8, 512), jnp.bfloat16)
+    residual = random_rows(6, (8, 512), jnp.bfloat16)
+    gamma = random_gamma(7, 512, jnp.float32)
+
+    def layer(x, residual, gamma, gs):
+        y, s, h = fp8norm.add_rms_norm_fp8(x, residual, gamma, **_format("nvfp4", global_scale=gs))
+        y2, s2 = fp8norm.rms_norm_fp8(h, gamma, **FORMATS["mxfp4"])
+        return y, s, y2, s2
+
+    args = (x, residual, gamma, np.float32(0.01))
+    exported = jax.export.export(
+        jax.jit(layer), platforms=["cpu"], disabled_checks=fp8norm.EXPORT_DISABLED_CHECKS
+    )(*args)
+    restored = jax.export.deserialize(exported.serialize())
+    want = jax.jit(layer)(*args)
+    assert_same_bits(restored.call(*args), want)
+    compiled = jax.jit(layer).lower(*args).compile()
+    assert_same_bits(compiled(*args), want)
+    other = (*args[:3], np.float32(0.5))
+    assert_same_bits(compiled(*other), jax.jit(layer)(*other))
+
+
+def test_fp4_flax_module():
+    nnx = pytest.importorskip("flax.nnx")
+    from jax_fp8norm.nnx import RMSNormFP8
+
+    x = random_rows(8, (4, 256), jnp.bfloat16)
+    module = RMSNormFP8(256, **_format("nvfp4", global_scale=jnp.float32(0.02)))
+    y, scales = module(x)
+    want = fp8norm.rms_norm_fp8(x, module.weight[...], **_format("nvfp4", global_scale=0.02))
+    assert_same_bits((y, scales), want)
+    assert isinstance(module.global_scale, jax.Array)
+    del nnx
