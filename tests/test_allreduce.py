@@ -138,8 +138,15 @@ else:
             dict(group_size=32, scale_dtype=jnp.float8_e8m0fnu),
             dict(group_size=128, power_of_two_scales=True, reduce_dtype=jnp.float32),
             dict(static_scale=0.02),
+            dict(
+                group_size=16,
+                out_dtype=jnp.float4_e2m1fn,
+                scale_dtype=jnp.float8_e4m3fn,
+                global_scale=0.003,
+            ),
+            dict(group_size=32, out_dtype=jnp.float4_e2m1fn, scale_dtype=jnp.float8_e8m0fnu),
         ],
-        ids=["group128", "mxfp8", "ue8m0-float32", "static"],
+        ids=["group128", "mxfp8", "ue8m0-float32", "static", "nvfp4", "mxfp4"],
     )
     def test_block_scaled_and_static_scales(kw):
         mesh = _mesh(4)
@@ -150,8 +157,9 @@ else:
         assert_same_bits(out, ref)
         _assert_same_on_every_device(out)
         # The wrapper for callers outside shard_map, a static scale as an array.
-        if "static_scale" in kw:
-            kw = dict(static_scale=jnp.float32(kw["static_scale"]))
+        for name in ("static_scale", "global_scale"):
+            if name in kw:
+                kw = dict(kw, **{name: jnp.float32(kw[name])})
         wrapped = fp8norm.sharded_allreduce_residual_rms_norm_fp8(
             partials, residual, gamma, mesh=mesh, axis_name="tp", **kw
         )

@@ -119,6 +119,13 @@ else:
         "group128": dict(group_size=128),
         "mxfp8": dict(group_size=32, scale_dtype=jnp.float8_e8m0fnu),
         "static": dict(static_scale=0.05),
+        "nvfp4": dict(
+            group_size=16,
+            out_dtype=jnp.float4_e2m1fn,
+            scale_dtype=jnp.float8_e4m3fn,
+            global_scale=0.004,
+        ),
+        "mxfp4": dict(group_size=32, out_dtype=jnp.float4_e2m1fn, scale_dtype=jnp.float8_e8m0fnu),
     }
 
     @pytest.mark.parametrize("scaling", list(BLOCK_SCALINGS))
@@ -129,10 +136,12 @@ else:
         mesh = _mesh(axis_type=axis_type)
         x, residual, gamma = _args(fp8norm.add_rms_norm_fp8, (64, 512))
         kw = dict(BLOCK_SCALINGS[scaling])
-        static = kw.pop("static_scale", None)
+        # A calibrated or global scale: a jit argument.
+        name = "global_scale" if "global_scale" in kw else "static_scale"
+        static = kw.pop(name, None)
 
         def op(x, residual, gamma, *scale):
-            extra = {"static_scale": scale[0]} if scale else {}
+            extra = {name: scale[0]} if scale else {}
             return fp8norm.add_rms_norm_fp8(x, residual, gamma, **kw, **extra)
 
         spec = P("d", None)
