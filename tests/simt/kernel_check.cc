@@ -67,6 +67,8 @@ struct Case {
   int64_t group_size = 0;     // 0: one scale per row
   bool power_of_two = false;  // power-of-two scales (set for e8m0)
   float static_scale = 0.0f;  // a calibrated scale when nonzero
+  bool packed = true;         // FP4: two codes per byte, else one
+  float global_scale = 1.0f;  // NVFP4's (e4m3 scales)
 };
 
 struct Rng {
@@ -126,6 +128,7 @@ const char* TypeName(FloatType t) {
   return t == FloatType::kF32    ? "f32"
          : t == FloatType::kF16  ? "f16"
          : t == FloatType::kE8M0 ? "e8m0"
+         : t == FloatType::kE4M3 ? "e4m3"
                                  : "bf16";
 }
 
@@ -169,8 +172,14 @@ bool RunCase(const Case& c, KernelVariant variant, Coverage& coverage, int* runs
   const int64_t groups = c.group_size > 0 ? c.hidden / c.group_size : 1;
   ExactBuffer static_scale(c.static_scale != 0.0f ? sizeof(float) : 0);
   if (c.static_scale != 0.0f) std::memcpy(static_scale.data, &c.static_scale, sizeof(float));
+  const bool fp4 = c.out == OutFormat::kE2M1;
+  const bool nvfp4 = fp4 && c.scale == FloatType::kE4M3;
+  ExactBuffer global_scale(nvfp4 ? sizeof(float) : 0);
+  if (nvfp4) std::memcpy(global_scale.data, &c.global_scale, sizeof(float));
+  const bool packed = fp4 && c.packed;
   auto make_outputs = [&]() {
-    return Outputs{ExactBuffer(elements),  // y: one byte per FP8 element
+    // y: one byte per FP8 element, half a byte per packed FP4 one: exactly the buffer.
+    return Outputs{ExactBuffer(packed ? elements / 2 : elements),
                    ExactBuffer(static_cast<size_t>(c.rows * groups) * FloatTypeBytes(c.scale)),
                    ExactBuffer(c.residual ? elements * FloatTypeBytes(residual_type) : 0)};
   };
@@ -196,18 +205,21 @@ bool RunCase(const Case& c, KernelVariant variant, Coverage& coverage, int* runs
     a.group_size = c.group_size > 0 ? c.group_size : c.hidden;
     a.static_scale =
         c.static_scale != 0.0f ? reinterpret_cast<const float*>(static_scale.data) : nullptr;
+    a.global_scale = nvfp4 ? reinterpret_cast<const float*>(global_scale.data) : nullptr;
+    a.y_packed = packed;
     return a;
   };
 
   char name_text[300];
   std::snprintf(name_text, sizeof(name_text),
                 "%s %lldx%lld %s residual=%d gamma=%s scale=%s %s misalign=%zu limits=%s%s "
-                "group=%lld pow2=%d static=%g",
+                "group=%lld pow2=%d static=%g packed=%d global=%g",
                 VariantName(variant), static_cast<long long>(c.rows),
                 static_cast<long long>(c.hidden), TypeName(c.input), c.residual, TypeName(c.gamma),
-                TypeName(c.scale), c.out == OutFormat::kE4M3FN ? "e4m3fn" : "e4m3fnuz", c.misalign,
+                TypeName(c.scale),
+                fp4 ? "e2m1" : (c.out == OutFormat::kE4M3FN ? "e4m3fn" : "e4m3fnuz"), c.misalign,
                 limits.name, c.specials ? " specials" : "", static_cast<long long>(c.group_size),
-                c.power_of_two, c.static_scale);
+                c.power_of_two, c.static_scale, packed, c.global_scale);
   const std::string name = name_text;
 
   const RmsNormFp8Args emulated_args = args_for(emulated);
@@ -228,6 +240,7 @@ bool RunCase(const Case& c, KernelVariant variant, Coverage& coverage, int* runs
     buffers.Add("y", emulated.y.data, emulated.y.bytes);
     buffers.Add("scales", emulated.scales.data, emulated.scales.bytes);
     if (c.static_scale != 0.0f) buffers.Add("static_scale", static_scale.data, static_scale.bytes);
+    if (nvfp4) buffers.Add("global_scale", global_scale.data, global_scale.bytes);
     if (c.residual)
       buffers.Add("residual_out", emulated.residual_out.data, emulated.residual_out.bytes);
     status = LaunchRmsNormFp8(nullptr, 0, emulated_args);
@@ -251,6 +264,22 @@ bool RunCase(const Case& c, KernelVariant variant, Coverage& coverage, int* runs
   ok = SameBytes(emulated.scales, cpu.scales, "scales", name) && ok;
   if (c.residual)
     ok = SameBytes(emulated.residual_out, cpu.residual_out, "residual_out", name) && ok;
+  if (packed) {
+    // The same codes one per byte, packed two per byte: the layouts agree.
+    Outputs unpacked = make_outputs();
+    ExactBuffer codes(elements);
+    unpacked.y = std::move(codes);
+    RmsNormFp8Args a = args_for(unpacked);
+    a.y_packed = false;
+    RmsNormFp8Cpu(a, [](int64_t n, const std::function<void(int64_t)>& f) {
+      for (int64_t i = 0; i < n; ++i) f(i);
+    });
+    ExactBuffer repacked(elements / 2);
+    for (size_t k = 0; k < elements / 2; ++k) {
+      repacked.data[k] = PackFp4(unpacked.y.data[2 * k], unpacked.y.data[2 * k + 1]);
+    }
+    ok = SameBytes(cpu.y, repacked, "y packed vs one code per byte", name) && ok;
+  }
 
   const simt::LaunchRecord& launch = launches.back();
   if (launch.threads != static_cast<unsigned>(plan.threads) || launch.blocks != plan.blocks ||
@@ -286,6 +315,7 @@ bool RunCase(const Case& c, KernelVariant variant, Coverage& coverage, int* runs
   }
   if (c.power_of_two) coverage.Add(std::string("power-of-two ") + TypeName(c.scale) + " scales");
   if (c.static_scale != 0.0f) coverage.Add(v + ", static scale");
+  if (fp4) coverage.Add(v + (nvfp4 ? ", NVFP4" : ", MXFP4") + (packed ? " packed" : " unpacked"));
   return ok;
 }
 
@@ -430,6 +460,35 @@ int Main(bool quick) {
     cases.push_back(c);
     ++g;
   }
+  // FP4: NVFP4 (typical, invalid and tiny global scales) and MXFP4 (with and without a
+  // bound), packed and one code per byte, groups from a pair of codes to 64, the edge rows.
+  const float global_scales[] = {0.003f, 1.0f, 0.0f, -2.0f, 1e-30f};
+  int f = 0;
+  for (const int64_t hidden : group_hiddens) {
+    for (const int64_t group : {int64_t{2}, int64_t{6}, int64_t{16}, int64_t{32}, int64_t{64}}) {
+      if (hidden % group != 0) continue;
+      for (const FloatType input : inputs) {
+        Case c{};
+        c.rows = quick ? 3 : 6;
+        c.hidden = hidden;
+        c.input = input;
+        c.residual = f % 3 == 1 ? 1 : 0;
+        c.gamma = f % 2 ? FloatType::kBF16 : FloatType::kF32;
+        c.out = OutFormat::kE2M1;
+        c.scale = f % 2 ? FloatType::kE8M0 : FloatType::kE4M3;
+        c.power_of_two = c.scale == FloatType::kE8M0;
+        c.global_scale = global_scales[(f / 2) % 5];
+        c.misalign = f % 6 == 5 ? FloatTypeBytes(input) : 0;
+        c.limits = f % 4;
+        c.specials = f % 3 == 2;
+        c.scale_ub = c.power_of_two && f % 4 == 3 ? 0.5f : INFINITY;
+        c.group_size = group;
+        c.packed = f % 5 != 4;
+        cases.push_back(c);
+        ++f;
+      }
+    }
+  }
   // Rows held by several warps (1024 bf16: 2 warps per row in block_registers), strided
   // over a grid of 3 blocks: what the barrier in place of the abs-max reduction a grouped
   // or static row skips protects. In the quick set too, for ThreadSanitizer.
@@ -493,7 +552,15 @@ int Main(bool quick) {
                             "power-of-two bf16 scales",
                             "block_shared, static scale",
                             "warp_rows, static scale",
-                            "block_registers, static scale"};
+                            "block_registers, static scale",
+                            "block_shared, NVFP4 packed",
+                            "block_shared, MXFP4 packed",
+                            "block_shared, NVFP4 unpacked",
+                            "block_shared, MXFP4 unpacked",
+                            "warp_rows, NVFP4 packed",
+                            "warp_rows, MXFP4 packed",
+                            "block_registers, NVFP4 packed",
+                            "block_registers, MXFP4 packed"};
   std::printf("%zu cases, %d launches over the variants, %d failed; launch paths reached:\n",
               cases.size(), runs, failures);
   for (const auto& [path, count] : coverage.paths) std::printf("  %-34s %d\n", path.c_str(), count);

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HEADER = Path("src") / "common" / "fp8norm_math.h"
 # In this order, so that most mutants fail one of the first, quicker files.
 TESTS = ["tests/test_sum_of_squares.py", "tests/test_rounding.py", "tests/test_block_scaling.py",
-         "tests/test_ops.py"]  # fmt: skip
+         "tests/test_fp4.py", "tests/test_ops.py"]  # fmt: skip
 # The cpu platform's items of those files (the simt ones build their own module).
 SELECT = "cpu and not virtual"
 TIMEOUT_S = 900
@@ -50,6 +50,21 @@ class Mutant:
 
 MUTANTS = [
     Mutant(
+        "FP4 rounding: ties away from zero instead of to even",
+        "(22u << 23);\n  const uint32_t steps = BitsOf(FloatOf(capped) + FloatOf(c)) - c;",
+        "(22u << 23);\n  const uint32_t steps = BitsOf(FloatOf(capped | 1u) + FloatOf(c)) - c;",
+    ),
+    Mutant(
+        "FP4 packing: element 2k in the high nibble",
+        "return uint8_t(even | (odd << 4));",
+        "return uint8_t(odd | (even << 4));",
+    ),
+    Mutant(
+        "NVFP4: one division by the product of the two scales",
+        "(normed / s.global_scale) / s.scale",
+        "normed / (s.global_scale * s.scale)",
+    ),
+    Mutant(
         "sum of squares: each addition's rounding error dropped",
         "  lo += sum_error + square_error;",
         "  lo += square_error;",
@@ -61,7 +76,8 @@ MUTANTS = [
     ),
     Mutant(
         "FP8 rounding: exact ties rounded up instead of to even",
-        "BitsOf(FloatOf(capped) + FloatOf(c)) - c;",
+        "(20u << 23);\n  const uint32_t steps = BitsOf(FloatOf(capped) + FloatOf(c)) - c;",
+        "(20u << 23);\n  const uint32_t steps = "
         "BitsOf(FloatOf(capped + (capped != 0 ? 1u : 0u)) + FloatOf(c)) - c;",
     ),
     Mutant(
