@@ -7,6 +7,7 @@
 //
 // Built and run from the repository root as benchmarks/README.md says;
 //   build/cpu_kernel [rows] [hidden] [bf16|f16|f32] [threads] [add: 0|1] [group] [repeats]
+//                    [fp8|nvfp4|mxfp4]
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -32,11 +33,15 @@ int main(int argc, char** argv) {
   const bool add = std::atoi(arg(5, "0")) != 0;
   const int64_t group = std::atoll(arg(6, "0"));
   const int repeats = std::atoi(arg(7, "20"));
+  // FP4 (NVFP4: e4m3 scales and a global scale; MXFP4: e8m0 scales) needs a group size.
+  const std::string format = arg(8, "fp8");
+  const bool fp4 = format == "nvfp4" || format == "mxfp4";
   if (rows <= 0 || hidden <= 0 || threads <= 0 || repeats <= 0 || group < 0 ||
-      (group > 0 && hidden % group != 0)) {
+      (group > 0 && hidden % group != 0) || (fp4 && (group <= 0 || group % 2 != 0)) ||
+      !(fp4 || format == "fp8")) {
     std::fprintf(stderr,
                  "usage: %s [rows] [hidden] [bf16|f16|f32] [threads] [add] [group] "
-                 "[repeats]\n",
+                 "[repeats] [fp8|nvfp4|mxfp4 (with an even group)]\n",
                  argv[0]);
     return 2;
   }
@@ -77,6 +82,14 @@ int main(int argc, char** argv) {
   a.gamma_type = a.scale_type = FloatType::kF32;
   a.out_format = fp8norm::OutFormat::kE4M3FN;
   a.constants = fp8norm::RowConstants{1e-6f, 0.0f, INFINITY, false};
+  const float global_scale = 0x1p-9f;
+  if (fp4) {
+    a.out_format = fp8norm::OutFormat::kE2M1;
+    a.y_packed = true;
+    a.scale_type = format == "nvfp4" ? FloatType::kE4M3 : FloatType::kE8M0;
+    a.global_scale = format == "nvfp4" ? &global_scale : nullptr;
+    a.constants.power_of_two = format == "mxfp4";
+  }
   const fp8norm::ParallelFor parallel_for = [threads](int64_t tasks,
                                                       const std::function<void(int64_t)>& task) {
     std::atomic<int64_t> next{0};
@@ -104,8 +117,8 @@ int main(int argc, char** argv) {
   mix(y.data(), y.size());
   mix(scales.data(), scales.size() * sizeof(float));
   if (add) mix(residual_out.data(), residual_out.size());
-  std::printf("%s %lld x %lld %s, %d thread(s)%s%s: best %.3f ms of %d, outputs %016llx\n",
-              fp8norm::CpuKernelVariant(), static_cast<long long>(rows),
+  std::printf("%s %s %lld x %lld %s, %d thread(s)%s%s: best %.3f ms of %d, outputs %016llx\n",
+              fp8norm::CpuKernelVariant(), format.c_str(), static_cast<long long>(rows),
               static_cast<long long>(hidden), dtype, threads, add ? ", add" : "",
               group > 0 ? (", group " + std::to_string(group)).c_str() : "", best_ms, repeats,
               static_cast<unsigned long long>(hash));

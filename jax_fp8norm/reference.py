@@ -317,7 +317,8 @@ def _fp4_groups(
         gs = global_scale.astype(f32).reshape(())
         gs_bits = _bits(gs)
         gs_valid = (gs_bits >= 0x00800000) & (gs_bits < 0x7F800000)
-        t = _divide(grouped, gs)
+        # The barrier keeps XLA from folding (n / gs) / scale into n / (gs * scale).
+        t = jax.lax.optimization_barrier(_divide(grouped, gs))
         amax = jnp.max(jnp.abs(t), axis=-1, initial=f32(0))  # [..., groups]
         finite = row_finite & gs_valid & jnp.isfinite(amax)
         # The barrier keeps XLA from dropping the round trip through e4m3 (as jax.nn's

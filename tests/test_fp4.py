@@ -343,3 +343,25 @@ def test_fp4_flax_module():
     assert_same_bits((y, scales), want)
     assert isinstance(module.global_scale, jax.Array)
     del nnx
+
+
+@pytest.mark.parametrize("gs", [1.0, 0.25, 0.1, 3.0])
+def test_nvfp4_ties(platform, gs):
+    """Elements whose quotient (n / gs) / s lands on a rounding boundary of E2M1, or a few
+    units in the last place beside it: the AVX2 lanes' fast quotient must fall back to the
+    divisions there (src/cpu/cpu_avx2.h, Nvfp4Quotient). With x a row of ones and eps = 0,
+    r = 1 and the normalised row is gamma itself."""
+    rng = np.random.default_rng(int(gs * 8))
+    groups, boundaries = 64, np.float32([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    scales = (1 + rng.integers(1, 0x7E, groups)).astype(np.uint8).view(ml_dtypes.float8_e4m3fn)
+    s = scales.astype(np.float32)[:, None]
+    gamma = boundaries[rng.integers(0, 7, (groups, 16))] * s * np.float32(gs)
+    gamma = gamma.astype(np.float32)
+    gamma = (gamma.view(np.uint32) + rng.integers(-3, 4, gamma.shape).astype(np.uint32)).view(
+        np.float32
+    )
+    gamma[:, 0] = np.float32(6) * s[:, 0] * np.float32(gs)  # the group's abs-max: scale s
+    gamma *= np.where(rng.random(gamma.shape) < 0.5, -1, 1).astype(np.float32)
+    x = np.ones((4, groups * 16), np.float32)
+    kw = _format("nvfp4", global_scale=np.float32(gs), eps=0.0)
+    check(platform, "rms_norm_fp8", x, gamma.reshape(-1), **kw)

@@ -1,5 +1,5 @@
 // Eight float32 lanes in AVX2 registers: the vector forms of the math header's loads,
-// stores, exact square and FP8 rounding, for the AVX2 row loops of cpu_rows.inc. Each one
+// stores, exact square and FP8 / FP4 rounding, for the AVX2 row loops of cpu_rows.inc. Each one
 // is the scalar definition of fp8norm_math.h applied lane by lane, with the same IEEE
 // operations in the same order, so they give the same bits; tests/cpu/rounding_check.cc
 // (tools/checks/cpu_check.sh) holds them to the scalar ones.
@@ -190,6 +190,94 @@ inline void Quantize32(const float* normed, __m256 recip, uint8_t* y) {
                                    _mm256_mul_ps(_mm256_loadu_ps(normed + 16), recip),
                                    _mm256_mul_ps(_mm256_loadu_ps(normed + 24), recip));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), bytes);
+}
+
+// ---------------------------------------------------------------------------------
+// FP4: Fp4Code of 8 lanes, two codes per byte, and NVFP4's quotient (n / gs) / s.
+// ---------------------------------------------------------------------------------
+
+// The E2M1 codes (sign in bit 3) of 8 lanes, none of them NaN: Fp4Code's operations.
+inline __m256i Fp4Codes(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 28), Splat(0x8u));
+  const __m256i capped =
+      _mm256_min_epu32(_mm256_and_si256(u, Splat(kF32AbsMask)), Splat(kFp4MaxBits));
+  const __m256i e = _mm256_max_epu32(_mm256_and_si256(capped, Splat(kF32Inf)), Splat(127u << 23));
+  const __m256i c = _mm256_add_epi32(e, Splat(22u << 23));
+  const __m256i sum =
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(capped), _mm256_castsi256_ps(c)));
+  const __m256i code =
+      _mm256_sub_epi32(_mm256_add_epi32(_mm256_sub_epi32(sum, c), _mm256_srli_epi32(e, 22)),
+                       Splat(127u << 1));
+  return _mm256_or_si256(code, sign);
+}
+
+// PackFp4 of lanes 2k and 2k + 1 of 8 codes: 4 bytes, element 0 in the low nibble of the
+// first.
+inline uint32_t PackFp4x8(__m256i codes) {
+  // Each 64-bit lane: even | odd << 32, so that its low byte after the shift is
+  // even | odd << 4.
+  const __m256i pairs = _mm256_or_si256(codes, _mm256_srli_epi64(codes, 28));
+  const __m256i bytes = _mm256_shuffle_epi8(
+      pairs, _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 8,
+                              -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+  const uint32_t low = static_cast<uint32_t>(_mm_cvtsi128_si32(_mm256_castsi256_si128(bytes)));
+  const uint32_t high =
+      static_cast<uint32_t>(_mm_cvtsi128_si32(_mm256_extracti128_si256(bytes, 1)));
+  return (low & 0xffffu) | (high << 16);
+}
+
+// fl(fl(n / gs) / s), the quotient QuantizeFp4Element rounds for NVFP4, or a value with
+// the same E2M1 code: w = (n * rg) * rs, rg = fl(1 / gs) and rs = fl(1 / s) both normal,
+// is within 6 units in the last place (2^-21 relative) of the quotient, so where w lies
+// farther than 2^-19 |w| from every rounding boundary of E2M1 (the midpoints between its
+// values: 0.25, 0.75, ..., 5) both round to the same code. Only where a lane lies that
+// close (rarely, or on purpose, as tests/test_fp4.py does) are the two divisions made.
+inline __m256 Nvfp4Quotient(__m256 n, __m256 gs, __m256 s, __m256 rg, __m256 rs) {
+  const __m256 w = _mm256_mul_ps(_mm256_mul_ps(n, rg), rs);
+  const __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(w), Splat(kF32AbsMask));
+  const __m256i capped = _mm256_min_epu32(magnitude, Splat(kFp4MaxBits));
+  const __m256i e = _mm256_max_epu32(_mm256_and_si256(capped, Splat(kF32Inf)), Splat(127u << 23));
+  const __m256 a = _mm256_castsi256_ps(capped);
+  const __m256 c = _mm256_castsi256_ps(_mm256_add_epi32(e, Splat(22u << 23)));
+  // a rounded to E2M1's step in its binade, exactly; a boundary lies half a step away.
+  const __m256 rounded = _mm256_sub_ps(_mm256_add_ps(a, c), c);
+  const __m256 half_step = _mm256_castsi256_ps(_mm256_sub_epi32(e, Splat(2u << 23)));
+  const __m256 off = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_sub_ps(a, rounded));
+  const __m256 distance = _mm256_sub_ps(half_step, off);
+  const __m256 near = _mm256_cmp_ps(distance, _mm256_mul_ps(a, _mm256_set1_ps(0x1p-19f)), _CMP_LE_OQ);
+  if (_mm256_movemask_ps(near) != 0) return _mm256_div_ps(_mm256_div_ps(n, gs), s);
+  return w;
+}
+
+// Nvfp4Scale of 8 groups, the abs-max bits of each in a lane, in a row whose sum of
+// squares is finite, under a global scale that is a positive normal number: the scales
+// (NaN for a group whose values divided by gs are not all finite) and fl(1 / scale), NaN
+// where the group's codes are all 0 (a scale of 0 or NaN). The same operations as the
+// scalar functions: two divisions, Fp8Code's saturating rounding (Fp8MagnitudeCodes on a
+// non-negative, non-NaN lane), E4M3FnValue.
+inline void Nvfp4Scales(__m256i amax_bits, __m256 gs, __m256* scale, __m256* multiplier) {
+  const __m256 nan = _mm256_castsi256_ps(Splat(kF32QuietNan));
+  const __m256 amax = _mm256_div_ps(_mm256_castsi256_ps(amax_bits), gs);
+  const __m256i amax_abs = _mm256_and_si256(_mm256_castps_si256(amax), Splat(kF32AbsMask));
+  const __m256i finite = _mm256_cmpgt_epi32(Splat(kF32Inf), amax_abs);
+  const __m256 quotient = _mm256_div_ps(amax, _mm256_set1_ps(kFp4Max));
+  // A non-finite quotient is capped to the largest code like any other: masked below.
+  const __m256i code =
+      Fp8MagnitudeCodes<OutFormat::kE4M3FN, false>(_mm256_castps_si256(quotient));
+  const __m256i exponent = _mm256_and_si256(_mm256_srli_epi32(code, 3), Splat(0xfu));
+  const __m256i mantissa = _mm256_and_si256(code, Splat(0x7u));
+  const __m256i normal = _mm256_or_si256(_mm256_slli_epi32(_mm256_add_epi32(exponent, Splat(120u)), 23),
+                                         _mm256_slli_epi32(mantissa, 20));
+  const __m256 subnormal =
+      _mm256_mul_ps(_mm256_cvtepi32_ps(mantissa), _mm256_castsi256_ps(Splat((127u - 9u) << 23)));
+  const __m256i is_subnormal = _mm256_cmpeq_epi32(exponent, _mm256_setzero_si256());
+  const __m256 value = _mm256_castsi256_ps(
+      _mm256_blendv_epi8(normal, _mm256_castps_si256(subnormal), is_subnormal));
+  *scale = _mm256_blendv_ps(nan, value, _mm256_castsi256_ps(finite));
+  const __m256 zero = _mm256_or_ps(_mm256_castsi256_ps(_mm256_xor_si256(finite, Splat(~0u))),
+                                   _mm256_cmp_ps(value, _mm256_setzero_ps(), _CMP_EQ_OQ));
+  *multiplier = _mm256_blendv_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), value), nan, zero);
 }
 
 }  // namespace avx2_lanes

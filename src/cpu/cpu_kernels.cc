@@ -189,9 +189,11 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   // a failed allocation is reported through this flag instead.
   std::atomic<bool> out_of_memory{false};
   parallel_for(num_tasks, [&](int64_t task) {
-    // The row, and the scale and its reciprocal of each of its groups when it has several.
+    // The row, and the scale and its reciprocal of each of its groups when it has several
+    // (or is FP4's).
     const int64_t groups = GroupsPerRow(a);
-    float* scratch = ThreadBuffer<Buffer::kScratchRow>(a.hidden + (groups > 1 ? 2 * groups : 0));
+    const bool group_scratch = groups > 1 || a.out_format == OutFormat::kE2M1;
+    float* scratch = ThreadBuffer<Buffer::kScratchRow>(a.hidden + (group_scratch ? 2 * groups : 0));
     if (scratch == nullptr) {
       out_of_memory.store(true, std::memory_order_relaxed);
       return;

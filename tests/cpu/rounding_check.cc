@@ -1,8 +1,11 @@
 // The CPU kernel's AVX2 vector code against the scalar definitions of fp8norm_math.h and
 // the baseline variant's loops:
 // - the FP8 codes (e4m3fn and e4m3fnuz, saturating; the path without NaN tests on every
-//   non-NaN input) and the bfloat16 / float16 stores on all 2^32 float32 bit patterns,
-//   the 16-bit loads on all 2^16;
+//   non-NaN input), the FP4 codes (every non-NaN input) and the bfloat16 / float16 stores
+//   on all 2^32 float32 bit patterns, the 16-bit loads on all 2^16;
+// - NVFP4's vector scales against Nvfp4Scale on a sixteenth of all abs-max bit patterns,
+//   and its vector quotient's codes against the two divisions on random and on
+//   constructed tie and near-tie elements; the FP4 packing;
 // - the vector sum of squares against the scalar one on 2^25 squares (NaN and Inf
 //   included);
 // - the AVX2 row load against the baseline's, lane by lane, on rows of 1 to 4099
@@ -48,6 +51,7 @@ __attribute__((target("avx2,fma,f16c"))) void CheckFloats(uint64_t first, uint64
   alignas(32) uint32_t bits[32];
   alignas(32) uint8_t fn[32], fnuz[32], fn_finite[32], fnuz_finite[32];
   alignas(16) uint16_t bf16[32], f16[32];
+  alignas(32) uint32_t fp4[32];
   for (uint64_t base = first; base < first + count; base += 32) {
     for (int k = 0; k < 32; ++k) bits[k] = static_cast<uint32_t>(base + k);
     __m256 x[4];
@@ -55,6 +59,7 @@ __attribute__((target("avx2,fma,f16c"))) void CheckFloats(uint64_t first, uint64
       x[i] = _mm256_load_ps(reinterpret_cast<const float*>(bits + 8 * i));
       v::Store(reinterpret_cast<BF16*>(bf16 + 8 * i), x[i]);
       v::Store(reinterpret_cast<F16*>(f16 + 8 * i), x[i]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(fp4 + 8 * i), v::Fp4Codes(x[i]));
     }
     _mm256_store_si256(reinterpret_cast<__m256i*>(fn),
                        v::Fp8Bytes<OutFormat::kE4M3FN, true>(x[0], x[1], x[2], x[3]));
@@ -77,6 +82,7 @@ __attribute__((target("avx2,fma,f16c"))) void CheckFloats(uint64_t first, uint64
       if (!IsNan(f) && fnuz_finite[k] != want_fnuz) {
         Report("e4m3fnuz, no NaN", bits[k], fnuz_finite[k], want_fnuz);
       }
+      if (!IsNan(f) && fp4[k] != Fp4Code(f)) Report("e2m1", bits[k], fp4[k], Fp4Code(f));
       if (bf16[k] != ToBF16(f).bits) Report("bfloat16", bits[k], bf16[k], ToBF16(f).bits);
       if (f16[k] != ToF16(f).bits) Report("float16", bits[k], f16[k], ToF16(f).bits);
     }
@@ -172,6 +178,86 @@ __attribute__((target("avx2,fma,f16c"))) void CheckSums(uint64_t seed, int seque
   }
 }
 
+// NVFP4 on the AVX2 lanes against the scalar definitions: the scales of abs-maxima
+// (every 16th bit pattern from 0 to NaN) under several global scales; the codes of the
+// quotient (n / gs) / s from n * fl(1 / gs) * fl(1 / s) where that is safe, on random
+// elements and on elements built to land on (and a few units in the last place beside)
+// every rounding boundary of E2M1; the packing of 8 codes into 4 bytes.
+__attribute__((target("avx2,fma,f16c"))) void CheckNvfp4(bool flush) {
+  if (flush) _mm_setcsr(_mm_getcsr() | 0x8040);
+  const float global_scales[] = {1.0f, 0.003f, 7.5f, 0x1p-100f, 3e37f};
+  alignas(32) uint32_t amax[8];
+  alignas(32) float scale[8], multiplier[8];
+  for (const float gs : global_scales) {
+    for (uint64_t base = 0; base < (uint64_t{1} << 31); base += 8 * 16) {
+      for (int k = 0; k < 8; ++k) amax[k] = static_cast<uint32_t>(base + 16 * k);
+      __m256 s8, m8;
+      v::Nvfp4Scales(_mm256_load_si256(reinterpret_cast<const __m256i*>(amax)),
+                     _mm256_set1_ps(gs), &s8, &m8);
+      _mm256_store_ps(scale, s8);
+      _mm256_store_ps(multiplier, m8);
+      for (int k = 0; k < 8; ++k) {
+        const Fp4Scale want = Nvfp4Scale(1.0f, amax[k], gs);
+        const float want_multiplier = want.zero ? FloatOf(kF32QuietNan) : 1.0f / want.scale;
+        const bool same_scale = BitsOf(scale[k]) == BitsOf(want.scale) ||
+                                (IsNan(scale[k]) && IsNan(want.scale));
+        const bool same_multiplier = BitsOf(multiplier[k]) == BitsOf(want_multiplier) ||
+                                     (IsNan(multiplier[k]) && IsNan(want_multiplier));
+        if (!same_scale) Report("NVFP4 scale", amax[k], BitsOf(scale[k]), BitsOf(want.scale));
+        if (!same_multiplier) {
+          Report("NVFP4 1 / scale", amax[k], BitsOf(multiplier[k]), BitsOf(want_multiplier));
+        }
+      }
+    }
+  }
+  uint64_t state = flush ? 7 : 3;
+  const auto next = [&state] {  // splitmix64
+    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  };
+  const float boundaries[] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f, 6.0f};
+  alignas(32) float n[8];
+  alignas(32) uint32_t codes[8];
+  for (int trial = 0; trial < (1 << 20); ++trial) {
+    const float gs = (trial & 3) == 0 ? 1.0f : FloatOf(0x3a000000u + (next() & 0x3ffffffu));
+    // An e4m3 scale from its code: 1 to 0x7e (0 and NaN give zero groups).
+    const float s = E4M3FnValue(static_cast<uint8_t>(1 + next() % 0x7e));
+    for (int k = 0; k < 8; ++k) {
+      const uint64_t r = next();
+      float value;
+      if (r % 4 == 0) {
+        // Random, around the scale.
+        value = (static_cast<float>(r >> 40) * 0x1p-24f) * 7.0f * s * gs;
+      } else {
+        // A boundary of the quotient, built as its product with s and gs, and moved by a few
+        // units in the last place.
+        value = boundaries[(r >> 8) % 8] * s * gs;
+        value = FloatOf(BitsOf(value) + static_cast<uint32_t>((r >> 16) % 9) - 4u);
+      }
+      n[k] = (r >> 63) != 0 ? -value : value;
+    }
+    const __m256 q = v::Nvfp4Quotient(_mm256_load_ps(n), _mm256_set1_ps(gs), _mm256_set1_ps(s),
+                                      _mm256_set1_ps(1.0f / gs), _mm256_set1_ps(1.0f / s));
+    const __m256i c = v::Fp4Codes(q);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(codes), c);
+    const Fp4Scale scale{s, 0.0f, gs, true, false};
+    uint8_t want_bytes[4];
+    for (int k = 0; k < 8; ++k) {
+      const uint8_t want = QuantizeFp4Element(n[k], scale);
+      if (codes[k] != want) Report("NVFP4 code", BitsOf(n[k]), codes[k], want);
+      if (k % 2 == 1) want_bytes[k / 2] = PackFp4(codes[k - 1], codes[k]);
+    }
+    const uint32_t packed = v::PackFp4x8(c);
+    if (std::memcmp(&packed, want_bytes, 4) != 0) {
+      uint32_t want_word;
+      std::memcpy(&want_word, want_bytes, 4);
+      Report("FP4 packing", codes[0], packed, want_word);
+    }
+  }
+}
+
 #if defined(FP8NORM_CPU_HAS_AVX2_VARIANT)
 // The AVX2 LoadRowLanes against the baseline's, bit for bit: h, residual_out and every
 // lane's (hi, lo) before the tree. A wrong lane for some element would rarely change a
@@ -241,6 +327,7 @@ int Run() {
   for (const bool flush : {false, true}) {
     CheckLoads(flush);
     CheckSums(flush ? 2 : 1, 1 << 16, flush);
+    CheckNvfp4(flush);
     constexpr uint64_t kAll = uint64_t{1} << 32;
     const uint64_t share = (kAll / threads + 31) / 32 * 32;
     std::vector<std::thread> workers;
@@ -252,8 +339,8 @@ int Run() {
     }
     for (auto& worker : workers) worker.join();
     std::printf(
-        "rounding_check: all 2^32 float32 inputs, all 2^16 16-bit inputs and 2^25 summed "
-        "squares, denormals %s: "
+        "rounding_check: all 2^32 float32 inputs, all 2^16 16-bit inputs, 2^25 summed "
+        "squares and NVFP4's vector scales and quotients, denormals %s: "
         "%" PRId64 " mismatches so far\n",
         flush ? "flushed" : "kept", mismatches.load());
   }
