@@ -1,12 +1,15 @@
 """``python -m jax_fp8norm``: runs both ops on the default backend on model-sized shapes
-(per-row scales, and rms_norm_fp8 with 1x128 group and MXFP8 scales too), checks them
+(per-row scales, and rms_norm_fp8 with 1x128 group, MXFP8, NVFP4 and MXFP4 scales too;
+NVFP4 with a global scale calibrated on the shape's input), checks them
 against the pure-jnp reference (bit for bit on the CPU backend, native or emulated
 kernels; the spec's accuracy rule on a GPU) and prints a line per op and shape. Exits
 non-zero if any check fails, after reporting every shape. ``--tp N`` runs the
-tensor-parallel Llama block example (jax_fp8norm/examples/llama_tp_block.py) instead.
+tensor-parallel Llama block example (jax_fp8norm/examples/llama_tp_block.py) instead
+(``--fp4 nvfp4|mxfp4``: its FP4 mode).
 
 Times are wall-clock per call of the jitted function (dispatch included, median of
-``--iters`` calls after a warm-up); they are a sanity check, not a benchmark.
+``--iters`` calls after a warm-up, a quarter as many, at least 3, for the jnp reference,
+which is 10 to 100 times slower); they are a sanity check, not a benchmark.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import numpy as np
 
 import jax_fp8norm as fp8norm
 from jax_fp8norm import _ffi, testing
-from jax_fp8norm._dtypes import DTYPE_BY_NAME, E8M0
+from jax_fp8norm._dtypes import DTYPE_BY_NAME, FP4
 
 DEFAULT_SHAPES = ((16, 4096), (512, 4096), (256, 8192), (64, 7168))
 
@@ -43,14 +46,27 @@ SCALINGS = (
     ("per row", {}),
     ("group 128", {"group_size": 128}),
     ("MXFP8", {"group_size": 32, "scale_dtype": jnp.float8_e8m0fnu}),
+    # NVFP4's global scale is the shape's: _nvfp4_global_scale.
+    ("NVFP4", {"out_dtype": FP4, "group_size": 16, "scale_dtype": jnp.float8_e4m3fn}),
+    ("MXFP4", {"out_dtype": FP4, "group_size": 32, "scale_dtype": jnp.float8_e8m0fnu}),
 )
+
+
+@jax.jit
+def _nvfp4_global_scale(x, gamma) -> jax.Array:
+    """amax(|n|) / (448 * 6) of the normalised rows n (a decode scale), calibrated on x
+    itself."""
+    h = x.astype(jnp.float32)
+    n = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + fp8norm.reference.DEFAULT_EPS)
+    return jnp.max(jnp.abs(n * gamma)) / (448.0 * 6.0)
 
 
 def _agreement(out, ref) -> str:
     y, y_ref = np.asarray(out[0]), np.asarray(ref[0])
-    step = np.abs(testing.fp8_code_index(y) - testing.fp8_code_index(y_ref))
+    code_index = testing.fp4_code_index if y.dtype == FP4 else testing.fp8_code_index
+    step = np.abs(code_index(y) - code_index(y_ref))
     scales, ref_scales = np.asarray(out[1]), np.asarray(ref[1])
-    if scales.dtype == E8M0:
+    if scales.dtype.itemsize == 1:  # e8m0 or e4m3: compare the codes
         same = np.mean(scales.view(np.uint8) == ref_scales.view(np.uint8))
         return f"identical {np.mean(step == 0):8.4%}  max step {step.max()}  scales same {same:.2%}"
     scale_ulp = testing.ulp_distance(scales, ref_scales).max()
@@ -75,6 +91,8 @@ def _run_shape(rows: int, hidden: int, dtype, iters: int) -> bool:
         ),
     ]
     for label, keywords in SCALINGS[1:]:
+        if label == "NVFP4":
+            keywords = {**keywords, "global_scale": _nvfp4_global_scale(x, gamma)}
         if hidden % keywords["group_size"] == 0:
             rms = (fp8norm.rms_norm_fp8, fp8norm.reference.rms_norm_fp8, (x, gamma), keywords)
             cases.append((f"rms {label}", *rms))
@@ -91,7 +109,7 @@ def _run_shape(rows: int, hidden: int, dtype, iters: int) -> bool:
         except AssertionError as error:
             verdict, ok = f"FAILED: {error}", False
         t_kernel = _median_seconds(kernel, args, iters)
-        t_ref = _median_seconds(reference, args, iters)
+        t_ref = _median_seconds(reference, args, max(3, iters // 4))
         print(
             f"{name:>17} {rows:6d} x {hidden:<6d} {_agreement(out, ref)}  "
             f"kernel {t_kernel * 1e6:9.1f} us  jnp {t_ref * 1e6:9.1f} us  {verdict}"
@@ -126,13 +144,23 @@ def main(argv: list[str] | None = None) -> int:
         metavar="G",
         help="with --tp: activation scales per 1xG group (128: DeepSeek-V3 style)",
     )
+    parser.add_argument(
+        "--fp4",
+        choices=("nvfp4", "mxfp4"),
+        help="with --tp: the FP4 mode: the norms emit NVFP4 or MXFP4 and the MLP's gate and "
+        "up matmuls take FP4 operands (FP4 weights)",
+    )
     args = parser.parse_args(argv)
+    if args.fp4 is not None and args.tp is None:
+        parser.error("--fp4 is a mode of the tensor-parallel example: give --tp N too")
+    if args.fp4 is not None and args.group_size is not None:
+        parser.error("--group-size: the FP4 format fixes the group (16 NVFP4, 32 MXFP4)")
     if args.tp is not None:
         # Virtual CPU devices must be requested before jax's backends start.
         jax.config.update("jax_num_cpu_devices", max(args.tp, 1))
         from jax_fp8norm.examples import llama_tp_block
 
-        return llama_tp_block.report(args.tp, args.group_size)
+        return llama_tp_block.report(args.tp, args.group_size, args.fp4)
     shapes = (
         [tuple(int(v) for v in s.lower().split("x")) for s in args.shape]
         if args.shape
@@ -150,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"x {args.dtype}, gamma float32, y float8_e4m3fn, scales float32 per row or per 1x128 "
-        "group, or e8m0 per 1x32 group (MXFP8); reference: jnp twin, "
+        "group, or e8m0 per 1x32 group (MXFP8); y float4_e2m1fn, scales e4m3 per 1x16 group "
+        "and a global scale (NVFP4) or e8m0 per 1x32 group (MXFP4); reference: jnp twin, "
         + ("accuracy rule" if jax.default_backend() == "gpu" else "bit for bit")
     )
     dtype = DTYPE_BY_NAME[args.dtype]

@@ -200,9 +200,14 @@ def rerun_with_virtual_cpu_devices(
     (they must be requested before jax starts), and fails with its output unless every
     test there passed. A tier with no test there skips."""
     flags = os.environ.get("XLA_FLAGS", "")
+    # The subprocess runs in the tests' folder: it imports jax_fp8norm from where this
+    # session did (the source tree, from the repository root), not another copy.
+    source = os.path.dirname(os.path.dirname(os.path.abspath(jax_fp8norm.__file__)))
+    path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH", "")) if p)
     env = dict(
         os.environ,
         XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={num_devices}".strip(),
+        PYTHONPATH=path,
     )
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
     result = subprocess.run(

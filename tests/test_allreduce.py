@@ -254,3 +254,26 @@ else:
         assert errors["residual"] <= llama_tp_block.RESIDUAL_TOLERANCE
         assert errors["next_input"] <= llama_tp_block.NEXT_INPUT_TOLERANCE
         assert errors["devices_identical"] == 1.0
+
+    @pytest.mark.parametrize("fp4", ["nvfp4", "mxfp4"])
+    def test_llama_block_example_fp4(fp4):
+        from jax_fp8norm.examples import llama_tp_block
+
+        config = llama_tp_block.Config(fp4=fp4)
+        errors = llama_tp_block.run(8, config, platform="cpu")
+        residual_tolerance, next_tolerance = llama_tp_block.tolerances(config)
+        assert (residual_tolerance, next_tolerance) == llama_tp_block.FP4_TOLERANCES[fp4]
+        assert errors["residual"] <= residual_tolerance
+        assert errors["next_input"] <= next_tolerance
+        # FP4 loses more than FP8, but only that: a lost global or block scale would be
+        # far off.
+        assert errors["residual"] > llama_tp_block.RESIDUAL_TOLERANCE
+        assert errors["devices_identical"] == 1.0
+
+    def test_llama_block_example_fp4_config():
+        from jax_fp8norm.examples import llama_tp_block
+
+        with pytest.raises(ValueError, match="fp4 must be one of"):
+            llama_tp_block.Config(fp4="fp4")
+        with pytest.raises(ValueError, match="group_size is fixed"):
+            llama_tp_block.Config(fp4="nvfp4", group_size=128)

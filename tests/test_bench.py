@@ -31,6 +31,9 @@ def test_op_bytes():
     assert ops.op_bytes("rms_norm_fp8/group128", 2, 256, jnp.bfloat16) == 1024 + 512 + 512 + 16
     assert ops.op_bytes("rms_norm_fp8/mxfp8", 2, 256, jnp.bfloat16) == 1024 + 512 + 512 + 16
     assert ops.op_bytes("rms_norm_fp8/static", 2, 256, jnp.bfloat16) == 1024 + 512 + 512 + 8
+    # FP4: y half a byte per element; scales one byte per group (16 for NVFP4, 32 MXFP4).
+    assert ops.op_bytes("rms_norm_fp8/nvfp4", 2, 256, jnp.bfloat16) == 1024 + 512 + 256 + 32
+    assert ops.op_bytes("rms_norm_fp8/mxfp4", 2, 256, jnp.bfloat16) == 1024 + 512 + 256 + 16
 
 
 def test_registry_covers_every_implementation():
@@ -160,6 +163,23 @@ def test_unsupported_implementations_are_left_out():
         runner.bench_shape(
             "rms_norm_fp8", 2, 256, "float32", ("cublas",), presets.PRESETS["smoke"], 1
         )
+
+
+@pytest.mark.parametrize("op", ["rms_norm_fp8/nvfp4", "rms_norm_fp8/mxfp4"])
+def test_fp4_layouts_run_in_the_harness(op):
+    impls = ("fp8norm", "xla_reference", "xla_formula", "copy")
+    results = runner.bench_shape(op, 8, 256, "bfloat16", impls, presets.PRESETS["smoke"], 1)
+    # The formula computes per-row FP8 only; the kernel is checked against the twin.
+    assert [r.impl for r in results] == ["fp8norm", "xla_reference", "copy"]
+    group = {"rms_norm_fp8/nvfp4": 16, "rms_norm_fp8/mxfp4": 32}[op]
+    # x and gamma in bfloat16, y half a byte per element, one byte per group's scale.
+    nbytes = 8 * 256 * 2 + 256 * 2 + 8 * 256 // 2 + 8 * 256 // group
+    assert all(r.bytes == nbytes and r.checked == (r.impl != "copy") for r in results)
+    assert all(r.seconds >= 0 and r.calls == presets.PRESETS["smoke"]["max_calls"] for r in results)
+    fn = jax.jit(REGISTRY["xla_reference"].build(op))
+    y, scales = fn(*ops.shape_inputs(op, 8, 256, jnp.bfloat16, 0, 1, jax.devices()[0])[0])
+    assert y.dtype == jnp.float4_e2m1fn and y.shape == (8, 256)
+    assert scales.shape == (8, 256 // group) and scales.dtype.itemsize == 1
 
 
 def test_repeats_keep_the_shortest_run():

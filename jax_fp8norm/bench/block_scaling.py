@@ -1,4 +1,5 @@
-"""Per-row against block-scaled and static scales in one process, calls interleaved.
+"""Per-row against block-scaled (FP8 and FP4) and static scales in one process, calls
+interleaved.
 
 ``python -m jax_fp8norm.bench`` times one op over its whole grid before the next, so on a
 noisy machine (a shared 2-core VM) its ops meet different conditions. This compares the
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_fp8norm as fp8norm
+from jax_fp8norm.bench.ops import SCALED_OPS
 
 LAYOUTS = {
     "per row": {},
@@ -30,6 +32,8 @@ LAYOUTS = {
     "group 32": {"group_size": 32},
     "MXFP8 (group 32, e8m0)": {"group_size": 32, "scale_dtype": jnp.float8_e8m0fnu},
     "static": {"static_scale": 0.01},
+    "NVFP4 (group 16, e4m3)": SCALED_OPS["rms_norm_fp8/nvfp4"][1],
+    "MXFP4 (group 32, e8m0)": SCALED_OPS["rms_norm_fp8/mxfp4"][1],
 }
 
 

@@ -13,6 +13,11 @@ import numpy as np
 
 PER_ROW_OPS = ("rms_norm_fp8", "add_rms_norm_fp8")
 
+# NVFP4's activation global scale in the benchmark: a decode scale of the size
+# amax(|n|) / (448 * 6) gives for these inputs (normal x, gamma near 1: amax about 5), a
+# power of two so that it is exact. Its value changes no work the op does.
+NVFP4_GLOBAL_SCALE = 2.0**-9
+
 # The ops with other scale layouts: name -> (the op, its keywords). Only the kernel and the
 # reference twin implement them.
 SCALED_OPS = {
@@ -22,6 +27,19 @@ SCALED_OPS = {
         {"group_size": 32, "scale_dtype": jnp.float8_e8m0fnu},
     ),
     "rms_norm_fp8/static": ("rms_norm_fp8", {"static_scale": 0.05}),
+    "rms_norm_fp8/nvfp4": (
+        "rms_norm_fp8",
+        {
+            "out_dtype": jnp.float4_e2m1fn,
+            "group_size": 16,
+            "scale_dtype": jnp.float8_e4m3fn,
+            "global_scale": NVFP4_GLOBAL_SCALE,
+        },
+    ),
+    "rms_norm_fp8/mxfp4": (
+        "rms_norm_fp8",
+        {"out_dtype": jnp.float4_e2m1fn, "group_size": 32, "scale_dtype": jnp.float8_e8m0fnu},
+    ),
 }
 OPS = (*PER_ROW_OPS, *SCALED_OPS)
 
@@ -42,13 +60,16 @@ def op_function(module: ModuleType, op: str) -> Callable:
 
 def op_bytes(op: str, rows: int, hidden: int, dtype) -> int:
     """Bytes an op must move: x (and residual) and gamma read; y (and residual_out) and
-    the scales written. gamma is counted in x's dtype, y as one byte per element."""
+    the scales written. gamma is counted in x's dtype, y as one byte per element (FP8) or
+    half a byte (FP4: XLA packs two codes to a byte on the CPU and GPU backends)."""
     keywords = SCALED_OPS[op][1] if op in SCALED_OPS else {}
     groups = hidden // keywords["group_size"] if "group_size" in keywords else 1
     scale_bytes = jnp.dtype(keywords.get("scale_dtype", jnp.float32)).itemsize
     itemsize = jnp.dtype(dtype).itemsize
     elements = rows * hidden
-    moved = elements * itemsize + hidden * itemsize + elements + rows * groups * scale_bytes
+    fp4 = jnp.dtype(keywords.get("out_dtype", jnp.float8_e4m3fn)) == jnp.float4_e2m1fn
+    y_bytes = elements // 2 if fp4 else elements
+    moved = elements * itemsize + hidden * itemsize + y_bytes + rows * groups * scale_bytes
     if base_op(op) == "add_rms_norm_fp8":
         moved += 2 * elements * itemsize
     return moved

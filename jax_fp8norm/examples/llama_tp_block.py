@@ -18,6 +18,15 @@ The same block written in plain jnp (bfloat16 weights and activations, no shardi
 FP8) is the check: the residual stream and the dequantised next-block input must agree
 with it within the stated tolerances (FP8 keeps 3 mantissa bits: about 3% per element).
 With no GPUs (or fewer than ``tp``) it runs on ``tp`` virtual CPU devices.
+
+FP4 mode (``--fp4 nvfp4`` or ``--fp4 mxfp4``): both norms emit FP4 (float4_e2m1fn) with
+block scales, e4m3 per 1x16 group and a global scale (NVFP4) or e8m0 per 1x32 group
+(MXFP4), and the gate / up projections take FP4 operands through ``fp8_matmul``, with
+weights from ``quantize_weights_nvfp4`` / ``quantize_weights_mxfp4`` (blocks along K).
+NVFP4's activation global scales (decode scales, ``amax(|n|) / (448 * 6)`` of each
+norm's output) are calibrated on a batch of other inputs through the bfloat16 block, and
+are data of the jitted block. The check is the same, with FP4's tolerances (E2M1 keeps
+one mantissa bit).
 """
 
 from __future__ import annotations
@@ -33,7 +42,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_fp8norm as fp8norm
-from jax_fp8norm.matmul import fp8_matmul, quantize_per_channel
+from jax_fp8norm.matmul import (
+    fp8_matmul,
+    quantize_per_channel,
+    quantize_weights_mxfp4,
+    quantize_weights_nvfp4,
+)
 
 # Relative errors (Frobenius norm) the FP8 block may have against the bfloat16 one. With
 # the default config they measure 0.027 (residual stream: the MLP's FP8 activations and
@@ -41,6 +55,29 @@ from jax_fp8norm.matmul import fp8_matmul, quantize_per_channel
 # more), the same for tp = 1, 2 and 8.
 RESIDUAL_TOLERANCE = 0.04
 NEXT_INPUT_TOLERANCE = 0.06
+
+# The FP4 modes: the norms' keywords (NVFP4's global scale added per norm).
+FP4_KEYWORDS = {
+    "nvfp4": {
+        "out_dtype": jnp.float4_e2m1fn,
+        "group_size": 16,
+        "scale_dtype": jnp.float8_e4m3fn,
+    },
+    "mxfp4": {
+        "out_dtype": jnp.float4_e2m1fn,
+        "group_size": 32,
+        "scale_dtype": jnp.float8_e8m0fnu,
+    },
+}
+FP4_NAMES = {
+    "nvfp4": "NVFP4 (e4m3 scales per 1x16 group, global scales)",
+    "mxfp4": "MXFP4 (e8m0 scales per 1x32 group)",
+}
+# (residual stream, next-block input) tolerances of the FP4 modes. With the default config
+# they measure 0.095 and 0.135 (NVFP4), 0.115 to 0.117 and 0.164 (MXFP4: power-of-two
+# scales waste up to a bit of range), for tp = 1, 2 and 8 and seeds 0 and 1: E2M1's one
+# mantissa bit costs about 10% per element, once for the activations, once for the weights.
+FP4_TOLERANCES = {"nvfp4": (0.12, 0.17), "mxfp4": (0.14, 0.20)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +91,14 @@ class Config:
     eps: float = 1e-5
     # None: one activation scale per row; G: one per 1xG group (128: DeepSeek-V3 style).
     group_size: int | None = None
+    # None: FP8; "nvfp4" or "mxfp4": the FP4 mode (module docstring).
+    fp4: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.fp4 is not None and self.fp4 not in FP4_KEYWORDS:
+            raise ValueError(f"fp4 must be one of {tuple(FP4_KEYWORDS)}, not {self.fp4!r}")
+        if self.fp4 is not None and self.group_size is not None:
+            raise ValueError("group_size is fixed by the FP4 format (16 NVFP4, 32 MXFP4)")
 
 
 def init_params(config: Config, key: jax.Array) -> dict[str, jax.Array]:
@@ -103,14 +148,33 @@ def _attention(h: jax.Array, wq, wk, wv, wo, gamma, config: Config) -> jax.Array
     return out @ wo
 
 
-def reference_block(h0: jax.Array, params: dict, config: Config):
-    """The block in plain jnp, bfloat16, one device: (next-block input, residual stream)."""
+def _reference_stages(h0: jax.Array, params: dict, config: Config):
+    """The block in plain jnp, bfloat16, one device: (MLP input before its cast to
+    bfloat16, next-block input, residual stream)."""
     p = params
     h1 = h0 + _attention(h0, p["wq"], p["wk"], p["wv"], p["wo"], p["attn_norm"], config)
-    m = _rms_norm(h1, p["mlp_norm"], config.eps).astype(jnp.bfloat16)
+    normed = _rms_norm(h1, p["mlp_norm"], config.eps)
+    m = normed.astype(jnp.bfloat16)
     act = jax.nn.silu((m @ p["w_gate"]).astype(jnp.float32)) * (m @ p["w_up"])
     h2 = h1 + act.astype(jnp.bfloat16) @ p["w_down"]
-    return _rms_norm(h2, p["next_norm"], config.eps), h2
+    return normed, _rms_norm(h2, p["next_norm"], config.eps), h2
+
+
+def reference_block(h0: jax.Array, params: dict, config: Config):
+    """The block in plain jnp, bfloat16, one device: (next-block input, residual stream)."""
+    _, next_input, h2 = _reference_stages(h0, params, config)
+    return next_input, h2
+
+
+def calibrate_nvfp4(h: jax.Array, params: dict, config: Config) -> dict[str, jax.Array]:
+    """NVFP4's activation global scales from a calibration batch ``h``: per norm,
+    ``amax(|n|) / (448 * 6)`` of its output in the bfloat16 block (a decode scale that
+    puts the largest block scale near 448)."""
+    normed, next_input, _ = jax.jit(_reference_stages, static_argnums=2)(h, params, config)
+    return {
+        name: (jnp.max(jnp.abs(n)) / (448.0 * 6.0)).astype(jnp.float32)
+        for name, n in (("mlp_gs", normed), ("next_gs", next_input))
+    }
 
 
 def fp8_params(params: dict) -> dict:
@@ -118,6 +182,23 @@ def fp8_params(params: dict) -> dict:
     out = dict(params)
     for name in ("w_gate", "w_up"):
         out[name], out[name + "_scale"] = quantize_per_channel(params[name])
+    return out
+
+
+def fp4_params(params: dict, fmt: str, global_scales: dict | None = None) -> dict:
+    """The MLP's gate and up weights in FP4 (``fmt``: "nvfp4" or "mxfp4"), blocks along K;
+    NVFP4 adds each weight's global scale and the activations' (``global_scales``, from
+    :func:`calibrate_nvfp4`)."""
+    out = dict(params)
+    for name in ("w_gate", "w_up"):
+        if fmt == "nvfp4":
+            out[name], out[name + "_scale"], out[name + "_gs"] = quantize_weights_nvfp4(
+                params[name]
+            )
+        else:
+            out[name], out[name + "_scale"] = quantize_weights_mxfp4(params[name])
+    if fmt == "nvfp4":
+        out.update(global_scales)
     return out
 
 
@@ -136,32 +217,71 @@ PARAM_SPECS = {
     "mlp_norm": P(),
     "next_norm": P(),
 }
+# FP4: the weights' block scales are [K // block, N], split over N like the weights;
+# NVFP4's global scales (the weights' and the activations') are replicated.
+FP4_PARAM_SPECS = {
+    "mxfp4": {**PARAM_SPECS, "w_gate_scale": P(None, "tp"), "w_up_scale": P(None, "tp")},
+}
+FP4_PARAM_SPECS["nvfp4"] = {
+    **FP4_PARAM_SPECS["mxfp4"],
+    **{name: P() for name in ("w_gate_gs", "w_up_gs", "mlp_gs", "next_gs")},
+}
+
+
+def param_specs(config: Config) -> dict:
+    return PARAM_SPECS if config.fp4 is None else FP4_PARAM_SPECS[config.fp4]
+
+
+def _norm_keywords(config: Config, params: dict, global_scale: str) -> dict:
+    """The norm's scale keywords: FP8 with per-row or per-group scales, or an FP4 format
+    (NVFP4 with the global scale ``params[global_scale]``)."""
+    if config.fp4 is None:
+        return {"group_size": config.group_size}
+    keywords = dict(FP4_KEYWORDS[config.fp4])
+    if config.fp4 == "nvfp4":
+        keywords["global_scale"] = params[global_scale]
+    return keywords
+
+
+def _matmul(y, scales, params: dict, name: str, config: Config, global_scale: str):
+    if config.fp4 == "nvfp4":
+        return fp8_matmul(
+            y,
+            scales,
+            params[name],
+            params[name + "_scale"],
+            a_global_scale=params[global_scale],
+            w_global_scale=params[name + "_gs"],
+        )
+    return fp8_matmul(y, scales, params[name], params[name + "_scale"])
 
 
 def tp_block(h0: jax.Array, params: dict, config: Config):
-    """Per-device body under shard_map: returns the next block's FP8 input, its per-row
+    """Per-device body under shard_map: returns the next block's FP8 (or FP4) input, its
     scales and the residual stream, replicated over "tp"."""
     p = params
     eps = config.eps
     attn_partial = _attention(h0, p["wq"], p["wk"], p["wv"], p["wo"], p["attn_norm"], config)
     y, scales, h1 = fp8norm.allreduce_residual_rms_norm_fp8(
-        attn_partial, h0, p["mlp_norm"], axis_name="tp", eps=eps, group_size=config.group_size
-    )
-    gate = fp8_matmul(y, scales, p["w_gate"], p["w_gate_scale"])
-    up = fp8_matmul(y, scales, p["w_up"], p["w_up_scale"])
+        attn_partial, h0, p["mlp_norm"], axis_name="tp", eps=eps,
+        **_norm_keywords(config, p, "mlp_gs"),
+    )  # fmt: skip
+    gate = _matmul(y, scales, p, "w_gate", config, "mlp_gs")
+    up = _matmul(y, scales, p, "w_up", config, "mlp_gs")
     act = (jax.nn.silu(gate.astype(jnp.float32)) * up).astype(jnp.bfloat16)
     mlp_partial = act @ p["w_down"]
     return fp8norm.allreduce_residual_rms_norm_fp8(
-        mlp_partial, h1, p["next_norm"], axis_name="tp", eps=eps, group_size=config.group_size
-    )
+        mlp_partial, h1, p["next_norm"], axis_name="tp", eps=eps,
+        **_norm_keywords(config, p, "next_gs"),
+    )  # fmt: skip
 
 
 def make_tp_block(mesh: jax.sharding.Mesh, config: Config):
-    """The jitted tensor-parallel block: (h0, fp8 params) -> (y, scales, residual)."""
+    """The jitted tensor-parallel block: (h0, fp8 or fp4 params) -> (y, scales, residual)."""
     fn = jax.shard_map(
         lambda h, p: tp_block(h, p, config),
         mesh=mesh,
-        in_specs=(P(), PARAM_SPECS),
+        in_specs=(P(), param_specs(config)),
         out_specs=(P(), P(), P()),
     )
     return jax.jit(fn)
@@ -190,17 +310,25 @@ def run(
     params = init_params(config, k_params)
     h0 = jax.random.normal(k_x, (config.batch, config.seq, config.d_model), jnp.bfloat16)
 
-    q_params = fp8_params(params)
-    placed = {
-        k: jax.device_put(v, NamedSharding(mesh, PARAM_SPECS[k])) for k, v in q_params.items()
-    }
+    global_scales = {}
+    if config.fp4 is None:
+        q_params = fp8_params(params)
+    else:
+        if config.fp4 == "nvfp4":
+            # A calibration batch other than the one checked.
+            k_calib = jax.random.fold_in(k_x, 1)
+            h_calib = jax.random.normal(k_calib, h0.shape, jnp.bfloat16)
+            global_scales = calibrate_nvfp4(h_calib, params, config)
+        q_params = fp4_params(params, config.fp4, global_scales)
+    specs = param_specs(config)
+    placed = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in q_params.items()}
     y, scales, residual = make_tp_block(mesh, config)(
         jax.device_put(h0, NamedSharding(mesh, P())), placed
     )
     expected_next, expected_residual = jax.jit(reference_block, static_argnums=2)(
         h0, params, config
     )
-    dequantised = np.asarray(fp8norm.reference.dequantize(y, scales))
+    dequantised = np.asarray(fp8norm.reference.dequantize(y, scales, global_scales.get("next_gs")))
     errors = {
         "residual": relative_error(residual, expected_residual),
         "next_input": relative_error(dequantised, expected_next),
@@ -211,31 +339,48 @@ def run(
     return errors
 
 
+def tolerances(config: Config) -> tuple[float, float]:
+    """(residual stream, next-block input) tolerances of the config's mode."""
+    if config.fp4 is None:
+        return RESIDUAL_TOLERANCE, NEXT_INPUT_TOLERANCE
+    return FP4_TOLERANCES[config.fp4]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Tensor-parallel Llama block with FP8 MLP")
     parser.add_argument("--tp", type=int, default=8, help="tensor-parallel degree")
     parser.add_argument(
         "--group-size", type=int, default=None, help="activation scales per 1xG group"
     )
+    parser.add_argument(
+        "--fp4", choices=sorted(FP4_KEYWORDS), help="FP4 mode: FP4 norm outputs and matmuls"
+    )
     args = parser.parse_args(argv)
+    if args.fp4 is not None and args.group_size is not None:
+        parser.error("--group-size: the FP4 format fixes the group (16 NVFP4, 32 MXFP4)")
     # Virtual CPU devices must be requested before jax's backends start.
     jax.config.update("jax_num_cpu_devices", max(args.tp, 1))
-    return report(args.tp, args.group_size)
+    return report(args.tp, args.group_size, args.fp4)
 
 
-def report(tp: int, group_size: int | None = None) -> int:
-    errors = run(tp, Config(group_size=group_size))
+def report(tp: int, group_size: int | None = None, fp4: str | None = None) -> int:
+    config = Config(group_size=group_size, fp4=fp4)
+    errors = run(tp, config)
+    residual_tolerance, next_tolerance = tolerances(config)
     ok = (
-        errors["residual"] <= RESIDUAL_TOLERANCE
-        and errors["next_input"] <= NEXT_INPUT_TOLERANCE
+        errors["residual"] <= residual_tolerance
+        and errors["next_input"] <= next_tolerance
         and errors["devices_identical"] == 1.0
     )
-    scales = "per-row scales" if group_size is None else f"scales per 1x{group_size} group"
+    if fp4 is not None:
+        scales = FP4_NAMES[fp4]
+    else:
+        scales = "per-row scales" if group_size is None else f"scales per 1x{group_size} group"
     print(
         f"Llama block, tp={tp} on {errors['platform']}, {scales}: relative error against the bf16 "
-        f"block: residual stream {errors['residual']:.4f} (tolerance {RESIDUAL_TOLERANCE}), "
+        f"block: residual stream {errors['residual']:.4f} (tolerance {residual_tolerance}), "
         f"dequantised next-block input {errors['next_input']:.4f} "
-        f"(tolerance {NEXT_INPUT_TOLERANCE}); outputs identical on every device: "
+        f"(tolerance {next_tolerance}); outputs identical on every device: "
         f"{errors['devices_identical'] == 1.0}"
     )
     print("ok" if ok else "FAILED")

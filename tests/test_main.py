@@ -1,0 +1,50 @@
+"""python -m jax_fp8norm (the README's first command): on a small shape every scale
+layout, NVFP4 and MXFP4 included, is checked bit for bit and reported; --fp4 goes to the
+tensor-parallel example and needs --tp."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from jax_fp8norm import __main__ as main_job
+from jax_fp8norm.examples import llama_tp_block
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="bit for bit on the CPU backend")
+def test_main_job_checks_every_layout(capsys):
+    assert main_job.main(["--shape", "4x256", "--iters", "1"]) == 0
+    out = capsys.readouterr().out
+    lines = [line.split()[:2] for line in out.splitlines() if line.rstrip().endswith(" ok")]
+    assert lines == [
+        ["rms_norm_fp8", "4"],
+        ["add_rms_norm_fp8", "4"],
+        ["rms", "group"],
+        ["rms", "MXFP8"],
+        ["rms", "NVFP4"],
+        ["rms", "MXFP4"],
+    ]
+    assert "all checks passed" in out
+    assert "NVFP4" in out.splitlines()[1] and "MXFP4" in out.splitlines()[1]
+
+
+def test_nvfp4_global_scale_is_a_decode_scale():
+    x = jax.random.normal(jax.random.PRNGKey(0), (4, 256))
+    gamma = jax.numpy.full((256,), 2.0)
+    n = x * jax.lax.rsqrt(jax.numpy.mean(x * x, axis=-1, keepdims=True) + 1e-6) * 2.0
+    want = jax.numpy.max(jax.numpy.abs(n)) / (448 * 6)
+    assert float(main_job._nvfp4_global_scale(x, gamma)) == pytest.approx(float(want), rel=1e-6)
+
+
+def test_fp4_option_goes_to_the_example(monkeypatch):
+    calls = []
+    monkeypatch.setattr(llama_tp_block, "report", lambda *args: calls.append(args) or 0)
+    monkeypatch.setattr(jax.config, "update", lambda *args: None)  # backends have started
+    assert main_job.main(["--tp", "8", "--fp4", "mxfp4"]) == 0
+    assert main_job.main(["--tp", "2"]) == 0
+    assert calls == [(8, None, "mxfp4"), (2, None, None)]
+    for argv in (["--fp4", "nvfp4"], ["--tp", "8", "--fp4", "nvfp4", "--group-size", "128"]):
+        with pytest.raises(SystemExit):
+            main_job.main(argv)
+    with pytest.raises(SystemExit):
+        main_job.main(["--tp", "8", "--fp4", "fp6"])
