@@ -227,6 +227,19 @@ inline uint32_t PackFp4x8(__m256i codes) {
   return (low & 0xffffu) | (high << 16);
 }
 
+// PackFp4 of 32 codes (four vectors of 8, in element order): 16 bytes, element 0 in the
+// low nibble of the first.
+inline __m128i PackFp4x32(__m256i c0, __m256i c1, __m256i c2, __m256i c3) {
+  // One code per byte, in element order (the packs interleave 128-bit halves; the
+  // permutation undoes it), then each pair of bytes multiplied by (1, 16) and summed.
+  const __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3)),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  const __m256i pairs = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x1001));
+  const __m256i packed = _mm256_packus_epi16(pairs, _mm256_setzero_si256());
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
 // fl(fl(n / gs) / s), the quotient QuantizeFp4Element rounds for NVFP4, or a value with
 // the same E2M1 code: w = (n * rg) * rs, rg = fl(1 / gs) and rs = fl(1 / s) both normal,
 // is within 6 units in the last place (2^-21 relative) of the quotient, so where w lies

@@ -249,6 +249,16 @@ __attribute__((target("avx2,fma,f16c"))) void CheckNvfp4(bool flush) {
       if (codes[k] != want) Report("NVFP4 code", BitsOf(n[k]), codes[k], want);
       if (k % 2 == 1) want_bytes[k / 2] = PackFp4(codes[k - 1], codes[k]);
     }
+    // 32 codes: these 8 and three rotations of them.
+    alignas(16) uint8_t packed32[16];
+    const __m256i r1 = _mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(1, 2, 3, 4, 5, 6, 7, 0));
+    const __m256i r2 = _mm256_permutevar8x32_epi32(r1, _mm256_setr_epi32(1, 2, 3, 4, 5, 6, 7, 0));
+    const __m256i r3 = _mm256_permutevar8x32_epi32(r2, _mm256_setr_epi32(1, 2, 3, 4, 5, 6, 7, 0));
+    _mm_store_si128(reinterpret_cast<__m128i*>(packed32), v::PackFp4x32(c, r1, r2, r3));
+    for (int k = 0; k < 32; k += 2) {
+      const uint8_t want = PackFp4(codes[(k + k / 8) % 8], codes[(k + 1 + k / 8) % 8]);
+      if (packed32[k / 2] != want) Report("FP4 packing of 32", codes[0], packed32[k / 2], want);
+    }
     const uint32_t packed = v::PackFp4x8(c);
     if (std::memcmp(&packed, want_bytes, 4) != 0) {
       uint32_t want_word;
