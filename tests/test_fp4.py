@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 from helpers import (
     EXTENDED,
+    REQUIRE_GPU,
     assert_same_bits,
     check_against_reference,
     device_of,
+    gpu_devices,
     is_gpu,
     kernels_of,
     random_gamma,
@@ -276,6 +278,25 @@ def test_fp4_layout_of_the_cpu_backend():
     )
     with pytest.raises(NotImplementedError, match="does not know"):
         fp8norm_ffi.fp4_layout("tpu")
+
+
+def test_fp4_layout_of_the_gpu_backend():
+    """On a GPU (tools/gpu_check.sh runs this first): XLA's CUDA backend holds
+    float4_e2m1fn buffers packed too, as _ffi.FP4_LAYOUTS says, and the kernel's FP4
+    output decodes to the reference's values within the accuracy rule."""
+    gpus = gpu_devices()
+    if not gpus:
+        if REQUIRE_GPU:
+            pytest.fail("FP8NORM_REQUIRE_GPU is set but jax sees no GPU")
+        pytest.skip("no GPU backend available to jax")
+    with jax.default_device(gpus[0]):
+        hlo = jax.jit(lambda v: v.astype(F4)).lower(jnp.ones((8,), jnp.float32)).compile().as_text()
+    packed = "f4e2m1fn[8]{0:E(4)}" in hlo
+    assert packed == (fp8norm_ffi.fp4_layout("cuda") == fp8norm_ffi.FP4_PACKED_LOW_FIRST), hlo
+    x = random_rows(3, (64, 2048), jnp.bfloat16)
+    gamma = random_gamma(3, 2048, jnp.float32)
+    for fmt in FORMATS:
+        check("gpu", "rms_norm_fp8", x, gamma, **_format(fmt))
 
 
 def test_fp4_unknown_layout_is_refused(monkeypatch):

@@ -54,6 +54,11 @@ fi
 if [ "$MODE" = check ]; then
   # The emulation's tests (the simt platforms, the emulated launch path and kernel
   # selection) are CI's; here the GPU runs are the point.
+  # How the GPU's XLA holds FP4 buffers, first: the FP4 kernels write the layout
+  # jax_fp8norm/_ffi.py's FP4_LAYOUTS says.
+  TAIL=6 step "FP4 layout on the GPU" 60 fp4_layout.log \
+    env FP8NORM_REQUIRE_GPU=1 python3 -m pytest -q -rfE -p no:cacheprovider \
+    tests/test_fp4.py -k "layout_of_the_gpu_backend"
   TAIL=6 step "tests, GPU required" "${TEST_SECONDS:-180}" pytest.log \
     env FP8NORM_REQUIRE_GPU=1 FP8NORM_FUZZ_EXAMPLES="${FUZZ_EXAMPLES:-100}" \
     python3 -m pytest -q -rfE -p no:cacheprovider \

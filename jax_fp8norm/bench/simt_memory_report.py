@@ -3,6 +3,7 @@ measured by the SIMT emulation's accounting (docs/simt.md); prints the Markdown 
 docs/performance.md.
 
     python -m jax_fp8norm.bench.simt_memory_report [--rows 4] [--variants block_shared,warp_rows]
+        [--layout fp8|nvfp4|mxfp4] [--hidden 4096,7168]
 
 Each shape runs `--rows` rows on the emulated kernels (every row of a shape takes the same
 path, so the per-row figures hold for any row count) and is checked against the reference.
@@ -34,28 +35,42 @@ SHAPES = [(DTYPE_BY_NAME[d], h) for d in _GPU["dtypes"] for h in _GPU["hidden"]]
 ]
 
 
-def measure(op: str, dtype, hidden: int, rows: int, variant: str) -> dict:
+# The scale layouts it can count: per-row FP8 scales, and the FP4 formats.
+LAYOUTS = {
+    "fp8": {},
+    "nvfp4": dict(
+        out_dtype=jnp.float4_e2m1fn,
+        group_size=16,
+        scale_dtype=jnp.float8_e4m3fn,
+        global_scale=0.002,
+    ),
+    "mxfp4": dict(out_dtype=jnp.float4_e2m1fn, group_size=32, scale_dtype=jnp.float8_e8m0fnu),
+}
+
+
+def measure(op: str, dtype, hidden: int, rows: int, variant: str, layout: str = "fp8") -> dict:
     """The traffic of one emulated launch of a variant, per row, checked against the
     reference."""
+    keywords = LAYOUTS[layout]
     rng = np.random.default_rng(hidden)
     x = rng.standard_normal((rows, hidden)).astype(jnp.dtype(dtype))
     gamma = rng.uniform(-2, 2, hidden).astype(np.float32)
     args = (x, gamma) if op == "rms_norm_fp8" else (x, x[::-1].copy(), gamma)
     with simt.kernels(), fp8norm.use_cuda_kernel(variant):
         simt.take_launches()
-        out = jax.jit(getattr(fp8norm, op))(*args)
+        out = jax.jit(lambda *a: getattr(fp8norm, op)(*a, **keywords))(*args)
         jax.block_until_ready(out)
         (launch,) = [entry for entry in simt.take_launches() if "x" in entry["buffers"]]
-    ref = jax.jit(getattr(fp8norm.reference, op))(*args)
+    ref = jax.jit(lambda *a: getattr(fp8norm.reference, op)(*a, **keywords))(*args)
     assert_matches_reference([np.asarray(o) for o in out], [np.asarray(r) for r in ref])
     assert launch["error"] == "", launch["error"]
     inputs = ("x", "gamma") if op == "rms_norm_fp8" else ("x", "residual", "gamma")
+    inputs += ("scale_operand",) if "scale_operand" in launch["buffers"] else ()
     buffers = launch["buffers"]
     # What each row must move at the least: its x (and residual) and gamma read once, its
     # outputs written once.
-    ideal_read = (
-        sum(buffers[n]["bytes"] for n in inputs if n != "gamma") + rows * buffers["gamma"]["bytes"]
-    )
+    ideal_read = sum(buffers[n]["bytes"] for n in inputs if n not in ("gamma", "scale_operand"))
+    ideal_read += rows * sum(buffers[n]["bytes"] for n in inputs if n in ("gamma", "scale_operand"))
     ideal_written = sum(b["bytes"] for n, b in buffers.items() if n not in inputs)
     read = sum(buffers[n]["bytes_read"] for n in inputs)
     written = sum(b["bytes_written"] for n, b in buffers.items() if n not in inputs)
@@ -90,7 +105,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="block_shared,warp_rows,block_registers",
         help="comma-separated CUDA kernel variants",
     )
+    parser.add_argument("--layout", default="fp8", choices=list(LAYOUTS))
+    parser.add_argument(
+        "--hidden", default="", help="comma-separated hidden sizes (default: the GPU preset's)"
+    )
     args = parser.parse_args(argv)
+    shapes = SHAPES
+    if args.hidden:
+        shapes = [(jnp.bfloat16, int(h)) for h in args.hidden.split(",")]
     print(
         "| variant (ran) | op | dtype | hidden | threads x blocks | row in shared memory "
         "| bytes per load | read per row (x ideal) | written per row (x ideal) "
@@ -99,8 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for variant in args.variants.split(","):
         for op in ("rms_norm_fp8", "add_rms_norm_fp8"):
-            for dtype, hidden in SHAPES:
-                m = measure(op, dtype, hidden, args.rows, variant)
+            for dtype, hidden in shapes:
+                m = measure(op, dtype, hidden, args.rows, variant, args.layout)
                 ran = variant if m["kernel"] == variant else f"{variant} ({m['kernel']})"
                 print(
                     f"| {ran} | {op} | {jnp.dtype(dtype).name} | {hidden} "
