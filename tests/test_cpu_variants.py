@@ -77,6 +77,21 @@ SCRIPT = textwrap.dedent(
             y, s, r = fp8norm.add_rms_norm_fp8(x, residual, gamma.astype(np.float32), **kw)
             for name, v in (("y", y), ("s", s), ("r", r)):
                 outs[f"{key}-{name}"] = np.asarray(v).view(np.uint8)
+    # FP4: NVFP4 (its AVX2 quotient against the baseline's two divisions) and MXFP4, at
+    # the compile-time group sizes 16 and 32 and a run-time one, packed.
+    for hidden, group in ((384, 16), (384, 32), (4096, 16), (96, 6)):
+        x, residual, gamma = inputs(hidden, "bfloat16", hidden * 5 + group)
+        for kw in (
+            dict(scale_dtype=jnp.float8_e4m3fn, global_scale=0.0037),
+            dict(scale_dtype=jnp.float8_e4m3fn),
+            dict(scale_dtype=jnp.float8_e8m0fnu, scale_ub=2.0),
+        ):
+            key = f"fp4-{hidden}-{group}-" + "-".join(f"{k}={v}" for k, v in kw.items())
+            y, s, r = fp8norm.add_rms_norm_fp8(
+                x, residual, gamma.astype(np.float32), out_dtype=jnp.float4_e2m1fn,
+                group_size=group, **kw)
+            for name, v in (("y", y), ("s", s), ("r", r)):
+                outs[f"{key}-{name}"] = np.asarray(v).view(np.uint8)
     outs["variant"] = np.frombuffer(fp8norm.cpu_kernel_variant().encode(), np.uint8)
     np.savez(sys.argv[1], **outs)
     """
@@ -134,6 +149,8 @@ def test_timing_driver_variants_agree(tmp_path):
         ["100", "4099", "bf16", "2", "1", "0", "1"],
         ["37", "384", "f16", "2", "0", "128", "1"],
         ["70", "4096", "f32", "2", "1", "32", "1"],
+        ["33", "4096", "bf16", "2", "1", "16", "1", "nvfp4"],
+        ["33", "2880", "f16", "2", "0", "32", "1", "mxfp4"],
     ]
     for case in cases:
         lines = {}

@@ -2,7 +2,7 @@
 # The CPU kernel built for aarch64 (GH200/GB200 hosts, which have only the baseline
 # variant) against the x86-64 build's baseline variant: the timing driver
 # benchmarks/cpu_kernel.cc is cross-built static with aarch64-linux-gnu-g++, run under
-# qemu-aarch64 on three shapes with partial blocks, groups and residuals, and its output
+# qemu-aarch64 on shapes with partial blocks, groups, residuals and FP4, and its output
 # hashes must equal those of the native build run with FP8NORM_CPU_ISA=baseline (about
 # 5 s on 2 cores once the packages are there; installing them took 10 s more).
 # Run by .ci/run; needs an x86-64 host with g++, and installs g++-aarch64-linux-gnu and
@@ -65,8 +65,10 @@ aarch64-linux-gnu-g++ "${flags[@]}" ${AARCH64_CXXFLAGS:-} "${sources[@]}" -stati
   -o "$build/cpu_kernel-aarch64" -lpthread
 
 echo "== aarch64: output hashes under $(basename "$qemu_aarch64") against the x86-64 baseline"
-# rows hidden dtype threads add group repeats
+# rows hidden dtype threads add group repeats [format]
 cases=(
+  "33 4096 bf16 2 1 16 1 nvfp4"
+  "33 2880 f16 2 0 32 1 mxfp4"
   "100 4099 bf16 2 1 0 1"
   "37 384 f16 2 0 128 1"
   "70 4096 f32 2 1 32 1"

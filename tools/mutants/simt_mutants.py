@@ -44,6 +44,26 @@ class Mutant:
 # Mutant.file is relative to src/: the mutation check copies src/cuda and src/cpu.
 MUTANTS = [
     Mutant(
+        "FP4 rows: y's row offset counted in elements, not packed bytes",
+        "cuda/row_blocks.cuh",
+        "static_cast<uint8_t*>(a.y) + YByte(a, offset)};",
+        "static_cast<uint8_t*>(a.y) + offset};",
+    ),
+    Mutant(
+        "shared groups, FP4: a pair's codes stored at the element's index",
+        "cuda/block_shared.cu",
+        "StoreFp4<2>(y, j / 2, pair, s, a.y_packed);",
+        "StoreFp4<2>(y, j, pair, s, a.y_packed);",
+    ),
+    Mutant(
+        "register groups, FP4: the group's scale stored from every lane",
+        "cuda/register_rows.cu",
+        "if (index(k) % lanes == 0) StoreScale(a, row * groups + index(k) / lanes, s.scale);\n"
+        "        StoreFp4",
+        "StoreScale(a, row * groups + index(k) / lanes + index(k) % lanes, s.scale);\n"
+        "        StoreFp4",
+    ),
+    Mutant(
         "block reduction: the barrier after the partial writes removed",
         "cuda/row_blocks.cuh",
         "  if (lane == 0) partial[warp] = v;\n  __syncthreads();\n  if (warp == 0) {",
