@@ -370,7 +370,7 @@ def test_fp4_flax_module():
 def test_nvfp4_ties(platform, gs):
     """Elements whose quotient (n / gs) / s lands on a rounding boundary of E2M1, or a few
     units in the last place beside it: the AVX2 lanes' fast quotient must fall back to the
-    divisions there (src/cpu/cpu_avx2.h, Nvfp4Quotient). With x a row of ones and eps = 0,
+    divisions there (src/cpu/cpu_avx2.h, Nvfp4Codes). With x a row of ones and eps = 0,
     r = 1 and the normalised row is gamma itself."""
     rng = np.random.default_rng(int(gs * 8))
     groups, boundaries = 64, np.float32([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])

@@ -240,27 +240,37 @@ inline __m128i PackFp4x32(__m256i c0, __m256i c1, __m256i c2, __m256i c3) {
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, _MM_SHUFFLE(3, 1, 2, 0)));
 }
 
-// fl(fl(n / gs) / s), the quotient QuantizeFp4Element rounds for NVFP4, or a value with
-// the same E2M1 code: w = (n * rg) * rs, rg = fl(1 / gs) and rs = fl(1 / s) both normal,
-// is within 6 units in the last place (2^-21 relative) of the quotient, so where w lies
-// farther than 2^-19 |w| from every rounding boundary of E2M1 (the midpoints between its
-// values: 0.25, 0.75, ..., 5) both round to the same code. Only where a lane lies that
-// close (rarely, or on purpose, as tests/test_fp4.py does) are the two divisions made.
-inline __m256 Nvfp4Quotient(__m256 n, __m256 gs, __m256 s, __m256 rg, __m256 rs) {
+// The E2M1 codes of fl(fl(n / gs) / s), the quotient QuantizeFp4Element rounds for NVFP4,
+// from w = (n * rg) * rs, rg = fl(1 / gs) and rs = fl(1 / s) both normal: w is within 6
+// units in the last place (2^-21 relative) of the quotient, so where w lies farther than
+// 2^-19 |w| from every rounding boundary of E2M1 (the midpoints between its values: 0.25,
+// 0.75, ..., 5) both round to the same code. Only for a vector holding a lane that close
+// (rarely, or on purpose, as tests/test_fp4.py does) are the two divisions made. The
+// rounding of Fp4Codes and the distance to the boundary share their steps.
+inline __m256i Nvfp4Codes(__m256 n, __m256 gs, __m256 s, __m256 rg, __m256 rs) {
   const __m256 w = _mm256_mul_ps(_mm256_mul_ps(n, rg), rs);
-  const __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(w), Splat(kF32AbsMask));
-  const __m256i capped = _mm256_min_epu32(magnitude, Splat(kFp4MaxBits));
+  const __m256i u = _mm256_castps_si256(w);
+  const __m256i capped =
+      _mm256_min_epu32(_mm256_and_si256(u, Splat(kF32AbsMask)), Splat(kFp4MaxBits));
   const __m256i e = _mm256_max_epu32(_mm256_and_si256(capped, Splat(kF32Inf)), Splat(127u << 23));
+  const __m256i c = _mm256_add_epi32(e, Splat(22u << 23));
   const __m256 a = _mm256_castsi256_ps(capped);
-  const __m256 c = _mm256_castsi256_ps(_mm256_add_epi32(e, Splat(22u << 23)));
-  // a rounded to E2M1's step in its binade, exactly; a boundary lies half a step away.
-  const __m256 rounded = _mm256_sub_ps(_mm256_add_ps(a, c), c);
-  const __m256 half_step = _mm256_castsi256_ps(_mm256_sub_epi32(e, Splat(2u << 23)));
-  const __m256 off = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_sub_ps(a, rounded));
-  const __m256 distance = _mm256_sub_ps(half_step, off);
-  const __m256 near = _mm256_cmp_ps(distance, _mm256_mul_ps(a, _mm256_set1_ps(0x1p-19f)), _CMP_LE_OQ);
-  if (_mm256_movemask_ps(near) != 0) return _mm256_div_ps(_mm256_div_ps(n, gs), s);
-  return w;
+  const __m256 sum = _mm256_add_ps(a, _mm256_castsi256_ps(c));
+  // a rounded to E2M1's step in its binade is sum - c, exactly; a boundary lies half a
+  // step, 2^(E - 2), from it. 2^(E - 18) bounds 2^-19 a from above.
+  const __m256 off = _mm256_andnot_ps(_mm256_set1_ps(-0.0f),
+                                      _mm256_sub_ps(a, _mm256_sub_ps(sum, _mm256_castsi256_ps(c))));
+  const __m256 distance =
+      _mm256_sub_ps(_mm256_castsi256_ps(_mm256_sub_epi32(e, Splat(2u << 23))), off);
+  const __m256 tolerance = _mm256_castsi256_ps(_mm256_sub_epi32(e, Splat(18u << 23)));
+  if (_mm256_movemask_ps(_mm256_cmp_ps(distance, tolerance, _CMP_LE_OQ)) != 0) {
+    return Fp4Codes(_mm256_div_ps(_mm256_div_ps(n, gs), s));
+  }
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 28), Splat(0x8u));
+  const __m256i code = _mm256_sub_epi32(
+      _mm256_add_epi32(_mm256_sub_epi32(_mm256_castps_si256(sum), c), _mm256_srli_epi32(e, 22)),
+      Splat(127u << 1));
+  return _mm256_or_si256(code, sign);
 }
 
 // Nvfp4Scale of 8 groups, the abs-max bits of each in a lane, in a row whose sum of
@@ -291,6 +301,66 @@ inline void Nvfp4Scales(__m256i amax_bits, __m256 gs, __m256* scale, __m256* mul
   const __m256 zero = _mm256_or_ps(_mm256_castsi256_ps(_mm256_xor_si256(finite, Splat(~0u))),
                                    _mm256_cmp_ps(value, _mm256_setzero_ps(), _CMP_EQ_OQ));
   *multiplier = _mm256_blendv_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), value), nan, zero);
+}
+
+// Mxfp4Scale of 8 groups (the abs-max bits of each in a lane) in a row whose sum of
+// squares is finite, bounded by ub: the scales (NaN for a group holding NaN or Inf) and
+// their reciprocals (NaN where the codes are all 0). PowerOfTwoScale's operations with
+// FP4_MAX and the e8m0 floor, lane by lane.
+inline void Mxfp4Scales(__m256i amax_bits, float ub, __m256* scale, __m256* multiplier) {
+  const __m256 nan = _mm256_castsi256_ps(Splat(kF32QuietNan));
+  const __m256i finite = _mm256_cmpgt_epi32(Splat(kF32Inf), amax_bits);
+  const __m256 a = _mm256_min_ps(_mm256_castsi256_ps(amax_bits), _mm256_set1_ps(ub));
+  const __m256i q = _mm256_castps_si256(_mm256_div_ps(a, _mm256_set1_ps(kFp4Max)));
+  const __m256i exponent = _mm256_and_si256(_mm256_srli_epi32(q, 23), Splat(0xffu));
+  const __m256i inexact = _mm256_xor_si256(
+      _mm256_cmpeq_epi32(_mm256_and_si256(q, Splat(0x007fffffu)), _mm256_setzero_si256()),
+      Splat(~0u));
+  const __m256i rounded_up = _mm256_sub_epi32(exponent, inexact);  // + 1 where inexact
+  // A q below 2^-126: 2^-126 if a > FP4_MAX * 2^-127 (made in two normal steps), else
+  // 2^-127 (exponent 0), as PowerOfTwoExponent decides it.
+  const float tiny_limit = (kFp4Max * FloatOf(63u << 23)) * FloatOf(64u << 23);
+  const __m256i tiny = _mm256_and_si256(
+      _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(tiny_limit), _CMP_GT_OQ)), Splat(1u));
+  const __m256i e = _mm256_blendv_epi8(
+      rounded_up, tiny, _mm256_cmpeq_epi32(exponent, _mm256_setzero_si256()));
+  const __m256i recip_bits = _mm256_and_si256(
+      _mm256_slli_epi32(_mm256_sub_epi32(Splat(254u), e), 23),
+      _mm256_cmpgt_epi32(Splat(254u), e));
+  const __m256i scale_bits = _mm256_blendv_epi8(
+      _mm256_slli_epi32(e, 23), Splat(0x00400000u), _mm256_cmpeq_epi32(e, _mm256_setzero_si256()));
+  const __m256 keep = _mm256_castsi256_ps(finite);
+  *scale = _mm256_blendv_ps(nan, _mm256_castsi256_ps(scale_bits), keep);
+  *multiplier = _mm256_blendv_ps(nan, _mm256_castsi256_ps(recip_bits), keep);
+}
+
+// Normalize, in place, 8 consecutive groups of `size` elements (a multiple of 8) of h,
+// each as NormalizeRow computes it; returns their abs-maxima (ordered bits), group g in
+// lane g. The maxima of the 8 groups' vectors are reduced together, by a transposition.
+inline __m256i NormalizeEightGroups(float* __restrict h, const float* __restrict gamma_plus_offset,
+                                    __m256 r, int64_t size) {
+  __m256i m[8];
+  for (int g = 0; g < 8; ++g) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int64_t j = g * size; j < (g + 1) * size; j += 8) {
+      const __m256 v =
+          _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(h + j), r), _mm256_loadu_ps(gamma_plus_offset + j));
+      _mm256_storeu_ps(h + j, v);
+      acc = _mm256_max_epu32(acc, AbsBits(v));
+    }
+    m[g] = acc;
+  }
+  const auto pairs = [](__m256i x, __m256i y) {
+    return _mm256_max_epu32(_mm256_unpacklo_epi32(x, y), _mm256_unpackhi_epi32(x, y));
+  };
+  const auto quads = [](__m256i x, __m256i y) {
+    return _mm256_max_epu32(_mm256_unpacklo_epi64(x, y), _mm256_unpackhi_epi64(x, y));
+  };
+  // Per 128-bit half: lanes 0-3 the maxima of groups 0-3 (then 4-7) over that half.
+  const __m256i low = quads(pairs(m[0], m[1]), pairs(m[2], m[3]));
+  const __m256i high = quads(pairs(m[4], m[5]), pairs(m[6], m[7]));
+  return _mm256_max_epu32(_mm256_permute2x128_si256(low, high, 0x20),
+                          _mm256_permute2x128_si256(low, high, 0x31));
 }
 
 }  // namespace avx2_lanes

@@ -3,7 +3,8 @@
 // - the FP8 codes (e4m3fn and e4m3fnuz, saturating; the path without NaN tests on every
 //   non-NaN input), the FP4 codes (every non-NaN input) and the bfloat16 / float16 stores
 //   on all 2^32 float32 bit patterns, the 16-bit loads on all 2^16;
-// - NVFP4's vector scales against Nvfp4Scale on a sixteenth of all abs-max bit patterns,
+// - NVFP4's and MXFP4's vector scales against Nvfp4Scale and Mxfp4Scale on a sixteenth
+//   of all abs-max bit patterns,
 //   and its vector quotient's codes against the two divisions on random and on
 //   constructed tie and near-tie elements; the FP4 packing;
 // - the vector sum of squares against the scalar one on 2^25 squares (NaN and Inf
@@ -210,6 +211,28 @@ __attribute__((target("avx2,fma,f16c"))) void CheckNvfp4(bool flush) {
       }
     }
   }
+  // MXFP4's scales on the lanes, under bounds that cut in and one that does not.
+  for (const float ub : {INFINITY, 2.0f, 0x1p-120f}) {
+    for (uint64_t base = 0; base < (uint64_t{1} << 31); base += 8 * 16) {
+      for (int k = 0; k < 8; ++k) amax[k] = static_cast<uint32_t>(base + 16 * k);
+      __m256 s8, m8;
+      v::Mxfp4Scales(_mm256_load_si256(reinterpret_cast<const __m256i*>(amax)), ub, &s8, &m8);
+      _mm256_store_ps(scale, s8);
+      _mm256_store_ps(multiplier, m8);
+      for (int k = 0; k < 8; ++k) {
+        const Fp4Scale want = Mxfp4Scale(1.0f, amax[k], ub);
+        const float want_multiplier = want.zero ? FloatOf(kF32QuietNan) : want.recip;
+        const bool same_scale = BitsOf(scale[k]) == BitsOf(want.scale) ||
+                                (IsNan(scale[k]) && IsNan(want.scale));
+        const bool same_multiplier = BitsOf(multiplier[k]) == BitsOf(want_multiplier) ||
+                                     (IsNan(multiplier[k]) && IsNan(want_multiplier));
+        if (!same_scale) Report("MXFP4 scale", amax[k], BitsOf(scale[k]), BitsOf(want.scale));
+        if (!same_multiplier) {
+          Report("MXFP4 1 / scale", amax[k], BitsOf(multiplier[k]), BitsOf(want_multiplier));
+        }
+      }
+    }
+  }
   uint64_t state = flush ? 7 : 3;
   const auto next = [&state] {  // splitmix64
     uint64_t z = (state += 0x9e3779b97f4a7c15ull);
@@ -238,9 +261,8 @@ __attribute__((target("avx2,fma,f16c"))) void CheckNvfp4(bool flush) {
       }
       n[k] = (r >> 63) != 0 ? -value : value;
     }
-    const __m256 q = v::Nvfp4Quotient(_mm256_load_ps(n), _mm256_set1_ps(gs), _mm256_set1_ps(s),
-                                      _mm256_set1_ps(1.0f / gs), _mm256_set1_ps(1.0f / s));
-    const __m256i c = v::Fp4Codes(q);
+    const __m256i c = v::Nvfp4Codes(_mm256_load_ps(n), _mm256_set1_ps(gs), _mm256_set1_ps(s),
+                                    _mm256_set1_ps(1.0f / gs), _mm256_set1_ps(1.0f / s));
     _mm256_store_si256(reinterpret_cast<__m256i*>(codes), c);
     const Fp4Scale scale{s, 0.0f, gs, true, false};
     uint8_t want_bytes[4];
