@@ -279,13 +279,14 @@ def _partitioned_lowering(kernel: Primitive):
 
 
 def _no_gradient(op: str):
-    """The JVP rule of the FP8 ops: JAX gives a cotangent the dtype of its primal, so a
-    gradient reaching y would be rounded to FP8 (and mostly underflow to zero)."""
+    """The JVP rule of the FP8 / FP4 ops: JAX gives a cotangent the dtype of its primal, so
+    a gradient reaching y would be rounded to FP8 or FP4 (and mostly underflow to zero)."""
 
     def rule(primals, tangents, **params):
+        fmt = "FP4" if np.dtype(params["out_dtype"]) == np.dtype(jnp.float4_e2m1fn) else "FP8"
         raise TypeError(
-            f"jax_fp8norm.{op} has no gradient: its output y is FP8, and a "
-            "cotangent rounded to FP8 would be mostly zeros. Differentiate "
+            f"jax_fp8norm.{op} has no gradient: its output y is {fmt}, and a "
+            f"cotangent rounded to {fmt} would be mostly zeros. Differentiate "
             f"jax_fp8norm.{op}_dequantized (the same kernel forward, a "
             "straight-through RMSNorm gradient backward), or stop_gradient the inputs."
         )

@@ -406,7 +406,11 @@ def quantize_weights_nvfp4(
         gs = jnp.where(amax == 0, jnp.float32(1.0), amax / jnp.float32(E4M3_MAX * FP4_MAX))
     else:
         gs = _global_scale("global_scale", global_scale)
-    finite = jnp.isfinite(jnp.max(jnp.abs(blocks), axis=1))[:, None, :]
+    # As the norm ops: NaN scales for a block holding NaN or Inf, and everywhere under a
+    # global scale that is not a positive normal float32.
+    gs_bits = jax.lax.bitcast_convert_type(jnp.reshape(gs, ()), jnp.uint32)
+    gs_valid = (gs_bits >= 0x00800000) & (gs_bits < 0x7F800000)
+    finite = jnp.isfinite(jnp.max(jnp.abs(blocks), axis=1))[:, None, :] & gs_valid
     t = blocks / gs
     amax = jnp.max(jnp.abs(t), axis=1, keepdims=True)
     scales = jnp.minimum(amax / FP4_MAX, E4M3_MAX).astype(E4M3)

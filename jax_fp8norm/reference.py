@@ -309,9 +309,11 @@ def _fp4_groups(
     "FP4 outputs"). NVFP4: t = n / gs, scale = e4m3(min(max|t| / 6, 448)), y =
     e2m1(clip(t / scale, -6, 6)). MXFP4: the power-of-two rule with FP4_MAX, y =
     e2m1(clip(n * (1 / scale), -6, 6)). A group that is not finite (in a row that is not,
-    or holding NaN or Inf, after the division by gs for NVFP4), or NVFP4 under a global
-    scale that is not a positive normal float32, gets a NaN scale and zero codes; a zero
-    NVFP4 scale gives zero codes."""
+    or holding NaN or Inf), or NVFP4 under a global scale that is not a positive normal
+    float32, gets a NaN scale and zero codes; a zero NVFP4 scale gives zero codes. NVFP4
+    values that overflow when divided by gs take the formula (scale 448, codes +-6)."""
+    if p.nvfp4 and global_scale is None:
+        raise ValueError("NVFP4 (float8_e4m3fn scales) needs its global_scale operand")
     f32 = jnp.float32
     if p.nvfp4:
         gs = global_scale.astype(f32).reshape(())
@@ -319,8 +321,9 @@ def _fp4_groups(
         gs_valid = (gs_bits >= 0x00800000) & (gs_bits < 0x7F800000)
         # The barrier keeps XLA from folding (n / gs) / scale into n / (gs * scale).
         t = jax.lax.optimization_barrier(_divide(grouped, gs))
+        holds_non_finite = ~jnp.isfinite(jnp.max(jnp.abs(grouped), axis=-1, initial=f32(0)))
         amax = jnp.max(jnp.abs(t), axis=-1, initial=f32(0))  # [..., groups]
-        finite = row_finite & gs_valid & jnp.isfinite(amax)
+        finite = row_finite & gs_valid & ~holds_non_finite
         # The barrier keeps XLA from dropping the round trip through e4m3 (as jax.nn's
         # quantiser does too).
         scale = jax.lax.optimization_barrier(

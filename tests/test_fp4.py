@@ -114,7 +114,7 @@ def test_fp4_options_and_many_rows(platform, fmt):
 def _edge_rows(hidden: int, group: int, dtype) -> tuple[np.ndarray, np.ndarray]:
     """Rows that reach every edge group of the spec: zeros, a NaN, an Inf, a sum of squares
     past float32 (only when the input dtype can hold it), a group of tiny values beside
-    large ones, all-equal values and values that saturate after a bounded scale."""
+    large ones, all-equal values and large values beside small ones."""
     rng = np.random.default_rng(group)
     x = rng.standard_normal((8, hidden)).astype(np.float32)
     x[0] = 0.0  # a zero row
@@ -147,6 +147,8 @@ def test_fp4_edge_groups(platform, fmt, dtype):
     # dequantises to NaN; a NaN or Inf anywhere in a row makes the whole row so.
     nan_groups = np.isnan(scales32)
     assert nan_groups[2].all() and nan_groups[3].all()
+    if np.dtype(dtype) == np.float32:
+        assert nan_groups[6].all()  # its sum of squares overflows
     assert nan_groups[:, 1].all() and nan_groups[:, 3].all()  # the NaN and Inf gammas
     assert (codes[nan_groups] == 0).all()
     dequantized = run_on(
@@ -386,3 +388,59 @@ def test_nvfp4_ties(platform, gs):
     x = np.ones((4, groups * 16), np.float32)
     kw = _format("nvfp4", global_scale=np.float32(gs), eps=0.0)
     check(platform, "rms_norm_fp8", x, gamma.reshape(-1), **kw)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "hidden"), [("nvfp4", 16), ("nvfp4", 512), ("mxfp4", 32), ("mxfp4", 256)]
+)
+def test_fp4_one_group_per_row(platform, fmt, hidden):
+    # group_size == N: FP4 takes the group paths with one group per row.
+    x = random_rows(hidden, (9, hidden), jnp.bfloat16)
+    gamma = random_gamma(hidden, hidden, jnp.float32)
+    (_, scales), _ = check(platform, "rms_norm_fp8", x, gamma, **_format(fmt, group_size=hidden))
+    assert scales.shape == (9, 1)
+
+
+def test_fp4_empty_shapes(platform):
+    for shape in ((0, 64), (3, 0), (2, 0, 32)):
+        x = np.zeros(shape, np.float32)
+        gamma = np.ones(shape[-1], np.float32)
+        for fmt in FORMATS:
+            kw = _format(fmt)
+            (y, scales), _ = check(platform, "rms_norm_fp8", x, gamma, **kw)
+            groups = shape[-1] // kw["group_size"]
+            assert y.shape == shape and scales.shape == shape[:-1] + (groups,)
+
+
+def test_nvfp4_global_scale_overflow_takes_the_formula(platform):
+    """Finite values that overflow float32 when divided by a tiny global scale: the
+    group's scale saturates at 448 and its codes at +-6, as jax.nn's quantiser gives."""
+    x = random_rows(11, (5, 256), jnp.float32, spread=1.0)
+    gamma = np.full(256, 8.0, np.float32)
+    (y, scales), _ = check(
+        platform, "rms_norm_fp8", x, gamma, **_format("nvfp4", global_scale=np.float32(2e-38))
+    )
+    assert (_codes(scales) == 0x7E).mean() > 0.5  # 448
+    assert ((_codes(y) & 0x7) == 7).mean() > 0.2  # 6
+
+
+def test_nvfp4_batched_global_scales(platform):
+    # vmap over the global scale: one kernel call per scale, in a compiled loop.
+    x = random_rows(12, (4, 128), jnp.bfloat16)
+    gamma = random_gamma(12, 128, jnp.float32)
+    scales = np.float32([1.0, 0.003, 0.5])
+
+    def batched(x, gamma, gs):
+        return jax.vmap(
+            lambda g: fp8norm.rms_norm_fp8(x, gamma, **_format("nvfp4", global_scale=g))
+        )(gs)
+
+    got = run_on(platform, batched, x, gamma, scales)
+    for i, gs in enumerate(scales):
+        want = reference_on_cpu(
+            fp8norm.reference.rms_norm_fp8, x, gamma, **_format("nvfp4", global_scale=gs)
+        )
+        if is_gpu(platform):
+            fp8norm.testing.assert_matches_reference([o[i] for o in got], want)
+        else:
+            assert_same_bits([o[i] for o in got], want)

@@ -133,8 +133,8 @@ def test_reference_fp8_conversion_matches_ml_dtypes(dtype):
 
 
 def test_fp4_special_encodings():
-    """FP4 E2M1: saturation at 6 (no Inf), the ties to even, signed zeros, and the packed
-    layout of an odd count (the last byte's high nibble is padding)."""
+    """FP4 E2M1: saturation at 6 (no Inf), the ties to even, signed zeros, and an odd count
+    (its last packed byte holds one code)."""
     v = np.array([6.0, 7.0, np.inf, -np.inf, -0.0, 0.25, 0.75, 2.5, 5.0, -1e-30, 1.75], np.float32)
     (got,) = run_on("cpu", lambda v: (round_float32(v, jnp.float4_e2m1fn),), v)
     codes = got.view(np.uint8).tolist()

@@ -507,13 +507,15 @@ struct Fp4Scale {
 // NVFP4's scale of a group of normalised values with abs-max amax_bits (ordered bits), in a
 // row with sum of squares sum_sq, under the global decode scale gs: e4m3(min(amax / gs / 6,
 // 448)). max_j |n_j / gs| is (max_j |n_j|) / gs, since a correctly rounded division by a
-// positive number is monotonic. NaN, with zero codes, for a non-finite row, a global scale
-// that is not a positive normal float32, or a group whose values divided by it are not all
-// finite; 0, with zero codes, for a group whose scale rounds to 0.
+// positive number is monotonic. NaN, with zero codes, for a non-finite row, a group holding
+// NaN or Inf, or a global scale that is not a positive normal float32 (a subnormal one
+// counts as flushed to 0); 0, with zero codes, for a group whose scale rounds to 0. A group
+// whose values overflow when divided by gs takes the formula: scale 448, codes +-6.
 // Without branches, so that the CPU kernel's loop over a row's groups vectorises.
 FP8NORM_HD Fp4Scale Nvfp4Scale(float sum_sq, uint32_t amax_bits, float global_scale) {
   const float amax = FloatOf(amax_bits) / global_scale;
-  const bool finite = IsFinite(sum_sq) && IsPositiveNormal(global_scale) && IsFinite(amax);
+  const bool finite =
+      IsFinite(sum_sq) && IsPositiveNormal(global_scale) && IsFinite(FloatOf(amax_bits));
   // The saturating conversion is the clamp at 448.
   const float scale = E4M3FnValue(E4M3ScaleCode(amax / kFp4Max));
   const float stored = FloatOf(Select(finite, BitsOf(scale), kF32QuietNan));

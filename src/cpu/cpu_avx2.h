@@ -275,17 +275,15 @@ inline __m256i Nvfp4Codes(__m256 n, __m256 gs, __m256 s, __m256 rg, __m256 rs) {
 
 // Nvfp4Scale of 8 groups, the abs-max bits of each in a lane, in a row whose sum of
 // squares is finite, under a global scale that is a positive normal number: the scales
-// (NaN for a group whose values divided by gs are not all finite) and fl(1 / scale), NaN
-// where the group's codes are all 0 (a scale of 0 or NaN). The same operations as the
-// scalar functions: two divisions, Fp8Code's saturating rounding (Fp8MagnitudeCodes on a
-// non-negative, non-NaN lane), E4M3FnValue.
+// (NaN for a group holding NaN or Inf) and fl(1 / scale), NaN where the group's codes are
+// all 0 (a scale of 0 or NaN). The same operations as the scalar functions: two
+// divisions, Fp8Code's saturating rounding (Fp8MagnitudeCodes on a non-negative lane, NaN
+// only where masked: an Inf from the division saturates to 448), E4M3FnValue.
 inline void Nvfp4Scales(__m256i amax_bits, __m256 gs, __m256* scale, __m256* multiplier) {
   const __m256 nan = _mm256_castsi256_ps(Splat(kF32QuietNan));
   const __m256 amax = _mm256_div_ps(_mm256_castsi256_ps(amax_bits), gs);
-  const __m256i amax_abs = _mm256_and_si256(_mm256_castps_si256(amax), Splat(kF32AbsMask));
-  const __m256i finite = _mm256_cmpgt_epi32(Splat(kF32Inf), amax_abs);
+  const __m256i finite = _mm256_cmpgt_epi32(Splat(kF32Inf), amax_bits);
   const __m256 quotient = _mm256_div_ps(amax, _mm256_set1_ps(kFp4Max));
-  // A non-finite quotient is capped to the largest code like any other: masked below.
   const __m256i code =
       Fp8MagnitudeCodes<OutFormat::kE4M3FN, false>(_mm256_castps_si256(quotient));
   const __m256i exponent = _mm256_and_si256(_mm256_srli_epi32(code, 3), Splat(0xfu));

@@ -462,7 +462,7 @@ int Main(bool quick) {
   }
   // FP4: NVFP4 (typical, invalid and tiny global scales) and MXFP4 (with and without a
   // bound), packed and one code per byte, groups from a pair of codes to 64, the edge rows.
-  const float global_scales[] = {0.003f, 1.0f, 0.0f, -2.0f, 1e-30f};
+  const float global_scales[] = {0.003f, 1.0f, 0.0f, -2.0f, 2e-38f};
   int f = 0;
   for (const int64_t hidden : group_hiddens) {
     for (const int64_t group : {int64_t{2}, int64_t{6}, int64_t{16}, int64_t{32}, int64_t{64}}) {
@@ -487,6 +487,24 @@ int Main(bool quick) {
         cases.push_back(c);
         ++f;
       }
+    }
+  }
+  // FP4 with one group per row (group_size == hidden), either format.
+  for (const int64_t hidden : {int64_t{16}, int64_t{256}, int64_t{512}}) {
+    for (const FloatType scale : {FloatType::kE4M3, FloatType::kE8M0}) {
+      Case c{};
+      c.rows = quick ? 3 : 7;
+      c.hidden = hidden;
+      c.input = FloatType::kBF16;
+      c.gamma = FloatType::kF32;
+      c.out = OutFormat::kE2M1;
+      c.scale = scale;
+      c.power_of_two = scale == FloatType::kE8M0;
+      c.global_scale = 0.004f;
+      c.scale_ub = INFINITY;
+      c.group_size = hidden;
+      c.specials = true;
+      cases.push_back(c);
     }
   }
   // Rows held by several warps (1024 bf16: 2 warps per row in block_registers), strided
