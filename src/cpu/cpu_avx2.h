@@ -199,7 +199,7 @@ inline void Quantize32(const float* normed, __m256 recip, uint8_t* y) {
 // The E2M1 codes (sign in bit 3) of 8 lanes, none of them NaN: Fp4Code's operations.
 inline __m256i Fp4Codes(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
-  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 28), Splat(0x8u));
+  const __m256i sign = _mm256_slli_epi32(_mm256_srli_epi32(u, 31), 3);
   const __m256i capped =
       _mm256_min_epu32(_mm256_and_si256(u, Splat(kF32AbsMask)), Splat(kFp4MaxBits));
   const __m256i e = _mm256_max_epu32(_mm256_and_si256(capped, Splat(kF32Inf)), Splat(127u << 23));
@@ -257,16 +257,18 @@ inline __m256i Nvfp4Codes(__m256 n, __m256 gs, __m256 s, __m256 rg, __m256 rs) {
   const __m256 a = _mm256_castsi256_ps(capped);
   const __m256 sum = _mm256_add_ps(a, _mm256_castsi256_ps(c));
   // a rounded to E2M1's step in its binade is sum - c, exactly; a boundary lies half a
-  // step, 2^(E - 2), from it. 2^(E - 18) bounds 2^-19 a from above.
+  // step, 2^(E - 2), from it. 2^(E - 18) bounds 2^-19 a from above, so a lane lies near a
+  // boundary when its distance from the rounded value is at least their difference.
+  // Near: |a - (sum - c)| >= 2^(E - 2) - 2^(E - 18) = 2^(E - 3) * (2 - 2^-15), a float
+  // whose bits are e - 3 * 2^23 + 0x7fff00.
   const __m256 off = _mm256_andnot_ps(_mm256_set1_ps(-0.0f),
                                       _mm256_sub_ps(a, _mm256_sub_ps(sum, _mm256_castsi256_ps(c))));
-  const __m256 distance =
-      _mm256_sub_ps(_mm256_castsi256_ps(_mm256_sub_epi32(e, Splat(2u << 23))), off);
-  const __m256 tolerance = _mm256_castsi256_ps(_mm256_sub_epi32(e, Splat(18u << 23)));
-  if (_mm256_movemask_ps(_mm256_cmp_ps(distance, tolerance, _CMP_LE_OQ)) != 0) {
+  const __m256 threshold =
+      _mm256_castsi256_ps(_mm256_add_epi32(e, Splat(0x7fff00u - (3u << 23))));
+  if (_mm256_movemask_ps(_mm256_cmp_ps(off, threshold, _CMP_GE_OQ)) != 0) {
     return Fp4Codes(_mm256_div_ps(_mm256_div_ps(n, gs), s));
   }
-  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 28), Splat(0x8u));
+  const __m256i sign = _mm256_slli_epi32(_mm256_srli_epi32(u, 31), 3);
   const __m256i code = _mm256_sub_epi32(
       _mm256_add_epi32(_mm256_sub_epi32(_mm256_castps_si256(sum), c), _mm256_srli_epi32(e, 22)),
       Splat(127u << 1));
@@ -332,6 +334,15 @@ inline void Mxfp4Scales(__m256i amax_bits, float ub, __m256* scale, __m256* mult
   *multiplier = _mm256_blendv_ps(nan, _mm256_castsi256_ps(recip_bits), keep);
 }
 
+// The lane-wise maxima of x's and y's 32-bit lanes interleaved by pairs (then by quads):
+// the steps of NormalizeEightGroups' transposition.
+inline __m256i MaxOfPairs(__m256i x, __m256i y) {
+  return _mm256_max_epu32(_mm256_unpacklo_epi32(x, y), _mm256_unpackhi_epi32(x, y));
+}
+inline __m256i MaxOfQuads(__m256i x, __m256i y) {
+  return _mm256_max_epu32(_mm256_unpacklo_epi64(x, y), _mm256_unpackhi_epi64(x, y));
+}
+
 // Normalize, in place, 8 consecutive groups of `size` elements (a multiple of 8) of h,
 // each as NormalizeRow computes it; returns their abs-maxima (ordered bits), group g in
 // lane g. The maxima of the 8 groups' vectors are reduced together, by a transposition.
@@ -348,15 +359,9 @@ inline __m256i NormalizeEightGroups(float* __restrict h, const float* __restrict
     }
     m[g] = acc;
   }
-  const auto pairs = [](__m256i x, __m256i y) {
-    return _mm256_max_epu32(_mm256_unpacklo_epi32(x, y), _mm256_unpackhi_epi32(x, y));
-  };
-  const auto quads = [](__m256i x, __m256i y) {
-    return _mm256_max_epu32(_mm256_unpacklo_epi64(x, y), _mm256_unpackhi_epi64(x, y));
-  };
   // Per 128-bit half: lanes 0-3 the maxima of groups 0-3 (then 4-7) over that half.
-  const __m256i low = quads(pairs(m[0], m[1]), pairs(m[2], m[3]));
-  const __m256i high = quads(pairs(m[4], m[5]), pairs(m[6], m[7]));
+  const __m256i low = MaxOfQuads(MaxOfPairs(m[0], m[1]), MaxOfPairs(m[2], m[3]));
+  const __m256i high = MaxOfQuads(MaxOfPairs(m[4], m[5]), MaxOfPairs(m[6], m[7]));
   return _mm256_max_epu32(_mm256_permute2x128_si256(low, high, 0x20),
                           _mm256_permute2x128_si256(low, high, 0x31));
 }
