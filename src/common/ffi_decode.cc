@@ -137,7 +137,8 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
   if (scale_operand.has_value()) {
     if (scale_operand->element_type() != ffi::DataType::F32 ||
         scale_operand->element_count() != 1) {
-      return Invalid(nvfp4 ? "global_scale must be one float32" : "static_scale must be one float32");
+      return Invalid(nvfp4 ? "global_scale must be one float32"
+                           : "static_scale must be one float32");
     }
     if (fp4 && !nvfp4) return Invalid("MXFP4 takes neither static_scale nor global_scale");
     if (!fp4 && (group_size > 0 || power_of_two)) {

@@ -40,7 +40,8 @@ struct BF16 {
 enum class FloatType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2, kE8M0 = 3, kE4M3 = 4 };
 
 FP8NORM_HD size_t FloatTypeBytes(FloatType type) {
-  return type == FloatType::kF32 ? 4 : (type == FloatType::kE8M0 || type == FloatType::kE4M3 ? 1 : 2);
+  return type == FloatType::kF32 ? 4
+                                 : (type == FloatType::kE8M0 || type == FloatType::kE4M3 ? 1 : 2);
 }
 // The formats of y: FP8 (one code per byte) or FP4 E2M1 (float4_e2m1fn, always
 // block-scaled: NVFP4 with kE4M3 scales, MXFP4 with kE8M0 ones).
@@ -215,7 +216,7 @@ constexpr float kFp4Max = 6.0f;
 
 // The largest finite value of y's format: FP8_MAX, or FP4_MAX = 6.
 FP8NORM_HD float OutMax(OutFormat format) {
-  return format == OutFormat::kE4M3FN    ? Fp8Traits<OutFormat::kE4M3FN>::kMax
+  return format == OutFormat::kE4M3FN     ? Fp8Traits<OutFormat::kE4M3FN>::kMax
          : format == OutFormat::kE4M3FNUZ ? Fp8Traits<OutFormat::kE4M3FNUZ>::kMax
                                           : kFp4Max;
 }

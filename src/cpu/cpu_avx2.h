@@ -206,9 +206,8 @@ inline __m256i Fp4Codes(__m256 v) {
   const __m256i c = _mm256_add_epi32(e, Splat(22u << 23));
   const __m256i sum =
       _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(capped), _mm256_castsi256_ps(c)));
-  const __m256i code =
-      _mm256_sub_epi32(_mm256_add_epi32(_mm256_sub_epi32(sum, c), _mm256_srli_epi32(e, 22)),
-                       Splat(127u << 1));
+  const __m256i code = _mm256_sub_epi32(
+      _mm256_add_epi32(_mm256_sub_epi32(sum, c), _mm256_srli_epi32(e, 22)), Splat(127u << 1));
   return _mm256_or_si256(code, sign);
 }
 
@@ -263,8 +262,7 @@ inline __m256i Nvfp4Codes(__m256 n, __m256 gs, __m256 s, __m256 rg, __m256 rs) {
   // whose bits are e - 3 * 2^23 + 0x7fff00.
   const __m256 off = _mm256_andnot_ps(_mm256_set1_ps(-0.0f),
                                       _mm256_sub_ps(a, _mm256_sub_ps(sum, _mm256_castsi256_ps(c))));
-  const __m256 threshold =
-      _mm256_castsi256_ps(_mm256_add_epi32(e, Splat(0x7fff00u - (3u << 23))));
+  const __m256 threshold = _mm256_castsi256_ps(_mm256_add_epi32(e, Splat(0x7fff00u - (3u << 23))));
   if (_mm256_movemask_ps(_mm256_cmp_ps(off, threshold, _CMP_GE_OQ)) != 0) {
     return Fp4Codes(_mm256_div_ps(_mm256_div_ps(n, gs), s));
   }
@@ -286,17 +284,17 @@ inline void Nvfp4Scales(__m256i amax_bits, __m256 gs, __m256* scale, __m256* mul
   const __m256 amax = _mm256_div_ps(_mm256_castsi256_ps(amax_bits), gs);
   const __m256i finite = _mm256_cmpgt_epi32(Splat(kF32Inf), amax_bits);
   const __m256 quotient = _mm256_div_ps(amax, _mm256_set1_ps(kFp4Max));
-  const __m256i code =
-      Fp8MagnitudeCodes<OutFormat::kE4M3FN, false>(_mm256_castps_si256(quotient));
+  const __m256i code = Fp8MagnitudeCodes<OutFormat::kE4M3FN, false>(_mm256_castps_si256(quotient));
   const __m256i exponent = _mm256_and_si256(_mm256_srli_epi32(code, 3), Splat(0xfu));
   const __m256i mantissa = _mm256_and_si256(code, Splat(0x7u));
-  const __m256i normal = _mm256_or_si256(_mm256_slli_epi32(_mm256_add_epi32(exponent, Splat(120u)), 23),
-                                         _mm256_slli_epi32(mantissa, 20));
+  const __m256i normal =
+      _mm256_or_si256(_mm256_slli_epi32(_mm256_add_epi32(exponent, Splat(120u)), 23),
+                      _mm256_slli_epi32(mantissa, 20));
   const __m256 subnormal =
       _mm256_mul_ps(_mm256_cvtepi32_ps(mantissa), _mm256_castsi256_ps(Splat((127u - 9u) << 23)));
   const __m256i is_subnormal = _mm256_cmpeq_epi32(exponent, _mm256_setzero_si256());
-  const __m256 value = _mm256_castsi256_ps(
-      _mm256_blendv_epi8(normal, _mm256_castps_si256(subnormal), is_subnormal));
+  const __m256 value =
+      _mm256_castsi256_ps(_mm256_blendv_epi8(normal, _mm256_castps_si256(subnormal), is_subnormal));
   *scale = _mm256_blendv_ps(nan, value, _mm256_castsi256_ps(finite));
   const __m256 zero = _mm256_or_ps(_mm256_castsi256_ps(_mm256_xor_si256(finite, Splat(~0u))),
                                    _mm256_cmp_ps(value, _mm256_setzero_ps(), _CMP_EQ_OQ));
@@ -322,13 +320,12 @@ inline void Mxfp4Scales(__m256i amax_bits, float ub, __m256* scale, __m256* mult
   const float tiny_limit = (kFp4Max * FloatOf(63u << 23)) * FloatOf(64u << 23);
   const __m256i tiny = _mm256_and_si256(
       _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(tiny_limit), _CMP_GT_OQ)), Splat(1u));
-  const __m256i e = _mm256_blendv_epi8(
-      rounded_up, tiny, _mm256_cmpeq_epi32(exponent, _mm256_setzero_si256()));
+  const __m256i e =
+      _mm256_blendv_epi8(rounded_up, tiny, _mm256_cmpeq_epi32(exponent, _mm256_setzero_si256()));
   const __m256i recip_bits = _mm256_and_si256(
-      _mm256_slli_epi32(_mm256_sub_epi32(Splat(254u), e), 23),
-      _mm256_cmpgt_epi32(Splat(254u), e));
-  const __m256i scale_bits = _mm256_blendv_epi8(
-      _mm256_slli_epi32(e, 23), Splat(0x00400000u), _mm256_cmpeq_epi32(e, _mm256_setzero_si256()));
+      _mm256_slli_epi32(_mm256_sub_epi32(Splat(254u), e), 23), _mm256_cmpgt_epi32(Splat(254u), e));
+  const __m256i scale_bits = _mm256_blendv_epi8(_mm256_slli_epi32(e, 23), Splat(0x00400000u),
+                                                _mm256_cmpeq_epi32(e, _mm256_setzero_si256()));
   const __m256 keep = _mm256_castsi256_ps(finite);
   *scale = _mm256_blendv_ps(nan, _mm256_castsi256_ps(scale_bits), keep);
   *multiplier = _mm256_blendv_ps(nan, _mm256_castsi256_ps(recip_bits), keep);
@@ -352,8 +349,8 @@ inline __m256i NormalizeEightGroups(float* __restrict h, const float* __restrict
   for (int g = 0; g < 8; ++g) {
     __m256i acc = _mm256_setzero_si256();
     for (int64_t j = g * size; j < (g + 1) * size; j += 8) {
-      const __m256 v =
-          _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(h + j), r), _mm256_loadu_ps(gamma_plus_offset + j));
+      const __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(h + j), r),
+                                     _mm256_loadu_ps(gamma_plus_offset + j));
       _mm256_storeu_ps(h + j, v);
       acc = _mm256_max_epu32(acc, AbsBits(v));
     }

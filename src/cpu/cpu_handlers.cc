@@ -98,8 +98,9 @@ ffi::Error RunOnPool(const RmsNormFp8Args& args, ffi::ThreadPool& pool) {
 }
 
 ffi::Error RmsNormFp8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
-                          std::optional<ffi::AnyBuffer> scale_operand, ffi::Result<ffi::AnyBuffer> y,
-                          ffi::Result<ffi::AnyBuffer> scales, NormAttributes attributes) {
+                          std::optional<ffi::AnyBuffer> scale_operand,
+                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
+                          NormAttributes attributes) {
   RmsNormFp8Args args;
   ffi::Error status =
       DecodeRmsNormFp8(x, nullptr, gamma, scale_operand, y, scales, nullptr, attributes, &args);
@@ -134,10 +135,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8CpuHandler, RmsNormFp8Impl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8CpuHandler, AddRmsNormFp8Impl,
                               AddRmsNormFp8Binding<ffi::ThreadPool>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RoundCpuHandler, RoundImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("fp4_layout"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    RoundCpuHandler, RoundImpl,
+    ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int64_t>("fp4_layout"));
 
 }  // namespace fp8norm

@@ -116,8 +116,9 @@ ffi::Error PrepareImpl(GpuTarget gpu) {
 }
 
 ffi::Error RmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
-                          std::optional<ffi::AnyBuffer> scale_operand, ffi::Result<ffi::AnyBuffer> y,
-                          ffi::Result<ffi::AnyBuffer> scales, NormAttributes attributes) {
+                          std::optional<ffi::AnyBuffer> scale_operand,
+                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
+                          NormAttributes attributes) {
   RmsNormFp8Args args;
   ffi::Error status =
       DecodeRmsNormFp8(x, nullptr, gamma, scale_operand, y, scales, nullptr, attributes, &args);
@@ -158,11 +159,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8CudaHandler, AddRmsNormFp8Impl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     RoundCudaHandler, RoundImpl,
-    ffi::Ffi::Bind()
-        .Ctx<GpuTarget>()
-        .Arg<ffi::AnyBuffer>()
-        .Ret<ffi::AnyBuffer>()
-        .Attr<int64_t>("fp4_layout"),
+    ffi::Ffi::Bind().Ctx<GpuTarget>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int64_t>(
+        "fp4_layout"),
     {ffi::Traits::kCmdBufferCompatible});
 
 #if defined(FP8NORM_SIMT)

@@ -178,8 +178,7 @@ __device__ __forceinline__ float GlobalScaleOf(const RmsNormFp8Args& a) {
 __device__ __forceinline__ void StoreScale(const RmsNormFp8Args& a, int64_t index, float scale,
                                            int site = __builtin_LINE()) {
   if (a.scale_type == FloatType::kE8M0 || a.scale_type == FloatType::kE4M3) {
-    const uint8_t code =
-        a.scale_type == FloatType::kE8M0 ? E8M0Code(scale) : E4M3ScaleCode(scale);
+    const uint8_t code = a.scale_type == FloatType::kE8M0 ? E8M0Code(scale) : E4M3ScaleCode(scale);
     StoreGlobal(static_cast<uint8_t*>(a.scales) + index, code, site);
     return;
   }

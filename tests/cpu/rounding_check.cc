@@ -193,15 +193,15 @@ __attribute__((target("avx2,fma,f16c"))) void CheckNvfp4(bool flush) {
     for (uint64_t base = 0; base < (uint64_t{1} << 31); base += 8 * 16) {
       for (int k = 0; k < 8; ++k) amax[k] = static_cast<uint32_t>(base + 16 * k);
       __m256 s8, m8;
-      v::Nvfp4Scales(_mm256_load_si256(reinterpret_cast<const __m256i*>(amax)),
-                     _mm256_set1_ps(gs), &s8, &m8);
+      v::Nvfp4Scales(_mm256_load_si256(reinterpret_cast<const __m256i*>(amax)), _mm256_set1_ps(gs),
+                     &s8, &m8);
       _mm256_store_ps(scale, s8);
       _mm256_store_ps(multiplier, m8);
       for (int k = 0; k < 8; ++k) {
         const Fp4Scale want = Nvfp4Scale(1.0f, amax[k], gs);
         const float want_multiplier = want.zero ? FloatOf(kF32QuietNan) : 1.0f / want.scale;
-        const bool same_scale = BitsOf(scale[k]) == BitsOf(want.scale) ||
-                                (IsNan(scale[k]) && IsNan(want.scale));
+        const bool same_scale =
+            BitsOf(scale[k]) == BitsOf(want.scale) || (IsNan(scale[k]) && IsNan(want.scale));
         const bool same_multiplier = BitsOf(multiplier[k]) == BitsOf(want_multiplier) ||
                                      (IsNan(multiplier[k]) && IsNan(want_multiplier));
         if (!same_scale) Report("NVFP4 scale", amax[k], BitsOf(scale[k]), BitsOf(want.scale));
@@ -222,8 +222,8 @@ __attribute__((target("avx2,fma,f16c"))) void CheckNvfp4(bool flush) {
       for (int k = 0; k < 8; ++k) {
         const Fp4Scale want = Mxfp4Scale(1.0f, amax[k], ub);
         const float want_multiplier = want.zero ? FloatOf(kF32QuietNan) : want.recip;
-        const bool same_scale = BitsOf(scale[k]) == BitsOf(want.scale) ||
-                                (IsNan(scale[k]) && IsNan(want.scale));
+        const bool same_scale =
+            BitsOf(scale[k]) == BitsOf(want.scale) || (IsNan(scale[k]) && IsNan(want.scale));
         const bool same_multiplier = BitsOf(multiplier[k]) == BitsOf(want_multiplier) ||
                                      (IsNan(multiplier[k]) && IsNan(want_multiplier));
         if (!same_scale) Report("MXFP4 scale", amax[k], BitsOf(scale[k]), BitsOf(want.scale));

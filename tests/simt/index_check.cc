@@ -115,8 +115,7 @@ void RunOnCpu(const RmsNormFp8Args& a, int64_t first, int64_t last) {
 }
 
 // The last failure's description, or empty.
-std::string CompareWindow(const Buffers& big, const Buffers& small, int64_t first,
-                          int64_t last) {
+std::string CompareWindow(const Buffers& big, const Buffers& small, int64_t first, int64_t last) {
   for (int64_t r = first; r < last; ++r) {
     const int64_t twin = r % kPeriod;
     const auto* y = static_cast<const unsigned char*>(big.y);
@@ -179,8 +178,8 @@ int CheckIndexing() {
     for (const auto& window : kWindows) {
       const std::string wrong = CompareWindow(big, small, window[0], window[1]);
       if (!wrong.empty()) {
-        std::printf("FAIL 64-bit indexing, %s: %s differs from its twin below 2^31\n",
-                    who.c_str(), wrong.c_str());
+        std::printf("FAIL 64-bit indexing, %s: %s differs from its twin below 2^31\n", who.c_str(),
+                    wrong.c_str());
         ++failures;
         return;
       }
@@ -227,8 +226,9 @@ int CheckIndexing() {
   }
   SetKernelVariant(KernelVariant::kAuto);
   if (failures == 0) {
-    std::printf("PASS 64-bit indexing: rows past byte and element 2^31, the CPU kernel and "
-                "every variant\n");
+    std::printf(
+        "PASS 64-bit indexing: rows past byte and element 2^31, the CPU kernel and "
+        "every variant\n");
   }
   return failures;
 }

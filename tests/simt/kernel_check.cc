@@ -5,10 +5,10 @@
 // emulation and of AddressSanitizer.
 //
 // Built plain, with AddressSanitizer + UndefinedBehaviorSanitizer, and with
-// ThreadSanitizer by tools/checks/simt_check.sh; with planted bugs by tools/mutants/simt_mutants.py.
-// Checks the emulator's own promises first (emulator_check.cc). Prints one line per
-// failure and a summary of the launch paths reached; exits non-zero on any mismatch,
-// launch error or path of the list below not reached. Checks 64-bit indexing
+// ThreadSanitizer by tools/checks/simt_check.sh; with planted bugs by
+// tools/mutants/simt_mutants.py. Checks the emulator's own promises first (emulator_check.cc).
+// Prints one line per failure and a summary of the launch paths reached; exits non-zero on any
+// mismatch, launch error or path of the list below not reached. Checks 64-bit indexing
 // (index_check.cc) in the full run.
 //
 //   kernel_check [--quick]   (--quick: fewer and shorter rows, for ThreadSanitizer)
