@@ -179,6 +179,43 @@ __attribute__((target("avx2,fma,f16c"))) void CheckSums(uint64_t seed, int seque
   }
 }
 
+// NVFP4's (parameter: the global scale) or MXFP4's (parameter: the bound) vector scales
+// against the scalar ones on every 16th abs-max bit pattern from 0 to NaN: the scale, and
+// the multiplier (fl(1 / scale) for NVFP4, the exact reciprocal for MXFP4), NaN where the
+// group's codes are all 0.
+__attribute__((target("avx2,fma,f16c"))) void CheckFp4Scales(bool nvfp4, float parameter) {
+  alignas(32) uint32_t amax[8];
+  alignas(32) float scale[8], multiplier[8];
+  const char* scale_name = nvfp4 ? "NVFP4 scale" : "MXFP4 scale";
+  const char* multiplier_name = nvfp4 ? "NVFP4 1 / scale" : "MXFP4 1 / scale";
+  for (uint64_t base = 0; base < (uint64_t{1} << 31); base += 8 * 16) {
+    for (int k = 0; k < 8; ++k) amax[k] = static_cast<uint32_t>(base + 16 * k);
+    const __m256i amax8 = _mm256_load_si256(reinterpret_cast<const __m256i*>(amax));
+    __m256 s8, m8;
+    if (nvfp4) {
+      v::Nvfp4Scales(amax8, _mm256_set1_ps(parameter), &s8, &m8);
+    } else {
+      v::Mxfp4Scales(amax8, parameter, &s8, &m8);
+    }
+    _mm256_store_ps(scale, s8);
+    _mm256_store_ps(multiplier, m8);
+    for (int k = 0; k < 8; ++k) {
+      const Fp4Scale want =
+          nvfp4 ? Nvfp4Scale(1.0f, amax[k], parameter) : Mxfp4Scale(1.0f, amax[k], parameter);
+      const float want_multiplier =
+          want.zero ? FloatOf(kF32QuietNan) : (nvfp4 ? 1.0f / want.scale : want.recip);
+      const bool same_scale =
+          BitsOf(scale[k]) == BitsOf(want.scale) || (IsNan(scale[k]) && IsNan(want.scale));
+      const bool same_multiplier = BitsOf(multiplier[k]) == BitsOf(want_multiplier) ||
+                                   (IsNan(multiplier[k]) && IsNan(want_multiplier));
+      if (!same_scale) Report(scale_name, amax[k], BitsOf(scale[k]), BitsOf(want.scale));
+      if (!same_multiplier) {
+        Report(multiplier_name, amax[k], BitsOf(multiplier[k]), BitsOf(want_multiplier));
+      }
+    }
+  }
+}
+
 // NVFP4 on the AVX2 lanes against the scalar definitions: the scales of abs-maxima
 // (every 16th bit pattern from 0 to NaN) under several global scales; the codes of the
 // quotient (n / gs) / s from n * fl(1 / gs) * fl(1 / s) where that is safe, on random
@@ -187,52 +224,9 @@ __attribute__((target("avx2,fma,f16c"))) void CheckSums(uint64_t seed, int seque
 __attribute__((target("avx2,fma,f16c"))) void CheckNvfp4(bool flush) {
   if (flush) _mm_setcsr(_mm_getcsr() | 0x8040);
   const float global_scales[] = {1.0f, 0.003f, 7.5f, 0x1p-100f, 3e37f};
-  alignas(32) uint32_t amax[8];
-  alignas(32) float scale[8], multiplier[8];
-  for (const float gs : global_scales) {
-    for (uint64_t base = 0; base < (uint64_t{1} << 31); base += 8 * 16) {
-      for (int k = 0; k < 8; ++k) amax[k] = static_cast<uint32_t>(base + 16 * k);
-      __m256 s8, m8;
-      v::Nvfp4Scales(_mm256_load_si256(reinterpret_cast<const __m256i*>(amax)), _mm256_set1_ps(gs),
-                     &s8, &m8);
-      _mm256_store_ps(scale, s8);
-      _mm256_store_ps(multiplier, m8);
-      for (int k = 0; k < 8; ++k) {
-        const Fp4Scale want = Nvfp4Scale(1.0f, amax[k], gs);
-        const float want_multiplier = want.zero ? FloatOf(kF32QuietNan) : 1.0f / want.scale;
-        const bool same_scale =
-            BitsOf(scale[k]) == BitsOf(want.scale) || (IsNan(scale[k]) && IsNan(want.scale));
-        const bool same_multiplier = BitsOf(multiplier[k]) == BitsOf(want_multiplier) ||
-                                     (IsNan(multiplier[k]) && IsNan(want_multiplier));
-        if (!same_scale) Report("NVFP4 scale", amax[k], BitsOf(scale[k]), BitsOf(want.scale));
-        if (!same_multiplier) {
-          Report("NVFP4 1 / scale", amax[k], BitsOf(multiplier[k]), BitsOf(want_multiplier));
-        }
-      }
-    }
-  }
+  for (const float gs : global_scales) CheckFp4Scales(true, gs);
   // MXFP4's scales on the lanes, under bounds that cut in and one that does not.
-  for (const float ub : {INFINITY, 2.0f, 0x1p-120f}) {
-    for (uint64_t base = 0; base < (uint64_t{1} << 31); base += 8 * 16) {
-      for (int k = 0; k < 8; ++k) amax[k] = static_cast<uint32_t>(base + 16 * k);
-      __m256 s8, m8;
-      v::Mxfp4Scales(_mm256_load_si256(reinterpret_cast<const __m256i*>(amax)), ub, &s8, &m8);
-      _mm256_store_ps(scale, s8);
-      _mm256_store_ps(multiplier, m8);
-      for (int k = 0; k < 8; ++k) {
-        const Fp4Scale want = Mxfp4Scale(1.0f, amax[k], ub);
-        const float want_multiplier = want.zero ? FloatOf(kF32QuietNan) : want.recip;
-        const bool same_scale =
-            BitsOf(scale[k]) == BitsOf(want.scale) || (IsNan(scale[k]) && IsNan(want.scale));
-        const bool same_multiplier = BitsOf(multiplier[k]) == BitsOf(want_multiplier) ||
-                                     (IsNan(multiplier[k]) && IsNan(want_multiplier));
-        if (!same_scale) Report("MXFP4 scale", amax[k], BitsOf(scale[k]), BitsOf(want.scale));
-        if (!same_multiplier) {
-          Report("MXFP4 1 / scale", amax[k], BitsOf(multiplier[k]), BitsOf(want_multiplier));
-        }
-      }
-    }
-  }
+  for (const float ub : {INFINITY, 2.0f, 0x1p-120f}) CheckFp4Scales(false, ub);
   uint64_t state = flush ? 7 : 3;
   const auto next = [&state] {  // splitmix64
     uint64_t z = (state += 0x9e3779b97f4a7c15ull);

@@ -71,6 +71,22 @@ struct Case {
   float global_scale = 1.0f;  // NVFP4's (e4m3 scales)
 };
 
+// A case with scales per group, the k-th of its list: the fields the FP8 and FP4 group
+// lists vary alike (residual, gamma dtype, misalignment, device limits, edge rows).
+Case GroupedCase(int64_t hidden, int64_t group, FloatType input, int k, bool quick) {
+  Case c{};
+  c.rows = quick ? 3 : 6;
+  c.hidden = hidden;
+  c.input = input;
+  c.residual = k % 3 == 1 ? 1 : 0;
+  c.gamma = k % 2 ? FloatType::kBF16 : FloatType::kF32;
+  c.misalign = k % 6 == 5 ? FloatTypeBytes(input) : 0;
+  c.limits = k % 4;
+  c.specials = k % 3 == 2;
+  c.group_size = group;
+  return c;
+}
+
 struct Rng {
   uint64_t s;
   uint64_t Next() {
@@ -425,22 +441,13 @@ int Main(bool quick) {
     for (const int64_t group : {int64_t{1}, int64_t{3}, int64_t{32}, int64_t{64}, int64_t{128}}) {
       if (hidden % group != 0) continue;
       for (const FloatType input : inputs) {
-        Case c{};
-        c.rows = quick ? 3 : 6;
-        c.hidden = hidden;
-        c.input = input;
-        c.residual = g % 3 == 1 ? 1 : 0;
-        c.gamma = g % 2 ? FloatType::kBF16 : FloatType::kF32;
+        Case c = GroupedCase(hidden, group, input, g, quick);
         const FloatType group_scales[] = {FloatType::kF32, FloatType::kE8M0, FloatType::kBF16,
                                           FloatType::kF32};
         c.scale = group_scales[g % 4];
         c.power_of_two = g % 4 != 0;
         c.out = g % 5 == 4 ? OutFormat::kE4M3FNUZ : OutFormat::kE4M3FN;
-        c.misalign = g % 6 == 5 ? FloatTypeBytes(input) : 0;
-        c.limits = g % 4;
-        c.specials = g % 3 == 2;
         c.scale_ub = g % 7 == 3 ? 0.01f : INFINITY;
-        c.group_size = group;
         cases.push_back(c);
         ++g;
       }
@@ -468,21 +475,12 @@ int Main(bool quick) {
     for (const int64_t group : {int64_t{2}, int64_t{6}, int64_t{16}, int64_t{32}, int64_t{64}}) {
       if (hidden % group != 0) continue;
       for (const FloatType input : inputs) {
-        Case c{};
-        c.rows = quick ? 3 : 6;
-        c.hidden = hidden;
-        c.input = input;
-        c.residual = f % 3 == 1 ? 1 : 0;
-        c.gamma = f % 2 ? FloatType::kBF16 : FloatType::kF32;
+        Case c = GroupedCase(hidden, group, input, f, quick);
         c.out = OutFormat::kE2M1;
         c.scale = f % 2 ? FloatType::kE8M0 : FloatType::kE4M3;
         c.power_of_two = c.scale == FloatType::kE8M0;
         c.global_scale = global_scales[(f / 2) % 5];
-        c.misalign = f % 6 == 5 ? FloatTypeBytes(input) : 0;
-        c.limits = f % 4;
-        c.specials = f % 3 == 2;
         c.scale_ub = c.power_of_two && f % 4 == 3 ? 0.5f : INFINITY;
-        c.group_size = group;
         c.packed = f % 5 != 4;
         cases.push_back(c);
         ++f;
