@@ -46,12 +46,6 @@ class NormParams:
     def nvfp4(self) -> bool:
         return self.fp4 and self.scale_dtype == E4M3
 
-    @property
-    def has_scale_operand(self) -> bool:
-        """Whether a float32 (1,) operand follows gamma: the calibrated scale, or
-        NVFP4's global scale."""
-        return self.has_static_scale or self.has_global_scale
-
     def groups(self, n: int) -> int:
         """Scales per row of ``n`` elements."""
         return 1 if self.group_size is None else n // self.group_size
@@ -139,14 +133,6 @@ class NormCall:
 
     params: NormParams
     scale_operand: jax.Array | None = None
-
-    @property
-    def static_scale(self) -> jax.Array | None:
-        return self.scale_operand if self.params.has_static_scale else None
-
-    @property
-    def global_scale(self) -> jax.Array | None:
-        return self.scale_operand if self.params.has_global_scale else None
 
     def operands(self, *arrays: jax.Array) -> tuple[jax.Array, ...]:
         extra = () if self.scale_operand is None else (self.scale_operand,)
