@@ -1,8 +1,8 @@
 # The CUDA path's sources by role, for the GPU build (CMakeLists.txt) and for the SIMT
 # emulation's builds (CMakeLists.txt's _fp8norm_simt, tests/simt): the kernel families,
 # which nvcc compiles, and the host code of their launch.
-set(FP8NORM_CUDA_KERNEL_FILES block_shared.cu register_rows.cu round.cu)
-set(FP8NORM_CUDA_LAUNCH_FILES device_setup.cc)
+set(FP8NORM_CUDA_KERNEL_FILES block_shared.cu register_rows.cu round.cu allreduce.cu)
+set(FP8NORM_CUDA_LAUNCH_FILES device_setup.cc peer_workspaces.cc)
 
 # The emulation's sources for the CUDA files in `cuda_dir`: the launch's .cc files as they
 # are, and for each .cu file a generated translation unit that includes it, so that the

@@ -42,8 +42,11 @@ def check_version(module) -> None:
 # same on every platform for the native kernels, "fp8norm_simt_<op>" for the emulated
 # CUDA kernels on the CPU backend.
 OPS = ("rms_norm_fp8", "add_rms_norm_fp8", "round")
-TARGETS = {op: f"fp8norm_{op}" for op in OPS}
-EMULATED_TARGETS = {op: f"fp8norm_simt_{op}" for op in OPS}
+# The one-kernel all-reduce: the CUDA modules (real and emulated) only, as the CPU
+# backend's all-reduce is XLA's own.
+PEER_OPS = ("allreduce_rms_norm_fp8",)
+TARGETS = {op: f"fp8norm_{op}" for op in OPS + PEER_OPS}
+EMULATED_TARGETS = {op: f"fp8norm_simt_{op}" for op in OPS + PEER_OPS}
 
 
 # How each platform's XLA holds a float4_e2m1fn buffer, as the handlers' fp4_layout
@@ -67,12 +70,12 @@ def fp4_layout(platform: str) -> int:
         ) from None
 
 
-def _register(module, targets: dict[str, str], platform: str) -> None:
+def _register(module, targets: dict[str, str], platform: str, ops: tuple = OPS) -> None:
     check_version(module)
     registrations = module.registrations()
-    if set(registrations) != set(OPS):
+    if set(registrations) != set(ops):
         raise ImportError(
-            f"{module.__file__} registers the ops {sorted(registrations)}, expected {list(OPS)}: "
+            f"{module.__file__} registers the ops {sorted(registrations)}, expected {list(ops)}: "
             "reinstall with `python -m pip install .`"
         )
     for op, handler in registrations.items():
@@ -92,7 +95,7 @@ except ImportError as _error:
         "`FP8NORM_CUDA=ON python -m pip install .`, or run on the CPU backend."
     )
 else:
-    _register(_fp8norm_cuda, TARGETS, "CUDA")
+    _register(_fp8norm_cuda, TARGETS, "CUDA", OPS + PEER_OPS)
     CUDA_UNAVAILABLE_REASON = ""
 
 # The CUDA kernels and handlers compiled for the host against the SIMT emulation
@@ -103,7 +106,7 @@ except ImportError as _error:
     simt_module = None
     SIMT_ERROR = str(_error)
 else:
-    _register(simt_module, EMULATED_TARGETS, "cpu")
+    _register(simt_module, EMULATED_TARGETS, "cpu", OPS + PEER_OPS)
     SIMT_ERROR = ""
 
 EMULATE_CUDA_ENV = "FP8NORM_EMULATE_CUDA"

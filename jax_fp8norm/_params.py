@@ -124,6 +124,7 @@ class AllReduceKeywords(NormKeywords, total=False):
     aside)."""
 
     reduce_dtype: DTypeLike | None
+    method: str
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,7 @@ shape rule), lowering to the XLA FFI custom calls per platform, partitioning und
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_fp8norm import _ffi
+from jax_fp8norm import _allreduce, _ffi
 
 # The FFI target names of the native kernels, the same on every platform.
 TARGETS = tuple(_ffi.TARGETS.values())
@@ -125,11 +126,20 @@ def _output_types(avals, scale_operand: bool, scale_name: str) -> dict:
     return types
 
 
-def _norm_abstract_eval(*avals, **params):
+def _norm_abstract_eval(*avals, reduced_axes: tuple = (), **params):
+    """The outputs' types; ``reduced_axes``: the manual axes the op all-reduces over, which
+    its outputs no longer vary over."""
     x = avals[0]
     scale_operand = _has_scale_operand(params)
     scale_name = "global_scale" if params["has_global_scale"] else "static_scale"
     types = _output_types(avals, scale_operand, scale_name)
+    if reduced_axes and "manual_axis_type" in types:
+        manual = types["manual_axis_type"]
+        types["manual_axis_type"] = type(manual)(
+            varying=frozenset(manual.varying) - frozenset(reduced_axes),
+            unreduced=frozenset(),
+            reduced=frozenset(),
+        )
     n = x.shape[-1]
     groups = 1 if params["group_size"] is None else n // params["group_size"]
     outs = [
@@ -319,6 +329,93 @@ def _make_norm_primitive(op: str) -> Primitive:
 
 rms_norm_fp8_p = _make_norm_primitive("rms_norm_fp8")
 add_rms_norm_fp8_p = _make_norm_primitive("add_rms_norm_fp8")
+
+# The one-kernel all-reduce (jax_fp8norm._allreduce): x is this device's partial, inside
+# shard_map over the manual axis `axis_name`. Its lowering decides where the method runs:
+# auto's choice, "xla" (lowered as XLA's all-reduce and the add kernel) or a ValueError for
+# an explicit method that cannot run on the platform.
+allreduce_rms_norm_fp8_p = Primitive("fp8norm_allreduce_rms_norm_fp8")
+allreduce_rms_norm_fp8_p.multiple_results = True
+
+_NORM_PARAMS_ONLY = ("axis_name", "method", "reduce_dtype")
+_call_sites = itertools.count(1)
+
+
+def _allreduce_abstract_eval(*avals, axis_name, method, reduce_dtype, **params):
+    return _norm_abstract_eval(*avals, reduced_axes=(axis_name,), **params)
+
+
+def _axis_groups(ctx, axis_name: str) -> np.ndarray:
+    """[groups, n]: the ids of the devices of each group along ``axis_name``, in their order
+    on the axis, from the mesh of the enclosing shard_map."""
+    mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+    devices = getattr(mesh, "devices", None)
+    if devices is None or axis_name not in getattr(mesh, "axis_names", ()):
+        raise ValueError(
+            "the one-kernel all-reduce must be called inside jax.shard_map over a mesh of "
+            f"concrete devices with the axis {axis_name!r}"
+        )
+    ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(np.asarray(devices))
+    axis = list(mesh.axis_names).index(axis_name)
+    return np.moveaxis(ids, axis, -1).reshape(-1, ids.shape[axis])
+
+
+def _allreduce_lowering(platform: str):
+    def lowering(ctx, *args, axis_name, method, reduce_dtype, **params):
+        x = ctx.avals_in[0]
+        groups = _axis_groups(ctx, axis_name)
+        chosen = _allreduce.select(
+            method,
+            platform=platform,
+            emulating=_ffi.emulating(),
+            cuda_built=_ffi.built_with_cuda(),
+            processes=jax.process_count(),
+            num_devices=groups.shape[1],
+            payload_bytes=int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize,
+        )
+        if chosen == "xla":
+            return mlir.lower_fun(
+                functools.partial(_xla_allreduce, axis_name, reduce_dtype, params),
+                multiple_results=True,
+            )(ctx, *args)
+        target = _ffi.EMULATED_TARGETS if platform == "cpu" else _ffi.TARGETS
+        rule = jax.ffi.ffi_lowering(target["allreduce_rms_norm_fp8"])
+        return rule(
+            ctx,
+            *args,
+            eps=np.float32(params["eps"]),
+            weight_offset=np.float32(params["weight_offset"]),
+            scale_ub=np.float32(params["scale_ub"]),
+            group_size=np.int64(params["group_size"] or 0),
+            power_of_two_scales=bool(params["power_of_two_scales"]),
+            fp4_layout=np.int64(_ffi.fp4_layout(platform)),
+            call_site=np.int64(next(_call_sites)),
+            devices=np.ascontiguousarray(groups.reshape(-1)),
+            group_devices=np.int64(groups.shape[1]),
+            method=np.int64(_allreduce.METHOD_CODES[chosen]),
+            rows=np.int64(int(np.prod(x.shape[:-1]))),
+            hidden=np.int64(x.shape[-1]),
+        )
+
+    return lowering
+
+
+def _xla_allreduce(axis_name, reduce_dtype, params, x, *rest):
+    """method="xla": XLA's all-reduce of x, then the add + norm kernel."""
+    reduce = jnp.float32 if reduce_dtype is not None else x.dtype
+    h = jax.lax.psum(x.astype(reduce), axis_name)
+    return add_rms_norm_fp8_p.bind(h, *rest, **params)
+
+
+allreduce_rms_norm_fp8_p.def_abstract_eval(_allreduce_abstract_eval)
+mlir.register_lowering(allreduce_rms_norm_fp8_p, _allreduce_lowering("cpu"), platform="cpu")
+if _ffi.built_with_cuda():
+    mlir.register_lowering(allreduce_rms_norm_fp8_p, _allreduce_lowering("cuda"), platform="cuda")
+else:
+    mlir.register_lowering(
+        allreduce_rms_norm_fp8_p, _unavailable_cuda_lowering, platform="cuda"
+    )
+ad.primitive_jvps[allreduce_rms_norm_fp8_p] = _no_gradient("allreduce_residual_rms_norm_fp8")
 
 # Element-wise float32 -> float16 / bfloat16 / FP8 rounding with the kernels' own code;
 # used by tests to check every rounding boundary on each platform.

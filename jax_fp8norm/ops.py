@@ -15,10 +15,22 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_fp8norm._checks import check_global_scale, check_static_scale, validate
+from jax_fp8norm._allreduce import ONE_KERNEL_METHODS, check_method
+from jax_fp8norm._checks import (
+    check_axis_name,
+    check_global_scale,
+    check_reduce_dtype,
+    check_static_scale,
+    validate,
+)
 from jax_fp8norm._dtypes import FLOAT_DTYPES, OUT_DTYPES
 from jax_fp8norm._params import AllReduceKeywords, NormKeywords
-from jax_fp8norm._primitives import add_rms_norm_fp8_p, rms_norm_fp8_p, round_p
+from jax_fp8norm._primitives import (
+    add_rms_norm_fp8_p,
+    allreduce_rms_norm_fp8_p,
+    rms_norm_fp8_p,
+    round_p,
+)
 from jax_fp8norm._signatures import norm_keywords
 from jax_fp8norm.reference import all_reduce
 
@@ -80,14 +92,19 @@ def allreduce_residual_rms_norm_fp8(
     *,
     axis_name,
     reduce_dtype=None,
+    method: str = "auto",
     **keywords: Unpack[NormKeywords],
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Tensor-parallel all-reduce of partial sums, then :func:`add_rms_norm_fp8`, fused.
 
-    Call inside ``jax.shard_map`` (or wherever ``axis_name`` is bound). ``h`` is the sum of
-    ``x`` over the axis, an XLA all-reduce (NCCL on GPUs); then one kernel adds the
-    residual, normalises and quantises, reading ``h`` once and writing ``residual_out``
-    in the same pass. The outputs are identical on every device of the axis.
+    Call inside ``jax.shard_map`` (or wherever ``axis_name`` is bound). With
+    ``method="xla"``, ``h`` is the sum of ``x`` over the axis, an XLA all-reduce (NCCL on
+    GPUs); then one kernel adds the residual, normalises and quantises, reading ``h`` once
+    and writing ``residual_out`` in the same pass. ``"one_shot"`` and ``"two_shot"`` do all
+    of it in one kernel per device that reads its peers' partials directly, summing them
+    in float32 in the order of the axis (docs/spec.md, "One-kernel all-reduce"); ``"auto"``
+    picks among the three (``"xla"`` wherever the one-kernel path cannot run). The outputs
+    are identical on every device of the axis.
 
     Args:
       x: ``[..., N]`` this device's partial sum (e.g. a row-parallel matmul's output),
@@ -97,7 +114,11 @@ def allreduce_residual_rms_norm_fp8(
       axis_name: the mesh axis (or a tuple of axes) to reduce over.
       reduce_dtype: None to all-reduce in ``x.dtype`` (the bytes a tensor-parallel layer
         already moves), or ``jnp.float32`` to all-reduce, and add the residual, in
-        float32.
+        float32. The one-kernel methods always sum in float32.
+      method: ``"auto"``, ``"xla"``, ``"one_shot"`` or ``"two_shot"``; an explicit
+        one-kernel method that cannot run here (the CPU backend outside the SIMT
+        emulation, several processes, more than 8 devices, a tuple of axes) is a
+        ValueError that says why.
       {keywords}
 
     Returns:
@@ -105,11 +126,30 @@ def allreduce_residual_rms_norm_fp8(
       has the residual's dtype.
     """
     call = validate(x, gamma, residual, **keywords)
-    h = all_reduce(x, axis_name, reduce_dtype)
-    y, scales, residual_out = add_rms_norm_fp8_p.bind(
-        *call.operands(h, residual, gamma), **call.params.as_dict()
+    method = check_method(method)
+    axes = check_axis_name(axis_name)
+    if method != "xla" and len(axes) != 1:
+        if method in ONE_KERNEL_METHODS:
+            raise ValueError(
+                f"method={method!r} cannot run here: it reduces over one mesh axis, and "
+                f"axis_name is {axis_name!r}"
+            )
+        method = "xla"
+    if method == "xla":
+        h = all_reduce(x, axis_name, reduce_dtype)
+        return tuple(
+            add_rms_norm_fp8_p.bind(*call.operands(h, residual, gamma), **call.params.as_dict())
+        )
+    reduce = check_reduce_dtype(reduce_dtype, x.dtype)
+    return tuple(
+        allreduce_rms_norm_fp8_p.bind(
+            *call.operands(x, residual, gamma),
+            axis_name=axes[0],
+            method=method,
+            reduce_dtype=None if reduce == jnp.dtype(x.dtype) else reduce,
+            **call.params.as_dict(),
+        )
     )
-    return y, scales, residual_out
 
 
 def sharded_allreduce_residual_rms_norm_fp8(

@@ -22,6 +22,7 @@ __all__ = [
     "DEFAULT_EPS",
     "add_rms_norm_fp8",
     "all_reduce",
+    "fixed_order_sum",
     "allreduce_residual_rms_norm_fp8",
     "dequantize",
     "quantize_rows",
@@ -415,16 +416,40 @@ def allreduce_residual_rms_norm_fp8(
     *,
     axis_name,
     reduce_dtype=None,
+    method: str = "xla",
     **keywords: Unpack[NormKeywords],
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Reference of :func:`jax_fp8norm.allreduce_residual_rms_norm_fp8`; same arguments.
+    ``method`` is the method the op ran (its ``"auto"`` depends on the platform, so the
+    reference takes only the explicit ones): ``"xla"`` is ``jax.lax.psum``; ``"one_shot"``
+    and ``"two_shot"`` state the one-kernel order, an all-gather of the partials and a
+    left fold in float32, ``((x_0 + x_1) + ...) + x_{n-1}``, before the residual.
 
     Keywords:
       {keywords}
     """
     call = validate(x, gamma, residual, **keywords)
-    h = all_reduce(jnp.asarray(x), axis_name, reduce_dtype)
+    if method not in ("xla", "one_shot", "two_shot"):
+        raise ValueError(
+            f"method must be 'xla', 'one_shot' or 'two_shot' (the method the op ran), got "
+            f"{method!r}"
+        )
+    if method == "xla":
+        h = all_reduce(jnp.asarray(x), axis_name, reduce_dtype)
+    else:
+        h = fixed_order_sum(jnp.asarray(x), axis_name)
     return _add_quantize(h, jnp.asarray(residual), jnp.asarray(gamma), call)
+
+
+def fixed_order_sum(x: jax.Array, axis_name) -> jax.Array:
+    """The one-kernel methods' sum over the bound axis: every device's partial gathered,
+    then added in float32 in the order of the axis, the same on every device."""
+    (name,) = check_axis_name(axis_name)
+    partials = jax.lax.all_gather(x, name).astype(jnp.float32)
+    h = partials[0]
+    for k in range(1, partials.shape[0]):
+        h = h + partials[k]
+    return h
 
 
 def dequantize(

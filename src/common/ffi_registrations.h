@@ -29,20 +29,31 @@ inline nanobind::capsule FfiCapsule(FfiHandler* handler) {
   return nanobind::capsule(reinterpret_cast<void*>(handler));
 }
 
+// The one-kernel all-reduce, which only the CUDA modules (real and emulated) have: its
+// execute stage and its own set-up stage (in the stage FirstStage names).
+struct PeerOpHandlers {
+  FfiHandler* allreduce_rms_norm_fp8 = nullptr;
+  FfiHandler* set_up = nullptr;
+};
+
 // {op name: the capsule, or {first stage: capsule, "execute": capsule}} as
 // jax.ffi.register_ffi_target takes it.
-inline nanobind::dict Registrations(const OpHandlers& ops, FirstStage first = {}) {
-  const auto entry = [&](FfiHandler* execute) -> nanobind::object {
-    if (first.handler == nullptr) return FfiCapsule(execute);
+inline nanobind::dict Registrations(const OpHandlers& ops, FirstStage first = {},
+                                    PeerOpHandlers peer_ops = {}) {
+  const auto entry = [&](FfiHandler* first_stage, FfiHandler* execute) -> nanobind::object {
+    if (first_stage == nullptr) return FfiCapsule(execute);
     nanobind::dict stages;
-    stages[first.name] = FfiCapsule(first.handler);
+    stages[first.name] = FfiCapsule(first_stage);
     stages["execute"] = FfiCapsule(execute);
     return stages;
   };
   nanobind::dict targets;
-  targets["rms_norm_fp8"] = entry(ops.rms_norm_fp8);
-  targets["add_rms_norm_fp8"] = entry(ops.add_rms_norm_fp8);
-  targets["round"] = entry(ops.round);
+  targets["rms_norm_fp8"] = entry(first.handler, ops.rms_norm_fp8);
+  targets["add_rms_norm_fp8"] = entry(first.handler, ops.add_rms_norm_fp8);
+  targets["round"] = entry(first.handler, ops.round);
+  if (peer_ops.allreduce_rms_norm_fp8 != nullptr) {
+    targets["allreduce_rms_norm_fp8"] = entry(peer_ops.set_up, peer_ops.allreduce_rms_norm_fp8);
+  }
   return targets;
 }
 

@@ -16,6 +16,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(RoundCpuHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RmsNormFp8CudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AddRmsNormFp8CudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RoundCudaHandler);
+// The one-kernel all-reduce (no CPU kernel: the CPU backend's all-reduce is XLA's) and its
+// set-up, which runs in the same stage as kPrepareStage.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AllReduceNormCudaHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(SetUpAllReduceCudaHandler);
 // The stage before execution of every CUDA target (kPrepareStage): the device's one-time
 // preparation. XLA's GPU backend runs the initialize stage with the call's device and
 // stream, before it records any command buffer; its CPU backend, where the emulated

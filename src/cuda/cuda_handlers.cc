@@ -16,11 +16,14 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "cuda_driver_check.h"
 #include "cuda_kernels.h"
 #include "ffi_decode.h"
 #include "handlers.h"
+#include "peer_allreduce.h"
+#include "peer_workspaces.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace fp8norm {
@@ -46,6 +49,35 @@ struct xla::ffi::CtxDecoding<fp8norm::GpuTarget> {
     const auto stream = CtxDecoding<PlatformStream<cudaStream_t> >::Decode(api, ctx, diagnostic);
     const auto device = CtxDecoding<DeviceOrdinal>::Decode(api, ctx, diagnostic);
     if (!stream.has_value() || !device.has_value()) return std::nullopt;
+    return Type{*stream, *device};
+#endif
+  }
+};
+
+namespace fp8norm {
+
+// The one-kernel all-reduce's device, which is this device's position in its group: XLA's
+// DeviceOrdinal in the emulation too, where each of XLA's virtual CPU devices stands for
+// one GPU.
+struct PeerTarget {
+  cudaStream_t stream;
+  int32_t device;
+};
+
+}  // namespace fp8norm
+
+template <>
+struct xla::ffi::CtxDecoding<fp8norm::PeerTarget> {
+  using Type = fp8norm::PeerTarget;
+  static std::optional<Type> Decode(const XLA_FFI_Api* api, XLA_FFI_ExecutionContext* ctx,
+                                    DiagnosticEngine& diagnostic) {
+    const auto device = CtxDecoding<DeviceOrdinal>::Decode(api, ctx, diagnostic);
+    if (!device.has_value()) return std::nullopt;
+#if defined(FP8NORM_SIMT)
+    return Type{nullptr, *device};
+#else
+    const auto stream = CtxDecoding<PlatformStream<cudaStream_t> >::Decode(api, ctx, diagnostic);
+    if (!stream.has_value()) return std::nullopt;
     return Type{*stream, *device};
 #endif
   }
@@ -148,6 +180,136 @@ ffi::Error RoundImpl(GpuTarget gpu, ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffe
                      [&](int) { return LaunchRound(gpu.stream, args); });
 }
 
+// The one-kernel all-reduce's attributes beyond the norm's (jax_fp8norm/_primitives.py):
+// the call site, every group's devices (group after group), the group size, the method,
+// and the rows and hidden size the workspaces are laid out for.
+struct AllReduceCall {
+  int64_t call_site;
+  std::vector<int64_t> devices;
+  int group_size;
+  AllReduceMethod method;
+  int64_t rows;
+  int64_t hidden;
+  PeerWorkspaceLayout layout;
+};
+
+ffi::Error DecodeAllReduceCall(const ffi::Dictionary& attrs, AllReduceCall* call) {
+  const auto call_site = attrs.get<int64_t>("call_site");
+  const auto devices = attrs.get<ffi::Span<const int64_t> >("devices");
+  const auto group_size = attrs.get<int64_t>("group_devices");
+  const auto method = attrs.get<int64_t>("method");
+  const auto rows = attrs.get<int64_t>("rows");
+  const auto hidden = attrs.get<int64_t>("hidden");
+  if (call_site.has_error() || devices.has_error() || group_size.has_error() ||
+      method.has_error() || rows.has_error() || hidden.has_error()) {
+    return ffi::Error::InvalidArgument(
+        "jax_fp8norm: the all-reduce call lacks one of its attributes (call_site, devices, "
+        "group_devices, method, rows, hidden)");
+  }
+  if (*group_size < 1 || *group_size > kMaxPeers || devices->size() == 0 ||
+      devices->size() % *group_size != 0) {
+    return ffi::Error::InvalidArgument(
+        "jax_fp8norm: the all-reduce's groups must have 1 to 8 devices each");
+  }
+  if (*method != static_cast<int64_t>(AllReduceMethod::kOneShot) &&
+      *method != static_cast<int64_t>(AllReduceMethod::kTwoShot)) {
+    return ffi::Error::InvalidArgument("jax_fp8norm: unknown all-reduce method " +
+                                       std::to_string(*method));
+  }
+  if (*rows < 0 || *hidden < 1) {
+    return ffi::Error::InvalidArgument("jax_fp8norm: the all-reduce's rows and hidden size");
+  }
+  call->call_site = *call_site;
+  call->devices.assign(devices->begin(), devices->end());
+  call->group_size = static_cast<int>(*group_size);
+  call->method = static_cast<AllReduceMethod>(*method);
+  call->rows = *rows;
+  call->hidden = *hidden;
+  call->layout = LayOutPeerWorkspace(call->rows, call->hidden, call->method);
+  return ffi::Error::Success();
+}
+
+NormAttributes DecodedNormAttributes(const ffi::Dictionary& attrs, ffi::Error* status) {
+  NormAttributes n{};
+  const auto eps = attrs.get<float>("eps");
+  const auto weight_offset = attrs.get<float>("weight_offset");
+  const auto scale_ub = attrs.get<float>("scale_ub");
+  const auto group_size = attrs.get<int64_t>("group_size");
+  const auto power_of_two = attrs.get<bool>("power_of_two_scales");
+  const auto fp4_layout = attrs.get<int64_t>("fp4_layout");
+  if (eps.has_error() || weight_offset.has_error() || scale_ub.has_error() ||
+      group_size.has_error() || power_of_two.has_error() || fp4_layout.has_error()) {
+    *status = ffi::Error::InvalidArgument("jax_fp8norm: the all-reduce call lacks a norm attribute");
+    return n;
+  }
+  n = NormAttributes{*eps, *weight_offset, *scale_ub, *group_size, *power_of_two, *fp4_layout};
+  return n;
+}
+
+// Set-up stage of the one-kernel all-reduce: every device's workspace of the call site.
+// On a GPU, XLA's initialize stage (before any command buffer is recorded); in the
+// emulation the instantiate stage, as for PrepareCudaHandler.
+ffi::Error SetUpAllReduceImpl(ffi::Dictionary attrs) {
+  AllReduceCall call;
+  ffi::Error status = DecodeAllReduceCall(attrs, &call);
+  if (status.failure()) return status;
+  status = CheckCudaDriver();
+  if (status.failure()) return status;
+  std::string what;
+  const cudaError_t err =
+      SetUpPeerGroups(call.call_site, call.devices, call.group_size, call.layout, &what);
+  if (err != cudaSuccess) cudaGetLastError();
+  return CudaStatus(err, what.c_str());
+}
+
+ffi::Error AllReduceNormImpl(PeerTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer residual,
+                             ffi::AnyBuffer gamma, std::optional<ffi::AnyBuffer> scale_operand,
+                             ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
+                             ffi::Result<ffi::AnyBuffer> residual_out, ffi::Dictionary attrs) {
+  AllReduceCall call;
+  ffi::Error status = DecodeAllReduceCall(attrs, &call);
+  if (status.failure()) return status;
+  const NormAttributes norm_attributes = DecodedNormAttributes(attrs, &status);
+  if (status.failure()) return status;
+  RmsNormFp8Args norm;
+  status = DecodeRmsNormFp8(x, &residual, gamma, scale_operand, y, scales, &residual_out,
+                            norm_attributes, &norm);
+  if (status.failure()) return status;
+  if (norm.rows != call.rows || norm.hidden != call.hidden) {
+    return ffi::Error::InvalidArgument(
+        "jax_fp8norm: the all-reduce's buffers do not have the rows and hidden size its "
+        "workspace was laid out for");
+  }
+  int position = 0;
+  const PeerGroup* group = FindPeerGroup(call.call_site, call.devices, gpu.device, &position);
+  if (group == nullptr) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "jax_fp8norm: device " + std::to_string(gpu.device) +
+                          " has no all-reduce workspace for this call (its set-up stage did "
+                          "not run for it, or the device is not in the call's groups)");
+  }
+  AllReduceArgs args{};
+  args.norm = norm;
+  args.norm.x = group->workspaces[position] + group->layout.reduced;
+  args.norm.input_type = FloatType::kF32;
+  args.partial = norm.x;
+  args.partial_type = norm.input_type;
+  args.y = norm.y;
+  args.scales = norm.scales;
+  args.residual_out = norm.residual_out;
+  args.y_row_bytes = YByte(norm, norm.hidden);
+  args.scale_row_bytes = GroupsPerRow(norm) * static_cast<int64_t>(FloatTypeBytes(norm.scale_type));
+  args.residual_row_bytes = norm.hidden * static_cast<int64_t>(FloatTypeBytes(norm.residual_type));
+  for (size_t p = 0; p < group->devices.size(); ++p) args.workspaces[p] = group->workspaces[p];
+  args.layout = group->layout;
+  args.num_devices = static_cast<int32_t>(group->devices.size());
+  args.position = position;
+  args.method = call.method;
+  return RunOnDevice(gpu.device, "allreduce_residual_rms_norm_fp8 launch", [&](int) {
+    return LaunchAllReduceNorm(gpu.stream, args, group->key);
+  });
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8CudaHandler, RmsNormFp8Impl, RmsNormFp8Binding<GpuTarget>(),
@@ -163,12 +325,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         "fp4_layout"),
     {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceNormCudaHandler, AllReduceNormImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<PeerTarget>()
+                                  .Arg<ffi::AnyBuffer>()          // x: this device's partial
+                                  .Arg<ffi::AnyBuffer>()          // residual
+                                  .Arg<ffi::AnyBuffer>()          // gamma
+                                  .OptionalArg<ffi::AnyBuffer>()  // static or global scale
+                                  .Ret<ffi::AnyBuffer>()          // y
+                                  .Ret<ffi::AnyBuffer>()          // scales
+                                  .Ret<ffi::AnyBuffer>()          // residual_out
+                                  .Attrs(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
 #if defined(FP8NORM_SIMT)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PrepareCudaHandler, PrepareImpl,
                               ffi::Ffi::BindInstantiate().Ctx<GpuTarget>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SetUpAllReduceCudaHandler, SetUpAllReduceImpl,
+                              ffi::Ffi::BindInstantiate().Attrs());
 #else
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PrepareCudaHandler, PrepareImpl,
                               ffi::Ffi::BindInitialize().Ctx<GpuTarget>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SetUpAllReduceCudaHandler, SetUpAllReduceImpl,
+                              ffi::Ffi::BindInitialize().Attrs());
 #endif
 
 }  // namespace fp8norm

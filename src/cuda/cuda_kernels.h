@@ -1,10 +1,14 @@
 // Launch functions of the CUDA kernels: plain C++ over the CUDA runtime API, called by
-// the FFI handlers (host compiler) and defined in device_setup.cc and round.cu.
+// the FFI handlers (host compiler) and defined in device_setup.cc, round.cu and
+// allreduce.cu.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+
 #include "cuda_launch_plan.h"
+#include "peer_allreduce.h"
 #include "rms_norm_fp8.h"
 
 namespace fp8norm {
@@ -15,6 +19,14 @@ namespace fp8norm {
 cudaError_t LaunchRmsNormFp8(cudaStream_t stream, int device, const RmsNormFp8Args& args);
 
 cudaError_t LaunchRound(cudaStream_t stream, const RoundArgs& args);
+
+// allreduce.cu. Loads the one-kernel all-reduce's kernel on the current device (its set-up,
+// outside graph capture); enqueues one device's share of a call of it on `stream`. Every
+// device of the group must launch it for the call, with the same rows and method: its
+// blocks wait for their peers' (`peer_group` names the group to the emulation).
+cudaError_t LoadAllReduceKernel();
+cudaError_t LaunchAllReduceNorm(cudaStream_t stream, const AllReduceArgs& args,
+                                uint64_t peer_group);
 
 // The one-time work for `device`, the current device, before its first launch: loads every
 // kernel and sets the attributes launches rely on. Not stream-ordered, so not for inside

@@ -98,7 +98,7 @@ struct LaunchPlan {
   int vectors_per_thread;       // register variants: the kernel's register array size
 };
 
-inline bool AlignedTo(const void* p, size_t bytes) {
+FP8NORM_HD bool AlignedTo(const void* p, size_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
@@ -147,18 +147,23 @@ constexpr bool GroupFitsRegisters(int64_t group_size, int width) {
   return lanes <= kWarp && (lanes & (lanes - 1)) == 0;
 }
 
+// Whether the kernels may take a's rows in 16-byte vectors of x: every row start aligned,
+// with hidden a multiple of the vector width and each base pointer aligned to the width
+// of its own vector.
+inline bool RowsVectorizable(const RmsNormFp8Args& a) {
+  const int width = VectorWidth(FloatTypeBytes(a.input_type));
+  const size_t residual_vector = width * FloatTypeBytes(a.residual_type);
+  return a.hidden % width == 0 && AlignedTo(a.x, kVectorBytes) &&
+         (a.residual == nullptr || AlignedTo(a.residual, residual_vector)) &&
+         (a.residual_out == nullptr || AlignedTo(a.residual_out, residual_vector)) &&
+         AlignedTo(a.gamma, width * FloatTypeBytes(a.gamma_type)) && AlignedTo(a.y, width);
+}
+
 inline LaunchPlan PlanRmsNormFp8Launch(const RmsNormFp8Args& a, const DeviceLimits& limits,
                                        KernelVariant requested = KernelVariant::kAuto) {
   LaunchPlan plan{};
   const int width = VectorWidth(FloatTypeBytes(a.input_type));
-  // The vector path needs every row start aligned: hidden a multiple of the vector width
-  // and each base pointer aligned to the width of its own vector.
-  const size_t residual_vector = width * FloatTypeBytes(a.residual_type);
-  plan.vectorized = a.hidden % width == 0 && AlignedTo(a.x, kVectorBytes) &&
-                    (a.residual == nullptr || AlignedTo(a.residual, residual_vector)) &&
-                    (a.residual_out == nullptr || AlignedTo(a.residual_out, residual_vector)) &&
-                    AlignedTo(a.gamma, width * FloatTypeBytes(a.gamma_type)) &&
-                    AlignedTo(a.y, width);
+  plan.vectorized = RowsVectorizable(a);
   plan.vector_width = plan.vectorized ? width : 1;
   const int64_t num_loads = a.hidden / plan.vector_width;
 

@@ -2,8 +2,13 @@
 // the dynamic shared region. On the GPU each is the plain access; in the SIMT emulation
 // (src/simt, docs/simt.md) each global access is first checked against the launch's
 // buffers (one outside them fails the launch and is not performed) and counted for the
-// per-warp memory accounting, and the dynamic region is the block's emulated one.
+// per-warp memory accounting, and the dynamic region is the block's emulated one. Flags
+// between devices are acquire loads and release stores at system scope; in the emulation
+// a thread's wait for one is a point where other threads and other devices run.
 #pragma once
+
+#include <cstddef>
+#include <cstdint>
 
 #if defined(__CUDACC__)
 
@@ -40,11 +45,37 @@ __device__ __forceinline__ T& StaticShared() {
 template <typename Kernel>
 inline void DeclareKernel(Kernel, const char*, size_t, int) {}
 
+// Flags between devices: a load that acquires and a store that releases at system scope,
+// so that what a device wrote before its store is visible to a peer after its load.
+__device__ __forceinline__ uint32_t LoadAcquireSystem(const uint32_t* flag, int /*site*/ = 0) {
+  uint32_t value;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(flag) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ void StoreReleaseSystem(uint32_t* flag, uint32_t value,
+                                                   int /*site*/ = 0) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" : : "l"(flag), "r"(value) : "memory");
+}
+
+// One turn of a thread's wait for `flag` to reach `target`: the GPU spins.
+__device__ __forceinline__ void FlagWaitPoint(const uint32_t* /*flag*/, uint32_t /*target*/) {}
+
+// The emulation's record of a launch whose devices wait for each other (its peer group,
+// this device's position in it, the group's size) and of the peers' memory it may touch;
+// nothing on the GPU.
+struct PeerLaunchRecord {
+  PeerLaunchRecord(uint64_t, int, int) {}
+  void AddMemory(const char*, const void*, size_t) {}
+};
+
 }  // namespace fp8norm
 
 #else  // the SIMT emulation
 
 #include <cuda_runtime.h>
+
+#include "simt.h"
 
 namespace fp8norm {
 
@@ -77,6 +108,29 @@ template <typename Kernel>
 inline void DeclareKernel(Kernel kernel, const char* name, size_t static_bytes, int max_threads) {
   simt::DeclareKernel(reinterpret_cast<const void*>(kernel), name, static_bytes, max_threads);
 }
+
+inline uint32_t LoadAcquireSystem(const uint32_t* flag, int site = __builtin_LINE()) {
+  return simt::LoadAcquire(flag, site);
+}
+
+inline void StoreReleaseSystem(uint32_t* flag, uint32_t value, int site = __builtin_LINE()) {
+  simt::StoreRelease(flag, value, site);
+}
+
+// The thread waits until a peer stores to the flag: the scheduler runs the block's other
+// threads meanwhile, and other devices, and reports a wait no device can ever meet.
+inline void FlagWaitPoint(const uint32_t* flag, uint32_t target) { simt::AwaitFlag(flag, target); }
+
+// The launch's peer group (simt::ScopedPeerLaunch) and the peers' memory, registered as
+// buffers the launch may touch (simt::ScopedBuffers, nested in the handler's).
+struct PeerLaunchRecord {
+  PeerLaunchRecord(uint64_t group, int position, int size) : launch(group, position, size) {}
+  void AddMemory(const char* name, const void* base, size_t bytes) {
+    buffers.Add(name, base, bytes);
+  }
+  simt::ScopedPeerLaunch launch;
+  simt::ScopedBuffers buffers;
+};
 
 }  // namespace fp8norm
 

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <utility>
 
+#include "peer_signals.h"
 #include "sanitizers.h"
 #include "scheduler.h"
 
@@ -31,7 +32,16 @@ void MemoryAccounting::AddBuffer(const char* name, const void* base, size_t byte
   buffers_.push_back({name, reinterpret_cast<uintptr_t>(base), bytes});
 }
 
-void MemoryAccounting::ForgetBuffers() { buffers_.clear(); }
+void MemoryAccounting::ForgetBuffersAfter(size_t count) {
+  if (buffers_.size() > count) buffers_.resize(count);
+}
+
+std::string MemoryAccounting::Describe(const void* address) const {
+  const int found = FindBuffer(reinterpret_cast<uintptr_t>(address), 1);
+  if (found < 0) return "an unregistered address";
+  return "byte " + std::to_string(reinterpret_cast<uintptr_t>(address) - buffers_[found].base) +
+         " of " + buffers_[found].name;
+}
 
 int MemoryAccounting::FindBuffer(uintptr_t at, size_t bytes) const {
   for (size_t i = buffers_.size(); i-- > 0;) {
@@ -171,7 +181,23 @@ bool RecordGlobalAccess(const void* address, size_t bytes, size_t alignment, boo
                                                            write, site);
 }
 
-ScopedBuffers::~ScopedBuffers() { internal::MemoryAccounting::OfThisThread().ForgetBuffers(); }
+uint32_t LoadAcquire(const uint32_t* flag, int site) {
+  if (!RecordGlobalAccess(flag, sizeof(uint32_t), alignof(uint32_t), false, site)) return 0;
+  return __atomic_load_n(flag, __ATOMIC_ACQUIRE);
+}
+
+void StoreRelease(uint32_t* flag, uint32_t value, int site) {
+  if (!RecordGlobalAccess(flag, sizeof(uint32_t), alignof(uint32_t), true, site)) return;
+  __atomic_store_n(flag, value, __ATOMIC_RELEASE);
+  internal::FlagStored();
+}
+
+ScopedBuffers::ScopedBuffers()
+    : outer_count_(internal::MemoryAccounting::OfThisThread().BufferCount()) {}
+
+ScopedBuffers::~ScopedBuffers() {
+  internal::MemoryAccounting::OfThisThread().ForgetBuffersAfter(outer_count_);
+}
 
 void ScopedBuffers::Add(const char* name, const void* base, size_t bytes) {
   internal::MemoryAccounting::OfThisThread().AddBuffer(name, base, bytes);

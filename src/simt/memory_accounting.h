@@ -24,7 +24,12 @@ class MemoryAccounting {
   }
 
   void AddBuffer(const char* name, const void* base, size_t bytes);
-  void ForgetBuffers();
+  size_t BufferCount() const { return buffers_.size(); }
+  // Forgets every buffer registered after the first `count`.
+  void ForgetBuffersAfter(size_t count);
+  // The name of the registered buffer that holds `address` and the offset of `address`
+  // in it, for reports; "an unregistered address" when none holds it.
+  std::string Describe(const void* address) const;
   // Accesses are checked only while some buffer is registered.
   bool ChecksAccesses() const { return !buffers_.empty(); }
   // The registered buffer that holds all of [at, at + bytes), or -1. XLA may pass one

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <iterator>
@@ -63,6 +64,7 @@ struct ThreadErrors {
 
 thread_local ThreadErrors errors;
 thread_local bool capturing = false;
+thread_local int current_device = 0;
 
 cudaError_t SetError(cudaError_t error) {
   if (error != cudaSuccess) errors.last_error = error;
@@ -252,6 +254,10 @@ const char* cudaGetErrorString(cudaError_t error) {
                                                : simt::errors.last_failure.c_str();
     case cudaErrorInvalidDevice:
       return "invalid device ordinal";
+    case cudaErrorMemoryAllocation:
+      return "out of memory";
+    case cudaErrorPeerAccessAlreadyEnabled:
+      return "peer access is already enabled";
     case cudaErrorInvalidDeviceFunction:
       return "invalid device function";
     case cudaErrorStreamCaptureUnsupported:
@@ -262,12 +268,50 @@ const char* cudaGetErrorString(cudaError_t error) {
 }
 
 cudaError_t cudaGetDevice(int* device) {
-  *device = 0;
+  *device = simt::current_device;
   return cudaSuccess;
 }
 
 cudaError_t cudaSetDevice(int device) {
-  return device == 0 ? cudaSuccess : simt::SetError(cudaErrorInvalidDevice);
+  if (device < 0 || device >= simt::kEmulatedDevices) {
+    return simt::SetError(cudaErrorInvalidDevice);
+  }
+  simt::current_device = device;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDeviceCount(int* count) {
+  *count = simt::kEmulatedDevices;
+  return cudaSuccess;
+}
+
+cudaError_t cudaMalloc(void** pointer, size_t bytes) {
+  *pointer = bytes == 0 ? nullptr : std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+  return *pointer != nullptr || bytes == 0 ? cudaSuccess : simt::SetError(cudaErrorMemoryAllocation);
+}
+
+cudaError_t cudaFree(void* pointer) {
+  std::free(pointer);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemset(void* pointer, int value, size_t bytes) {
+  std::memset(pointer, value, bytes);
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceCanAccessPeer(int* can_access, int device, int peer) {
+  const auto valid = [](int d) { return d >= 0 && d < simt::kEmulatedDevices; };
+  if (!valid(device) || !valid(peer)) return simt::SetError(cudaErrorInvalidDevice);
+  *can_access = device != peer;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned flags) {
+  if (peer < 0 || peer >= simt::kEmulatedDevices || peer == simt::current_device || flags != 0) {
+    return simt::SetError(cudaErrorInvalidValue);
+  }
+  return cudaSuccess;
 }
 
 cudaError_t cudaRuntimeGetVersion(int* version) {
@@ -281,7 +325,7 @@ cudaError_t cudaDriverGetVersion(int* version) {
 }
 
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int device) {
-  if (device != 0) return simt::SetError(cudaErrorInvalidDevice);
+  if (device < 0 || device >= simt::kEmulatedDevices) return simt::SetError(cudaErrorInvalidDevice);
   if (const cudaError_t e = simt::Injected("cudaDeviceGetAttribute")) return simt::SetError(e);
   const simt::DeviceLimits limits = simt::GetDeviceLimits();
   switch (attribute) {

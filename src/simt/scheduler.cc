@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "memory_accounting.h"
+#include "peer_signals.h"
 #include "sanitizers.h"
 #include "simt.h"
 
@@ -177,6 +178,12 @@ bool Scheduler::RunBlockThreads(unsigned b, size_t dynamic_bytes) {
     }
     if (all_done) break;
     if (ready.empty()) {
+      if (ReleaseReachedFlags()) continue;
+      if (std::any_of(threads_.begin(), threads_.begin() + num_threads_,
+                      [](const auto& t) { return t->wait == Wait::kFlag; })) {
+        if (!AwaitPeers()) return false;
+        continue;
+      }
       Fail(DescribeDeadlock());
       return false;
     }
@@ -212,6 +219,49 @@ bool Scheduler::RunInRandomOrder(std::vector<ThreadState*>& ready) {
     if (failure_) return false;
   }
   return true;
+}
+
+bool Scheduler::ReleaseReachedFlags() {
+  bool any = false;
+  for (unsigned t = 0; t < num_threads_; ++t) {
+    ThreadState& s = *threads_[t];
+    if (s.wait == Wait::kFlag && FlagReached(__atomic_load_n(s.flag, __ATOMIC_RELAXED),
+                                             s.flag_target)) {
+      s.wait = Wait::kNone;
+      any = true;
+    }
+  }
+  return any;
+}
+
+bool Scheduler::AwaitPeers() {
+  std::string waits;
+  int listed = 0;
+  for (unsigned t = 0; t < num_threads_ && listed < 4; ++t) {
+    const ThreadState& s = *threads_[t];
+    if (s.wait != Wait::kFlag) continue;
+    waits += Format("%sthread %u of block %u waits for %s to reach %u (it holds %u)",
+                    listed++ > 0 ? ", " : "", t, blockIdx.x,
+                    MemoryAccounting::OfThisThread().Describe(s.flag).c_str(), s.flag_target,
+                    __atomic_load_n(s.flag, __ATOMIC_RELAXED));
+  }
+  const std::optional<std::string> failure = AwaitFlags(
+      [this] {
+        for (unsigned t = 0; t < num_threads_; ++t) {
+          const ThreadState& s = *threads_[t];
+          if (s.wait == Wait::kFlag &&
+              FlagReached(__atomic_load_n(s.flag, __ATOMIC_RELAXED), s.flag_target)) {
+            return true;
+          }
+        }
+        return false;
+      },
+      waits);
+  if (failure) {
+    Fail(*failure);
+    return false;
+  }
+  return ReleaseReachedFlags();
 }
 
 std::string Scheduler::DescribeDeadlock() const {
@@ -304,6 +354,16 @@ void Scheduler::SyncThreads() {
   Acquire(sync);
 }
 
+void Scheduler::AwaitFlag(const uint32_t* flag, uint32_t target) {
+  {
+    Bookkeeping hidden;
+    current_->wait = Wait::kFlag;
+    current_->flag = flag;
+    current_->flag_target = target;
+  }
+  Yield();
+}
+
 std::optional<std::string> Scheduler::ShuffleMisuse(uint32_t mask, unsigned lane, unsigned warp,
                                                     unsigned source, int width) const {
   const unsigned lanes = std::min(kWarpSize, num_threads_ - warp * kWarpSize);
@@ -383,6 +443,10 @@ void SyncThreads() { internal::Scheduler::OfThisThread().SyncThreads(); }
 
 uint32_t ShuffleXor(uint32_t mask, uint32_t value, int lane_mask, int width) {
   return internal::Scheduler::OfThisThread().ShuffleXor(mask, value, lane_mask, width);
+}
+
+void AwaitFlag(const uint32_t* flag, uint32_t target) {
+  internal::Scheduler::OfThisThread().AwaitFlag(flag, target);
 }
 
 // ------------------------------------------------------------------ host side

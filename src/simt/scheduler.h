@@ -87,14 +87,17 @@ class Scheduler {
   void* StaticSharedMemory(size_t bytes);
   void SyncThreads();
   uint32_t ShuffleXor(uint32_t mask, uint32_t value, int lane_mask, int width);
+  void AwaitFlag(const uint32_t* flag, uint32_t target);
 
  private:
-  enum class Wait { kNone, kBarrier, kShuffle, kDone, kAborted };
+  enum class Wait { kNone, kBarrier, kShuffle, kFlag, kDone, kAborted };
 
   struct ThreadState {
     std::unique_ptr<Fiber> fiber;
     unsigned index = 0;
     Wait wait = Wait::kNone;
+    const uint32_t* flag = nullptr;  // while it waits for a flag: which, and for what value
+    uint32_t flag_target = 0;
     uint64_t shuffles = 0;  // shuffles this thread has entered in this block
     uint64_t barriers = 0;  // barriers this thread has entered in this block
   };
@@ -129,6 +132,13 @@ class Scheduler {
   // when one of them failed the launch.
   bool RunInRandomOrder(std::vector<ThreadState*>& ready);
   std::string DescribeDeadlock() const;
+  // Threads that wait for a flag which has reached its target may go on; true when one
+  // may.
+  bool ReleaseReachedFlags();
+  // No thread of the block can go on, and some wait for flags: hands the OS thread to the
+  // devices' board (peer_signals.h) until a flag they wait for is reached; false when it
+  // never can be (the launch has failed).
+  bool AwaitPeers();
   // Why the running thread, lane `lane` of warp `warp`, may not enter a shuffle with these
   // arguments; none when it may.
   std::optional<std::string> ShuffleMisuse(uint32_t mask, unsigned lane, unsigned warp,

@@ -10,6 +10,10 @@
 
 namespace simt {
 
+// The emulated devices, all alike (DeviceLimits): as many as XLA's CPU client may be
+// asked for virtual devices in a test. cudaSetDevice selects one per OS thread.
+constexpr int kEmulatedDevices = 16;
+
 // An H100 / H200 (sm_90) by default.
 struct DeviceLimits {
   int max_threads_per_block = 1024;
@@ -80,14 +84,32 @@ struct LaunchRecord {
 
 // The global buffers the calling OS thread's launches may touch, while the guard lives.
 // With buffers registered, any access outside all of them fails the launch (without
-// being performed); with none, accesses are not checked.
+// being performed); with none, accesses are not checked. Guards nest: an inner one adds
+// buffers (a peer's memory) to the outer one's until it ends.
 class ScopedBuffers {
  public:
-  ScopedBuffers() = default;
+  ScopedBuffers();
   ~ScopedBuffers();
   ScopedBuffers(const ScopedBuffers&) = delete;
   ScopedBuffers& operator=(const ScopedBuffers&) = delete;
   void Add(const char* name, const void* base, size_t bytes);
+
+ private:
+  size_t outer_count_;
+};
+
+// While the guard lives, the calling OS thread's launches are those of the device at
+// `position` of the peer group `group` (any key the devices agree on) of `size` devices,
+// which run their launches at the same time on their own OS threads and wait for each
+// other's flags (cuda_runtime.h's AwaitFlag). A wait that no device of the group can ever
+// meet fails every waiting launch of the group, with a report of what each device waits
+// for (docs/simt.md, "Several devices").
+class ScopedPeerLaunch {
+ public:
+  ScopedPeerLaunch(uint64_t group, int position, int size);
+  ~ScopedPeerLaunch();
+  ScopedPeerLaunch(const ScopedPeerLaunch&) = delete;
+  ScopedPeerLaunch& operator=(const ScopedPeerLaunch&) = delete;
 };
 
 // While the guard lives, the calling OS thread's launches run only the blocks

@@ -78,6 +78,13 @@ XLA_FFI_Error* SimtAddRmsNormFp8Handler(XLA_FFI_CallFrame* frame) {
   return WithBuffers(frame, fp8norm::AddRmsNormFp8CudaHandler,
                      {"x", "residual", "gamma", "scale_operand"}, {"y", "scales", "residual_out"});
 }
+XLA_FFI_Error* SimtAllReduceNormHandler(XLA_FFI_CallFrame* frame) {
+  return WithBuffers(frame, fp8norm::AllReduceNormCudaHandler,
+                     {"x", "residual", "gamma", "scale_operand"}, {"y", "scales", "residual_out"});
+}
+XLA_FFI_Error* SimtSetUpAllReduceHandler(XLA_FFI_CallFrame* frame) {
+  return CountingStaleErrors(frame, fp8norm::SetUpAllReduceCudaHandler);
+}
 XLA_FFI_Error* SimtRoundHandler(XLA_FFI_CallFrame* frame) {
   return WithBuffers(frame, fp8norm::RoundCudaHandler, {"in"}, {"out"});
 }

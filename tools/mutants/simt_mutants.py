@@ -51,7 +51,7 @@ MUTANTS = [
     ),
     Mutant(
         "shared groups, FP4: a pair's codes stored at the element's index",
-        "cuda/block_shared.cu",
+        "cuda/block_shared_rows.cuh",
         "StoreFp4<2>(y, j / 2, pair, s, a.y_packed);",
         "StoreFp4<2>(y, j, pair, s, a.y_packed);",
     ),
@@ -79,13 +79,13 @@ MUTANTS = [
     ),
     Mutant(
         "shared row cache: index off by one",
-        "cuda/block_shared.cu",
+        "cuda/block_shared_rows.cuh",
         "      if (cache != nullptr) cache[k * num_vecs + i] = h[k];",
         "      if (cache != nullptr) cache[k * num_vecs + i + 1] = h[k];",
     ),
     Mutant(
         "the max reduction's partial slots shared with the sum reduction's result slot",
-        "cuda/block_shared.cu",
+        "cuda/block_shared_rows.cuh",
         "scratch.max_partial, &scratch.max_result",
         "reinterpret_cast<uint32_t*>(&scratch.sum_result), &scratch.max_result",
         race=True,
@@ -104,7 +104,7 @@ MUTANTS = [
     ),
     Mutant(
         "quantise sweep: a row's last vector skipped",
-        "cuda/block_shared.cu",
+        "cuda/block_shared_rows.cuh",
         "i < num_vecs; i += blockDim.x) {\n    float normed[kVec];",
         "i < num_vecs - 1; i += blockDim.x) {\n    float normed[kVec];",
     ),
@@ -161,7 +161,7 @@ MUTANTS = [
     ),
     Mutant(
         "shared groups: a group's last element left unquantised",
-        "cuda/block_shared.cu",
+        "cuda/block_shared_rows.cuh",
         "j < (g + 1) * group; ++j) {\n      const float normed[1]",
         "j < (g + 1) * group - 1; ++j) {\n      const float normed[1]",
     ),

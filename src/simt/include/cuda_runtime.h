@@ -37,10 +37,12 @@ struct dim3 {
 enum cudaError_t : int {
   cudaSuccess = 0,
   cudaErrorInvalidValue = 1,
+  cudaErrorMemoryAllocation = 2,
   cudaErrorInvalidConfiguration = 9,
   cudaErrorInvalidDevice = 101,
   cudaErrorInvalidDeviceFunction = 98,
   cudaErrorLaunchOutOfResources = 701,
+  cudaErrorPeerAccessAlreadyEnabled = 704,
   cudaErrorLaunchFailure = 719,
   cudaErrorStreamCaptureUnsupported = 900,
 };
@@ -108,6 +110,13 @@ void DeclareKernel(const void* kernel, const char* name, size_t static_bytes, in
 bool RecordGlobalAccess(const void* address, size_t bytes, size_t alignment, bool write, int site);
 
 void SyncThreads();
+// Flags between devices (device_memory.h): a load with acquire and a store with release
+// semantics at system scope, each checked and counted as a global access; and the wait
+// of a thread until the flag's value reaches `target` (counting modulo 2^32, as epochs
+// grow), a point where the scheduler runs other threads, and other devices.
+uint32_t LoadAcquire(const uint32_t* flag, int site);
+void StoreRelease(uint32_t* flag, uint32_t value, int site);
+void AwaitFlag(const uint32_t* flag, uint32_t target);
 uint32_t ShuffleXor(uint32_t mask, uint32_t value, int lane_mask, int width);
 
 // Runs `thread_body` for every thread of every block of the launch; the launch's status.
@@ -157,6 +166,15 @@ cudaError_t cudaRuntimeGetVersion(int* version);
 cudaError_t cudaDriverGetVersion(int* version);
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int device);
 cudaError_t cudaMemsetAsync(void* pointer, int value, size_t bytes, cudaStream_t stream = nullptr);
+// Device memory of the current device: host memory, 256-byte aligned, never checked
+// against a launch's buffers by these calls (the launch registers what it may touch).
+cudaError_t cudaMalloc(void** pointer, size_t bytes);
+cudaError_t cudaFree(void* pointer);
+cudaError_t cudaMemset(void* pointer, int value, size_t bytes);
+cudaError_t cudaGetDeviceCount(int* count);
+// Every emulated device reaches every other's memory.
+cudaError_t cudaDeviceCanAccessPeer(int* can_access, int device, int peer);
+cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned flags);
 
 inline cudaError_t cudaFuncSetAttribute(const void* kernel, cudaFuncAttribute attribute,
                                         int value) {

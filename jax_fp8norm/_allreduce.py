@@ -1,0 +1,100 @@
+"""How ``allreduce_residual_rms_norm_fp8`` sums its partials: the ``method=`` keyword
+(docs/spec.md, "One-kernel all-reduce"), where each method can run, and ``auto``'s table.
+
+``"xla"`` is XLA's all-reduce followed by the fused add + norm kernel. ``"one_shot"`` and
+``"two_shot"`` are one kernel per device that reads its peers' memory and meets them
+through flags in device memory (src/cuda/allreduce.cu). They need every device of the
+axis in this process, with peer access: the CUDA backend, or the SIMT emulation on the
+CPU backend, where each virtual CPU device stands for one GPU.
+"""
+
+from __future__ import annotations
+
+METHODS = ("auto", "xla", "one_shot", "two_shot")
+ONE_KERNEL_METHODS = ("one_shot", "two_shot")
+# src/cuda/peer_allreduce.h: kMaxPeers.
+MAX_DEVICES = 8
+# The kernel's method codes (AllReduceMethod).
+METHOD_CODES = {"one_shot": 1, "two_shot": 2}
+
+# auto's table (docs/performance.md, "The one-kernel all-reduce"): for each group size,
+# the largest payload (bytes of one device's partial x) for which one_shot is picked, and
+# the largest for which two_shot is; beyond it, XLA's all-reduce. Provisional: computed
+# from the bytes each method moves and the peers' published crossovers, not measured on
+# a machine with several GPUs.
+AUTO_TABLE = {
+    2: (256 * 1024, 8 * 1024 * 1024),
+    4: (128 * 1024, 8 * 1024 * 1024),
+    8: (64 * 1024, 8 * 1024 * 1024),
+}
+
+# The one switch that lets auto pick a one-kernel method on real GPUs, once AUTO_TABLE has
+# been measured on such a machine. Until then auto runs "xla" on GPUs: a kernel no GPU has
+# run is opt-in, never a default. The emulated devices follow the table, so that the
+# selection itself is tested.
+AUTO_ON_GPUS = False
+
+
+def check_method(method) -> str:
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
+    return method
+
+
+def unavailable_reason(
+    *, platform: str, emulating: bool, cuda_built: bool, processes: int, num_devices: int
+) -> str:
+    """Why a one-kernel method cannot run here; "" when it can."""
+    if processes > 1:
+        return (
+            "the devices are driven by several processes, whose memory the kernel cannot "
+            "reach (it needs every device of the axis in one process)"
+        )
+    if num_devices > MAX_DEVICES:
+        return f"the axis has {num_devices} devices; the kernel takes at most {MAX_DEVICES}"
+    if platform == "cpu" and not emulating:
+        return (
+            "the CPU backend has no one-kernel all-reduce (its all-reduce is XLA's); the "
+            "CUDA kernel runs there only under the SIMT emulation (jax_fp8norm.simt)"
+        )
+    if platform == "cuda" and not cuda_built:
+        return "this build of jax_fp8norm has no CUDA kernels"
+    if platform not in ("cpu", "cuda"):
+        return f"the {platform!r} backend has no one-kernel all-reduce"
+    return ""
+
+
+def select(
+    method: str,
+    *,
+    platform: str,
+    emulating: bool,
+    cuda_built: bool,
+    processes: int,
+    num_devices: int,
+    payload_bytes: int,
+) -> str:
+    """The method a call runs: ``method`` itself when it is explicit (a ValueError that
+    says why when a one-kernel method cannot run here), or auto's choice."""
+    method = check_method(method)
+    if method == "xla":
+        return method
+    reason = unavailable_reason(
+        platform=platform,
+        emulating=emulating,
+        cuda_built=cuda_built,
+        processes=processes,
+        num_devices=num_devices,
+    )
+    if method in ONE_KERNEL_METHODS:
+        if reason:
+            raise ValueError(f"method={method!r} cannot run here: {reason}")
+        return method
+    if reason or num_devices < 2 or (platform == "cuda" and not AUTO_ON_GPUS):
+        return "xla"
+    one_shot_max, two_shot_max = AUTO_TABLE.get(num_devices, AUTO_TABLE[MAX_DEVICES])
+    if payload_bytes <= one_shot_max:
+        return "one_shot"
+    if payload_bytes <= two_shot_max:
+        return "two_shot"
+    return "xla"

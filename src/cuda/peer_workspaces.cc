@@ -1,0 +1,131 @@
+// The registry of peer_workspaces.h. Workspaces live as long as the process: an executable
+// XLA still holds may run again, and no stage tells a handler that all are gone.
+#include "peer_workspaces.h"
+
+#include <cuda_runtime.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <utility>
+
+#include "cuda_kernels.h"
+
+namespace fp8norm {
+namespace {
+
+struct Registry {
+  std::mutex mutex;
+  std::map<std::pair<int64_t, std::vector<int64_t>>, std::vector<std::unique_ptr<PeerGroup>>>
+      sites;
+};
+
+Registry& TheRegistry() {
+  static Registry* registry = new Registry;  // never destroyed: executions may run at exit
+  return *registry;
+}
+
+// Restores the calling thread's current device.
+class DeviceRestorer {
+ public:
+  DeviceRestorer() { ok_ = cudaGetDevice(&previous_) == cudaSuccess; }
+  ~DeviceRestorer() {
+    if (ok_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+  bool ok_ = false;
+};
+
+void FreeGroups(const std::vector<std::unique_ptr<PeerGroup>>& groups) {
+  for (const auto& g : groups) {
+    for (size_t p = 0; p < g->devices.size(); ++p) {
+      if (g->workspaces[p] == nullptr) continue;
+      cudaSetDevice(static_cast<int>(g->devices[p]));
+      cudaFree(g->workspaces[p]);
+    }
+  }
+}
+
+cudaError_t SetUpGroup(PeerGroup* g, std::string* error) {
+  const int n = static_cast<int>(g->devices.size());
+  for (int p = 0; p < n; ++p) {
+    const int device = static_cast<int>(g->devices[p]);
+    cudaError_t err = cudaSetDevice(device);
+    if (err == cudaSuccess) err = cudaMalloc(reinterpret_cast<void**>(&g->workspaces[p]),
+                                              g->layout.total);
+    if (err == cudaSuccess) err = cudaMemset(g->workspaces[p], 0, g->layout.total);
+    if (err == cudaSuccess) err = LoadAllReduceKernel();
+    if (err != cudaSuccess) {
+      *error = "allocating the all-reduce workspace of device " + std::to_string(device);
+      return err;
+    }
+    for (int q = 0; q < n; ++q) {
+      if (q == p) continue;
+      int reachable = 0;
+      err = cudaDeviceCanAccessPeer(&reachable, device, static_cast<int>(g->devices[q]));
+      if (err == cudaSuccess && !reachable) err = cudaErrorInvalidDevice;
+      if (err == cudaSuccess) {
+        err = cudaDeviceEnablePeerAccess(static_cast<int>(g->devices[q]), 0);
+        if (err == cudaErrorPeerAccessAlreadyEnabled) {
+          cudaGetLastError();
+          err = cudaSuccess;
+        }
+      }
+      if (err != cudaSuccess) {
+        *error = "device " + std::to_string(device) + " cannot reach the memory of device " +
+                 std::to_string(g->devices[q]);
+        return err;
+      }
+    }
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t SetUpPeerGroups(int64_t call_site, const std::vector<int64_t>& devices,
+                            int group_size, const PeerWorkspaceLayout& layout,
+                            std::string* error) {
+  Registry& registry = TheRegistry();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  auto key = std::make_pair(call_site, devices);
+  if (registry.sites.count(key) != 0) return cudaSuccess;
+  DeviceRestorer restore;
+  std::vector<std::unique_ptr<PeerGroup>> groups;
+  for (size_t first = 0; first + group_size <= devices.size(); first += group_size) {
+    auto g = std::make_unique<PeerGroup>();
+    g->devices.assign(devices.begin() + first, devices.begin() + first + group_size);
+    g->layout = layout;
+    g->key = static_cast<uint64_t>(call_site) * 4096 + first / group_size;
+    const cudaError_t err = SetUpGroup(g.get(), error);
+    groups.push_back(std::move(g));
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      FreeGroups(groups);
+      return err;
+    }
+  }
+  registry.sites.emplace(std::move(key), std::move(groups));
+  return cudaSuccess;
+}
+
+const PeerGroup* FindPeerGroup(int64_t call_site, const std::vector<int64_t>& devices,
+                               int64_t device, int* position) {
+  Registry& registry = TheRegistry();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  const auto it = registry.sites.find(std::make_pair(call_site, devices));
+  if (it == registry.sites.end()) return nullptr;
+  for (const auto& g : it->second) {
+    for (size_t p = 0; p < g->devices.size(); ++p) {
+      if (g->devices[p] == device) {
+        *position = static_cast<int>(p);
+        return g.get();
+      }
+    }
+  }
+  return nullptr;
+}
+
+}  // namespace fp8norm

@@ -1,0 +1,38 @@
+// The workspaces of the one-kernel all-reduce (peer_allreduce.h), per call site and device
+// group: allocated, zeroed and made reachable from every peer once, in the set-up stage,
+// and found again, without waiting for any peer, by every execution. A process-wide
+// registry: one process drives every GPU of its groups (JAX's default on one host).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "peer_allreduce.h"
+
+namespace fp8norm {
+
+// One group's workspaces, by position on the axis.
+struct PeerGroup {
+  std::vector<int64_t> devices;
+  unsigned char* workspaces[kMaxPeers] = {};
+  PeerWorkspaceLayout layout{};
+  uint64_t key = 0;  // unique per call site and group (the emulation's peer group)
+};
+
+// For call site `call_site`, whose groups are `devices` (group after group, `group_size`
+// devices each, every device at most once): every device's workspace of `layout`,
+// zeroed, and peer access enabled between the devices of each group, unless already done
+// for the call site. Not stream-ordered: for the set-up stage, never inside graph capture.
+// On failure, `error` says what failed (and nothing is kept, so a later set-up tries again).
+cudaError_t SetUpPeerGroups(int64_t call_site, const std::vector<int64_t>& devices,
+                            int group_size, const PeerWorkspaceLayout& layout, std::string* error);
+
+// The group of `device` at call site `call_site` and the device's position in it; null
+// when the call site was never set up for it.
+const PeerGroup* FindPeerGroup(int64_t call_site, const std::vector<int64_t>& devices,
+                               int64_t device, int* position);
+
+}  // namespace fp8norm

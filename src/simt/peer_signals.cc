@@ -1,0 +1,179 @@
+// The board of peer_signals.h, and simt.h's ScopedPeerLaunch.
+//
+// The board's own synchronisation (its mutex) runs on the OS threads' main contexts, never
+// in a kernel thread's fiber, which only counts its flag stores in a relaxed atomic; and
+// fiber switches carry no ordering for ThreadSanitizer (fiber.cc). So the only orderings
+// between two devices' kernels that ThreadSanitizer sees are the kernels' own acquire
+// loads of release-stored flags, and a kernel that reads a peer's memory before its flag
+// is reported as a race. Waiting launches therefore poll the count, every 200 us.
+#include "peer_signals.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "simt.h"
+
+namespace simt {
+namespace internal {
+namespace {
+
+// A device that has not begun its launch while the others wait this long is reported;
+// every other deadlock is found as soon as it happens.
+constexpr auto kAbsentDeviceTimeout = std::chrono::seconds(60);
+
+struct Member {
+  int64_t launches = 0;  // launches begun
+  bool running = false;
+  bool stalled = false;     // every thread of its running block waits for a flag
+  uint64_t checked_at = 0;  // the board's generation when it last found its flags unmet
+  std::string waits;
+  std::optional<std::string> failure;  // the deadlock it is part of
+};
+
+struct Group {
+  std::vector<Member> members;
+};
+
+struct Board {
+  std::mutex mutex;
+  std::condition_variable changed;
+  uint64_t launch_events = 0;  // launches begun and ended
+  std::map<uint64_t, Group> groups;
+  // Flag stores, counted from kernel threads: relaxed, so that it orders nothing.
+  std::atomic<uint64_t> flag_stores{0};
+
+  // Changes whenever some flag may have changed.
+  uint64_t generation() const {
+    return launch_events + flag_stores.load(std::memory_order_relaxed);
+  }
+};
+
+Board& TheBoard() {
+  static Board* board = new Board;  // never destroyed: launches may run at exit
+  return *board;
+}
+
+thread_local std::optional<PeerLaunch> current_launch;
+
+// No flag of `group` can change any more: every member that is in a launch waits and has
+// looked at its flags since the last change, and every other one has had its launch
+// `launch` already (it will not store a flag for it).
+bool Deadlocked(const Board& board, const Group& group, int64_t launch) {
+  for (const Member& m : group.members) {
+    if (m.running ? !(m.stalled && m.checked_at == board.generation()) : m.launches < launch) {
+      return false;
+    }
+  }
+  return true;
+}
+
+std::string Report(const Group& group, uint64_t key, int64_t launch) {
+  std::string text = "deadlock between the devices of peer group " + std::to_string(key) +
+                     ": no flag they wait for can change any more;";
+  for (size_t p = 0; p < group.members.size(); ++p) {
+    const Member& m = group.members[p];
+    text += " device at position " + std::to_string(p);
+    if (m.running) {
+      text += " waits: " + m.waits + ";";
+    } else if (m.launches >= launch) {
+      text += " has finished its launch;";
+    } else {
+      text += " has not begun its launch;";
+    }
+  }
+  return text;
+}
+
+}  // namespace
+
+std::optional<PeerLaunch> CurrentPeerLaunch() { return current_launch; }
+
+void FlagStored() { TheBoard().flag_stores.fetch_add(1, std::memory_order_relaxed); }
+
+std::optional<std::string> AwaitFlags(const std::function<bool()>& reached,
+                                      const std::string& waits) {
+  if (!current_launch) {
+    if (reached()) return std::nullopt;
+    return "deadlock: " + waits + ", outside any peer launch, so no other device can store it";
+  }
+  Board& board = TheBoard();
+  std::unique_lock<std::mutex> lock(board.mutex);
+  Group& group = board.groups[current_launch->group];
+  Member& me = group.members[current_launch->position];
+  auto last_change = std::chrono::steady_clock::now();
+  uint64_t last_generation = board.generation();
+  for (;;) {
+    const uint64_t generation = board.generation();
+    if (generation != last_generation) {
+      last_generation = generation;
+      last_change = std::chrono::steady_clock::now();
+    }
+    lock.unlock();
+    const bool ok = reached();
+    lock.lock();
+    if (ok) {
+      me.stalled = false;
+      return std::nullopt;
+    }
+    if (me.failure) {
+      std::optional<std::string> failure = std::move(me.failure);
+      me.failure.reset();
+      me.stalled = false;
+      return failure;
+    }
+    me.stalled = true;
+    me.waits = waits;
+    if (board.generation() != generation) continue;  // a flag changed meanwhile: look again
+    me.checked_at = generation;
+    const bool absent_too_long =
+        std::chrono::steady_clock::now() - last_change > kAbsentDeviceTimeout;
+    if (Deadlocked(board, group, me.launches) || absent_too_long) {
+      std::string report = Report(group, current_launch->group, me.launches);
+      if (absent_too_long) report += " (no flag changed for 60 s)";
+      for (Member& m : group.members) {
+        if (m.running && m.stalled && &m != &me) m.failure = report;
+      }
+      me.stalled = false;
+      board.changed.notify_all();
+      return report;
+    }
+    board.changed.wait_for(lock, std::chrono::microseconds(200));
+  }
+}
+
+}  // namespace internal
+
+ScopedPeerLaunch::ScopedPeerLaunch(uint64_t group, int position, int size) {
+  internal::Board& board = internal::TheBoard();
+  std::lock_guard<std::mutex> lock(board.mutex);
+  internal::Group& g = board.groups[group];
+  if (g.members.size() < static_cast<size_t>(size)) g.members.resize(size);
+  internal::Member& m = g.members[position];
+  m.launches += 1;
+  m.running = true;
+  m.stalled = false;
+  m.failure.reset();
+  internal::current_launch = internal::PeerLaunch{group, position, size};
+  board.launch_events += 1;
+  board.changed.notify_all();
+}
+
+ScopedPeerLaunch::~ScopedPeerLaunch() {
+  internal::Board& board = internal::TheBoard();
+  std::lock_guard<std::mutex> lock(board.mutex);
+  internal::Member& m = board.groups[internal::current_launch->group]
+                            .members[internal::current_launch->position];
+  m.running = false;
+  m.stalled = false;
+  m.failure.reset();
+  internal::current_launch.reset();
+  board.launch_events += 1;  // a launch that ended may complete a deadlock
+  board.changed.notify_all();
+}
+
+}  // namespace simt
