@@ -128,4 +128,18 @@ const PeerGroup* FindPeerGroup(int64_t call_site, const std::vector<int64_t>& de
   return nullptr;
 }
 
+void ReleasePeerGroups(int64_t call_site) {
+  Registry& registry = TheRegistry();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  DeviceRestorer restore;
+  for (auto it = registry.sites.begin(); it != registry.sites.end();) {
+    if (it->first.first == call_site) {
+      FreeGroups(it->second);
+      it = registry.sites.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
 }  // namespace fp8norm

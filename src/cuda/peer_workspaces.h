@@ -35,4 +35,8 @@ cudaError_t SetUpPeerGroups(int64_t call_site, const std::vector<int64_t>& devic
 const PeerGroup* FindPeerGroup(int64_t call_site, const std::vector<int64_t>& devices,
                                int64_t device, int* position);
 
+// Frees call site `call_site`'s workspaces, for a caller that knows no execution can use
+// them any more (tests/simt's checks).
+void ReleasePeerGroups(int64_t call_site);
+
 }  // namespace fp8norm

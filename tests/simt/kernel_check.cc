@@ -32,6 +32,7 @@ namespace fp8norm {
 
 int CheckEmulator();  // emulator_check.cc
 int CheckIndexing();  // index_check.cc
+int CheckAllReduce(bool quick);  // allreduce_check.cc
 
 namespace {
 
@@ -535,6 +536,7 @@ int Main(bool quick) {
   // 64-bit indexing reserves tens of GiB of address space, which ThreadSanitizer's
   // shadow mapping does not take; the quick (ThreadSanitizer) run leaves it out.
   if (!quick) failures += CheckIndexing();
+  failures += CheckAllReduce(quick);
 
   const char* required[] = {"block_shared, vectorized cached",
                             "block_shared, vectorized re-read",
