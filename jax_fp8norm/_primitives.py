@@ -412,9 +412,7 @@ mlir.register_lowering(allreduce_rms_norm_fp8_p, _allreduce_lowering("cpu"), pla
 if _ffi.built_with_cuda():
     mlir.register_lowering(allreduce_rms_norm_fp8_p, _allreduce_lowering("cuda"), platform="cuda")
 else:
-    mlir.register_lowering(
-        allreduce_rms_norm_fp8_p, _unavailable_cuda_lowering, platform="cuda"
-    )
+    mlir.register_lowering(allreduce_rms_norm_fp8_p, _unavailable_cuda_lowering, platform="cuda")
 ad.primitive_jvps[allreduce_rms_norm_fp8_p] = _no_gradient("allreduce_residual_rms_norm_fp8")
 
 # Element-wise float32 -> float16 / bfloat16 / FP8 rounding with the kernels' own code;

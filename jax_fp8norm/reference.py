@@ -22,9 +22,9 @@ __all__ = [
     "DEFAULT_EPS",
     "add_rms_norm_fp8",
     "all_reduce",
-    "fixed_order_sum",
     "allreduce_residual_rms_norm_fp8",
     "dequantize",
+    "fixed_order_sum",
     "quantize_rows",
     "rms_norm_fp8",
     "sum_of_squares",
@@ -441,11 +441,20 @@ def allreduce_residual_rms_norm_fp8(
     return _add_quantize(h, jnp.asarray(residual), jnp.asarray(gamma), call)
 
 
+def _all_gather_invariant(x: jax.Array, axis_name) -> jax.Array:
+    """jax's all-gather whose result shard_map knows to be the same on every device (public
+    in newer jax, private in jax 0.10)."""
+    gather = getattr(jax.lax, "all_gather_invariant", None)
+    if gather is None:
+        from jax._src.lax.parallel import all_gather_invariant as gather
+    return gather(x, axis_name)
+
+
 def fixed_order_sum(x: jax.Array, axis_name) -> jax.Array:
     """The one-kernel methods' sum over the bound axis: every device's partial gathered,
     then added in float32 in the order of the axis, the same on every device."""
     (name,) = check_axis_name(axis_name)
-    partials = jax.lax.all_gather(x, name).astype(jnp.float32)
+    partials = _all_gather_invariant(x, name).astype(jnp.float32)
     h = partials[0]
     for k in range(1, partials.shape[0]):
         h = h + partials[k]

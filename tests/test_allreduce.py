@@ -24,7 +24,10 @@ from helpers import (
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jax_fp8norm
 import jax_fp8norm as fp8norm
+import jax_fp8norm._allreduce
+import jax_fp8norm.simt
 
 NUM_DEVICES = 8
 HAVE_DEVICES = len(jax.devices("cpu")) >= NUM_DEVICES
@@ -277,3 +280,289 @@ else:
             llama_tp_block.Config(fp4="fp4")
         with pytest.raises(ValueError, match="group_size is fixed"):
             llama_tp_block.Config(fp4="nvfp4", group_size=128)
+
+    # ------------------------------------------------------------ one-kernel methods
+    # method="one_shot" / "two_shot": the CUDA kernel, emulated (jax_fp8norm.simt), one
+    # virtual CPU device per GPU. The outputs must equal the reference twin's fixed-order
+    # fold bit for bit, on every device. kernel_check holds the kernel to the CPU kernel at
+    # more shapes, in long sequences and replays, and reports deadlocks.
+
+    ONE_KERNEL = ("one_shot", "two_shot")
+
+    def _emulated(method, mesh, partials, residual, gamma, **kw):
+        with jax_fp8norm.simt.kernels():
+            return _numpy(
+                _run(
+                    fp8norm.allreduce_residual_rms_norm_fp8,
+                    mesh,
+                    partials,
+                    residual,
+                    gamma,
+                    method=method,
+                    **kw,
+                )
+            )
+
+    def _fixed_order_reference(method, mesh, partials, residual, gamma, **kw):
+        return _numpy(
+            _run(
+                fp8norm.reference.allreduce_residual_rms_norm_fp8,
+                mesh,
+                partials,
+                residual,
+                gamma,
+                method=method,
+                **kw,
+            )
+        )
+
+    def _run_stacked(op, mesh, partials, residual, gamma, **kw):
+        """op inside shard_map, each device's outputs stacked (out_specs P("tp")), so that
+        every device's copy is compared."""
+
+        def per_device(p, r, g):
+            return tuple(o[None] for o in op(p[0], r, g, axis_name="tp", **kw))
+
+        fn = jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(P("tp"), P(), P()),
+            out_specs=(P("tp"), P("tp"), P("tp")),
+            check_vma=False,
+        )
+        return jax.jit(fn)(jax.device_put(partials, NamedSharding(mesh, P("tp"))), residual, gamma)
+
+    @pytest.mark.sampled(4)
+    @pytest.mark.parametrize("method", ONE_KERNEL)
+    @pytest.mark.parametrize("size", [2, 4, 8])
+    @pytest.mark.parametrize("rows", [1, 7, 33])
+    @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+    def test_one_kernel_matches_the_fixed_order_reference(method, size, rows, dtype):
+        mesh = _mesh(size)
+        partials, residual, gamma = _inputs(size, rows, 1024, dtype)
+        with jax_fp8norm.simt.kernels():
+            out = _run_stacked(
+                fp8norm.allreduce_residual_rms_norm_fp8,
+                mesh,
+                partials,
+                residual,
+                gamma,
+                method=method,
+            )
+        ref = _run_stacked(
+            fp8norm.reference.allreduce_residual_rms_norm_fp8,
+            mesh,
+            partials,
+            residual,
+            gamma,
+            method=method,
+        )
+        assert out[0].shape == (size, rows, 1024) and out[2].dtype == dtype
+        assert_same_bits(_numpy(out), _numpy(ref))
+        for o in _numpy(out):  # every device holds the same bits
+            for d in range(1, size):
+                np.testing.assert_array_equal(o[d].view(np.uint8), o[0].view(np.uint8))
+
+    def test_fixed_order_reference_is_the_left_fold():
+        # The reference states the order: ((x_0 + x_1) + x_2) + x_3 in float32, then the
+        # residual; the same as NumPy's left fold on one device.
+        mesh = _mesh(4)
+        partials, residual, gamma = _inputs(4, 9, 1024)
+        ref = _fixed_order_reference("one_shot", mesh, partials, residual, gamma)
+        total = partials[0].astype(np.float32)
+        for k in range(1, 4):
+            total = total + partials[k].astype(np.float32)
+        h = total + residual.astype(np.float32)
+        y, scales, _ = jax.jit(fp8norm.reference.add_rms_norm_fp8)(h, np.zeros_like(h), gamma)
+        assert_same_bits(ref, [np.asarray(y), np.asarray(scales), h.astype(jnp.bfloat16)])
+        # ... and not the same bits as XLA's bfloat16 all-reduce.
+        xla = _fixed_order_reference("xla", mesh, partials, residual, gamma)
+        assert not np.array_equal(xla[2].view(np.uint16), ref[2].view(np.uint16))
+
+    @pytest.mark.parametrize("method", ONE_KERNEL)
+    @pytest.mark.parametrize(
+        "kw",
+        [
+            dict(group_size=128),
+            dict(group_size=32, scale_dtype=jnp.float8_e8m0fnu),
+            dict(static_scale=0.02),
+            dict(
+                group_size=16,
+                out_dtype=jnp.float4_e2m1fn,
+                scale_dtype=jnp.float8_e4m3fn,
+                global_scale=0.003,
+            ),
+            dict(group_size=32, out_dtype=jnp.float4_e2m1fn, scale_dtype=jnp.float8_e8m0fnu),
+            dict(scale_ub=0.05, weight_offset=1.0, out_dtype=jnp.float8_e4m3fnuz),
+        ],
+        ids=["group128", "mxfp8", "static", "nvfp4", "mxfp4", "ub-offset-fnuz"],
+    )
+    def test_one_kernel_keywords(method, kw):
+        mesh = _mesh(4)
+        partials, residual, gamma = _inputs(4, 10, 1024)
+        out = _emulated(method, mesh, partials, residual, gamma, **kw)
+        ref = _fixed_order_reference(method, mesh, partials, residual, gamma, **kw)
+        assert_same_bits(out, ref)
+        # The wrapper for callers outside shard_map takes the method too.
+        with jax_fp8norm.simt.kernels():
+            wrapped = fp8norm.sharded_allreduce_residual_rms_norm_fp8(
+                partials, residual, gamma, mesh=mesh, axis_name="tp", method=method, **kw
+            )
+        assert_same_bits(_numpy(wrapped), ref)
+
+    @pytest.mark.parametrize("method", ONE_KERNEL)
+    def test_one_kernel_in_a_scan_of_25_calls(method):
+        # A decoder's residual stream: each call's residual_out is the next one's residual,
+        # 25 calls of one compiled custom call (one workspace, the epochs on the device).
+        mesh = _mesh(4)
+        steps, rows, hidden = 25, 5, 1024
+        partials = random_rows(3, (4, steps, rows, hidden), jnp.bfloat16, spread=0.5)
+        residual = random_rows(4, (rows, hidden), jnp.bfloat16, spread=0.5)
+        gamma = random_gamma(5, hidden, jnp.float32)
+
+        def layers(op, p, r, g):
+            def step(res, x):
+                y, s, res = op(x, res, g, axis_name="tp", method=method)
+                return res, (y, s)
+
+            return jax.lax.scan(step, r, p[0])
+
+        def run(op):
+            fn = jax.shard_map(
+                functools.partial(layers, op),
+                mesh=mesh,
+                in_specs=(P("tp"), P(), P()),
+                out_specs=(P(), (P(), P())),
+            )
+            placed = jax.device_put(partials, NamedSharding(mesh, P("tp")))
+            return jax.jit(fn)(placed, residual, gamma)
+
+        with jax_fp8norm.simt.kernels():
+            out = run(fp8norm.allreduce_residual_rms_norm_fp8)
+        ref = run(fp8norm.reference.allreduce_residual_rms_norm_fp8)
+        assert_same_bits(jax.tree.leaves(out), jax.tree.leaves(ref))
+        assert out[1][0].shape == (steps, rows, hidden)
+
+    def test_one_kernel_replayed_calls_and_a_2d_mesh():
+        # One compiled function called again and again, with other inputs in between: no
+        # call sees another's data. Then tensor parallel over "tp" inside a (2, 4) mesh: one
+        # group per "dp" row.
+        mesh = _mesh(4)
+        a = _inputs(4, 6, 1024)
+        b = _inputs(4, 6, 1024, jnp.bfloat16)
+        b = (b[0][::-1].copy(), b[1] * 2, b[2])
+        with jax_fp8norm.simt.kernels():
+            fn = jax.jit(
+                jax.shard_map(
+                    lambda p, r, g: fp8norm.allreduce_residual_rms_norm_fp8(
+                        p[0], r, g, axis_name="tp", method="two_shot"
+                    ),
+                    mesh=mesh,
+                    in_specs=(P("tp"), P(), P()),
+                    out_specs=(P(), P(), P()),
+                )
+            )
+            stacked = NamedSharding(mesh, P("tp"))
+            runs = [_numpy(fn(jax.device_put(p, stacked), r, g)) for p, r, g in (a, b, a, a, b)]
+        for args, got in zip((a, b, a, a, b), runs, strict=True):
+            assert_same_bits(got, _fixed_order_reference("two_shot", mesh, *args))
+
+        grid = jax.make_mesh((2, 4), ("dp", "tp"), devices=jax.devices("cpu")[:8])
+        partials = random_rows(8, (4, 16, 512), jnp.bfloat16, spread=0.5)
+        residual = random_rows(9, (16, 512), jnp.bfloat16, spread=0.5)
+        gamma = random_gamma(10, 512, jnp.float32)
+
+        def run(op, **kw):
+            return jax.jit(
+                jax.shard_map(
+                    lambda p, r, g: op(p[0], r, g, axis_name="tp", method="one_shot"),
+                    mesh=grid,
+                    in_specs=(P("tp", "dp"), P("dp"), P()),
+                    out_specs=(P("dp"), P("dp"), P("dp")),
+                )
+            )(
+                jax.device_put(partials, NamedSharding(grid, P("tp", "dp"))),
+                jax.device_put(residual, NamedSharding(grid, P("dp"))),
+                gamma,
+            )
+
+        with jax_fp8norm.simt.kernels():
+            out = run(fp8norm.allreduce_residual_rms_norm_fp8)
+        assert_same_bits(
+            _numpy(out), _numpy(run(fp8norm.reference.allreduce_residual_rms_norm_fp8))
+        )
+
+    def _lowered(mesh, rows, hidden, **kw):
+        partials, residual, gamma = _inputs(mesh.shape["tp"], rows, hidden)
+        fn = jax.shard_map(
+            lambda p, r, g: fp8norm.allreduce_residual_rms_norm_fp8(
+                p[0], r, g, axis_name="tp", **kw
+            ),
+            mesh=mesh,
+            in_specs=(P("tp"), P(), P()),
+            out_specs=(P(), P(), P()),
+        )
+        placed = jax.device_put(partials, NamedSharding(mesh, P("tp")))
+        return jax.jit(fn).lower(placed, residual, gamma).as_text()
+
+    @pytest.mark.parametrize(
+        "size,rows,chosen",
+        [(2, 8, "one_shot"), (2, 256, "two_shot"), (8, 64, "two_shot"), (2, 8192, "xla")],
+    )
+    def test_auto_on_the_emulated_devices_follows_the_table(size, rows, chosen):
+        mesh = _mesh(size)
+        payload = rows * 1024 * 2
+        assert chosen == jax_fp8norm._allreduce.select(
+            "auto",
+            platform="cpu",
+            emulating=True,
+            cuda_built=False,
+            processes=1,
+            num_devices=size,
+            payload_bytes=payload,
+        )
+        with jax_fp8norm.simt.kernels():
+            text = _lowered(mesh, rows, 1024)
+        codes = re.findall(r"method = (\d+) : i64", text)
+        if chosen == "xla":
+            assert "fp8norm_simt_add_rms_norm_fp8" in text and not codes, text
+            assert "all_reduce" in text
+        else:
+            assert codes == [str(jax_fp8norm._allreduce.METHOD_CODES[chosen])], text
+            assert "all_reduce" not in text
+
+    def test_one_kernel_methods_where_they_cannot_run():
+        mesh = _mesh(2)
+        # The CPU kernels (no emulation): auto is XLA's all-reduce; an explicit method says why.
+        assert "fp8norm_add_rms_norm_fp8" in _lowered(mesh, 8, 1024)
+        with pytest.raises(ValueError, match="only under the SIMT emulation"):
+            _lowered(mesh, 8, 1024, method="one_shot")
+        with pytest.raises(ValueError, match="method must be one of"):
+            _lowered(mesh, 8, 1024, method="nccl")
+        # A tuple of axes: auto takes XLA's all-reduce, an explicit method refuses.
+        grid = jax.make_mesh((2, 2), ("dp", "tp"), devices=jax.devices("cpu")[:4])
+        partials, residual, gamma = _inputs(4, 4, 256)
+
+        def over_both(method):
+            return jax.jit(
+                jax.shard_map(
+                    lambda p, r, g: fp8norm.allreduce_residual_rms_norm_fp8(
+                        p[0, 0], r, g, axis_name=("dp", "tp"), method=method
+                    ),
+                    mesh=grid,
+                    in_specs=(P("dp", "tp"), P(), P()),
+                    out_specs=(P(), P(), P()),
+                )
+            )(
+                jax.device_put(partials.reshape(2, 2, 4, 256), NamedSharding(grid, P("dp", "tp"))),
+                residual,
+                gamma,
+            )
+
+        with jax_fp8norm.simt.kernels():
+            auto = over_both("auto")
+            with pytest.raises(ValueError, match="one mesh axis"):
+                over_both("two_shot")
+        assert_same_bits(_numpy(auto), _numpy(over_both("xla")))
+        with pytest.raises(ValueError, match="'xla', 'one_shot' or 'two_shot'"):
+            _fixed_order_reference("auto", mesh, *_inputs(2, 4, 256))
