@@ -321,4 +321,4 @@ def test_the_keyword_types_cover_the_keyword_table():
     from jax_fp8norm._params import NORM_KEYWORDS, AllReduceKeywords, NormKeywords
 
     assert tuple(NormKeywords.__annotations__) == tuple(NORM_KEYWORDS)
-    assert set(AllReduceKeywords.__annotations__) == {*NORM_KEYWORDS, "reduce_dtype"}
+    assert set(AllReduceKeywords.__annotations__) == {*NORM_KEYWORDS, "reduce_dtype", "method"}
