@@ -150,7 +150,14 @@ def main(argv: list[str] | None = None) -> int:
         help="with --tp: the FP4 mode: the norms emit NVFP4 or MXFP4 and the MLP's gate and "
         "up matmuls take FP4 operands (FP4 weights)",
     )
+    parser.add_argument(
+        "--allreduce-method",
+        choices=("auto", "xla", "one_shot", "two_shot"),
+        help="with --tp: the all-reduces' method (one_shot, two_shot: emulated on the CPU)",
+    )
     args = parser.parse_args(argv)
+    if args.allreduce_method is not None and args.tp is None:
+        parser.error("--allreduce-method is a mode of the tensor-parallel example: give --tp N")
     if args.fp4 is not None and args.tp is None:
         parser.error("--fp4 is a mode of the tensor-parallel example: give --tp N too")
     if args.fp4 is not None and args.group_size is not None:
@@ -160,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_num_cpu_devices", max(args.tp, 1))
         from jax_fp8norm.examples import llama_tp_block
 
-        return llama_tp_block.report(args.tp, args.group_size, args.fp4)
+        return llama_tp_block.report(
+            args.tp, args.group_size, args.fp4, args.allreduce_method or "auto"
+        )
     shapes = (
         [tuple(int(v) for v in s.lower().split("x")) for s in args.shape]
         if args.shape

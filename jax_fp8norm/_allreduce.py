@@ -21,11 +21,13 @@ METHOD_CODES = {"one_shot": 1, "two_shot": 2}
 # the largest payload (bytes of one device's partial x) for which one_shot is picked, and
 # the largest for which two_shot is; beyond it, XLA's all-reduce. Provisional: computed
 # from the bytes each method moves and the peers' published crossovers, not measured on
-# a machine with several GPUs.
+# a machine with several GPUs. On two devices two-shot moves more bytes than one-shot
+# with twice the meetings, so it is never picked there.
+KIB, MIB = 1024, 1024 * 1024
 AUTO_TABLE = {
-    2: (256 * 1024, 8 * 1024 * 1024),
-    4: (128 * 1024, 8 * 1024 * 1024),
-    8: (64 * 1024, 8 * 1024 * 1024),
+    2: (512 * KIB, 512 * KIB),
+    4: (512 * KIB, 8 * MIB),
+    8: (256 * KIB, 8 * MIB),
 }
 
 # The one switch that lets auto pick a one-kernel method on real GPUs, once AUTO_TABLE has
@@ -92,7 +94,7 @@ def select(
         return method
     if reason or num_devices < 2 or (platform == "cuda" and not AUTO_ON_GPUS):
         return "xla"
-    one_shot_max, two_shot_max = AUTO_TABLE.get(num_devices, AUTO_TABLE[MAX_DEVICES])
+    one_shot_max, two_shot_max = AUTO_TABLE[min(t for t in AUTO_TABLE if t >= num_devices)]
     if payload_bytes <= one_shot_max:
         return "one_shot"
     if payload_bytes <= two_shot_max:

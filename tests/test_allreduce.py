@@ -258,6 +258,19 @@ else:
         assert errors["next_input"] <= llama_tp_block.NEXT_INPUT_TOLERANCE
         assert errors["devices_identical"] == 1.0
 
+    @pytest.mark.parametrize("method", ["one_shot", "two_shot"])
+    def test_llama_block_example_one_kernel(method):
+        from jax_fp8norm.examples import llama_tp_block
+
+        config = llama_tp_block.Config(allreduce_method=method)
+        errors = llama_tp_block.run(4, config, platform="cpu")
+        assert errors["emulated"] == 1.0
+        assert errors["residual"] <= llama_tp_block.RESIDUAL_TOLERANCE
+        assert errors["next_input"] <= llama_tp_block.NEXT_INPUT_TOLERANCE
+        assert errors["devices_identical"] == 1.0
+        with pytest.raises(ValueError, match="allreduce_method must be one of"):
+            llama_tp_block.Config(allreduce_method="nccl")
+
     @pytest.mark.parametrize("fp4", ["nvfp4", "mxfp4"])
     def test_llama_block_example_fp4(fp4):
         from jax_fp8norm.examples import llama_tp_block
@@ -507,7 +520,15 @@ else:
 
     @pytest.mark.parametrize(
         "size,rows,chosen",
-        [(2, 8, "one_shot"), (2, 256, "two_shot"), (8, 64, "two_shot"), (2, 8192, "xla")],
+        [
+            (2, 8, "one_shot"),
+            (2, 256, "one_shot"),
+            (2, 512, "xla"),
+            (4, 512, "two_shot"),
+            (8, 128, "one_shot"),
+            (8, 256, "two_shot"),
+            (8, 8192, "xla"),
+        ],
     )
     def test_auto_on_the_emulated_devices_follows_the_table(size, rows, chosen):
         mesh = _mesh(size)
@@ -566,3 +587,51 @@ else:
         assert_same_bits(_numpy(auto), _numpy(over_both("xla")))
         with pytest.raises(ValueError, match="'xla', 'one_shot' or 'two_shot'"):
             _fixed_order_reference("auto", mesh, *_inputs(2, 4, 256))
+
+    def _peer_traffic(launches, size):
+        """{position: (bytes read from peers, bytes written to peers)} of one call."""
+        traffic = {}
+        for launch in launches:
+            spaces = {
+                int(name.rsplit(" ", 1)[1]): stats
+                for name, stats in launch["buffers"].items()
+                if name.startswith("workspace of device ")
+            }
+            if len(spaces) != size:
+                continue
+            own = max(spaces, key=lambda k: spaces[k]["bytes_written"])
+            peers = [spaces[k] for k in spaces if k != own]
+            traffic[own] = (
+                sum(p["bytes_read"] for p in peers),
+                sum(p["bytes_written"] for p in peers),
+            )
+        return traffic
+
+    @pytest.mark.parametrize("method", ONE_KERNEL)
+    @pytest.mark.parametrize("size,rows", [(2, 8), (4, 10), (8, 3)])
+    def test_peer_memory_traffic_is_the_design(method, size, rows):
+        # docs/performance.md's bytes per device and call: one-shot reads every peer's
+        # partial of every row; two-shot reads every peer's partial of its own slice and
+        # every peer's outputs of theirs. Both write only flags (4 bytes per block, peer
+        # and exchange) to their peers.
+        hidden, x_bytes = 1024, 2
+        mesh = _mesh(size)
+        partials, residual, gamma = _inputs(size, rows, hidden)
+        jax_fp8norm.simt.take_launches()
+        _emulated(method, mesh, partials, residual, gamma)
+        traffic = _peer_traffic(jax_fp8norm.simt.take_launches(), size)
+        assert sorted(traffic) == list(range(size))
+        slices = [rows * k // size for k in range(size + 1)]
+        for d, (read, written) in traffic.items():
+            own = slices[d + 1] - slices[d]
+            if method == "one_shot":
+                blocks = min(rows, 64)
+                want_read = (size - 1) * rows * hidden * x_bytes
+                want_written = (size - 1) * blocks * 4
+            else:
+                blocks = min(-(-rows // size), 64)
+                others = rows - own
+                out_row = hidden * 1 + 4 + hidden * x_bytes  # y, one float32 scale, residual_out
+                want_read = (size - 1) * own * hidden * x_bytes + others * out_row
+                want_written = 2 * (size - 1) * blocks * 4
+            assert (read, written) == (want_read, want_written), (d, method)

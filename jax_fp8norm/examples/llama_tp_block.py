@@ -32,6 +32,7 @@ one mantissa bit).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 
@@ -80,6 +81,9 @@ FP4_NAMES = {
 FP4_TOLERANCES = {"nvfp4": (0.12, 0.17), "mxfp4": (0.14, 0.20)}
 
 
+ALLREDUCE_METHODS = ("auto", "xla", "one_shot", "two_shot")
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     batch: int = 2
@@ -93,8 +97,13 @@ class Config:
     group_size: int | None = None
     # None: FP8; "nvfp4" or "mxfp4": the FP4 mode (module docstring).
     fp4: str | None = None
+    # The all-reduces' method= (jax_fp8norm.allreduce_residual_rms_norm_fp8).
+    allreduce_method: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.allreduce_method not in ALLREDUCE_METHODS:
+            method = self.allreduce_method
+            raise ValueError(f"allreduce_method must be one of {ALLREDUCE_METHODS}, not {method!r}")
         if self.fp4 is not None and self.fp4 not in FP4_KEYWORDS:
             raise ValueError(f"fp4 must be one of {tuple(FP4_KEYWORDS)}, not {self.fp4!r}")
         if self.fp4 is not None and self.group_size is not None:
@@ -262,8 +271,9 @@ def tp_block(h0: jax.Array, params: dict, config: Config):
     p = params
     eps = config.eps
     attn_partial = _attention(h0, p["wq"], p["wk"], p["wv"], p["wo"], p["attn_norm"], config)
+    method = config.allreduce_method
     y, scales, h1 = fp8norm.allreduce_residual_rms_norm_fp8(
-        attn_partial, h0, p["mlp_norm"], axis_name="tp", eps=eps,
+        attn_partial, h0, p["mlp_norm"], axis_name="tp", eps=eps, method=method,
         **_norm_keywords(config, p, "mlp_gs"),
     )  # fmt: skip
     gate = _matmul(y, scales, p, "w_gate", config, "mlp_gs")
@@ -271,7 +281,7 @@ def tp_block(h0: jax.Array, params: dict, config: Config):
     act = (jax.nn.silu(gate.astype(jnp.float32)) * up).astype(jnp.bfloat16)
     mlp_partial = act @ p["w_down"]
     return fp8norm.allreduce_residual_rms_norm_fp8(
-        mlp_partial, h1, p["next_norm"], axis_name="tp", eps=eps,
+        mlp_partial, h1, p["next_norm"], axis_name="tp", eps=eps, method=method,
         **_norm_keywords(config, p, "next_gs"),
     )  # fmt: skip
 
@@ -322,9 +332,16 @@ def run(
         q_params = fp4_params(params, config.fp4, global_scales)
     specs = param_specs(config)
     placed = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in q_params.items()}
-    y, scales, residual = make_tp_block(mesh, config)(
-        jax.device_put(h0, NamedSharding(mesh, P())), placed
+    # On the CPU a one-kernel all-reduce runs the CUDA kernel under the SIMT emulation.
+    emulate = (
+        devices[0].platform == "cpu"
+        and config.allreduce_method in ("one_shot", "two_shot")
+        and not fp8norm.simt.active()
     )
+    with fp8norm.simt.kernels() if emulate else contextlib.nullcontext():
+        y, scales, residual = make_tp_block(mesh, config)(
+            jax.device_put(h0, NamedSharding(mesh, P())), placed
+        )
     expected_next, expected_residual = jax.jit(reference_block, static_argnums=2)(
         h0, params, config
     )
@@ -336,6 +353,7 @@ def run(
     shards = [np.asarray(s.data).view(np.uint8) for s in y.addressable_shards]
     errors["devices_identical"] = float(all(np.array_equal(s, shards[0]) for s in shards))
     errors["platform"] = devices[0].platform
+    errors["emulated"] = float(emulate or fp8norm.simt.active())
     return errors
 
 
@@ -355,16 +373,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fp4", choices=sorted(FP4_KEYWORDS), help="FP4 mode: FP4 norm outputs and matmuls"
     )
+    parser.add_argument(
+        "--allreduce-method",
+        choices=ALLREDUCE_METHODS,
+        default="auto",
+        help="the all-reduces' method (one_shot, two_shot: emulated on the CPU)",
+    )
     args = parser.parse_args(argv)
     if args.fp4 is not None and args.group_size is not None:
         parser.error("--group-size: the FP4 format fixes the group (16 NVFP4, 32 MXFP4)")
     # Virtual CPU devices must be requested before jax's backends start.
     jax.config.update("jax_num_cpu_devices", max(args.tp, 1))
-    return report(args.tp, args.group_size, args.fp4)
+    return report(args.tp, args.group_size, args.fp4, args.allreduce_method)
 
 
-def report(tp: int, group_size: int | None = None, fp4: str | None = None) -> int:
-    config = Config(group_size=group_size, fp4=fp4)
+def report(
+    tp: int, group_size: int | None = None, fp4: str | None = None, allreduce_method: str = "auto"
+) -> int:
+    config = Config(group_size=group_size, fp4=fp4, allreduce_method=allreduce_method)
     errors = run(tp, config)
     residual_tolerance, next_tolerance = tolerances(config)
     ok = (
@@ -377,7 +403,9 @@ def report(tp: int, group_size: int | None = None, fp4: str | None = None) -> in
     else:
         scales = "per-row scales" if group_size is None else f"scales per 1x{group_size} group"
     print(
-        f"Llama block, tp={tp} on {errors['platform']}, {scales}: relative error against the bf16 "
+        f"Llama block, tp={tp} on {errors['platform']}, {scales}, all-reduce method "
+        f"{allreduce_method}{' (emulated CUDA kernel)' if errors['emulated'] else ''}: "
+        f"relative error against the bf16 "
         f"block: residual stream {errors['residual']:.4f} (tolerance {residual_tolerance}), "
         f"dequantised next-block input {errors['next_input']:.4f} "
         f"(tolerance {next_tolerance}); outputs identical on every device: "

@@ -106,8 +106,8 @@ template <int kVec>
 __device__ __forceinline__ void SumRow(const AllReduceArgs& a, int64_t row, int parity) {
   const int64_t hidden = a.norm.hidden;
   const size_t in_bytes = FloatTypeBytes(a.partial_type);
-  float* reduced = reinterpret_cast<float*>(a.workspaces[a.position] + a.layout.reduced) +
-                   row * hidden;
+  float* reduced =
+      reinterpret_cast<float*>(a.workspaces[a.position] + a.layout.reduced) + row * hidden;
   for (int64_t i = threadIdx.x; i < hidden / kVec; i += blockDim.x) {
     float h[kVec];
     LoadAny<kVec>(PartialOf(a, 0, parity) + row * hidden * in_bytes, a.partial_type, i, h);
@@ -122,8 +122,8 @@ __device__ __forceinline__ void SumRow(const AllReduceArgs& a, int64_t row, int 
 }
 
 template <int kVec>
-__device__ __forceinline__ void NormalizeRow(const RmsNormFp8Args& norm, int64_t row,
-                                             float* cache, SharedScratch& scratch) {
+__device__ __forceinline__ void NormalizeRow(const RmsNormFp8Args& norm, int64_t row, float* cache,
+                                             SharedScratch& scratch) {
   if (PerRowScale(norm)) {
     ProcessRow<float, kVec>(norm, row, cache, scratch);
   } else {
@@ -146,8 +146,8 @@ __global__ void __launch_bounds__(kAllReduceThreads)
   const int parity = static_cast<int>(epoch & 1);
 
   // Stage 1: this device's rows of x that the blocks b of every device sum.
-  unsigned char* const own_partial = a.workspaces[a.position] + a.layout.partials +
-                                     parity * a.layout.partial_bytes;
+  unsigned char* const own_partial =
+      a.workspaces[a.position] + a.layout.partials + parity * a.layout.partial_bytes;
   ForEachSlice(a, [&](int, int64_t begin, int64_t end) {
     ForEachRowOfBlock(begin, end, [&](int64_t row) {
       const size_t offset = row * hidden * in_bytes;
@@ -161,16 +161,15 @@ __global__ void __launch_bounds__(kAllReduceThreads)
   // call's outputs (one-shot), or into this call's parity of the results (two-shot).
   RmsNormFp8Args norm = a.norm;
   if (a.method == AllReduceMethod::kTwoShot) {
-    unsigned char* const results = a.workspaces[a.position] + a.layout.results +
-                                   parity * a.layout.result_bytes;
+    unsigned char* const results =
+        a.workspaces[a.position] + a.layout.results + parity * a.layout.result_bytes;
     norm.y = results;
     norm.scales = results + a.layout.result_scales;
     norm.residual_out = results + a.layout.result_residual;
   }
   const int64_t rows = a.norm.rows;
-  const int64_t own_begin = a.method == AllReduceMethod::kTwoShot
-                                ? SliceBegin(rows, a.num_devices, a.position)
-                                : 0;
+  const int64_t own_begin =
+      a.method == AllReduceMethod::kTwoShot ? SliceBegin(rows, a.num_devices, a.position) : 0;
   const int64_t own_end = a.method == AllReduceMethod::kTwoShot
                               ? SliceBegin(rows, a.num_devices, a.position + 1)
                               : rows;
@@ -191,11 +190,10 @@ __global__ void __launch_bounds__(kAllReduceThreads)
       const unsigned char* results =
           a.workspaces[q] + a.layout.results + parity * a.layout.result_bytes;
       ForEachRowOfBlock(begin, end, [&](int64_t row) {
-        CopyBytes(static_cast<uint8_t*>(a.y) + row * a.y_row_bytes,
-                  results + row * a.y_row_bytes, a.y_row_bytes);
+        CopyBytes(static_cast<uint8_t*>(a.y) + row * a.y_row_bytes, results + row * a.y_row_bytes,
+                  a.y_row_bytes);
         CopyBytes(static_cast<uint8_t*>(a.scales) + row * a.scale_row_bytes,
-                  results + a.layout.result_scales + row * a.scale_row_bytes,
-                  a.scale_row_bytes);
+                  results + a.layout.result_scales + row * a.scale_row_bytes, a.scale_row_bytes);
         CopyBytes(static_cast<uint8_t*>(a.residual_out) + row * a.residual_row_bytes,
                   results + a.layout.result_residual + row * a.residual_row_bytes,
                   a.residual_row_bytes);
@@ -217,10 +215,10 @@ cudaError_t LaunchAllReduceNorm(cudaStream_t stream, const AllReduceArgs& args,
                                 uint64_t peer_group) {
   if (args.norm.rows == 0) return cudaSuccess;  // on every device alike
   PeerLaunchRecord record(peer_group, args.position, args.num_devices);
-  static const char* const kNames[kMaxPeers] = {
-      "workspace of device 0", "workspace of device 1", "workspace of device 2",
-      "workspace of device 3", "workspace of device 4", "workspace of device 5",
-      "workspace of device 6", "workspace of device 7"};
+  static const char* const kNames[kMaxPeers] = {"workspace of device 0", "workspace of device 1",
+                                                "workspace of device 2", "workspace of device 3",
+                                                "workspace of device 4", "workspace of device 5",
+                                                "workspace of device 6", "workspace of device 7"};
   for (int p = 0; p < args.num_devices; ++p) {
     record.AddMemory(kNames[p], args.workspaces[p], args.layout.total);
   }

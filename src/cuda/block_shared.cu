@@ -6,9 +6,9 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "block_shared_rows.cuh"
 #include "kernel_families.h"
 #include "kernel_launch.h"
-#include "block_shared_rows.cuh"
 #include "row_blocks.cuh"
 
 namespace fp8norm {

@@ -239,7 +239,8 @@ NormAttributes DecodedNormAttributes(const ffi::Dictionary& attrs, ffi::Error* s
   const auto fp4_layout = attrs.get<int64_t>("fp4_layout");
   if (eps.has_error() || weight_offset.has_error() || scale_ub.has_error() ||
       group_size.has_error() || power_of_two.has_error() || fp4_layout.has_error()) {
-    *status = ffi::Error::InvalidArgument("jax_fp8norm: the all-reduce call lacks a norm attribute");
+    *status =
+        ffi::Error::InvalidArgument("jax_fp8norm: the all-reduce call lacks a norm attribute");
     return n;
   }
   n = NormAttributes{*eps, *weight_offset, *scale_ub, *group_size, *power_of_two, *fp4_layout};
@@ -305,9 +306,8 @@ ffi::Error AllReduceNormImpl(PeerTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer re
   args.num_devices = static_cast<int32_t>(group->devices.size());
   args.position = position;
   args.method = call.method;
-  return RunOnDevice(gpu.device, "allreduce_residual_rms_norm_fp8 launch", [&](int) {
-    return LaunchAllReduceNorm(gpu.stream, args, group->key);
-  });
+  return RunOnDevice(gpu.device, "allreduce_residual_rms_norm_fp8 launch",
+                     [&](int) { return LaunchAllReduceNorm(gpu.stream, args, group->key); });
 }
 
 }  // namespace

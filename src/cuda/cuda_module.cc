@@ -9,11 +9,11 @@
 NB_MODULE(_fp8norm_cuda, m) {
   m.attr("version") = FP8NORM_VERSION;
   m.def("registrations", []() {
-    return fp8norm::Registrations({fp8norm::RmsNormFp8CudaHandler,
-                                   fp8norm::AddRmsNormFp8CudaHandler, fp8norm::RoundCudaHandler},
-                                  {fp8norm::kPrepareStage, fp8norm::PrepareCudaHandler},
-                                  {fp8norm::AllReduceNormCudaHandler,
-                                   fp8norm::SetUpAllReduceCudaHandler});
+    return fp8norm::Registrations(
+        {fp8norm::RmsNormFp8CudaHandler, fp8norm::AddRmsNormFp8CudaHandler,
+         fp8norm::RoundCudaHandler},
+        {fp8norm::kPrepareStage, fp8norm::PrepareCudaHandler},
+        {fp8norm::AllReduceNormCudaHandler, fp8norm::SetUpAllReduceCudaHandler});
   });
   fp8norm::AddKernelVariantControls(m);
 }

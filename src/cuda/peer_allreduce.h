@@ -25,12 +25,12 @@ enum class AllReduceMethod : int32_t { kOneShot = 1, kTwoShot = 2 };
 
 // Byte offsets in one device's workspace, the same on every device of the group.
 struct PeerWorkspaceLayout {
-  size_t epochs;     // [kMaxAllReduceBlocks] uint32: the launches each block has begun
-  size_t flags;      // [2 stages][kMaxAllReduceBlocks][kMaxPeers] uint32, stored by peers
-  size_t partials;   // [2 parities][partial_bytes]: this device's x, for its peers
+  size_t epochs;    // [kMaxAllReduceBlocks] uint32: the launches each block has begun
+  size_t flags;     // [2 stages][kMaxAllReduceBlocks][kMaxPeers] uint32, stored by peers
+  size_t partials;  // [2 parities][partial_bytes]: this device's x, for its peers
   size_t partial_bytes;
-  size_t reduced;    // [rows, hidden] float32: the fixed-order sum of the rows it normalises
-  size_t results;    // two-shot: [2 parities][result_bytes] of its own rows' outputs
+  size_t reduced;  // [rows, hidden] float32: the fixed-order sum of the rows it normalises
+  size_t results;  // two-shot: [2 parities][result_bytes] of its own rows' outputs
   size_t result_bytes;
   // Within one parity of the results: y at 0, the scales at result_scales and
   // residual_out at result_residual, each laid out as the call's output.
@@ -99,9 +99,8 @@ FP8NORM_HD int64_t SliceBegin(int64_t rows, int32_t num_devices, int32_t positio
 // Blocks of one launch: one per row of the rows a device normalises, at most
 // kMaxAllReduceBlocks (they stride over more). The same on every device of the group.
 inline unsigned AllReduceBlocks(int64_t rows, int32_t num_devices, AllReduceMethod method) {
-  const int64_t own = method == AllReduceMethod::kTwoShot
-                          ? (rows + num_devices - 1) / num_devices
-                          : rows;
+  const int64_t own =
+      method == AllReduceMethod::kTwoShot ? (rows + num_devices - 1) / num_devices : rows;
   return static_cast<unsigned>(own < kMaxAllReduceBlocks ? (own > 0 ? own : 1)
                                                          : kMaxAllReduceBlocks);
 }

@@ -16,8 +16,7 @@ namespace {
 
 struct Registry {
   std::mutex mutex;
-  std::map<std::pair<int64_t, std::vector<int64_t>>, std::vector<std::unique_ptr<PeerGroup>>>
-      sites;
+  std::map<std::pair<int64_t, std::vector<int64_t>>, std::vector<std::unique_ptr<PeerGroup>>> sites;
 };
 
 Registry& TheRegistry() {
@@ -53,8 +52,8 @@ cudaError_t SetUpGroup(PeerGroup* g, std::string* error) {
   for (int p = 0; p < n; ++p) {
     const int device = static_cast<int>(g->devices[p]);
     cudaError_t err = cudaSetDevice(device);
-    if (err == cudaSuccess) err = cudaMalloc(reinterpret_cast<void**>(&g->workspaces[p]),
-                                              g->layout.total);
+    if (err == cudaSuccess)
+      err = cudaMalloc(reinterpret_cast<void**>(&g->workspaces[p]), g->layout.total);
     if (err == cudaSuccess) err = cudaMemset(g->workspaces[p], 0, g->layout.total);
     if (err == cudaSuccess) err = LoadAllReduceKernel();
     if (err != cudaSuccess) {
@@ -85,9 +84,8 @@ cudaError_t SetUpGroup(PeerGroup* g, std::string* error) {
 
 }  // namespace
 
-cudaError_t SetUpPeerGroups(int64_t call_site, const std::vector<int64_t>& devices,
-                            int group_size, const PeerWorkspaceLayout& layout,
-                            std::string* error) {
+cudaError_t SetUpPeerGroups(int64_t call_site, const std::vector<int64_t>& devices, int group_size,
+                            const PeerWorkspaceLayout& layout, std::string* error) {
   Registry& registry = TheRegistry();
   std::lock_guard<std::mutex> lock(registry.mutex);
   auto key = std::make_pair(call_site, devices);

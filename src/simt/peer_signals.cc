@@ -1,11 +1,13 @@
 // The board of peer_signals.h, and simt.h's ScopedPeerLaunch.
 //
-// The board's own synchronisation (its mutex) runs on the OS threads' main contexts, never
-// in a kernel thread's fiber, which only counts its flag stores in a relaxed atomic; and
-// fiber switches carry no ordering for ThreadSanitizer (fiber.cc). So the only orderings
-// between two devices' kernels that ThreadSanitizer sees are the kernels' own acquire
-// loads of release-stored flags, and a kernel that reads a peer's memory before its flag
-// is reported as a race. Waiting launches therefore poll the count, every 200 us.
+// The board's own synchronisation (its mutex, the devices' turns) is hidden from
+// ThreadSanitizer (HiddenSync) and runs on the OS threads' main contexts, never in a
+// kernel thread's fiber, which only counts its flag stores in a relaxed atomic; and fiber
+// switches carry no ordering for ThreadSanitizer (fiber.cc). So the only orderings between
+// two devices' kernels that ThreadSanitizer sees are the kernels' own acquire loads of
+// release-stored flags, and a kernel that reads a peer's memory before its flag is
+// reported as a race, whatever order the turns gave. Waiting launches therefore poll the
+// count, every 200 us.
 #include "peer_signals.h"
 
 #include <algorithm>
@@ -16,6 +18,7 @@
 #include <mutex>
 #include <vector>
 
+#include "sanitizers.h"
 #include "simt.h"
 
 namespace simt {
@@ -37,6 +40,11 @@ struct Member {
 
 struct Group {
   std::vector<Member> members;
+  // The member whose kernel runs; -1 when none does. One device of a group runs at a time,
+  // until all its threads wait for flags or its launch ends: a device that fails to wait
+  // for a peer runs ahead of it and reads what the peer has not yet written, in every
+  // run, not only in an unlucky one.
+  int holder = -1;
 };
 
 struct Board {
@@ -101,10 +109,14 @@ std::optional<std::string> AwaitFlags(const std::function<bool()>& reached,
     if (reached()) return std::nullopt;
     return "deadlock: " + waits + ", outside any peer launch, so no other device can store it";
   }
+  HiddenSync hidden;
   Board& board = TheBoard();
   std::unique_lock<std::mutex> lock(board.mutex);
   Group& group = board.groups[current_launch->group];
-  Member& me = group.members[current_launch->position];
+  const int position = current_launch->position;
+  Member& me = group.members[position];
+  if (group.holder == position) group.holder = -1;  // another device may run meanwhile
+  board.changed.notify_all();
   auto last_change = std::chrono::steady_clock::now();
   uint64_t last_generation = board.generation();
   for (;;) {
@@ -118,6 +130,8 @@ std::optional<std::string> AwaitFlags(const std::function<bool()>& reached,
     lock.lock();
     if (ok) {
       me.stalled = false;
+      board.changed.wait(lock, [&] { return group.holder == -1; });
+      group.holder = position;
       return std::nullopt;
     }
     if (me.failure) {
@@ -149,8 +163,9 @@ std::optional<std::string> AwaitFlags(const std::function<bool()>& reached,
 }  // namespace internal
 
 ScopedPeerLaunch::ScopedPeerLaunch(uint64_t group, int position, int size) {
+  HiddenSync hidden;
   internal::Board& board = internal::TheBoard();
-  std::lock_guard<std::mutex> lock(board.mutex);
+  std::unique_lock<std::mutex> lock(board.mutex);
   internal::Group& g = board.groups[group];
   if (g.members.size() < static_cast<size_t>(size)) g.members.resize(size);
   internal::Member& m = g.members[position];
@@ -161,16 +176,22 @@ ScopedPeerLaunch::ScopedPeerLaunch(uint64_t group, int position, int size) {
   internal::current_launch = internal::PeerLaunch{group, position, size};
   board.launch_events += 1;
   board.changed.notify_all();
+  // Its kernel runs when no other device of the group runs one.
+  board.changed.wait(lock, [&] { return g.holder == -1; });
+  g.holder = position;
 }
 
 ScopedPeerLaunch::~ScopedPeerLaunch() {
+  HiddenSync hidden;
   internal::Board& board = internal::TheBoard();
   std::lock_guard<std::mutex> lock(board.mutex);
-  internal::Member& m = board.groups[internal::current_launch->group]
-                            .members[internal::current_launch->position];
+  internal::Member& m =
+      board.groups[internal::current_launch->group].members[internal::current_launch->position];
   m.running = false;
   m.stalled = false;
   m.failure.reset();
+  internal::Group& g = board.groups[internal::current_launch->group];
+  if (g.holder == internal::current_launch->position) g.holder = -1;
   internal::current_launch.reset();
   board.launch_events += 1;  // a launch that ended may complete a deadlock
   board.changed.notify_all();

@@ -1,7 +1,10 @@
 // The SIMT emulation's devices that signal each other (docs/simt.md, "Several devices"):
-// the launches of one peer group, one per emulated device, run at the same time on their
-// own OS threads and wait for flags in each other's memory. A block whose threads all wait
-// for flags hands its OS thread to this board, which sleeps until some flag changes; when
+// the launches of one peer group, one per emulated device, run on their own OS threads and
+// wait for flags in each other's memory. One device of a group runs its kernel at a time,
+// until all the threads of its block wait for flags (or its launch ends), so a kernel that
+// reads a peer's memory without waiting for the peer's flag reads it before the peer
+// wrote it, in every run. A block whose threads all wait hands its OS thread to this
+// board, which sleeps until some flag it waits for is reached and no other device runs; when
 // every launch of the group waits and no flag can change any more (every other device
 // waits too, or has finished its launch), the wait can never be met, and every waiting
 // launch fails with a report naming each device and the flag it waits for: a deadlock is

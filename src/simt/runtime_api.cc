@@ -287,7 +287,8 @@ cudaError_t cudaGetDeviceCount(int* count) {
 
 cudaError_t cudaMalloc(void** pointer, size_t bytes) {
   *pointer = bytes == 0 ? nullptr : std::aligned_alloc(256, (bytes + 255) / 256 * 256);
-  return *pointer != nullptr || bytes == 0 ? cudaSuccess : simt::SetError(cudaErrorMemoryAllocation);
+  return *pointer != nullptr || bytes == 0 ? cudaSuccess
+                                           : simt::SetError(cudaErrorMemoryAllocation);
 }
 
 cudaError_t cudaFree(void* pointer) {

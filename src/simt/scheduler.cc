@@ -225,8 +225,8 @@ bool Scheduler::ReleaseReachedFlags() {
   bool any = false;
   for (unsigned t = 0; t < num_threads_; ++t) {
     ThreadState& s = *threads_[t];
-    if (s.wait == Wait::kFlag && FlagReached(__atomic_load_n(s.flag, __ATOMIC_RELAXED),
-                                             s.flag_target)) {
+    if (s.wait == Wait::kFlag &&
+        FlagReached(__atomic_load_n(s.flag, __ATOMIC_RELAXED), s.flag_target)) {
       s.wait = Wait::kNone;
       any = true;
     }

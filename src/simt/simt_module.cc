@@ -18,11 +18,11 @@
 NB_MODULE(_fp8norm_simt, m) {
   m.attr("version") = FP8NORM_VERSION;
   m.def("registrations", []() {
-    return fp8norm::Registrations({fp8norm::SimtRmsNormFp8Handler,
-                                   fp8norm::SimtAddRmsNormFp8Handler, fp8norm::SimtRoundHandler},
-                                  {fp8norm::kPrepareStage, fp8norm::SimtPrepareHandler},
-                                  {fp8norm::SimtAllReduceNormHandler,
-                                   fp8norm::SimtSetUpAllReduceHandler});
+    return fp8norm::Registrations(
+        {fp8norm::SimtRmsNormFp8Handler, fp8norm::SimtAddRmsNormFp8Handler,
+         fp8norm::SimtRoundHandler},
+        {fp8norm::kPrepareStage, fp8norm::SimtPrepareHandler},
+        {fp8norm::SimtAllReduceNormHandler, fp8norm::SimtSetUpAllReduceHandler});
   });
   fp8norm::AddKernelVariantControls(m);
   fp8norm::AddCudaHostLogic(m);

@@ -212,9 +212,9 @@ bool RunAllReduceCase(const AllReduceCase& c) {
       const void* device_residual =
           k == 0 ? first_residual.bytes.data() : calls[k - 1][d]->residual_out.data();
       AllReduceArgs& a = call->args;
-      a.norm = norm_args(group->workspaces[d] + group->layout.reduced, device_residual,
-                         call->y.data(), call->scales.data(), call->residual_out.data(),
-                         FloatType::kF32);
+      a.norm =
+          norm_args(group->workspaces[d] + group->layout.reduced, device_residual, call->y.data(),
+                    call->scales.data(), call->residual_out.data(), FloatType::kF32);
       a.partial = call->partial.data();
       a.partial_type = c.input;
       a.y = call->y.data();
@@ -235,9 +235,9 @@ bool RunAllReduceCase(const AllReduceCase& c) {
     want_y.emplace_back(y_bytes);
     want_scales.emplace_back(scale_bytes);
     want_residual.emplace_back(elements * in_bytes);
-    const RmsNormFp8Args cpu = norm_args(sum.data(), residual->bytes.data(), want_y.back().data(),
-                                         want_scales.back().data(), want_residual.back().data(),
-                                         FloatType::kF32);
+    const RmsNormFp8Args cpu =
+        norm_args(sum.data(), residual->bytes.data(), want_y.back().data(),
+                  want_scales.back().data(), want_residual.back().data(), FloatType::kF32);
     RmsNormFp8Cpu(cpu, [](int64_t count, const std::function<void(int64_t)>& f) {
       for (int64_t i = 0; i < count; ++i) f(i);
     });
@@ -256,7 +256,8 @@ bool RunAllReduceCase(const AllReduceCase& c) {
         // Every device that waited fails with the report, none hangs.
         bool reported = false;
         for (int d = 0; d < n; ++d) {
-          reported = reported || failure[d].find("deadlock between the devices") != std::string::npos;
+          reported =
+              reported || failure[d].find("deadlock between the devices") != std::string::npos;
         }
         if (!reported) {
           std::printf("FAIL %s: no deadlock reported (device 0: %s)\n", name.c_str(),
@@ -337,11 +338,25 @@ int CheckAllReduce(bool quick) {
     cases.push_back({2, 512, 8192, FloatType::kBF16, AllReduceMethod::kTwoShot, 1});
     cases.push_back({8, 512, 1024, FloatType::kF16, AllReduceMethod::kTwoShot, 1});
     cases.push_back({4, 7, 1030, FloatType::kBF16, AllReduceMethod::kTwoShot, 2});
-    AllReduceCase nvfp4{4, 9, 1024, FloatType::kBF16, AllReduceMethod::kTwoShot, 2, 16,
-                        FloatType::kE4M3, OutFormat::kE2M1};
+    AllReduceCase nvfp4{4,
+                        9,
+                        1024,
+                        FloatType::kBF16,
+                        AllReduceMethod::kTwoShot,
+                        2,
+                        16,
+                        FloatType::kE4M3,
+                        OutFormat::kE2M1};
     cases.push_back(nvfp4);
-    AllReduceCase mxfp4{2, 9, 1024, FloatType::kF32, AllReduceMethod::kOneShot, 2, 32,
-                        FloatType::kE8M0, OutFormat::kE2M1};
+    AllReduceCase mxfp4{2,
+                        9,
+                        1024,
+                        FloatType::kF32,
+                        AllReduceMethod::kOneShot,
+                        2,
+                        32,
+                        FloatType::kE8M0,
+                        OutFormat::kE2M1};
     mxfp4.power_of_two = true;
     cases.push_back(mxfp4);
     cases.push_back({8, 3, 1024, FloatType::kBF16, AllReduceMethod::kOneShot, 25});

@@ -30,8 +30,8 @@
 
 namespace fp8norm {
 
-int CheckEmulator();  // emulator_check.cc
-int CheckIndexing();  // index_check.cc
+int CheckEmulator();             // emulator_check.cc
+int CheckIndexing();             // index_check.cc
 int CheckAllReduce(bool quick);  // allreduce_check.cc
 
 namespace {
