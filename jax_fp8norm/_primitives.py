@@ -44,22 +44,25 @@ def _eager_impl(prim: Primitive, *args, **params):
     return _jitted_bind(prim, tuple(sorted(params.items())), _ffi.emulating())(*args)
 
 
+def _norm_attributes(params: dict, platform: str) -> dict:
+    """The custom call's attributes of the norm (src/common/ffi_decode.h, NormAttributes).
+    The dtypes are carried by the result types; a calibrated or global scale by its
+    operand; how the platform holds FP4 buffers by fp4_layout."""
+    return dict(
+        eps=np.float32(params["eps"]),
+        weight_offset=np.float32(params["weight_offset"]),
+        scale_ub=np.float32(params["scale_ub"]),
+        group_size=np.int64(params["group_size"] or 0),
+        power_of_two_scales=bool(params["power_of_two_scales"]),
+        fp4_layout=np.int64(_ffi.fp4_layout(platform)),
+    )
+
+
 def _ffi_lowering(target: str, platform: str):
     rule = jax.ffi.ffi_lowering(target)
 
     def lowering(ctx, *args, **params):
-        # The dtypes are carried by the result types; a calibrated or global scale by its
-        # operand; how the platform holds FP4 buffers by fp4_layout.
-        return rule(
-            ctx,
-            *args,
-            eps=np.float32(params["eps"]),
-            weight_offset=np.float32(params["weight_offset"]),
-            scale_ub=np.float32(params["scale_ub"]),
-            group_size=np.int64(params["group_size"] or 0),
-            power_of_two_scales=bool(params["power_of_two_scales"]),
-            fp4_layout=np.int64(_ffi.fp4_layout(platform)),
-        )
+        return rule(ctx, *args, **_norm_attributes(params, platform))
 
     return lowering
 
@@ -383,12 +386,7 @@ def _allreduce_lowering(platform: str):
         return rule(
             ctx,
             *args,
-            eps=np.float32(params["eps"]),
-            weight_offset=np.float32(params["weight_offset"]),
-            scale_ub=np.float32(params["scale_ub"]),
-            group_size=np.int64(params["group_size"] or 0),
-            power_of_two_scales=bool(params["power_of_two_scales"]),
-            fp4_layout=np.int64(_ffi.fp4_layout(platform)),
+            **_norm_attributes(params, platform),
             call_site=np.int64(next(_call_sites)),
             devices=np.ascontiguousarray(groups.reshape(-1)),
             group_devices=np.int64(groups.shape[1]),

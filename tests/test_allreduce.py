@@ -15,8 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
+    REQUIRE_GPU,
     TIERS,
+    assert_matches_reference,
     assert_same_bits,
+    gpu_devices,
     random_gamma,
     random_rows,
     rerun_with_virtual_cpu_devices,
@@ -302,32 +305,16 @@ else:
 
     ONE_KERNEL = ("one_shot", "two_shot")
 
-    def _emulated(method, mesh, partials, residual, gamma, **kw):
-        with jax_fp8norm.simt.kernels():
-            return _numpy(
-                _run(
-                    fp8norm.allreduce_residual_rms_norm_fp8,
-                    mesh,
-                    partials,
-                    residual,
-                    gamma,
-                    method=method,
-                    **kw,
-                )
-            )
+    def _fixed_order_reference(method, mesh, *args, **kw):
+        """The reference twin's outputs for ``method``, as NumPy."""
+        op = fp8norm.reference.allreduce_residual_rms_norm_fp8
+        return _numpy(_run(op, mesh, *args, method=method, **kw))
 
-    def _fixed_order_reference(method, mesh, partials, residual, gamma, **kw):
-        return _numpy(
-            _run(
-                fp8norm.reference.allreduce_residual_rms_norm_fp8,
-                mesh,
-                partials,
-                residual,
-                gamma,
-                method=method,
-                **kw,
-            )
-        )
+    def _emulated(method, mesh, *args, **kw):
+        """The op's outputs for ``method``, the CUDA kernels emulated, as NumPy."""
+        with jax_fp8norm.simt.kernels():
+            op = fp8norm.allreduce_residual_rms_norm_fp8
+            return _numpy(_run(op, mesh, *args, method=method, **kw))
 
     def _run_stacked(op, mesh, partials, residual, gamma, **kw):
         """op inside shard_map, each device's outputs stacked (out_specs P("tp")), so that
@@ -635,3 +622,46 @@ else:
                 want_read = (size - 1) * own * hidden * x_bytes + others * out_row
                 want_written = 2 * (size - 1) * blocks * 4
             assert (read, written) == (want_read, want_written), (d, method)
+
+    def test_allreduce_benchmark_runs_and_checks(capsys):
+        from jax_fp8norm.bench import allreduce as bench
+
+        argv = ["--rows", "3,17", "--hidden", "256", "--rounds", "2", "--devices", "4"]
+        assert bench.main([*argv, "--emulate"]) == 0
+        out = capsys.readouterr().out
+        assert "4 x cpu (emulated CUDA kernels)" in out
+        for name in ("xla all-reduce + jnp formula", "method='xla'", "method='two_shot'"):
+            assert out.count(name) == 2, out
+        assert bench.main(argv) == 0  # without the emulation: the XLA rows only
+        assert "method='one_shot'" not in capsys.readouterr().out
+
+    @pytest.mark.parametrize("method", ONE_KERNEL)
+    def test_one_kernel_on_the_gpus(method):
+        # Every GPU jax sees, in one group (one GPU: the n = 1 path); the accuracy rule
+        # against the reference twin, the same bits on every GPU.
+        gpus = gpu_devices()
+        if not gpus:
+            if REQUIRE_GPU:
+                pytest.fail("FP8NORM_REQUIRE_GPU is set but no GPU backend is available")
+            pytest.skip("no GPU backend available to jax")
+        mesh = jax.make_mesh((len(gpus),), ("tp",), devices=gpus)
+        for rows in (1, 7, 64):
+            partials, residual, gamma = _inputs(len(gpus), rows, 4096)
+            out = _run(
+                fp8norm.allreduce_residual_rms_norm_fp8,
+                mesh,
+                partials,
+                residual,
+                gamma,
+                method=method,
+            )
+            ref = _run(
+                fp8norm.reference.allreduce_residual_rms_norm_fp8,
+                mesh,
+                partials,
+                residual,
+                gamma,
+                method=method,
+            )
+            assert_matches_reference(_numpy(out), _numpy(ref))
+            _assert_same_on_every_device(out)

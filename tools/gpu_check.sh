@@ -12,7 +12,8 @@
 #
 # Budgets (seconds, each a hard `timeout`; what ran before a timeout is kept): build
 # BUILD_SECONDS=120 (+30 to import it), tests TEST_SECONDS=180 (FUZZ_EXAMPLES=100 per
-# platform), main job 60, resource usage 30, benchmark BENCH_SECONDS=170: 590 in all;
+# platform), main job 60, all-reduce methods 30, resource usage 30, benchmark
+# BENCH_SECONDS=140: 590 in all;
 # deep: SANITIZE_SECONDS=360, NCU_SECONDS=180. ARCHS overrides the
 # CUDA architectures (default 90a-real). `deep` rebuilds only when the package is not
 # installed. Exits non-zero when any step failed or ran out of time.
@@ -64,9 +65,13 @@ if [ "$MODE" = check ]; then
     python3 -m pytest -q -rfE -p no:cacheprovider \
     -k "not simt and not test_cuda_launch and not test_kernel_selection"
   step "main job" 60 main_job.log python3 -m jax_fp8norm
+  # The one-kernel all-reduce's methods against XLA's on every GPU (one GPU: the n = 1
+  # path and the set-up cost); its bits against the twin ran in the tests above.
+  TAIL=20 step "all-reduce methods" 30 allreduce_bench.log \
+    python3 -m jax_fp8norm.bench.allreduce --rows 1,8,32,128 --rounds 20
   step "kernel resources" 30 resource_usage.txt sh -c "cuobjdump --dump-resource-usage \
     \$(python3 -c 'import jax_fp8norm_kernels._fp8norm_cuda as m; print(m.__file__)')"
-  TAIL=60 step "A/B benchmark: every variant" "${BENCH_SECONDS:-170}" bench.log \
+  TAIL=60 step "A/B benchmark: every variant" "${BENCH_SECONDS:-140}" bench.log \
     python3 -m jax_fp8norm.bench --variants all --dtypes bfloat16 \
     --ops rms_norm_fp8,add_rms_norm_fp8 \
     --rows 1,16,64,256,4096,16384 --hidden 2048,4096,8192,16384 --repeats 5 \

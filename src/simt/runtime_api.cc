@@ -49,7 +49,10 @@ KernelRecord RecordOf(const Shared& g, const void* kernel) {
   return it == g.kernels.end() ? KernelRecord{} : it->second;
 }
 
+// The runtime's own lock, which every launch takes, orders nothing for ThreadSanitizer:
+// two devices' launches are ordered only by their kernels' flags (peer_signals.cc).
 void Keep(LaunchRecord record) {
+  HiddenSync hidden;
   Shared& g = Global();
   std::lock_guard<std::mutex> lock(g.mutex);
   g.launches.push_back(std::move(record));
@@ -73,6 +76,7 @@ cudaError_t SetError(cudaError_t error) {
 
 // The error injected for this call of `function`, or cudaSuccess.
 cudaError_t Injected(const char* function) {
+  HiddenSync hidden;  // see Keep
   Shared& g = Global();
   std::lock_guard<std::mutex> lock(g.mutex);
   auto it = g.injected.find(function);
@@ -151,6 +155,7 @@ cudaError_t Launch(const void* kernel, const cudaLaunchConfig_t& config, ThreadB
   DeviceLimits limits;
   KernelRecord kernel_record;
   {
+    HiddenSync hidden_lock;
     Shared& g = Global();
     std::lock_guard<std::mutex> lock(g.mutex);
     limits = g.limits;

@@ -97,9 +97,9 @@ def main() -> int:
     x = random_rows(10, (size * 8, HIDDEN), jnp.bfloat16)
 
     # 1. Every multi-process program, outputs kept as their addressable shards.
-    def under_shard_map(op, reduce_dtype):
+    def under_shard_map(op, reduce_dtype, **kw):
         def per_device(p, r, g):
-            return op(p[0], r, g, axis_name="tp", reduce_dtype=reduce_dtype)
+            return op(p[0], r, g, axis_name="tp", reduce_dtype=reduce_dtype, **kw)
 
         fn = jax.shard_map(
             per_device, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(), P(), P())
@@ -132,6 +132,20 @@ def main() -> int:
         )
     )
     timings["allreduce-wrapper"] = time.monotonic() - t
+    # The one-kernel methods need every device in one process: under the emulation, auto
+    # is XLA's all-reduce here, and an explicit method refuses (at lowering, in both
+    # processes alike, before any collective).
+    t = time.monotonic()
+    with fp8norm.simt.kernels():
+        outputs[("allreduce", "x_dtype", "auto-emulated")] = jax.block_until_ready(
+            under_shard_map(fp8norm.allreduce_residual_rms_norm_fp8, None, method="auto")
+        )
+        try:
+            under_shard_map(fp8norm.allreduce_residual_rms_norm_fp8, None, method="one_shot")
+            refusal = None
+        except ValueError as error:
+            refusal = str(error)
+    timings["allreduce-methods"] = time.monotonic() - t
     row_hlo = {}
     for kind, m in meshes.items():
         t = time.monotonic()
@@ -249,6 +263,19 @@ def main() -> int:
     check(
         "allreduce-wrapper-bits-vs-shard_map",
         lambda: shards_against(wrapper, op_full, assert_same_bits),
+    )
+    twin_full = [
+        np.asarray(o.addressable_shards[0].data) for o in outputs[("allreduce", "x_dtype", "twin")]
+    ]
+    check(
+        "allreduce-auto-emulated-is-xla",
+        lambda: shards_against(
+            outputs[("allreduce", "x_dtype", "auto-emulated")], twin_full, assert_same_bits
+        ),
+    )
+    check(
+        "allreduce-one-shot-refuses-several-processes",
+        lambda: _equal(refusal is not None and "several processes" in refusal, True),
     )
     for kind in meshes:
         out = outputs[("rows", kind)]

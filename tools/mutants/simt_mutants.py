@@ -177,14 +177,12 @@ MUTANTS = [
         "cuda/allreduce.cu",
         "  if (threadIdx.x == 0) StoreGlobal(epochs + blockIdx.x, epoch);\n",
         "",
-        race=True,
     ),
     Mutant(
         "all-reduce: a peer's partial read before its flag (the wait takes the last call's)",
         "cuda/allreduce.cu",
         "while (!FlagReached(LoadAcquireSystem(flag), epoch)) FlagWaitPoint(flag, epoch);",
         "while (!FlagReached(LoadAcquireSystem(flag), epoch - 1)) FlagWaitPoint(flag, epoch - 1);",
-        race=True,
     ),
     Mutant(
         "all-reduce: device 1 launched with one block more than its peers (a deadlock)",
