@@ -314,7 +314,8 @@ else:
         """The op's outputs for ``method``, the CUDA kernels emulated, as NumPy."""
         with jax_fp8norm.simt.kernels():
             op = fp8norm.allreduce_residual_rms_norm_fp8
-            return _numpy(_run(op, mesh, *args, method=method, **kw))
+            # Every device's call done, not only the one whose copy NumPy reads.
+            return _numpy(jax.block_until_ready(_run(op, mesh, *args, method=method, **kw)))
 
     def _run_stacked(op, mesh, partials, residual, gamma, **kw):
         """op inside shard_map, each device's outputs stacked (out_specs P("tp")), so that

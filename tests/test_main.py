@@ -42,8 +42,18 @@ def test_fp4_option_goes_to_the_example(monkeypatch):
     monkeypatch.setattr(jax.config, "update", lambda *args: None)  # backends have started
     assert main_job.main(["--tp", "8", "--fp4", "mxfp4"]) == 0
     assert main_job.main(["--tp", "2"]) == 0
-    assert calls == [(8, None, "mxfp4"), (2, None, None)]
-    for argv in (["--fp4", "nvfp4"], ["--tp", "8", "--fp4", "nvfp4", "--group-size", "128"]):
+    assert main_job.main(["--tp", "4", "--allreduce-method", "two_shot"]) == 0
+    assert calls == [
+        (8, None, "mxfp4", "auto"),
+        (2, None, None, "auto"),
+        (4, None, None, "two_shot"),
+    ]
+    for argv in (
+        ["--fp4", "nvfp4"],
+        ["--tp", "8", "--fp4", "nvfp4", "--group-size", "128"],
+        ["--allreduce-method", "one_shot"],
+        ["--tp", "8", "--allreduce-method", "nccl"],
+    ):
         with pytest.raises(SystemExit):
             main_job.main(argv)
     with pytest.raises(SystemExit):
