@@ -19,6 +19,9 @@ import sys
 os.environ["XLA_FLAGS"] = (
     "--xla_backend_optimization_level=0 " + os.environ.get("XLA_FLAGS", "")
 ).strip()
+# The default tier runs in two worker processes (pyproject.toml): on a GPU each takes the
+# memory it needs, instead of jax's default of most of the GPU for the first one.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax
 import jax.numpy as jnp
@@ -209,7 +212,7 @@ def rerun_with_virtual_cpu_devices(
         XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={num_devices}".strip(),
         PYTHONPATH=path,
     )
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0"]
     result = subprocess.run(
         [*command, "-m", TIER_MARKS[tier], test_file, *pytest_args],
         cwd=os.path.dirname(os.path.abspath(test_file)),

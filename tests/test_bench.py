@@ -357,3 +357,15 @@ def test_variants_are_timed_side_by_side_and_each_checked():
     lines = report.summary(results)
     assert len(lines) == 3 and all("of copy bandwidth" in line for line in lines)
     assert "warp_rows" in report.format_table(results)
+
+
+def test_the_allreduce_op_runs_its_own_report(capsys):
+    # On this process's devices (one CPU device: the XLA rows; tests/test_allreduce.py runs
+    # the one-kernel methods on several emulated devices).
+    assert (
+        cli.main(["--ops", "allreduce_residual_rms_norm_fp8", "--rows", "2", "--hidden", "128"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "allreduce_residual_rms_norm_fp8, bfloat16 x 128" in out
+    assert "method='xla'" in out and "xla all-reduce + jnp formula" in out

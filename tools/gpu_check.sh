@@ -58,11 +58,11 @@ if [ "$MODE" = check ]; then
   # How the GPU's XLA holds FP4 buffers, first: the FP4 kernels write the layout
   # jax_fp8norm/_ffi.py's FP4_LAYOUTS says.
   TAIL=6 step "FP4 layout on the GPU" 60 fp4_layout.log \
-    env FP8NORM_REQUIRE_GPU=1 python3 -m pytest -q -rfE -p no:cacheprovider \
+    env FP8NORM_REQUIRE_GPU=1 python3 -m pytest -q -rfE -n 0 -p no:cacheprovider \
     tests/test_fp4.py -k "layout_of_the_gpu_backend"
   TAIL=6 step "tests, GPU required" "${TEST_SECONDS:-180}" pytest.log \
     env FP8NORM_REQUIRE_GPU=1 FP8NORM_FUZZ_EXAMPLES="${FUZZ_EXAMPLES:-100}" \
-    python3 -m pytest -q -rfE -p no:cacheprovider \
+    python3 -m pytest -q -rfE -n 0 -p no:cacheprovider \
     -k "not simt and not test_cuda_launch and not test_kernel_selection"
   step "main job" 60 main_job.log python3 -m jax_fp8norm
   # The one-kernel all-reduce's methods against XLA's on every GPU (one GPU: the n = 1

@@ -71,12 +71,24 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The all-reduce op runs on every device at once: a report of its own
+# (jax_fp8norm.bench.allreduce), which ``--ops allreduce_residual_rms_norm_fp8`` runs with
+# its defaults.
+ALLREDUCE_OP = "allreduce_residual_rms_norm_fp8"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     cli = parser()
     args = cli.parse_args(argv)
+    if args.ops == (ALLREDUCE_OP,):
+        from jax_fp8norm.bench import allreduce
+
+        rows = ["--rows", ",".join(map(str, args.rows))] if args.rows else []
+        hidden = ["--hidden", str(args.hidden[0])] if args.hidden else []
+        return allreduce.main(rows + hidden)
     for name in args.ops:
         if name not in OPS:
-            cli.error(f"--ops: unknown op {name!r}; choose from {OPS}")
+            cli.error(f"--ops: unknown op {name!r}; choose from {(*OPS, ALLREDUCE_OP)}")
     for name in args.impls:
         if name not in IMPLS:
             cli.error(f"--impls: unknown implementation {name!r}; choose from {IMPLS}")

@@ -52,9 +52,20 @@ cudaError_t SetUpGroup(PeerGroup* g, std::string* error) {
   for (int p = 0; p < n; ++p) {
     const int device = static_cast<int>(g->devices[p]);
     cudaError_t err = cudaSetDevice(device);
-    if (err == cudaSuccess)
+    if (err == cudaSuccess) {
       err = cudaMalloc(reinterpret_cast<void**>(&g->workspaces[p]), g->layout.total);
-    if (err == cudaSuccess) err = cudaMemset(g->workspaces[p], 0, g->layout.total);
+    }
+    // Zeroed on a stream of its own that does not wait for the device's other streams:
+    // the legacy default stream would wait for a kernel of another call that may itself
+    // wait for a device whose set-up this is.
+    cudaStream_t stream = nullptr;
+    if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    if (err == cudaSuccess) {
+      err = cudaMemsetAsync(g->workspaces[p], 0, g->layout.total, stream);
+      const cudaError_t synced = cudaStreamSynchronize(stream);
+      if (err == cudaSuccess) err = synced;
+      cudaStreamDestroy(stream);
+    }
     if (err == cudaSuccess) err = LoadAllReduceKernel();
     if (err != cudaSuccess) {
       *error = "allocating the all-reduce workspace of device " + std::to_string(device);

@@ -160,8 +160,8 @@ class CpuModule:
         """('passed' | 'failed' | 'error', the run's last lines): pytest's exit code 1 is
         a failing test; any other non-zero code is no verdict on the mutant."""
         env = dict(os.environ, PYTHONPATH=str(self.package), FP8NORM_CPU_ISA="baseline")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k",
-               SELECT, *TESTS]  # fmt: skip
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
+               "-k", SELECT, *TESTS]  # fmt: skip
         try:
             ran = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                                  timeout=TIMEOUT_S, check=False)  # fmt: skip

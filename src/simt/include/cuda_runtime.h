@@ -170,7 +170,12 @@ cudaError_t cudaMemsetAsync(void* pointer, int value, size_t bytes, cudaStream_t
 // against a launch's buffers by these calls (the launch registers what it may touch).
 cudaError_t cudaMalloc(void** pointer, size_t bytes);
 cudaError_t cudaFree(void* pointer);
-cudaError_t cudaMemset(void* pointer, int value, size_t bytes);
+// Streams: the emulation runs everything at once on the calling thread, so a stream is a
+// name only.
+constexpr unsigned cudaStreamNonBlocking = 1;
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned flags);
+cudaError_t cudaStreamSynchronize(cudaStream_t stream);
+cudaError_t cudaStreamDestroy(cudaStream_t stream);
 cudaError_t cudaGetDeviceCount(int* count);
 // Every emulated device reaches every other's memory.
 cudaError_t cudaDeviceCanAccessPeer(int* can_access, int device, int peer);
