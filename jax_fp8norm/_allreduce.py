@@ -26,8 +26,8 @@ METHOD_CODES = {"one_shot": 1, "two_shot": 2}
 KIB, MIB = 1024, 1024 * 1024
 AUTO_TABLE = {
     2: (512 * KIB, 512 * KIB),
-    4: (512 * KIB, 8 * MIB),
-    8: (256 * KIB, 8 * MIB),
+    4: (768 * KIB, 8 * MIB),
+    8: (192 * KIB, 8 * MIB),
 }
 
 # The one switch that lets auto pick a one-kernel method on real GPUs, once AUTO_TABLE has

@@ -6,7 +6,7 @@ shape rule), lowering to the XLA FFI custom calls per platform, partitioning und
 from __future__ import annotations
 
 import functools
-import itertools
+import random
 
 import jax
 import jax.numpy as jnp
@@ -130,16 +130,17 @@ def _output_types(avals, scale_operand: bool, scale_name: str) -> dict:
 
 
 def _norm_abstract_eval(*avals, reduced_axes: tuple = (), **params):
-    """The outputs' types; ``reduced_axes``: the manual axes the op all-reduces over, which
-    its outputs no longer vary over."""
+    """The outputs' types; ``reduced_axes``: the manual axes the op all-reduces x over, which
+    its outputs vary over only where another operand does."""
     x = avals[0]
     scale_operand = _has_scale_operand(params)
     scale_name = "global_scale" if params["has_global_scale"] else "static_scale"
     types = _output_types(avals, scale_operand, scale_name)
     if reduced_axes and "manual_axis_type" in types:
         manual = types["manual_axis_type"]
+        varying = frozenset(x.manual_axis_type.varying) - frozenset(reduced_axes)
         types["manual_axis_type"] = type(manual)(
-            varying=frozenset(manual.varying) - frozenset(reduced_axes),
+            varying=varying.union(*(a.manual_axis_type.varying for a in avals[1:])),
             unreduced=frozenset(),
             reduced=frozenset(),
         )
@@ -340,25 +341,32 @@ add_rms_norm_fp8_p = _make_norm_primitive("add_rms_norm_fp8")
 allreduce_rms_norm_fp8_p = Primitive("fp8norm_allreduce_rms_norm_fp8")
 allreduce_rms_norm_fp8_p.multiple_results = True
 
-_NORM_PARAMS_ONLY = ("axis_name", "method", "reduce_dtype")
-_call_sites = itertools.count(1)
+# Call sites: random, so that one lowered in another process (an exported function) does
+# not share a number, and with it a workspace, with one lowered here.
+_call_sites = random.Random()
 
 
 def _allreduce_abstract_eval(*avals, axis_name, method, reduce_dtype, **params):
     return _norm_abstract_eval(*avals, reduced_axes=(axis_name,), **params)
 
 
-def _axis_groups(ctx, axis_name: str) -> np.ndarray:
-    """[groups, n]: the ids of the devices of each group along ``axis_name``, in their order
-    on the axis, from the mesh of the enclosing shard_map."""
+def _device_ordinal(device) -> int:
+    """The device's number as its handler sees it (XLA's FFI DeviceOrdinal): the CUDA
+    ordinal of a GPU, the id of a virtual CPU device."""
+    if device.platform == "gpu" and getattr(device, "local_hardware_id", None) is not None:
+        return int(device.local_hardware_id)
+    return int(device.id)
+
+
+def _axis_groups(ctx, axis_name: str) -> np.ndarray | None:
+    """[groups, n]: the devices of each group along ``axis_name``, in their order on the
+    axis, from the mesh of the enclosing shard_map; None without a mesh of concrete devices
+    (an abstract mesh, pmap)."""
     mesh = getattr(ctx.module_context.axis_context, "mesh", None)
     devices = getattr(mesh, "devices", None)
     if devices is None or axis_name not in getattr(mesh, "axis_names", ()):
-        raise ValueError(
-            "the one-kernel all-reduce must be called inside jax.shard_map over a mesh of "
-            f"concrete devices with the axis {axis_name!r}"
-        )
-    ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(np.asarray(devices))
+        return None
+    ids = np.vectorize(_device_ordinal, otypes=[np.int64])(np.asarray(devices))
     axis = list(mesh.axis_names).index(axis_name)
     return np.moveaxis(ids, axis, -1).reshape(-1, ids.shape[axis])
 
@@ -367,15 +375,22 @@ def _allreduce_lowering(platform: str):
     def lowering(ctx, *args, axis_name, method, reduce_dtype, **params):
         x = ctx.avals_in[0]
         groups = _axis_groups(ctx, axis_name)
-        chosen = _allreduce.select(
-            method,
-            platform=platform,
-            emulating=_ffi.emulating(),
-            cuda_built=_ffi.built_with_cuda(),
-            processes=jax.process_count(),
-            num_devices=groups.shape[1],
-            payload_bytes=int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize,
-        )
+        if groups is None and method != "auto":
+            raise ValueError(
+                f"method={method!r} cannot run here: it needs jax.shard_map over a mesh of "
+                f"concrete devices with the axis {axis_name!r}"
+            )
+        chosen = "xla"
+        if groups is not None:
+            chosen = _allreduce.select(
+                method,
+                platform=platform,
+                emulating=_ffi.emulating(),
+                cuda_built=_ffi.built_with_cuda(),
+                processes=jax.process_count(),
+                num_devices=groups.shape[1],
+                payload_bytes=int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize,
+            )
         if chosen == "xla":
             return mlir.lower_fun(
                 functools.partial(_xla_allreduce, axis_name, reduce_dtype, params),
@@ -387,7 +402,7 @@ def _allreduce_lowering(platform: str):
             ctx,
             *args,
             **_norm_attributes(params, platform),
-            call_site=np.int64(next(_call_sites)),
+            call_site=np.int64(_call_sites.getrandbits(62)),
             devices=np.ascontiguousarray(groups.reshape(-1)),
             group_devices=np.int64(groups.shape[1]),
             method=np.int64(_allreduce.METHOD_CODES[chosen]),
@@ -406,6 +421,9 @@ def _xla_allreduce(axis_name, reduce_dtype, params, x, *rest):
 
 
 allreduce_rms_norm_fp8_p.def_abstract_eval(_allreduce_abstract_eval)
+batching.primitive_batchers[allreduce_rms_norm_fp8_p] = _norm_batching_rule(
+    allreduce_rms_norm_fp8_p
+)
 mlir.register_lowering(allreduce_rms_norm_fp8_p, _allreduce_lowering("cpu"), platform="cpu")
 if _ffi.built_with_cuda():
     mlir.register_lowering(allreduce_rms_norm_fp8_p, _allreduce_lowering("cuda"), platform="cuda")

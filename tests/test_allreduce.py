@@ -520,9 +520,10 @@ else:
             (2, 8, "one_shot"),
             (2, 256, "one_shot"),
             (2, 512, "xla"),
+            (4, 384, "one_shot"),
             (4, 512, "two_shot"),
-            (8, 128, "one_shot"),
-            (8, 256, "two_shot"),
+            (8, 96, "one_shot"),
+            (8, 128, "two_shot"),
             (8, 8192, "xla"),
         ],
     )
@@ -675,3 +676,59 @@ else:
             )
             assert_matches_reference(_numpy(out), _numpy(ref))
             _assert_same_on_every_device(out)
+
+    def test_one_kernel_under_vmap_pmap_and_varying_operands():
+        mesh = _mesh(4)
+        partials, residual, gamma = _inputs(4, 6, 256)
+        # vmap inside shard_map: the batch joins the rows, one call.
+        batched = np.stack([partials, partials[::-1]], axis=1)  # [4, 2, 6, 256]
+
+        def run(op, **kw):
+            def per_device(p, r, g):
+                return jax.vmap(lambda x: op(x, r, g, axis_name="tp", **kw))(p[0])
+
+            return jax.jit(
+                jax.shard_map(per_device, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=P())
+            )(jax.device_put(batched, NamedSharding(mesh, P("tp"))), residual, gamma)
+
+        with jax_fp8norm.simt.kernels():
+            out = run(fp8norm.allreduce_residual_rms_norm_fp8, method="two_shot")
+        assert out[0].shape == (2, 6, 256)
+        # The reference per batch element: XLA compiles the vmapped reference's scalar
+        # divisions otherwise (a reciprocal, one unit off in some scales).
+        for k in range(2):
+            ref = _fixed_order_reference("two_shot", mesh, batched[:, k], residual, gamma)
+            assert_same_bits([o[k] for o in _numpy(out)], ref)
+
+        # A residual that differs between devices: the outputs vary over the axis too.
+        def varying(p, r, g):
+            outs = fp8norm.allreduce_residual_rms_norm_fp8(
+                p[0], r[0], g, axis_name="tp", method="one_shot"
+            )
+            assert all("tp" in jax.typeof(o).manual_axis_type.varying for o in outs)
+            return tuple(o[None] for o in outs)
+
+        residuals = np.stack([residual] * 4)
+        with jax_fp8norm.simt.kernels():
+            jax.jit(
+                jax.shard_map(
+                    varying, mesh=mesh, in_specs=(P("tp"), P("tp"), P()), out_specs=P("tp")
+                )
+            )(
+                jax.device_put(partials, NamedSharding(mesh, P("tp"))),
+                jax.device_put(residuals, NamedSharding(mesh, P("tp"))),
+                gamma,
+            )
+
+        # pmap (a shard_map over its devices in this jax): the one-kernel methods run there.
+        def under_pmap(op, method):
+            return jax.pmap(
+                lambda p: op(p, residual, gamma, axis_name="i", method=method),
+                axis_name="i",
+                devices=jax.devices("cpu")[:4],
+            )(partials)
+
+        with jax_fp8norm.simt.kernels():
+            got = under_pmap(fp8norm.allreduce_residual_rms_norm_fp8, "one_shot")
+        want = under_pmap(fp8norm.reference.allreduce_residual_rms_norm_fp8, "one_shot")
+        assert_same_bits(_numpy(got), _numpy(want))

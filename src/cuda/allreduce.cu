@@ -14,8 +14,8 @@
 // and stores that count as its flags, so a flag of an earlier call is never taken for
 // this one's, in a loop or a CUDA graph's replay alike. The partials and results are
 // double-buffered by the count's parity, so no barrier is needed at the end: a peer
-// overwrites the buffer this call reads only after this device has flagged the call after
-// next, which it does only once this launch has ended.
+// overwrites the partials this call reads only after this device has flagged the next
+// call (the results, the call after next), which it does only once this launch has ended.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -211,8 +211,8 @@ cudaError_t LoadAllReduceKernel() {
                     kAllReduceThreads, &attributes);
 }
 
-cudaError_t LaunchAllReduceNorm(cudaStream_t stream, const AllReduceArgs& args,
-                                uint64_t peer_group) {
+cudaError_t LaunchAllReduceNorm(cudaStream_t stream, const AllReduceArgs& args, uint64_t peer_group,
+                                unsigned max_blocks) {
   if (args.norm.rows == 0) return cudaSuccess;  // on every device alike
   PeerLaunchRecord record(peer_group, args.position, args.num_devices);
   static const char* const kNames[kMaxPeers] = {"workspace of device 0", "workspace of device 1",
@@ -227,7 +227,7 @@ cudaError_t LaunchAllReduceNorm(cudaStream_t stream, const AllReduceArgs& args,
   const size_t cache_bytes = static_cast<size_t>(args.norm.hidden) * sizeof(float);
   const bool cached = cache_bytes + sizeof(AllReduceScratch) + 16 <= kDefaultSharedBytes;
   return LaunchKernel(AllReduceNormKernel,
-                      AllReduceBlocks(args.norm.rows, args.num_devices, args.method),
+                      AllReduceBlocks(args.norm.rows, args.num_devices, args.method, max_blocks),
                       kAllReduceThreads, cached ? cache_bytes : 0, stream, args,
                       RowsVectorizable(args.norm), cached);
 }

@@ -282,7 +282,8 @@ ffi::Error AllReduceNormImpl(PeerTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer re
         "workspace was laid out for");
   }
   int position = 0;
-  const PeerGroup* group = FindPeerGroup(call.call_site, call.devices, gpu.device, &position);
+  const PeerGroup* group =
+      FindPeerGroup(call.call_site, call.devices, call.layout, gpu.device, &position);
   if (group == nullptr) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "jax_fp8norm: device " + std::to_string(gpu.device) +
@@ -306,8 +307,9 @@ ffi::Error AllReduceNormImpl(PeerTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer re
   args.num_devices = static_cast<int32_t>(group->devices.size());
   args.position = position;
   args.method = call.method;
-  return RunOnDevice(gpu.device, "allreduce_residual_rms_norm_fp8 launch",
-                     [&](int) { return LaunchAllReduceNorm(gpu.stream, args, group->key); });
+  return RunOnDevice(gpu.device, "allreduce_residual_rms_norm_fp8 launch", [&](int) {
+    return LaunchAllReduceNorm(gpu.stream, args, group->key, group->max_blocks);
+  });
 }
 
 }  // namespace

@@ -22,11 +22,12 @@ cudaError_t LaunchRound(cudaStream_t stream, const RoundArgs& args);
 
 // allreduce.cu. Loads the one-kernel all-reduce's kernel on the current device (its set-up,
 // outside graph capture); enqueues one device's share of a call of it on `stream`. Every
-// device of the group must launch it for the call, with the same rows and method: its
-// blocks wait for their peers' (`peer_group` names the group to the emulation).
+// device of the group must launch it for the call, with the same rows, method and
+// `max_blocks` (PeerGroup's): its blocks wait for their peers' (`peer_group` names the
+// group to the emulation).
 cudaError_t LoadAllReduceKernel();
-cudaError_t LaunchAllReduceNorm(cudaStream_t stream, const AllReduceArgs& args,
-                                uint64_t peer_group);
+cudaError_t LaunchAllReduceNorm(cudaStream_t stream, const AllReduceArgs& args, uint64_t peer_group,
+                                unsigned max_blocks);
 
 // The one-time work for `device`, the current device, before its first launch: loads every
 // kernel and sets the attributes launches rely on. Not stream-ordered, so not for inside

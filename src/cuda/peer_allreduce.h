@@ -14,8 +14,8 @@ namespace fp8norm {
 // The most devices one group may have: the tensor-parallel sizes of one host.
 constexpr int kMaxPeers = 8;
 // The most blocks of one launch. A block waits for the blocks of the same index on its
-// peers, so every block of every device must be resident at once: 64 is fewer than the
-// multiprocessors of any GPU the build targets (an A100 has 108), with one block each.
+// peers, so every block of every device must be resident at once: the set-up caps the
+// grid further at the multiprocessors of the group's smallest device (PeerGroup).
 constexpr int kMaxAllReduceBlocks = 64;
 // Threads per block: at least one per peer for the flags, and 8 float32 vectors of a
 // hidden-8192 row per thread.
@@ -96,13 +96,13 @@ FP8NORM_HD int64_t SliceBegin(int64_t rows, int32_t num_devices, int32_t positio
   return rows * position / num_devices;
 }
 
-// Blocks of one launch: one per row of the rows a device normalises, at most
-// kMaxAllReduceBlocks (they stride over more). The same on every device of the group.
-inline unsigned AllReduceBlocks(int64_t rows, int32_t num_devices, AllReduceMethod method) {
+// Blocks of one launch: one per row of the rows a device normalises, at most `max_blocks`
+// (they stride over more). The same on every device of the group.
+inline unsigned AllReduceBlocks(int64_t rows, int32_t num_devices, AllReduceMethod method,
+                                unsigned max_blocks) {
   const int64_t own =
       method == AllReduceMethod::kTwoShot ? (rows + num_devices - 1) / num_devices : rows;
-  return static_cast<unsigned>(own < kMaxAllReduceBlocks ? (own > 0 ? own : 1)
-                                                         : kMaxAllReduceBlocks);
+  return static_cast<unsigned>(own < max_blocks ? (own > 0 ? own : 1) : max_blocks);
 }
 
 }  // namespace fp8norm

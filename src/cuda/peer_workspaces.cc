@@ -4,9 +4,11 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <tuple>
 #include <utility>
 
 #include "cuda_kernels.h"
@@ -14,9 +16,18 @@
 namespace fp8norm {
 namespace {
 
+// A call site's groups, keyed by the call site, the size of its workspaces (a call site
+// of another process, an exported function, may carry the same number) and its devices.
+using SiteKey = std::tuple<int64_t, size_t, std::vector<int64_t>>;
+
 struct Registry {
+  // Held only to look up or insert: never while a device works, so that an execution's
+  // lookup never waits for another call site's set-up (whose cudaMalloc may wait for a
+  // kernel that waits for this execution's device).
   std::mutex mutex;
-  std::map<std::pair<int64_t, std::vector<int64_t>>, std::vector<std::unique_ptr<PeerGroup>>> sites;
+  // Held by one set-up at a time, through its device work.
+  std::mutex set_up;
+  std::map<SiteKey, std::vector<std::unique_ptr<PeerGroup>>> sites;
 };
 
 Registry& TheRegistry() {
@@ -67,6 +78,11 @@ cudaError_t SetUpGroup(PeerGroup* g, std::string* error) {
       cudaStreamDestroy(stream);
     }
     if (err == cudaSuccess) err = LoadAllReduceKernel();
+    int multiprocessors = 0;
+    if (err == cudaSuccess) {
+      err = cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device);
+    }
+    g->max_blocks = std::min(g->max_blocks, static_cast<unsigned>(std::max(1, multiprocessors)));
     if (err != cudaSuccess) {
       *error = "allocating the all-reduce workspace of device " + std::to_string(device);
       return err;
@@ -98,9 +114,12 @@ cudaError_t SetUpGroup(PeerGroup* g, std::string* error) {
 cudaError_t SetUpPeerGroups(int64_t call_site, const std::vector<int64_t>& devices, int group_size,
                             const PeerWorkspaceLayout& layout, std::string* error) {
   Registry& registry = TheRegistry();
-  std::lock_guard<std::mutex> lock(registry.mutex);
-  auto key = std::make_pair(call_site, devices);
-  if (registry.sites.count(key) != 0) return cudaSuccess;
+  std::lock_guard<std::mutex> one_set_up(registry.set_up);
+  SiteKey key{call_site, layout.total, devices};
+  {
+    std::lock_guard<std::mutex> lock(registry.mutex);
+    if (registry.sites.count(key) != 0) return cudaSuccess;
+  }
   DeviceRestorer restore;
   std::vector<std::unique_ptr<PeerGroup>> groups;
   for (size_t first = 0; first + group_size <= devices.size(); first += group_size) {
@@ -116,15 +135,16 @@ cudaError_t SetUpPeerGroups(int64_t call_site, const std::vector<int64_t>& devic
       return err;
     }
   }
+  std::lock_guard<std::mutex> lock(registry.mutex);
   registry.sites.emplace(std::move(key), std::move(groups));
   return cudaSuccess;
 }
 
 const PeerGroup* FindPeerGroup(int64_t call_site, const std::vector<int64_t>& devices,
-                               int64_t device, int* position) {
+                               const PeerWorkspaceLayout& layout, int64_t device, int* position) {
   Registry& registry = TheRegistry();
   std::lock_guard<std::mutex> lock(registry.mutex);
-  const auto it = registry.sites.find(std::make_pair(call_site, devices));
+  const auto it = registry.sites.find(SiteKey{call_site, layout.total, devices});
   if (it == registry.sites.end()) return nullptr;
   for (const auto& g : it->second) {
     for (size_t p = 0; p < g->devices.size(); ++p) {
@@ -139,10 +159,11 @@ const PeerGroup* FindPeerGroup(int64_t call_site, const std::vector<int64_t>& de
 
 void ReleasePeerGroups(int64_t call_site) {
   Registry& registry = TheRegistry();
+  std::lock_guard<std::mutex> one_set_up(registry.set_up);
   std::lock_guard<std::mutex> lock(registry.mutex);
   DeviceRestorer restore;
   for (auto it = registry.sites.begin(); it != registry.sites.end();) {
-    if (it->first.first == call_site) {
+    if (std::get<0>(it->first) == call_site) {
       FreeGroups(it->second);
       it = registry.sites.erase(it);
     } else {

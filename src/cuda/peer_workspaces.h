@@ -20,6 +20,10 @@ struct PeerGroup {
   unsigned char* workspaces[kMaxPeers] = {};
   PeerWorkspaceLayout layout{};
   uint64_t key = 0;  // unique per call site and group (the emulation's peer group)
+  // The most blocks a launch may have: a block waits for its peers' blocks of the same
+  // index, so every block of every device must be resident at once, one per
+  // multiprocessor of the group's smallest device, and at most kMaxAllReduceBlocks.
+  unsigned max_blocks = kMaxAllReduceBlocks;
 };
 
 // For call site `call_site`, whose groups are `devices` (group after group, `group_size`
@@ -30,10 +34,11 @@ struct PeerGroup {
 cudaError_t SetUpPeerGroups(int64_t call_site, const std::vector<int64_t>& devices, int group_size,
                             const PeerWorkspaceLayout& layout, std::string* error);
 
-// The group of `device` at call site `call_site` and the device's position in it; null
-// when the call site was never set up for it.
+// The group of `device` at call site `call_site` (with workspaces of `layout`) and the
+// device's position in it; null when the call site was never set up for it. Waits for no
+// set-up in progress.
 const PeerGroup* FindPeerGroup(int64_t call_site, const std::vector<int64_t>& devices,
-                               int64_t device, int* position);
+                               const PeerWorkspaceLayout& layout, int64_t device, int* position);
 
 // Frees call site `call_site`'s workspaces, for a caller that knows no execution can use
 // them any more (tests/simt's checks).

@@ -80,6 +80,17 @@ bool Deadlocked(const Board& board, const Group& group, int64_t launch) {
   return true;
 }
 
+// Some device has not begun launch `launch` while every device that has waits: only a
+// device that never comes (another program, a crashed thread) keeps the others waiting.
+bool Absent(const Group& group, int64_t launch) {
+  bool absent = false;
+  for (const Member& m : group.members) {
+    if (m.running && !m.stalled) return false;
+    absent = absent || (!m.running && m.launches < launch);
+  }
+  return absent;
+}
+
 std::string Report(const Group& group, uint64_t key, int64_t launch) {
   std::string text = "deadlock between the devices of peer group " + std::to_string(key) +
                      ": no flag they wait for can change any more;";
@@ -145,10 +156,11 @@ std::optional<std::string> AwaitFlags(const std::function<bool()>& reached,
     if (board.generation() != generation) continue;  // a flag changed meanwhile: look again
     me.checked_at = generation;
     const bool absent_too_long =
+        Absent(group, me.launches) &&
         std::chrono::steady_clock::now() - last_change > kAbsentDeviceTimeout;
     if (Deadlocked(board, group, me.launches) || absent_too_long) {
       std::string report = Report(group, current_launch->group, me.launches);
-      if (absent_too_long) report += " (no flag changed for 60 s)";
+      if (absent_too_long) report += " (for 60 s, with no flag changing)";
       for (Member& m : group.members) {
         if (m.running && m.stalled && &m != &me) m.failure = report;
       }

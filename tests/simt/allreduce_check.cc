@@ -112,7 +112,7 @@ void LaunchOnAll(std::vector<DeviceCall*>& calls, const PeerGroup& group,
       buffers.Add("y", c.y.data(), c.y.size());
       buffers.Add("scales", c.scales.data(), c.scales.size());
       buffers.Add("residual_out", c.residual_out.data(), c.residual_out.size());
-      (*status)[d] = LaunchAllReduceNorm(nullptr, c.args, group.key);
+      (*status)[d] = LaunchAllReduceNorm(nullptr, c.args, group.key, group.max_blocks);
       if ((*status)[d] != cudaSuccess) (*failure)[d] = cudaGetErrorString(cudaGetLastError());
     });
   }
@@ -148,7 +148,8 @@ bool RunAllReduceCase(const AllReduceCase& c) {
     return false;
   }
   int position = -1;
-  const PeerGroup* group = FindPeerGroup(call_site, devices, 0, &position);
+  const PeerWorkspaceLayout layout = LayOutPeerWorkspace(c.rows, c.hidden, c.method);
+  const PeerGroup* group = FindPeerGroup(call_site, devices, layout, 0, &position);
   if (group == nullptr || position != 0) {
     std::printf("FAIL %s: the set-up's group is not found\n", name.c_str());
     return false;

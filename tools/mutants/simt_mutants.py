@@ -187,8 +187,9 @@ MUTANTS = [
     Mutant(
         "all-reduce: device 1 launched with one block more than its peers (a deadlock)",
         "cuda/allreduce.cu",
-        "AllReduceBlocks(args.norm.rows, args.num_devices, args.method),",
-        "AllReduceBlocks(args.norm.rows, args.num_devices, args.method) + (args.position == 1),",
+        "AllReduceBlocks(args.norm.rows, args.num_devices, args.method, max_blocks),",
+        "AllReduceBlocks(args.norm.rows, args.num_devices, args.method, max_blocks) +\n"
+        "                          (args.position == 1),",
     ),
     Mutant(
         "all-reduce, two-shot: the last row of each device's slice left out",
