@@ -11,7 +11,10 @@
 // mismatch, launch error or path of the list below not reached. Checks 64-bit indexing
 // (index_check.cc) in the full run.
 //
-//   kernel_check [--quick]   (--quick: fewer and shorter rows, for ThreadSanitizer)
+//   kernel_check [--quick] [--only-allreduce | --no-allreduce]
+//     --quick: fewer and shorter rows, for ThreadSanitizer; --only-allreduce: the one-kernel
+//     all-reduce's checks alone (allreduce_check.cc), --no-allreduce: everything else (the
+//     mutation check runs each mutant against the part its file reaches).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -396,7 +399,8 @@ int CheckRound() {
   return failures;
 }
 
-int Main(bool quick) {
+int Main(bool quick, bool allreduce, bool rest) {
+  if (!rest) return CheckAllReduce(quick) == 0 ? 0 : 1;
   std::vector<Case> cases;
   const int64_t hiddens_full[] = {1, 7, 8, 33, 64, 256, 1000, 1032, 4104, 8200, 12289};
   const int64_t hiddens_quick[] = {7, 64, 264, 1000, 2056};
@@ -536,7 +540,7 @@ int Main(bool quick) {
   // 64-bit indexing reserves tens of GiB of address space, which ThreadSanitizer's
   // shadow mapping does not take; the quick (ThreadSanitizer) run leaves it out.
   if (!quick) failures += CheckIndexing();
-  failures += CheckAllReduce(quick);
+  if (allreduce) failures += CheckAllReduce(quick);
 
   const char* required[] = {"block_shared, vectorized cached",
                             "block_shared, vectorized re-read",
@@ -597,6 +601,18 @@ int Main(bool quick) {
 }  // namespace fp8norm
 
 int main(int argc, char** argv) {
-  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
-  return fp8norm::Main(quick);
+  bool quick = false, allreduce = true, rest = true;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) {
+      quick = true;
+    } else if (std::strcmp(argv[i], "--only-allreduce") == 0) {
+      rest = false;
+    } else if (std::strcmp(argv[i], "--no-allreduce") == 0) {
+      allreduce = false;
+    } else {
+      std::fprintf(stderr, "kernel_check: unknown argument %s\n", argv[i]);
+      return 2;
+    }
+  }
+  return fp8norm::Main(quick, allreduce, rest);
 }

@@ -40,6 +40,12 @@ class Mutant:
     new: str
     race: bool = False  # a missing ordering ThreadSanitizer should report
 
+    @property
+    def scope(self) -> list[str]:
+        """kernel_check's arguments for the part of it the mutated file reaches: the
+        all-reduce's kernel only its own checks, every other file the rest."""
+        return ["--only-allreduce"] if self.file == "cuda/allreduce.cu" else ["--no-allreduce"]
+
 
 # Mutant.file is relative to src/: the mutation check copies src/cuda and src/cpu.
 MUTANTS = [
@@ -230,7 +236,7 @@ class Builder:
         ]  # fmt: skip
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
-    def run(self, quick: bool = False) -> tuple[str, str]:
+    def run(self, quick: bool = False, scope: tuple[str, ...] = ()) -> tuple[str, str]:
         """('passed' | 'failed' | 'error', output). 'failed': the check ran and reported a
         failure (its exit code 1, or a sanitizer's report). 'error': no verdict on the
         code, because it did not build, hung or died some other way."""
@@ -243,7 +249,7 @@ class Builder:
         if built.returncode != 0:
             return "error", "build failed:\n" + built.stdout[-3000:] + built.stderr[-3000:]
         env = dict(os.environ, TSAN_OPTIONS="halt_on_error=1", ASAN_OPTIONS="detect_leaks=0")
-        cmd = [str(self.build / "kernel_check")] + (["--quick"] if quick else [])
+        cmd = [str(self.build / "kernel_check")] + (["--quick"] if quick else []) + list(scope)
         try:
             ran = subprocess.run(
                 cmd, capture_output=True, text=True, env=env, timeout=600, check=False
@@ -309,13 +315,13 @@ class Worker:
             return False, f"SETUP ERROR {mutant.name}: the text to mutate occurs {count} times"
         target.write_text(text.replace(mutant.old, mutant.new))
         start = time.monotonic()
-        verdict, output = self.plain.run()
+        verdict, output = self.plain.run(scope=mutant.scope)
         label = {"passed": "SURVIVED", "failed": "caught", "error": "NO VERDICT"}[verdict]
         caught = verdict == "failed"
         by = first_catch(output) if verdict != "passed" else "-"
         report = f"{label:8} {mutant.name}\n         by: {by} ({time.monotonic() - start:.0f} s)"
         if self.tsan is not None and mutant.race:
-            verdict, output = self.tsan.run(quick=True)
+            verdict, output = self.tsan.run(quick=True, scope=mutant.scope)
             raced = verdict == "failed" and "ThreadSanitizer: data race" in output
             caught = caught and raced
             report += (f"\n         TSan: {'data race reported' if raced else 'NO RACE REPORTED'}"
