@@ -17,17 +17,19 @@ MAX_DEVICES = 8
 # The kernel's method codes (AllReduceMethod).
 METHOD_CODES = {"one_shot": 1, "two_shot": 2}
 
-# auto's table (docs/performance.md, "The one-kernel all-reduce"): for each group size,
-# the largest payload (bytes of one device's partial x) for which one_shot is picked, and
-# the largest for which two_shot is; beyond it, XLA's all-reduce. Provisional: computed
-# from the bytes each method moves and the peers' published crossovers, not measured on
-# a machine with several GPUs. On two devices two-shot moves more bytes than one-shot
-# with twice the meetings, so it is never picked there.
-KIB, MIB = 1024, 1024 * 1024
-AUTO_TABLE = {
-    2: (512 * KIB, 512 * KIB),
-    4: (768 * KIB, 8 * MIB),
-    8: (192 * KIB, 8 * MIB),
+# auto's table (docs/performance.md, "The one-kernel all-reduce"): for each group size, the
+# largest payload (bytes of one device's partial x) for which one_shot is picked; beyond
+# it, two_shot, at every size. auto never turns to XLA's all-reduce by size: the two
+# one-kernel methods give the same bits, XLA's all-reduce others (docs/spec.md,
+# "Invariance"), so a row's bits would depend on the rows around it. Provisional:
+# computed from the bytes each method moves and the peers' published crossovers, not
+# measured on a machine with several GPUs. On two devices two-shot moves more bytes than
+# one-shot with twice the meetings, so one_shot is picked at every size there.
+KIB = 1024
+AUTO_ONE_SHOT_MAX = {
+    2: None,  # every size
+    4: 768 * KIB,
+    8: 192 * KIB,
 }
 
 # The one switch that lets auto pick a one-kernel method on real GPUs, once AUTO_TABLE has
@@ -77,7 +79,9 @@ def select(
     payload_bytes: int,
 ) -> str:
     """The method a call runs: ``method`` itself when it is explicit (a ValueError that
-    says why when a one-kernel method cannot run here), or auto's choice."""
+    says why when a one-kernel method cannot run here), or auto's choice: ``"xla"`` at
+    every size where a one-kernel method cannot run (and for one device), else one_shot or
+    two_shot by size, which give the same bits."""
     method = check_method(method)
     if method == "xla":
         return method
@@ -94,9 +98,7 @@ def select(
         return method
     if reason or num_devices < 2 or (platform == "cuda" and not AUTO_ON_GPUS):
         return "xla"
-    one_shot_max, two_shot_max = AUTO_TABLE[min(t for t in AUTO_TABLE if t >= num_devices)]
-    if payload_bytes <= one_shot_max:
+    one_shot_max = AUTO_ONE_SHOT_MAX[min(t for t in AUTO_ONE_SHOT_MAX if t >= num_devices)]
+    if one_shot_max is None or payload_bytes <= one_shot_max:
         return "one_shot"
-    if payload_bytes <= two_shot_max:
-        return "two_shot"
-    return "xla"
+    return "two_shot"

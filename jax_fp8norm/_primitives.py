@@ -62,9 +62,50 @@ def _ffi_lowering(target: str, platform: str):
     rule = jax.ffi.ffi_lowering(target)
 
     def lowering(ctx, *args, **params):
+        if _empty_rows_are_constant(ctx):
+            return _lower_empty_rows(ctx, args, params)
         return rule(ctx, *args, **_norm_attributes(params, platform))
 
     return lowering
+
+
+def _empty_rows_are_constant(ctx) -> bool:
+    """Inside shard_map, rows of N == 0 elements are lowered without the kernel: there a
+    custom call whose operands from the manual computation's input are all empty does not
+    lower (Shardy finds no operand of its body that comes from that input). Every output
+    is then empty but per-row scales, which the keywords and a calibrated scale decide.
+    Everywhere else the kernel computes them."""
+    manual = getattr(ctx.module_context.axis_context, "manual_axes", None)
+    return bool(manual) and ctx.avals_in[0].shape[-1] == 0
+
+
+def _empty_row_scale(params: dict, static_scale) -> jax.Array:
+    """The scale of a row of no elements: a calibrated scale rounded to the scale dtype;
+    else a zero row's, 0, or the floor of power-of-two scales (2^-127 in e8m0, its byte 0;
+    2^-126 in float32 and bfloat16)."""
+    dtype = np.dtype(params["scale_dtype"])
+    if params["has_static_scale"]:
+        return static_scale.astype(dtype).reshape(())
+    if dtype == np.dtype(jnp.float8_e8m0fnu):
+        return jnp.asarray(np.zeros((), np.uint8).view(dtype))
+    if params["power_of_two_scales"]:
+        return jnp.asarray(np.asarray(2.0**-126, dtype))
+    return jnp.zeros((), dtype)
+
+
+def _lower_empty_rows(ctx, args, params: dict):
+    """The outputs of rows of no elements (_empty_rows_are_constant)."""
+
+    def outputs(*operands):
+        y, scales, *residual_out = ctx.avals_out
+        scale = _empty_row_scale(params, operands[-1])
+        return [
+            jnp.zeros(y.shape, y.dtype),
+            jnp.broadcast_to(scale, scales.shape),
+            *(jnp.zeros(r.shape, r.dtype) for r in residual_out),
+        ]
+
+    return mlir.lower_fun(outputs, multiple_results=True)(ctx, *args)
 
 
 def _unavailable_cuda_lowering(ctx, *args, **params):
@@ -363,10 +404,10 @@ def _axis_groups(ctx, axis_name: str) -> np.ndarray | None:
     axis, from the mesh of the enclosing shard_map; None without a mesh of concrete devices
     (an abstract mesh, pmap)."""
     mesh = getattr(ctx.module_context.axis_context, "mesh", None)
-    devices = getattr(mesh, "devices", None)
-    if devices is None or axis_name not in getattr(mesh, "axis_names", ()):
+    # An abstract mesh has no devices: its `devices` raises rather than being absent.
+    if not isinstance(mesh, jax.sharding.Mesh) or axis_name not in mesh.axis_names:
         return None
-    ids = np.vectorize(_device_ordinal, otypes=[np.int64])(np.asarray(devices))
+    ids = np.vectorize(_device_ordinal, otypes=[np.int64])(np.asarray(mesh.devices))
     axis = list(mesh.axis_names).index(axis_name)
     return np.moveaxis(ids, axis, -1).reshape(-1, ids.shape[axis])
 
@@ -391,6 +432,8 @@ def _allreduce_lowering(platform: str):
                 num_devices=groups.shape[1],
                 payload_bytes=int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize,
             )
+        if _empty_rows_are_constant(ctx):
+            return _lower_empty_rows(ctx, args, params)
         if chosen == "xla":
             return mlir.lower_fun(
                 functools.partial(_xla_allreduce, axis_name, reduce_dtype, params),

@@ -7,6 +7,7 @@ modules' single-device session alone; the subprocess runs the real cases.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 
@@ -25,7 +26,7 @@ from helpers import (
     random_rows,
     rerun_with_virtual_cpu_devices,
 )
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_fp8norm
@@ -106,10 +107,10 @@ else:
 
     @pytest.mark.parametrize("size", [2, 8])
     def test_float32_reduction_matches_the_unsharded_sum(size):
-        # In float32 the sum of the partials, added to the residual in float32, is the
-        # add_rms_norm_fp8 of that sum: compare with the reference on one device. XLA's CPU
-        # all-reduce adds the partials in device order (x_0 + x_1 + ...); should that
-        # order change, this test says so.
+        # reduce_dtype=float32: the partials are summed, and the residual added, in
+        # float32 (the bfloat16 reduction of test_matches_reference rounds h first). A
+        # float32 sum of a few bfloat16 values is exact in any order, so this is a test
+        # of the dtype; test_every_method_sums_in_the_axis_order is the one of the order.
         partials, residual, gamma = _inputs(size, 20, 4096)
         out = _run(
             fp8norm.allreduce_residual_rms_norm_fp8,
@@ -306,33 +307,147 @@ else:
 
     ONE_KERNEL = ("one_shot", "two_shot")
 
-    def _fixed_order_reference(method, mesh, *args, **kw):
-        """The reference twin's outputs for ``method``, as NumPy."""
-        op = fp8norm.reference.allreduce_residual_rms_norm_fp8
-        return _numpy(_run(op, mesh, *args, method=method, **kw))
-
-    def _emulated(method, mesh, *args, **kw):
-        """The op's outputs for ``method``, the CUDA kernels emulated, as NumPy."""
-        with jax_fp8norm.simt.kernels():
-            op = fp8norm.allreduce_residual_rms_norm_fp8
-            # Every device's call done, not only the one whose copy NumPy reads.
-            return _numpy(jax.block_until_ready(_run(op, mesh, *args, method=method, **kw)))
-
     def _run_stacked(op, mesh, partials, residual, gamma, **kw):
-        """op inside shard_map, each device's outputs stacked (out_specs P("tp")), so that
-        every device's copy is compared."""
+        """op inside shard_map over ``mesh``, every device's outputs: each output as
+        ``[tp, rows, ...]``, index t the copy of the devices at position t of "tp". A mesh
+        with a "dp" axis splits the rows over it (a group along "tp" per "dp" index)."""
+        rows = "dp" if "dp" in mesh.axis_names else None
 
         def per_device(p, r, g):
             return tuple(o[None] for o in op(p[0], r, g, axis_name="tp", **kw))
 
+        specs = (P("tp", rows), P(rows), P())
         fn = jax.shard_map(
-            per_device,
-            mesh=mesh,
-            in_specs=(P("tp"), P(), P()),
-            out_specs=(P("tp"), P("tp"), P("tp")),
-            check_vma=False,
+            per_device, mesh=mesh, in_specs=specs, out_specs=P("tp", rows), check_vma=False
         )
-        return jax.jit(fn)(jax.device_put(partials, NamedSharding(mesh, P("tp"))), residual, gamma)
+        placed = [
+            jax.device_put(a, NamedSharding(mesh, spec))
+            for a, spec in zip((partials, residual, gamma), specs, strict=True)
+        ]
+        # Every device's call done before any copy is read.
+        return _numpy(jax.block_until_ready(jax.jit(fn)(*placed)))
+
+    def _assert_every_copy(stacked, want):
+        """Each device's copy of the outputs (``_run_stacked``) has ``want``'s bits."""
+        for t in range(stacked[0].shape[0]):
+            assert_same_bits([o[t] for o in stacked], want)
+
+    def _fixed_order_reference(method, mesh, *args, **kw):
+        """The reference twin's outputs for ``method``, as NumPy (one copy: the twin's
+        all-gather makes them replicated)."""
+        op = fp8norm.reference.allreduce_residual_rms_norm_fp8
+        return _numpy(_run(op, mesh, *args, method=method, **kw))
+
+    def _emulated(method, mesh, *args, **kw):
+        """The op's outputs for ``method``, the CUDA kernels emulated: every device's copy
+        (``_run_stacked``)."""
+        with jax_fp8norm.simt.kernels():
+            op = fp8norm.allreduce_residual_rms_norm_fp8
+            return _run_stacked(op, mesh, *args, method=method, **kw)
+
+    # Inputs that can see the order of the sum. A float32 sum of a few bfloat16 partials
+    # is exact in any order, so bfloat16 inputs cannot tell one order from another; these
+    # float32 partials spread over eight decades, partial 1 nearly cancelling partial 0.
+
+    def _order_visible_inputs(size, rows, hidden, seed=0):
+        rng = np.random.default_rng(seed)
+        shape = (size, rows, hidden)
+        partials = rng.standard_normal(shape) * 10.0 ** rng.uniform(-4, 4, shape)
+        partials[1] = -partials[0] * (1 + 1e-3 * rng.standard_normal(shape[1:]))
+        residual = rng.standard_normal(shape[1:]) * 10.0 ** rng.uniform(-3, 1, shape[1:])
+        gamma = random_gamma(seed + 1, hidden, jnp.float32)
+        return partials.astype(np.float32), residual.astype(np.float32), gamma
+
+    def _fold(partials, residual, order):
+        """((x_a + x_b) + ...) + residual in float32, the partials taken in ``order``."""
+        total = partials[order[0]]
+        for k in order[1:]:
+            total = total + partials[k]
+        return total + residual
+
+    def _assert_the_order_shows(partials, residual):
+        """Another order of the sum changes h, and with it residual_out (h itself in
+        float32): the reversed fold, a pairwise tree, and a device that starts its fold
+        at its own partial (devices 2 and up: x_1 + x_0 is x_0 + x_1)."""
+        size = len(partials)
+        assert size >= 3
+        axis_order = _fold(partials, residual, range(size))
+        others = {"reversed": list(range(size))[::-1]}
+        others |= {
+            f"own first on {d}": [d, *(k for k in range(size) if k != d)] for d in range(2, size)
+        }
+        folds = [(n, _fold(partials, residual, o)) for n, o in others.items()]
+        if size >= 4:  # on 3, the pairwise tree is the left fold
+            tree = (partials[0] + partials[1]) + functools.reduce(np.add, partials[2:])
+            folds.append(("tree", tree + residual))
+        for name, other in folds:
+            assert not np.array_equal(other.view(np.uint32), axis_order.view(np.uint32)), name
+
+    def _axis_order_outputs(partials, residual, gamma, **kw):
+        """The spec's outputs, stated apart from the op and its twin's all-gather: h the
+        left fold of the partials in the axis' order, plus the residual, in float32 (NumPy),
+        then steps 1-7 (the reference on one device)."""
+        h = _fold(partials, residual, range(len(partials)))
+        y, scales = jax.jit(functools.partial(fp8norm.reference.rms_norm_fp8, **kw))(h, gamma)
+        return [np.asarray(y), np.asarray(scales), h.astype(residual.dtype)]
+
+    def _devices(order: str, size: int):
+        devices = jax.devices("cpu")[:size]
+        if order == "reversed":
+            return devices[::-1]
+        if order == "shuffled":
+            return [devices[i] for i in np.random.default_rng(size).permutation(size)]
+        return devices
+
+    # The device-to-position mapping: positions along "tp" are not device ids. A 1-D mesh
+    # of 3 (an odd size, slices of unequal rows), 4 reversed, and a (tp, dp) mesh with tp
+    # outer over shuffled devices.
+    MESHES = {
+        "natural-3": lambda: Mesh(np.array(_devices("natural", 3)), ("tp",)),
+        "reversed-4": lambda: Mesh(np.array(_devices("reversed", 4)), ("tp",)),
+        "tp_outer-4x2": lambda: Mesh(np.array(_devices("shuffled", 8)).reshape(4, 2), ("tp", "dp")),
+    }
+
+    @pytest.mark.parametrize("mesh_kind", MESHES)
+    @pytest.mark.parametrize("method", ["xla", "auto", *ONE_KERNEL])
+    def test_every_method_sums_in_the_axis_order(method, mesh_kind):
+        # The spec's order, on every device: the one-kernel methods by their design, auto
+        # as the one it picks, and "xla" because XLA's CPU all-reduce folds in the axis'
+        # order in float32 (docs/spec.md): should that change, this fails.
+        mesh = MESHES[mesh_kind]()
+        partials, residual, gamma = _order_visible_inputs(mesh.shape["tp"], 12, 1024)
+        _assert_the_order_shows(partials, residual)
+        emulating = jax_fp8norm.simt.kernels() if method != "xla" else contextlib.nullcontext()
+        with emulating:
+            out = _run_stacked(
+                fp8norm.allreduce_residual_rms_norm_fp8,
+                mesh,
+                partials,
+                residual,
+                gamma,
+                method=method,
+            )
+        _assert_every_copy(out, _axis_order_outputs(partials, residual, gamma))
+
+    @pytest.mark.parametrize("method", ONE_KERNEL)
+    def test_reduce_dtype_changes_nothing_for_the_one_kernel_methods(method):
+        # They always sum in float32; XLA's all-reduce rounds a bfloat16 sum first, and on
+        # these inputs that shows.
+        mesh = _mesh(4)
+        partials, residual, gamma = _inputs(4, 9, 1024)
+        got = {
+            name: _emulated(method, mesh, partials, residual, gamma, reduce_dtype=dtype)
+            for name, dtype in (("x_dtype", None), ("float32", jnp.float32))
+        }
+        for stacked in got.values():
+            _assert_every_copy(
+                stacked, _fixed_order_reference(method, mesh, partials, residual, gamma)
+            )
+        in_x_dtype = _fixed_order_reference("xla", mesh, partials, residual, gamma)
+        in_float32 = _fixed_order_reference(
+            "xla", mesh, partials, residual, gamma, reduce_dtype=jnp.float32
+        )
+        assert not np.array_equal(in_x_dtype[2].view(np.uint16), in_float32[2].view(np.uint16))
 
     @pytest.mark.sampled(8)
     @pytest.mark.parametrize("method", ONE_KERNEL)
@@ -342,42 +457,21 @@ else:
     def test_one_kernel_matches_the_fixed_order_reference(method, size, rows, dtype):
         mesh = _mesh(size)
         partials, residual, gamma = _inputs(size, rows, 1024, dtype)
-        with jax_fp8norm.simt.kernels():
-            out = _run_stacked(
-                fp8norm.allreduce_residual_rms_norm_fp8,
-                mesh,
-                partials,
-                residual,
-                gamma,
-                method=method,
-            )
-        ref = _run_stacked(
-            fp8norm.reference.allreduce_residual_rms_norm_fp8,
-            mesh,
-            partials,
-            residual,
-            gamma,
-            method=method,
-        )
+        out = _emulated(method, mesh, partials, residual, gamma)
         assert out[0].shape == (size, rows, 1024) and out[2].dtype == dtype
-        assert_same_bits(_numpy(out), _numpy(ref))
-        for o in _numpy(out):  # every device holds the same bits
-            for d in range(1, size):
-                np.testing.assert_array_equal(o[d].view(np.uint8), o[0].view(np.uint8))
+        _assert_every_copy(out, _fixed_order_reference(method, mesh, partials, residual, gamma))
 
     def test_fixed_order_reference_is_the_left_fold():
         # The reference states the order: ((x_0 + x_1) + x_2) + x_3 in float32, then the
-        # residual; the same as NumPy's left fold on one device.
+        # residual; on inputs where another order gives other bits.
         mesh = _mesh(4)
+        partials, residual, gamma = _order_visible_inputs(4, 9, 1024)
+        _assert_the_order_shows(partials, residual)
+        ref = _fixed_order_reference("one_shot", mesh, partials, residual, gamma)
+        assert_same_bits(ref, _axis_order_outputs(partials, residual, gamma))
+        # ... and with bfloat16 partials not the same bits as XLA's bfloat16 all-reduce.
         partials, residual, gamma = _inputs(4, 9, 1024)
         ref = _fixed_order_reference("one_shot", mesh, partials, residual, gamma)
-        total = partials[0].astype(np.float32)
-        for k in range(1, 4):
-            total = total + partials[k].astype(np.float32)
-        h = total + residual.astype(np.float32)
-        y, scales, _ = jax.jit(fp8norm.reference.add_rms_norm_fp8)(h, np.zeros_like(h), gamma)
-        assert_same_bits(ref, [np.asarray(y), np.asarray(scales), h.astype(jnp.bfloat16)])
-        # ... and not the same bits as XLA's bfloat16 all-reduce.
         xla = _fixed_order_reference("xla", mesh, partials, residual, gamma)
         assert not np.array_equal(xla[2].view(np.uint16), ref[2].view(np.uint16))
 
@@ -405,12 +499,14 @@ else:
         partials, residual, gamma = _inputs(4, 10, 1024)
         out = _emulated(method, mesh, partials, residual, gamma, **kw)
         ref = _fixed_order_reference(method, mesh, partials, residual, gamma, **kw)
-        assert_same_bits(out, ref)
-        # The wrapper for callers outside shard_map takes the method too.
+        _assert_every_copy(out, ref)
+        # The wrapper for callers outside shard_map takes the method too; its outputs are
+        # replicated: every device's copy.
         with jax_fp8norm.simt.kernels():
             wrapped = fp8norm.sharded_allreduce_residual_rms_norm_fp8(
                 partials, residual, gamma, mesh=mesh, axis_name="tp", method=method, **kw
             )
+        _assert_same_on_every_device(wrapped)
         assert_same_bits(_numpy(wrapped), ref)
 
     @pytest.mark.parametrize("method", ONE_KERNEL)
@@ -428,23 +524,25 @@ else:
                 y, s, res = op(x, res, g, axis_name="tp", method=method)
                 return res, (y, s)
 
-            return jax.lax.scan(step, r, p[0])
+            res, (y, s) = jax.lax.scan(step, r, p[0])
+            return res[None], y[None], s[None]
 
         def run(op):
             fn = jax.shard_map(
                 functools.partial(layers, op),
                 mesh=mesh,
                 in_specs=(P("tp"), P(), P()),
-                out_specs=(P(), (P(), P())),
+                out_specs=P("tp"),
+                check_vma=False,
             )
             placed = jax.device_put(partials, NamedSharding(mesh, P("tp")))
-            return jax.jit(fn)(placed, residual, gamma)
+            return _numpy(jax.jit(fn)(placed, residual, gamma))
 
         with jax_fp8norm.simt.kernels():
             out = run(fp8norm.allreduce_residual_rms_norm_fp8)
         ref = run(fp8norm.reference.allreduce_residual_rms_norm_fp8)
-        assert_same_bits(jax.tree.leaves(out), jax.tree.leaves(ref))
-        assert out[1][0].shape == (steps, rows, hidden)
+        _assert_every_copy(out, [o[0] for o in ref])
+        assert out[1].shape == (4, steps, rows, hidden)
 
     def test_one_kernel_replayed_calls_and_a_2d_mesh():
         # One compiled function called again and again, with other inputs in between: no
@@ -452,48 +550,42 @@ else:
         # group per "dp" row.
         mesh = _mesh(4)
         a = _inputs(4, 6, 1024)
-        b = _inputs(4, 6, 1024, jnp.bfloat16)
-        b = (b[0][::-1].copy(), b[1] * 2, b[2])
+        b = _order_visible_inputs(4, 6, 1024)
         with jax_fp8norm.simt.kernels():
             fn = jax.jit(
                 jax.shard_map(
-                    lambda p, r, g: fp8norm.allreduce_residual_rms_norm_fp8(
-                        p[0], r, g, axis_name="tp", method="two_shot"
+                    lambda p, r, g: tuple(
+                        o[None]
+                        for o in fp8norm.allreduce_residual_rms_norm_fp8(
+                            p[0], r, g, axis_name="tp", method="two_shot"
+                        )
                     ),
                     mesh=mesh,
                     in_specs=(P("tp"), P(), P()),
-                    out_specs=(P(), P(), P()),
+                    out_specs=P("tp"),
+                    check_vma=False,
                 )
             )
             stacked = NamedSharding(mesh, P("tp"))
             runs = [_numpy(fn(jax.device_put(p, stacked), r, g)) for p, r, g in (a, b, a, a, b)]
         for args, got in zip((a, b, a, a, b), runs, strict=True):
-            assert_same_bits(got, _fixed_order_reference("two_shot", mesh, *args))
+            _assert_every_copy(got, _fixed_order_reference("two_shot", mesh, *args))
 
         grid = jax.make_mesh((2, 4), ("dp", "tp"), devices=jax.devices("cpu")[:8])
         partials = random_rows(8, (4, 16, 512), jnp.bfloat16, spread=0.5)
         residual = random_rows(9, (16, 512), jnp.bfloat16, spread=0.5)
         gamma = random_gamma(10, 512, jnp.float32)
-
-        def run(op, **kw):
-            return jax.jit(
-                jax.shard_map(
-                    lambda p, r, g: op(p[0], r, g, axis_name="tp", method="one_shot"),
-                    mesh=grid,
-                    in_specs=(P("tp", "dp"), P("dp"), P()),
-                    out_specs=(P("dp"), P("dp"), P("dp")),
-                )
-            )(
-                jax.device_put(partials, NamedSharding(grid, P("tp", "dp"))),
-                jax.device_put(residual, NamedSharding(grid, P("dp"))),
-                gamma,
-            )
-
-        with jax_fp8norm.simt.kernels():
-            out = run(fp8norm.allreduce_residual_rms_norm_fp8)
-        assert_same_bits(
-            _numpy(out), _numpy(run(fp8norm.reference.allreduce_residual_rms_norm_fp8))
+        out = _emulated("one_shot", grid, partials, residual, gamma)
+        ref = _run_stacked(
+            fp8norm.reference.allreduce_residual_rms_norm_fp8,
+            grid,
+            partials,
+            residual,
+            gamma,
+            method="one_shot",
         )
+        assert_same_bits(out, ref)
+        _assert_every_copy(out, [o[0] for o in ref])
 
     def _lowered(mesh, rows, hidden, **kw):
         """The lowered text of the op, from the inputs' shapes only."""
@@ -519,12 +611,12 @@ else:
         [
             (2, 8, "one_shot"),
             (2, 256, "one_shot"),
-            (2, 512, "xla"),
+            (2, 512, "one_shot"),
             (4, 384, "one_shot"),
             (4, 512, "two_shot"),
             (8, 96, "one_shot"),
             (8, 128, "two_shot"),
-            (8, 8192, "xla"),
+            (8, 8192, "two_shot"),
         ],
     )
     def test_auto_on_the_emulated_devices_follows_the_table(size, rows, chosen):
@@ -683,22 +775,32 @@ else:
         # vmap inside shard_map: the batch joins the rows, one call.
         batched = np.stack([partials, partials[::-1]], axis=1)  # [4, 2, 6, 256]
 
-        def run(op, **kw):
-            def per_device(p, r, g):
-                return jax.vmap(lambda x: op(x, r, g, axis_name="tp", **kw))(p[0])
-
-            return jax.jit(
-                jax.shard_map(per_device, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=P())
-            )(jax.device_put(batched, NamedSharding(mesh, P("tp"))), residual, gamma)
+        def per_device(p, r, g):
+            outs = jax.vmap(
+                lambda x: fp8norm.allreduce_residual_rms_norm_fp8(
+                    x, r, g, axis_name="tp", method="two_shot"
+                )
+            )(p[0])
+            return tuple(o[None] for o in outs)
 
         with jax_fp8norm.simt.kernels():
-            out = run(fp8norm.allreduce_residual_rms_norm_fp8, method="two_shot")
-        assert out[0].shape == (2, 6, 256)
+            out = _numpy(
+                jax.jit(
+                    jax.shard_map(
+                        per_device,
+                        mesh=mesh,
+                        in_specs=(P("tp"), P(), P()),
+                        out_specs=P("tp"),
+                        check_vma=False,
+                    )
+                )(jax.device_put(batched, NamedSharding(mesh, P("tp"))), residual, gamma)
+            )
+        assert out[0].shape == (4, 2, 6, 256)
         # The reference per batch element: XLA compiles the vmapped reference's scalar
         # divisions otherwise (a reciprocal, one unit off in some scales).
         for k in range(2):
             ref = _fixed_order_reference("two_shot", mesh, batched[:, k], residual, gamma)
-            assert_same_bits([o[k] for o in _numpy(out)], ref)
+            _assert_every_copy([o[:, k] for o in out], ref)
 
         # A residual that differs between devices: the outputs vary over the axis too.
         def varying(p, r, g):
@@ -732,3 +834,198 @@ else:
             got = under_pmap(fp8norm.allreduce_residual_rms_norm_fp8, "one_shot")
         want = under_pmap(fp8norm.reference.allreduce_residual_rms_norm_fp8, "one_shot")
         assert_same_bits(_numpy(got), _numpy(want))
+
+    # ------------------------------------------------------------ invariance (docs/spec.md)
+
+    @pytest.mark.parametrize(
+        "size,dtype", [(2, jnp.bfloat16), (8, jnp.float32)], ids=["2-bfloat16", "8-float32"]
+    )
+    def test_a_rows_bits_do_not_depend_on_the_rows_around_it(size, dtype):
+        # auto picks by size (one_shot for 5 rows; for 300 rows one_shot on 2 devices,
+        # two_shot on 8), only among methods with the same bits: XLA's all-reduce would
+        # round a bfloat16 sum. The first 5 rows of a call of 300 are a call of 5.
+        mesh = _mesh(size)
+        if dtype == jnp.float32:
+            partials, residual, gamma = _order_visible_inputs(size, 300, 1024)
+        else:
+            partials, residual, gamma = _inputs(size, 300, 1024, dtype)
+        chosen = {
+            rows: jax_fp8norm._allreduce.select(
+                "auto",
+                platform="cpu",
+                emulating=True,
+                cuda_built=False,
+                processes=1,
+                num_devices=size,
+                payload_bytes=rows * 1024 * np.dtype(dtype).itemsize,
+            )
+            for rows in (5, 300)
+        }
+        assert chosen == {5: "one_shot", 300: "one_shot" if size == 2 else "two_shot"}
+        few = _emulated("auto", mesh, partials[:, :5], residual[:5], gamma)
+        many = _emulated("auto", mesh, partials, residual, gamma)
+        assert_same_bits([o[:, :5] for o in many], few)
+        want = _fixed_order_reference("one_shot", mesh, partials, residual, gamma)
+        _assert_every_copy(many, want)
+        for method in ONE_KERNEL:
+            _assert_every_copy(_emulated(method, mesh, partials, residual, gamma), want)
+        # XLA's bfloat16 all-reduce gives other bits here, which auto must not switch to.
+        if dtype == jnp.bfloat16:
+            xla = _fixed_order_reference("xla", mesh, partials, residual, gamma)
+            assert not np.array_equal(xla[2].view(np.uint16), want[2].view(np.uint16))
+
+    # ------------------------------------------------------------ edges and refusals
+
+    @pytest.mark.parametrize(
+        "kw",
+        [
+            {},
+            dict(group_size=4),
+            dict(scale_dtype=jnp.float8_e8m0fnu),
+            dict(power_of_two_scales=True),
+            dict(static_scale=0.3, scale_dtype=jnp.bfloat16),
+            dict(
+                group_size=16,
+                out_dtype=jnp.float4_e2m1fn,
+                scale_dtype=jnp.float8_e4m3fn,
+                global_scale=0.5,
+            ),
+        ],
+        ids=["row", "group", "e8m0", "power_of_two", "static", "nvfp4"],
+    )
+    def test_an_empty_last_axis_inside_shard_map(kw):
+        # N == 0 is defined (docs/spec.md): every op, every method, as outside shard_map.
+        mesh = _mesh(4)
+        partials = np.zeros((4, 3, 0), jnp.bfloat16)
+        residual = np.zeros((3, 0), jnp.bfloat16)
+        gamma = np.zeros((0,), np.float32)
+        want = _numpy(
+            jax.jit(functools.partial(fp8norm.reference.add_rms_norm_fp8, **kw))(
+                residual, residual, gamma
+            )
+        )
+        assert want[1].shape == ((3, 1) if "group_size" not in kw else (3, 0))
+        for method in ("xla", "auto", *ONE_KERNEL):
+            with jax_fp8norm.simt.kernels() if method != "xla" else contextlib.nullcontext():
+                out = _run_stacked(
+                    fp8norm.allreduce_residual_rms_norm_fp8,
+                    mesh,
+                    partials,
+                    residual,
+                    gamma,
+                    method=method,
+                    **kw,
+                )
+            _assert_every_copy(out, want)
+        sharded = NamedSharding(mesh, P("tp"))
+        rows = jax.device_put(np.zeros((4, 0), jnp.bfloat16), sharded)
+        for emulating in (contextlib.nullcontext(), jax_fp8norm.simt.kernels()):
+            with emulating:
+                got = jax.jit(
+                    jax.shard_map(
+                        lambda x, g: (
+                            *fp8norm.rms_norm_fp8(x, g, **kw),
+                            *fp8norm.add_rms_norm_fp8(x, x, g, **kw),
+                        ),
+                        mesh=mesh,
+                        in_specs=(P("tp"), P()),
+                        out_specs=P("tp"),
+                    )
+                )(rows, gamma)
+            ref = jax.jit(
+                lambda x, g: (
+                    *fp8norm.reference.rms_norm_fp8(x, g, **kw),
+                    *fp8norm.reference.add_rms_norm_fp8(x, x, g, **kw),
+                )
+            )(np.zeros((4, 0), jnp.bfloat16), gamma)
+            assert_same_bits(_numpy(got), _numpy(ref))
+
+    def test_an_abstract_mesh():
+        # Without concrete devices (jax.export over an AbstractMesh) auto is XLA's
+        # all-reduce, and an explicit one-kernel method says why it cannot run.
+        mesh = jax.sharding.AbstractMesh((4,), ("tp",))
+        args = (
+            jax.ShapeDtypeStruct((4, 8, 256), jnp.bfloat16),
+            jax.ShapeDtypeStruct((8, 256), jnp.bfloat16),
+            jax.ShapeDtypeStruct((256,), jnp.float32),
+        )
+
+        def exported(method):
+            fn = jax.shard_map(
+                lambda p, r, g: fp8norm.allreduce_residual_rms_norm_fp8(
+                    p[0], r, g, axis_name="tp", method=method
+                ),
+                mesh=mesh,
+                in_specs=(P("tp"), P(), P()),
+                out_specs=(P(), P(), P()),
+            )
+            export = jax.export.export(
+                jax.jit(fn), platforms=["cpu"], disabled_checks=fp8norm.EXPORT_DISABLED_CHECKS
+            )
+            return export(*args).mlir_module()
+
+        with jax_fp8norm.simt.kernels():
+            text = exported("auto")
+            assert "all_reduce" in text and "fp8norm_simt_add_rms_norm_fp8" in text
+            assert "allreduce_rms_norm_fp8" not in text
+            for method in ONE_KERNEL:
+                with pytest.raises(ValueError, match="a mesh of concrete devices"):
+                    exported(method)
+
+    def _raw_allreduce(mesh, partials, residual, gamma, **changes):
+        """The emulated all-reduce's custom call with the attributes its lowering gives
+        (jax_fp8norm._primitives), some of them changed: the handler's own refusals."""
+        size, rows, hidden = partials.shape
+        attributes = dict(
+            eps=np.float32(1e-6),
+            weight_offset=np.float32(0),
+            scale_ub=np.float32(np.inf),
+            group_size=np.int64(0),
+            power_of_two_scales=False,
+            fp4_layout=np.int64(jax_fp8norm._ffi.fp4_layout("cpu")),
+            call_site=np.int64(np.random.default_rng().integers(1 << 62)),
+            devices=np.array([d.id for d in mesh.devices.flat], np.int64),
+            group_devices=np.int64(size),
+            method=np.int64(jax_fp8norm._allreduce.METHOD_CODES["one_shot"]),
+            rows=np.int64(rows),
+            hidden=np.int64(hidden),
+        )
+        attributes.update(changes)
+        call = jax.ffi.ffi_call(
+            jax_fp8norm._ffi.EMULATED_TARGETS["allreduce_rms_norm_fp8"],
+            (
+                jax.ShapeDtypeStruct((rows, hidden), jnp.float8_e4m3fn),
+                jax.ShapeDtypeStruct((rows, 1), jnp.float32),
+                jax.ShapeDtypeStruct((rows, hidden), partials.dtype),
+            ),
+        )
+        fn = jax.shard_map(
+            lambda p, r, g: tuple(o[None] for o in call(p[0], r, g, **attributes)),
+            mesh=mesh,
+            in_specs=(P("tp"), P(), P()),
+            out_specs=P("tp"),
+            check_vma=False,
+        )
+        placed = jax.device_put(partials, NamedSharding(mesh, P("tp")))
+        return _numpy(jax.block_until_ready(jax.jit(fn)(placed, residual, gamma)))
+
+    def test_the_allreduce_handler_refuses_what_its_lowering_never_sends():
+        mesh = _mesh(4)
+        args = _inputs(4, 5, 256)
+        # As lowered, the call runs and gives the op's bits: the refusals below are the
+        # changed attribute's alone.
+        _assert_every_copy(
+            _raw_allreduce(mesh, *args), _fixed_order_reference("one_shot", mesh, *args)
+        )
+        others = np.array([d.id for d in jax.devices("cpu")[4:8]], np.int64)
+        for changes, message in [
+            (dict(group_devices=np.int64(0)), "groups must have 1 to 8 devices"),
+            (dict(group_devices=np.int64(3)), "groups must have 1 to 8 devices"),
+            (dict(group_devices=np.int64(16)), "groups must have 1 to 8 devices"),
+            (dict(method=np.int64(7)), "unknown all-reduce method 7"),
+            (dict(rows=np.int64(6)), "do not have the rows and hidden size"),
+            (dict(hidden=np.int64(0)), "the all-reduce's rows and hidden size"),
+            (dict(devices=others), "has no all-reduce workspace for this call"),
+        ]:
+            with pytest.raises(jax.errors.JaxRuntimeError, match=message):
+                _raw_allreduce(mesh, *args, **changes)
