@@ -1,6 +1,9 @@
-"""Property-based tests: random shapes, dtypes, constants and values (hypothesis), every
-kernel held to the reference: bit for bit on cpu and simt, by the spec's accuracy rule on
-a GPU.
+"""Property-based tests: random shapes, dtypes, constants, values and every keyword
+(hypothesis), every kernel held to the reference: bit for bit on cpu and simt, by the
+spec's accuracy rule on a GPU. Each example draws one scaling mode (MODES): per-row
+scales, groups (a size dividing the drawn hidden size), power-of-two scales (as floats or
+e8m0), a static scale, NVFP4 with its global scale or MXFP4, each with the keywords the
+spec lets it take.
 
 The default tier runs a small budget, the extended tier (CI) the full one;
 FP8NORM_FUZZ_EXAMPLES sets the full budget (tools/gpu_check.sh runs a larger one on the
@@ -11,12 +14,14 @@ A failure prints the example and a `@reproduce_failure` blob that replays it.
 from __future__ import annotations
 
 import os
+from fractions import Fraction
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
+from exact import exact_sum_of_squares, nearest_float32  # noqa: E402
 from helpers import (  # noqa: E402
     EXTENDED,
     SIMT_PLATFORMS,
@@ -38,7 +43,19 @@ MAX_HIDDEN = 70000
 
 FLOATS = [jnp.float32, jnp.float16, jnp.bfloat16]
 FP8S = [jnp.float8_e4m3fn, jnp.float8_e4m3fnuz]
+F4 = jnp.float4_e2m1fn
+E4M3 = jnp.float8_e4m3fn
+E8M0 = jnp.float8_e8m0fnu
 SMALLEST_NORMAL_F32 = 2.0**-126
+
+# The scaling modes an example draws (docs/spec.md, "Block scaling and static scales" and
+# "FP4 outputs"): "row" is the per-row nearest scale, "group" nearest scales per group,
+# "power_of_two" power_of_two_scales=True with float32 or bfloat16 scales, "e8m0" the
+# float8_e8m0fnu scale dtype (per row or per group), "static" a calibrated scale, "nvfp4"
+# and "mxfp4" the FP4 outputs.
+MODES = ("row", "group", "power_of_two", "e8m0", "static", "nvfp4", "mxfp4")
+# Group sizes the formats and models use, drawn more often where they divide N.
+USUAL_GROUPS = (16, 32, 64, 128)
 
 # What one row holds; every row of an example draws its own kind.
 ROW_KINDS = (
@@ -60,11 +77,14 @@ AWKWARD_HIDDEN += [16383, 16385, 32767, 32769, 56319, 56321, 57343, 57345, 65535
 
 
 @st.composite
-def shapes(draw) -> tuple[int, ...]:
+def shapes(draw, even: bool = False) -> tuple[int, ...]:
+    """A shape; with ``even``, an even hidden size (FP4 groups are even)."""
     rank = draw(st.integers(1, 4))
     hidden = draw(
         st.one_of(st.integers(1, 64), st.integers(1, MAX_HIDDEN), st.sampled_from(AWKWARD_HIDDEN))
     )
+    if even and hidden % 2:
+        hidden = hidden + 1 if hidden < MAX_HIDDEN else hidden - 1
     if rank == 1:
         return (hidden,)
     max_rows = min(MAX_ROWS, MAX_ELEMENTS // hidden)
@@ -80,8 +100,13 @@ def _row_values(rng: np.random.Generator, kind: str, n: int, dtype: np.dtype) ->
     if kind == "normal":
         return normal * 10.0 ** rng.uniform(-3, 3)
     if kind == "tiny":
-        # Small but with float32-normal squares: float16's smallest normals, 1e-15 otherwise.
-        return normal * (float(finfo.tiny) * 4 if dtype == np.float16 else 1e-15)
+        # Small but normal: float16's smallest normals; otherwise magnitudes from 2^-64 to
+        # 2^-40, where squares fall below float32's smallest normal and their rounding
+        # errors are subnormal. Compared bit for bit except where the kernels' flushing of
+        # those errors may change the sum of squares (flush_sensitive_rows).
+        if dtype == np.float16:
+            return normal * float(finfo.tiny) * 4
+        return normal * 2.0 ** rng.uniform(-64, -40)
     if kind == "huge":
         # Near the dtype's top: the sum of squares may overflow float32 (a NaN row).
         return np.clip(normal, -4, 4) * float(finfo.max) / 8
@@ -118,24 +143,50 @@ def values(seed: int, shape: tuple[int, ...], dtype, kinds: list[str]) -> np.nda
 
 
 def exempt_rows(h: np.ndarray, x_dtype) -> np.ndarray:
-    """Rows the accuracy rule does not cover (docs/spec.md): only magnitudes below float32's
-    smallest normal, which a kernel may flush to zero. Never float16 rows."""
+    """Rows the spec's flushing rule exempts (docs/spec.md, "Edge cases"): rows made only
+    of magnitudes below float32's smallest normal (2^-126), some of them nonzero, which a
+    kernel may flush to zero. Never float16 rows (every float16 is a normal float32);
+    never a row of zeros, and never a row holding anything of 2^-126 or more: those are
+    compared bit for bit on cpu and simt."""
     rows = h.reshape(-1, h.shape[-1])
     if np.dtype(x_dtype) == np.float16:
         return np.zeros(rows.shape[0], bool)
+    magnitude = np.abs(rows)
     with np.errstate(invalid="ignore"):
-        return np.all(np.abs(rows) < SMALLEST_NORMAL_F32, axis=-1)
+        return np.all(magnitude < SMALLEST_NORMAL_F32, axis=-1) & np.any(magnitude > 0, axis=-1)
 
 
-def flushed_rows(h: np.ndarray) -> np.ndarray:
-    """Rows whose last bits of the sum of squares may depend on denormal flushing
-    (docs/spec.md, "The sum of squares"): a sum below N * 2^-101, where the squares'
-    rounding errors below 2^-126 that a kernel may flush can reach its last bit. They are
-    held to the accuracy rule, not to bits."""
-    rows = h.reshape(-1, h.shape[-1]).astype(np.float64)
-    with np.errstate(over="ignore", invalid="ignore"):
-        ss = np.sum(rows * rows, axis=-1)
-    return ss < rows.shape[-1] * 2.0**-96  # with margin
+def flush_sensitive_rows(h: np.ndarray) -> np.ndarray:
+    """Rows whose sum of squares the kernels' denormal flushing may change (docs/spec.md,
+    "The sum of squares", "Flushing"): a square of |x| below 2^-40 can have a rounding
+    error, and its addition a TwoSum error, below 2^-126, which a kernel running with
+    denormals flushed loses (less than 2^-126 each). With k such elements (of 2^-64 or
+    more: smaller ones have squares that count as zero everywhere) the kernel's sum lies
+    within k * 2^-125 of the exact one, so only a row whose exact sum lies within that
+    distance (twice it here, for margin) of a float32 rounding boundary may see a different
+    ss. Those rows are held to the accuracy rule, every other row to the reference's bits.
+    Exact: tests/exact.py's integer sum, no floating-point addition."""
+    rows = h.reshape(-1, h.shape[-1]).astype(np.float32)
+    out = np.zeros(rows.shape[0], bool)
+    with np.errstate(invalid="ignore"):
+        magnitude = np.abs(rows)
+        small = np.sum((magnitude >= 2.0**-64) & (magnitude < 2.0**-40), axis=-1)
+        finite = np.isfinite(rows).all(axis=-1)
+    for i in np.nonzero((small > 0) & finite)[0]:
+        exact = exact_sum_of_squares(rows[i])
+        nearest = nearest_float32(exact)
+        if nearest == 0:
+            out[i] = True
+            continue
+        if abs(nearest) > Fraction(2) ** 128:
+            continue  # overflows: NaN everywhere
+        exponent = nearest.numerator.bit_length() - nearest.denominator.bit_length()
+        if Fraction(2) ** exponent > nearest:
+            exponent -= 1
+        ulp = Fraction(2) ** (max(exponent, -126) - 23)
+        to_boundary = abs(abs(exact - nearest) - ulp / 2)
+        out[i] = to_boundary <= int(small[i]) * Fraction(2) ** -124
+    return out
 
 
 def _keep_rows(outputs, keep: np.ndarray):
@@ -154,21 +205,79 @@ def scale_ub_for(scale_dtype):
     )
 
 
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def group_sizes(hidden: int, even: bool = False):
+    """A group size dividing ``hidden`` (even ones only with ``even``): the usual sizes
+    where they divide it, or any divisor."""
+    every = [g for g in divisors(hidden) if not even or g % 2 == 0]
+    usual = [g for g in USUAL_GROUPS if g in every]
+    return (
+        st.one_of(st.sampled_from(usual), st.sampled_from(every))
+        if usual
+        else st.sampled_from(every)
+    )
+
+
+def _as_scale_argument(value: float):
+    """A per-tensor scale as the spec lets a caller pass it: a Python float, or a float32
+    array of shape () or (1,)."""
+    return st.sampled_from([value, np.asarray(value, np.float32), np.full((1,), value, np.float32)])
+
+
+def per_tensor_scales():
+    """A static or global scale: mostly a positive one from 10^-8 to 10^3, sometimes one
+    the spec says makes every output NaN (0, negative, NaN, Inf) or a subnormal."""
+    good = st.floats(-8, 3).map(lambda e: float(10.0**e))
+    bad = st.sampled_from([0.0, -1.0, float("nan"), float("inf"), 1e-40, 2e-38])
+    return st.one_of(good, good, good, bad).flatmap(_as_scale_argument)
+
+
 @st.composite
-def cases(draw):
-    shape = draw(shapes())
+def cases(draw, modes=MODES):
+    mode = draw(st.sampled_from(modes))
+    fp4 = mode in ("nvfp4", "mxfp4")
+    shape = draw(shapes(even=fp4))
+    hidden = shape[-1]
     x_dtype = draw(st.sampled_from(FLOATS))
-    scale_dtype = draw(st.sampled_from(FLOATS))
     keywords = dict(
-        out_dtype=draw(st.sampled_from(FP8S)),
-        scale_dtype=scale_dtype,
         eps=draw(st.one_of(st.just(1e-6), st.just(0.0), st.just(1e-8), st.floats(0.0, 1.0))),
         weight_offset=draw(st.one_of(st.just(0.0), st.just(1.0), st.floats(-4.0, 4.0))),
-        scale_ub=draw(scale_ub_for(scale_dtype)),
     )
+    if fp4:
+        keywords["out_dtype"] = F4
+        keywords["group_size"] = draw(group_sizes(hidden, even=True))
+    else:
+        keywords["out_dtype"] = draw(st.sampled_from(FP8S))
+    if mode == "nvfp4":
+        keywords["scale_dtype"] = E4M3
+        keywords["global_scale"] = draw(st.one_of(st.none(), per_tensor_scales()))
+        if keywords["global_scale"] is None:
+            del keywords["global_scale"]  # the default, 1.0
+    elif mode == "mxfp4":
+        keywords["scale_dtype"] = E8M0
+        keywords["scale_ub"] = draw(scale_ub_for(E8M0))
+    elif mode == "static":
+        keywords["scale_dtype"] = draw(st.sampled_from(FLOATS))
+        keywords["static_scale"] = draw(per_tensor_scales())
+    else:
+        if mode == "e8m0":
+            keywords["scale_dtype"] = E8M0
+        elif mode == "power_of_two":
+            keywords["scale_dtype"] = draw(st.sampled_from([jnp.float32, jnp.bfloat16]))
+            keywords["power_of_two_scales"] = True
+        else:
+            keywords["scale_dtype"] = draw(st.sampled_from(FLOATS))
+        if mode == "group" or (mode != "row" and draw(st.booleans())):
+            keywords["group_size"] = draw(group_sizes(hidden))
+        keywords["scale_ub"] = draw(scale_ub_for(keywords["scale_dtype"]))
     kinds = draw(st.lists(st.sampled_from(ROW_KINDS), min_size=1, max_size=len(ROW_KINDS)))
     return dict(
         op=draw(st.sampled_from(["rms_norm_fp8", "add_rms_norm_fp8"])),
+        mode=mode,
         shape=shape,
         x_dtype=x_dtype,
         gamma_dtype=draw(st.sampled_from(FLOATS)),
@@ -197,39 +306,56 @@ def _check_case(platform, case):
     out = run_on(platform, getattr(fp8norm, case["op"]), *args, **kw)
     ref = reference_on_cpu(getattr(fp8norm.reference, case["op"]), *args, **kw)
     keep = ~exempt_rows(h, x_dtype)
-    assert out[0].shape == shape and out[1].shape == shape[:-1] + (1,)
-    flushed = flushed_rows(h) & keep
+    flushed = flush_sensitive_rows(h) & keep
     bits = keep & ~flushed
-    assert_kernel_matches(platform, _keep_rows(out, bits), _keep_rows(ref, bits))
+    groups = shape[-1] // kw["group_size"] if "group_size" in kw else 1
+    assert out[0].shape == shape and out[0].dtype == np.dtype(kw["out_dtype"])
+    assert out[1].shape == shape[:-1] + (groups,)
+    assert out[1].dtype == np.dtype(kw["scale_dtype"])
+    assert_kernel_matches(platform, _keep_rows(out, bits), _keep_rows(ref, bits), **kw)
     if flushed.any():
-        assert_matches_reference(_keep_rows(out, flushed), _keep_rows(ref, flushed))
+        power_of_two = kw.get("power_of_two_scales") or None
+        assert_matches_reference(
+            _keep_rows(out, flushed), _keep_rows(ref, flushed), power_of_two=power_of_two
+        )
 
 
-def _checker(examples: int):
+def _checker(examples: int, modes=MODES):
     return settings(
         max_examples=examples,
         deadline=None,
         print_blob=True,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )(given(case=cases())(_check_case))
+    )(given(case=cases(modes))(_check_case))
 
 
-# The emulated kernel variants share one budget: each is a third of the emulation's cost.
-# The default tier's budget reaches every row kind and op in a few seconds a platform.
-QUICK_EXAMPLES = 15
-_checkers = {
-    (quick, emulated): _checker(
-        max(1, (QUICK_EXAMPLES if quick else EXAMPLES) // (len(SIMT_PLATFORMS) if emulated else 1))
-    )
-    for quick in (True, False)
+# The default tier: a few examples of each mode on the CPU kernel, and each mode on one of
+# the emulated variants (they take turns: each is a third of the emulation's cost), so that
+# every keyword reaches both kernels in every run. The full budget draws any mode.
+QUICK_PER_MODE = 2
+_quick = {mode: _checker(QUICK_PER_MODE, (mode,)) for mode in MODES}
+_full = {
+    emulated: _checker(max(1, EXAMPLES // (len(SIMT_PLATFORMS) if emulated else 1)))
     for emulated in (True, False)
 }
 
 
+def quick_modes(platform: str) -> tuple[str, ...]:
+    if not is_simt(platform):
+        return MODES
+    return MODES[SIMT_PLATFORMS.index(platform) :: len(SIMT_PLATFORMS)]
+
+
 def test_kernel_matches_reference_on_random_cases(platform):
-    _checkers[True, is_simt(platform)](platform)
+    for mode in quick_modes(platform):
+        _quick[mode](platform)
+
+
+def test_the_default_tier_reaches_every_mode_on_both_kernels():
+    emulated = [m for p in SIMT_PLATFORMS for m in quick_modes(p)]
+    assert sorted(emulated) == sorted(MODES) == sorted(quick_modes("cpu"))
 
 
 @EXTENDED
 def test_kernel_matches_reference_on_the_full_budget(platform):
-    _checkers[False, is_simt(platform)](platform)
+    _full[is_simt(platform)](platform)
