@@ -192,6 +192,17 @@ void StoreRelease(uint32_t* flag, uint32_t value, int site) {
   internal::FlagStored();
 }
 
+uint32_t LoadRelaxed(const uint32_t* flag, int site) {
+  if (!RecordGlobalAccess(flag, sizeof(uint32_t), alignof(uint32_t), false, site)) return 0;
+  return __atomic_load_n(flag, __ATOMIC_RELAXED);
+}
+
+void StoreRelaxed(uint32_t* flag, uint32_t value, int site) {
+  if (!RecordGlobalAccess(flag, sizeof(uint32_t), alignof(uint32_t), true, site)) return;
+  __atomic_store_n(flag, value, __ATOMIC_RELAXED);
+  internal::FlagStored();
+}
+
 ScopedBuffers::ScopedBuffers()
     : outer_count_(internal::MemoryAccounting::OfThisThread().BufferCount()) {}
 

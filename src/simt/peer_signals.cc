@@ -32,6 +32,7 @@ constexpr auto kAbsentDeviceTimeout = std::chrono::seconds(60);
 struct Member {
   int64_t launches = 0;  // launches begun
   bool running = false;
+  bool runs_ahead = false;  // under a ScopedPeerRunAhead: its next launch follows at once
   bool stalled = false;     // every thread of its running block waits for a flag
   uint64_t checked_at = 0;  // the board's generation when it last found its flags unmet
   std::string waits;
@@ -45,6 +46,9 @@ struct Group {
   // for a peer runs ahead of it and reads what the peer has not yet written, in every
   // run, not only in an unlucky one.
   int holder = -1;
+  // The member whose launch ended under a ScopedPeerRunAhead: the turn is kept for its
+  // next launch, which begins before any other member resumes; -1 when none.
+  int reserved = -1;
 };
 
 struct Board {
@@ -141,7 +145,7 @@ std::optional<std::string> AwaitFlags(const std::function<bool()>& reached,
     lock.lock();
     if (ok) {
       me.stalled = false;
-      board.changed.wait(lock, [&] { return group.holder == -1; });
+      board.changed.wait(lock, [&] { return group.holder == -1 && group.reserved == -1; });
       group.holder = position;
       return std::nullopt;
     }
@@ -188,9 +192,12 @@ ScopedPeerLaunch::ScopedPeerLaunch(uint64_t group, int position, int size) {
   internal::current_launch = internal::PeerLaunch{group, position, size};
   board.launch_events += 1;
   board.changed.notify_all();
-  // Its kernel runs when no other device of the group runs one.
-  board.changed.wait(lock, [&] { return g.holder == -1; });
+  // Its kernel runs when no other device of the group runs one, and no other device's
+  // next launch has the turn.
+  board.changed.wait(
+      lock, [&] { return g.holder == -1 && (g.reserved == -1 || g.reserved == position); });
   g.holder = position;
+  if (g.reserved == position) g.reserved = -1;
 }
 
 ScopedPeerLaunch::~ScopedPeerLaunch() {
@@ -204,8 +211,29 @@ ScopedPeerLaunch::~ScopedPeerLaunch() {
   m.failure.reset();
   internal::Group& g = board.groups[internal::current_launch->group];
   if (g.holder == internal::current_launch->position) g.holder = -1;
+  if (m.runs_ahead) g.reserved = internal::current_launch->position;
   internal::current_launch.reset();
   board.launch_events += 1;  // a launch that ended may complete a deadlock
+  board.changed.notify_all();
+}
+
+ScopedPeerRunAhead::ScopedPeerRunAhead(uint64_t group, int position)
+    : group_(group), position_(position) {
+  HiddenSync hidden;
+  internal::Board& board = internal::TheBoard();
+  std::lock_guard<std::mutex> lock(board.mutex);
+  internal::Group& g = board.groups[group];
+  if (g.members.size() <= static_cast<size_t>(position)) g.members.resize(position + 1);
+  g.members[position].runs_ahead = true;
+}
+
+ScopedPeerRunAhead::~ScopedPeerRunAhead() {
+  HiddenSync hidden;
+  internal::Board& board = internal::TheBoard();
+  std::lock_guard<std::mutex> lock(board.mutex);
+  internal::Group& g = board.groups[group_];
+  g.members[position_].runs_ahead = false;
+  if (g.reserved == position_) g.reserved = -1;
   board.changed.notify_all();
 }
 

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -93,6 +94,25 @@ cudaError_t Refusal(const char* function, bool loads_module) {
 }
 
 size_t PaddedStatic(size_t bytes) { return (bytes + 15) / 16 * 16; }
+
+// Fresh device memory holds what was there before, which a kernel must not read before
+// writing (compute-sanitizer's initcheck). Here every word of every allocation differs:
+// one byte repeated would give every device of a group that forgets to zero its
+// workspace the same epochs, one ahead of equal flags, a protocol that agrees with
+// itself and passes; words that differ by allocation and offset make the devices
+// disagree, so the missing zeroing fails the check. Numbered, not hashed from the
+// address, so that a run repeats.
+void Poison(uint32_t* words, size_t count) {
+  static std::atomic<uint64_t> allocations{0};
+  uint64_t s = (allocations.fetch_add(1, std::memory_order_relaxed) + 1) * 0x9e3779b97f4a7c15ull;
+  for (size_t i = 0; i < count; ++i) {
+    s += 0x9e3779b97f4a7c15ull;
+    uint64_t z = s;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    words[i] = static_cast<uint32_t>(z ^ (z >> 31));
+  }
+}
 
 }  // namespace
 
@@ -291,9 +311,13 @@ cudaError_t cudaGetDeviceCount(int* count) {
 }
 
 cudaError_t cudaMalloc(void** pointer, size_t bytes) {
-  *pointer = bytes == 0 ? nullptr : std::aligned_alloc(256, (bytes + 255) / 256 * 256);
-  return *pointer != nullptr || bytes == 0 ? cudaSuccess
-                                           : simt::SetError(cudaErrorMemoryAllocation);
+  const size_t rounded = (bytes + 255) / 256 * 256;
+  *pointer = bytes == 0 ? nullptr : std::aligned_alloc(256, rounded);
+  if (*pointer == nullptr) {
+    return bytes == 0 ? cudaSuccess : simt::SetError(cudaErrorMemoryAllocation);
+  }
+  simt::Poison(static_cast<uint32_t*>(*pointer), rounded / 4);
+  return cudaSuccess;
 }
 
 cudaError_t cudaFree(void* pointer) {

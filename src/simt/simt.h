@@ -112,6 +112,25 @@ class ScopedPeerLaunch {
   ScopedPeerLaunch& operator=(const ScopedPeerLaunch&) = delete;
 };
 
+// While the guard lives, the calling OS thread promises to begin another launch of the
+// peer group `group`, as the device at `position`, right after each one ends, and the
+// group keeps its turn for that launch: it begins before any peer resumes, as a GPU's
+// stream may start a device's next call while its peers are still in this one. A kernel
+// that overwrites memory its peers may still read (a buffer not doubled) then does so
+// before they read it, in every run, not only in an unlucky one. The guard's end gives
+// the turn back.
+class ScopedPeerRunAhead {
+ public:
+  ScopedPeerRunAhead(uint64_t group, int position);
+  ~ScopedPeerRunAhead();
+  ScopedPeerRunAhead(const ScopedPeerRunAhead&) = delete;
+  ScopedPeerRunAhead& operator=(const ScopedPeerRunAhead&) = delete;
+
+ private:
+  uint64_t group_;
+  int position_;
+};
+
 // While the guard lives, the calling OS thread's launches run only the blocks
 // `first <= blockIdx.x < last` of their grid; the others are skipped as if they had run
 // without touching memory. For a grid whose work at a far index is what a check needs

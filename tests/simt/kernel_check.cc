@@ -11,10 +11,13 @@
 // mismatch, launch error or path of the list below not reached. Checks 64-bit indexing
 // (index_check.cc) in the full run.
 //
-//   kernel_check [--quick] [--only-allreduce | --no-allreduce]
+//   kernel_check [--quick] [--only-allreduce | --no-allreduce] [--name-cases] [--stop-at-failure]
 //     --quick: fewer and shorter rows, for ThreadSanitizer; --only-allreduce: the one-kernel
 //     all-reduce's checks alone (allreduce_check.cc), --no-allreduce: everything else (the
-//     mutation check runs each mutant against the part its file reaches).
+//     mutation check runs each mutant against the part its file reaches); --name-cases:
+//     each case's name on stderr before it runs, so that a sanitizer's report, which ends
+//     the run there, can be told apart by case; --stop-at-failure: no case after the first
+//     that fails (the mutation check needs one failure, not all of them).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -36,6 +39,13 @@ namespace fp8norm {
 int CheckEmulator();             // emulator_check.cc
 int CheckIndexing();             // index_check.cc
 int CheckAllReduce(bool quick);  // allreduce_check.cc
+
+bool name_cases = false;
+bool stop_at_failure = false;
+
+void NameCase(const std::string& name) {
+  if (name_cases) std::fprintf(stderr, "case: %s\n", name.c_str());
+}
 
 namespace {
 
@@ -241,6 +251,7 @@ bool RunCase(const Case& c, KernelVariant variant, Coverage& coverage, int* runs
                 limits.name, c.specials ? " specials" : "", static_cast<long long>(c.group_size),
                 c.power_of_two, c.static_scale, packed, c.global_scale);
   const std::string name = name_text;
+  NameCase(name);
 
   const RmsNormFp8Args emulated_args = args_for(emulated);
   // The path the launch takes, as the plan decides it with the emulated device's limits.
@@ -531,6 +542,7 @@ int Main(bool quick, bool allreduce, bool rest) {
   int failures = CheckEmulator() + CheckRound();
   int runs = 0;
   for (const Case& c : cases) {
+    if (stop_at_failure && failures > 0) break;
     for (const KernelVariant variant :
          {KernelVariant::kBlockShared, KernelVariant::kWarpRows, KernelVariant::kBlockRegisters}) {
       failures += RunCase(c, variant, coverage, &runs) ? 0 : 1;
@@ -539,8 +551,9 @@ int Main(bool quick, bool allreduce, bool rest) {
   SetKernelVariant(KernelVariant::kAuto);
   // 64-bit indexing reserves tens of GiB of address space, which ThreadSanitizer's
   // shadow mapping does not take; the quick (ThreadSanitizer) run leaves it out.
+  if (stop_at_failure && failures > 0) return 1;
   if (!quick) failures += CheckIndexing();
-  if (allreduce) failures += CheckAllReduce(quick);
+  if (allreduce && !(stop_at_failure && failures > 0)) failures += CheckAllReduce(quick);
 
   const char* required[] = {"block_shared, vectorized cached",
                             "block_shared, vectorized re-read",
@@ -609,6 +622,10 @@ int main(int argc, char** argv) {
       rest = false;
     } else if (std::strcmp(argv[i], "--no-allreduce") == 0) {
       allreduce = false;
+    } else if (std::strcmp(argv[i], "--name-cases") == 0) {
+      fp8norm::name_cases = true;
+    } else if (std::strcmp(argv[i], "--stop-at-failure") == 0) {
+      fp8norm::stop_at_failure = true;
     } else {
       std::fprintf(stderr, "kernel_check: unknown argument %s\n", argv[i]);
       return 2;

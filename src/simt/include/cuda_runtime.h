@@ -116,6 +116,12 @@ void SyncThreads();
 // grow), a point where the scheduler runs other threads, and other devices.
 uint32_t LoadAcquire(const uint32_t* flag, int site);
 void StoreRelease(uint32_t* flag, uint32_t value, int site);
+// The same accesses without their ordering, as a kernel that forgot the acquire and the
+// release would make them (the mutation check plants them): still checked, counted and
+// seen by the board, so that only the missing ordering differs, which ThreadSanitizer
+// reports.
+uint32_t LoadRelaxed(const uint32_t* flag, int site);
+void StoreRelaxed(uint32_t* flag, uint32_t value, int site);
 void AwaitFlag(const uint32_t* flag, uint32_t target);
 uint32_t ShuffleXor(uint32_t mask, uint32_t value, int lane_mask, int width);
 
