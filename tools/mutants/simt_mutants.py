@@ -6,8 +6,10 @@ first, or a catch proves nothing.
     python tools/mutants/simt_mutants.py [--build DIR] [--tsan] [--workers N] [--only TEXT]
 
 --tsan also builds each mutant that plants a race with ThreadSanitizer and requires a
-data-race report. A mutant counts as caught only when the check ran and reported it: one
-that does not build, or hangs, fails the check as a survivor does. Exits non-zero when the
+data-race report; a mutant only ThreadSanitizer can see (tsan_only: the emulation's
+turns give it the right bits) runs only then. A mutant counts as caught only when the
+check ran and reported it: one that does not build, or hangs, fails the check as a
+survivor does. Exits non-zero when the
 baseline fails or any mutant is not caught. The mutants are shared among N workers (one
 per core, at most 2), each with its own copy and builds (tools/mutants/worker_pool.py).
 """
@@ -32,6 +34,10 @@ SRC = ROOT / "src"
 COPIED = ("cuda", "cpu")  # the directories the mutants patch, copied for the build
 
 
+# The one-kernel all-reduce's files: its kernel, its workspaces' set-up and their layout.
+ALLREDUCE_FILES = ("cuda/allreduce.cu", "cuda/peer_workspaces.cc", "cuda/peer_allreduce.h")
+
+
 @dataclasses.dataclass(frozen=True)
 class Mutant:
     name: str
@@ -39,12 +45,16 @@ class Mutant:
     old: str
     new: str
     race: bool = False  # a missing ordering ThreadSanitizer should report
+    # Only ThreadSanitizer can see it: the bits stay right, because one device runs at a
+    # time until all its block's threads wait. Caught only by a race report, with --tsan.
+    tsan_only: bool = False
+    count: int = 1  # the occurrences of `old`, every one replaced
 
     @property
     def scope(self) -> list[str]:
         """kernel_check's arguments for the part of it the mutated file reaches: the
-        all-reduce's kernel only its own checks, every other file the rest."""
-        return ["--only-allreduce"] if self.file == "cuda/allreduce.cu" else ["--no-allreduce"]
+        all-reduce's files only its own checks, every other file the rest."""
+        return ["--only-allreduce"] if self.file in ALLREDUCE_FILES else ["--no-allreduce"]
 
 
 # Mutant.file is relative to src/: the mutation check copies src/cuda and src/cpu.
@@ -204,6 +214,97 @@ MUTANTS = [
         "? SliceBegin(rows, a.num_devices, a.position + 1) - 1\n",
     ),
     Mutant(
+        "all-reduce: the partials not double-buffered (parity fixed at 0)",
+        "cuda/allreduce.cu",
+        "a.layout.partials + parity * a.layout.partial_bytes",
+        "a.layout.partials",
+        count=2,
+    ),
+    Mutant(
+        "all-reduce: the workspaces not zeroed by the set-up",
+        "cuda/peer_workspaces.cc",
+        "      err = cudaMemsetAsync(g->workspaces[p], 0, g->layout.total, stream);\n",
+        "",
+    ),
+    Mutant(
+        "all-reduce: the flags stored and loaded relaxed, not release and acquire",
+        "cuda/allreduce.cu",
+        "    StoreReleaseSystem(FlagOf(a, a.workspaces[p], stage, blockIdx.x, a.position),"
+        " epoch);\n"
+        "    const uint32_t* flag = FlagOf(a, a.workspaces[a.position], stage, blockIdx.x, p);\n"
+        "    while (!FlagReached(LoadAcquireSystem(flag), epoch))",
+        "    simt::StoreRelaxed(FlagOf(a, a.workspaces[p], stage, blockIdx.x, a.position), epoch,\n"
+        "                       __LINE__);\n"
+        "    const uint32_t* flag = FlagOf(a, a.workspaces[a.position], stage, blockIdx.x, p);\n"
+        "    while (!FlagReached(simt::LoadRelaxed(flag, __LINE__), epoch))",
+        race=True,
+        tsan_only=True,
+    ),
+    Mutant(
+        "all-reduce: a block flags its peers before all its threads have copied",
+        "cuda/allreduce.cu",
+        "uint32_t epoch) {\n  __syncthreads();\n  const int p",
+        "uint32_t epoch) {\n  const int p",
+        race=True,
+        tsan_only=True,
+    ),
+    Mutant(
+        "all-reduce: the flag stored in the peer's slot, not this device's",
+        "cuda/allreduce.cu",
+        "FlagOf(a, a.workspaces[p], stage, blockIdx.x, a.position), epoch);",
+        "FlagOf(a, a.workspaces[p], stage, blockIdx.x, p), epoch);",
+    ),
+    Mutant(
+        "all-reduce: the partials folded in reverse order",
+        "cuda/allreduce.cu",
+        "PartialOf(a, 0, parity) + row * hidden * in_bytes, a.partial_type, i, h);\n"
+        "    for (int q = 1; q < a.num_devices; ++q) {\n"
+        "      float x[kVec];\n"
+        "      LoadAny<kVec>(PartialOf(a, q, parity)",
+        "PartialOf(a, a.num_devices - 1, parity) + row * hidden * in_bytes, a.partial_type,"
+        " i, h);\n"
+        "    for (int q = 1; q < a.num_devices; ++q) {\n"
+        "      float x[kVec];\n"
+        "      LoadAny<kVec>(PartialOf(a, a.num_devices - 1 - q, parity)",
+    ),
+    Mutant(
+        "all-reduce: the fold starts at the device's own partial",
+        "cuda/allreduce.cu",
+        "PartialOf(a, 0, parity) + row * hidden * in_bytes, a.partial_type, i, h);\n"
+        "    for (int q = 1; q < a.num_devices; ++q) {\n"
+        "      float x[kVec];\n"
+        "      LoadAny<kVec>(PartialOf(a, q, parity)",
+        "PartialOf(a, a.position, parity) + row * hidden * in_bytes, a.partial_type, i, h);\n"
+        "    for (int q = 1; q < a.num_devices; ++q) {\n"
+        "      float x[kVec];\n"
+        "      LoadAny<kVec>(PartialOf(a, (a.position + q) % a.num_devices, parity)",
+    ),
+    Mutant(
+        "all-reduce: the fold reads the next device's partial in place of each peer's",
+        "cuda/allreduce.cu",
+        "LoadAny<kVec>(PartialOf(a, q, parity)",
+        "LoadAny<kVec>(PartialOf(a, (q + 1) % a.num_devices, parity)",
+    ),
+    Mutant(
+        "all-reduce, two-shot: a slice's outputs copied from the next device's results",
+        "cuda/allreduce.cu",
+        "a.workspaces[q] + a.layout.results",
+        "a.workspaces[(q + 1) % a.num_devices] + a.layout.results",
+    ),
+    Mutant(
+        "all-reduce: the grid not capped at max_blocks",
+        "cuda/peer_allreduce.h",
+        "own < max_blocks ? (own > 0 ? own : 1) : max_blocks",
+        "own > 0 ? own : 1",
+    ),
+    Mutant(
+        "all-reduce: the group's block cap not lowered to its multiprocessors",
+        "cuda/peer_workspaces.cc",
+        "    g->max_blocks = std::min(g->max_blocks,"
+        " static_cast<unsigned>(std::max(1, multiprocessors)));\n",
+        "",
+    ),
+    Mutant(
         "CUDA row offset truncated to 32 bits",
         "cuda/row_blocks.cuh",
         "  const int64_t offset = row * a.hidden;",
@@ -236,7 +337,9 @@ class Builder:
         ]  # fmt: skip
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
-    def run(self, quick: bool = False, scope: tuple[str, ...] = ()) -> tuple[str, str]:
+    def run(
+        self, quick: bool = False, scope: tuple[str, ...] = (), stop: bool = False
+    ) -> tuple[str, str]:
         """('passed' | 'failed' | 'error', output). 'failed': the check ran and reported a
         failure (its exit code 1, or a sanitizer's report). 'error': no verdict on the
         code, because it did not build, hung or died some other way."""
@@ -249,7 +352,10 @@ class Builder:
         if built.returncode != 0:
             return "error", "build failed:\n" + built.stdout[-3000:] + built.stderr[-3000:]
         env = dict(os.environ, TSAN_OPTIONS="halt_on_error=1", ASAN_OPTIONS="detect_leaks=0")
-        cmd = [str(self.build / "kernel_check")] + (["--quick"] if quick else []) + list(scope)
+        cmd = [str(self.build / "kernel_check"), "--name-cases"]
+        cmd += (
+            (["--quick"] if quick else []) + (["--stop-at-failure"] if stop else []) + list(scope)
+        )
         try:
             ran = subprocess.run(
                 cmd, capture_output=True, text=True, env=env, timeout=600, check=False
@@ -265,12 +371,17 @@ class Builder:
 
 
 def first_catch(output: str) -> str:
-    """The line that says how a run failed."""
+    """The line that says how a run failed; for a sanitizer's report, which names no case,
+    with the case that was running (kernel_check --name-cases)."""
     for pattern in (r"ThreadSanitizer: data race.*", r"ERROR: AddressSanitizer.*",
                     r"runtime error.*", r"FAIL .*", r"build failed.*", r"timed out.*"):  # fmt: skip
         found = re.search(pattern, output)
         if found:
-            return found.group(0)[:220]
+            line = found.group(0)[:220]
+            if not line.startswith(("FAIL", "build", "timed")):
+                running = re.findall(r"^case: (.*)$", output[: found.start()], re.M)
+                line += f" in {running[-1][:200]}" if running else ""
+            return line
     return output.strip().splitlines()[-1][:220] if output.strip() else "(no output)"
 
 
@@ -305,17 +416,33 @@ class Worker:
                 return f"BASELINE FAILED under ThreadSanitizer\n{output[-4000:]}"
         return None
 
-    def check(self, mutant: Mutant) -> tuple[bool, str]:
-        """(caught, the report's lines) for one mutant."""
+    def check(self, mutant: Mutant) -> tuple[bool | None, str]:
+        """(caught, the report's lines) for one mutant; caught is None when it did not run
+        (a tsan_only mutant without --tsan)."""
         self.restore()
         target = self.copy / mutant.file
         text = target.read_text()
         count = text.count(mutant.old)
-        if count != 1:
-            return False, f"SETUP ERROR {mutant.name}: the text to mutate occurs {count} times"
+        if count != mutant.count:
+            return False, (f"SETUP ERROR {mutant.name}: the text to mutate occurs {count} times,"
+                           f" not {mutant.count}")  # fmt: skip
         target.write_text(text.replace(mutant.old, mutant.new))
         start = time.monotonic()
-        verdict, output = self.plain.run(scope=mutant.scope)
+        if mutant.tsan_only:
+            if self.tsan is None:
+                return (
+                    None,
+                    f"NOT RUN  {mutant.name}\n         (only ThreadSanitizer sees it: --tsan)",
+                )
+            verdict, output = self.tsan.run(quick=True, scope=mutant.scope)
+            raced = verdict == "failed" and "ThreadSanitizer: data race" in output
+            label = "caught" if raced else ("SURVIVED" if verdict == "passed" else "NO VERDICT")
+            by = first_catch(output) if verdict != "passed" else "-"
+            return raced, (f"{label:8} {mutant.name}\n         by: {by} (ThreadSanitizer only,"
+                           f" {time.monotonic() - start:.0f} s)\n         TSan: "
+                           f"{'data race reported' if raced else 'NO RACE REPORTED'}")  # fmt: skip
+        # One failure is a catch; ThreadSanitizer's run goes on, to reach the race it needs.
+        verdict, output = self.plain.run(scope=mutant.scope, stop=True)
         label = {"passed": "SURVIVED", "failed": "caught", "error": "NO VERDICT"}[verdict]
         caught = verdict == "failed"
         by = first_catch(output) if verdict != "passed" else "-"
@@ -346,11 +473,15 @@ def main() -> int:
         print(failed[0])
         return 1
     print("baseline: the unmutated kernels pass" + (" (and under TSan)" if args.tsan else ""))
-    survivors = 0
+    survivors = not_run = 0
     for caught, report in map_on_workers(workers, Worker.check, mutants):
-        survivors += not caught
+        survivors += caught is False
+        not_run += caught is None
         print(report)
-    print(f"{len(mutants)} mutants, {survivors} not caught")
+    print(
+        f"{len(mutants)} mutants, {survivors} not caught"
+        + (f", {not_run} not run (only ThreadSanitizer sees them: --tsan)" if not_run else "")
+    )
     return 1 if survivors else 0
 
 
