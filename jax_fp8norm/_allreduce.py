@@ -32,7 +32,7 @@ AUTO_ONE_SHOT_MAX = {
     8: 192 * KIB,
 }
 
-# The one switch that lets auto pick a one-kernel method on real GPUs, once AUTO_TABLE has
+# The one switch that lets auto pick a one-kernel method on real GPUs, once AUTO_ONE_SHOT_MAX has
 # been measured on such a machine. Until then auto runs "xla" on GPUs: a kernel no GPU has
 # run is opt-in, never a default. The emulated devices follow the table, so that the
 # selection itself is tested.

@@ -19,6 +19,7 @@ from helpers import (
     gpu_devices,
     is_simt,
     kernels_of,
+    unexpected_skips,
 )
 
 import jax_fp8norm.simt
@@ -65,3 +66,29 @@ def platform(request):
         pytest.fail("this build of jax_fp8norm has no SIMT emulation (_fp8norm_simt)")
     with kernels_of(request.param):
         yield request.param
+
+
+_skip_reasons: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail") and isinstance(report.longrepr, tuple):
+        _skip_reasons.append(report.longrepr[2].removeprefix("Skipped: "))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """A run with a skip that helpers.EXPECTED_SKIPS does not name fails: a skip must not
+    hide a test. (The controller decides; pytest-xdist's workers report to it.)"""
+    if hasattr(session.config, "workerinput"):
+        return
+    unexpected = sorted(set(unexpected_skips(_skip_reasons)))
+    if not unexpected:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("unexpected skips (tests/helpers.py, EXPECTED_SKIPS):", red=True)
+        for reason in unexpected:
+            reporter.write_line(f"  {reason}", red=True)
+    if session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 # The tests compile many small jitted functions, and LLVM's optimisation passes are most of
 # XLA's compile time on the CPU backend, and level 0 skips them. It
@@ -63,6 +64,29 @@ EXTENDED = pytest.mark.extended
 # item reruns that tier's tests of the module.
 TIERS = ["default", pytest.param("extended", marks=EXTENDED)]
 TIER_MARKS = {"default": "not extended", "extended": "extended"}
+
+
+# The reasons a test may skip on a machine like CI's (no GPU) or the GPU machine's:
+# regular expressions, searched in each skip's reason. Any other skip fails the run
+# (conftest.py, and the child sessions of rerun_with_virtual_cpu_devices), so a skip can
+# no longer hide a test: a missing package the set-up installs, a module that lost its
+# build, a platform check gone wrong.
+EXPECTED_SKIPS = (
+    r"no GPU backend available to jax",
+    r"command buffers are a GPU feature",
+    r"a GPU-only check",
+    r"^NVIDIA .* has no ",  # a GPU below the feature's compute capability
+    r"about 7 GiB of host memory; FP8NORM_HUGE_TESTS=1 runs it",
+    r"2\^31 elements through fibers",
+    r"one CPU device here; test_on_eight_virtual_cpu_devices runs this on 8",
+    r"no test of the (default|extended) tier in test_\w+\.py",
+    r"the emulated device's grid limit",
+)
+
+
+def unexpected_skips(reasons) -> list[str]:
+    """The skip reasons that EXPECTED_SKIPS does not name."""
+    return [r for r in reasons if not any(re.search(p, r) for p in EXPECTED_SKIPS)]
 
 
 def is_simt(platform: str) -> bool:
@@ -212,7 +236,7 @@ def rerun_with_virtual_cpu_devices(
         XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={num_devices}".strip(),
         PYTHONPATH=path,
     )
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0"]
+    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-n", "0"]
     result = subprocess.run(
         [*command, "-m", TIER_MARKS[tier], test_file, *pytest_args],
         cwd=os.path.dirname(os.path.abspath(test_file)),
@@ -228,3 +252,10 @@ def rerun_with_virtual_cpu_devices(
     assert result.returncode == 0, summary
     assert re.search(r"\d+ passed", result.stdout), summary
     assert "failed" not in result.stdout.splitlines()[-1], summary
+    # The child's own session refuses unexpected skips; the expected ones are reported
+    # here, where they would otherwise be invisible.
+    skipped = re.findall(r"^SKIPPED \[(\d+)\] [^:]+:\d+: (.*)$", result.stdout, re.M)
+    assert not unexpected_skips([reason for _, reason in skipped]), summary
+    if skipped:
+        lines = "; ".join(f"{count} x {reason}" for count, reason in skipped)
+        warnings.warn(f"skipped on {num_devices} virtual devices: {lines}", stacklevel=2)

@@ -1,0 +1,48 @@
+"""A skip must not hide a test: a run with a skip whose reason tests/helpers.py's
+EXPECTED_SKIPS does not name fails (conftest.py), here and in the virtual-device reruns."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from helpers import EXPECTED_SKIPS, unexpected_skips
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_the_allowlist():
+    assert unexpected_skips(["no GPU backend available to jax"]) == []
+    assert unexpected_skips(["no test of the extended tier in test_allreduce.py"]) == []
+    assert unexpected_skips(["NVIDIA H200 has no block-scaled tensor cores"]) == []
+    missing = ["could not import 'hypothesis': No module named 'hypothesis'"]
+    assert unexpected_skips(missing) == missing
+    assert unexpected_skips(["built without the emulation"]) == ["built without the emulation"]
+    assert len(set(EXPECTED_SKIPS)) == len(EXPECTED_SKIPS)
+
+
+def _session(tmp_path, reason: str) -> subprocess.CompletedProcess:
+    """A pytest session with the suite's conftest, of one test that passes and one that
+    skips with ``reason``."""
+    (tmp_path / "test_probe.py").write_text(
+        "import pytest\n\n"
+        "def test_runs():\n    pass\n\n"
+        f"def test_skips():\n    pytest.skip({reason!r})\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider"]
+    command += ["-n", "0", "-o", "addopts=", str(tmp_path / "test_probe.py")]
+    return subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def test_an_unexpected_skip_fails_the_run(tmp_path):
+    expected = _session(tmp_path, "no GPU backend available to jax")
+    assert expected.returncode == 0, expected.stdout + expected.stderr
+    unexpected = _session(tmp_path, "could not import 'flax'")
+    assert unexpected.returncode == 1, unexpected.stdout + unexpected.stderr
+    assert (
+        "unexpected skips" in unexpected.stdout and "could not import 'flax'" in unexpected.stdout
+    )
