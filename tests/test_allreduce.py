@@ -475,7 +475,6 @@ else:
         xla = _fixed_order_reference("xla", mesh, partials, residual, gamma)
         assert not np.array_equal(xla[2].view(np.uint16), ref[2].view(np.uint16))
 
-    @pytest.mark.sampled(4)
     @pytest.mark.parametrize("method", ONE_KERNEL)
     @pytest.mark.parametrize(
         "kw",
