@@ -397,30 +397,6 @@ CaseResult RunAllReduceCase(const AllReduceCase& c) {
     return result;
   }
 
-  // The grid: a block per row the device normalises, at most one per multiprocessor and
-  // kMaxAllReduceBlocks, on every device alike.
-  const int64_t own_rows = two_shot ? (c.rows + n - 1) / n : c.rows;
-  const int64_t cap = std::min<int64_t>(kMaxAllReduceBlocks, limits.multiprocessors);
-  const unsigned want_blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min(own_rows, cap)));
-  result.capped_by_processors =
-      limits.multiprocessors < kMaxAllReduceBlocks && own_rows > limits.multiprocessors;
-  result.capped_by_most = own_rows > kMaxAllReduceBlocks;
-  size_t recorded = 0;
-  for (const simt::LaunchRecord& r : launches) {
-    if (r.kernel != "allreduce_norm") continue;
-    ++recorded;
-    if (r.blocks != want_blocks) {
-      fail("a launch of " + std::to_string(r.blocks) + " blocks, where " +
-           std::to_string(own_rows) + " rows per device and a cap of " + std::to_string(cap) +
-           " (the multiprocessors, kMaxAllReduceBlocks) make " + std::to_string(want_blocks));
-      break;
-    }
-  }
-  if (recorded != static_cast<size_t>(n * c.calls * passes)) {
-    fail(std::to_string(recorded) + " launches recorded, " + std::to_string(n * c.calls * passes) +
-         " made");
-  }
-
   for (int pass = 0; pass < passes; ++pass) {
     for (int d = 0; d < n; ++d) {
       for (int k = 0; k < c.calls; ++k) {
@@ -451,6 +427,31 @@ CaseResult RunAllReduceCase(const AllReduceCase& c) {
       }
     }
   }
+  // The grid: a block per row the device normalises, at most one per multiprocessor and
+  // kMaxAllReduceBlocks, on every device alike. Checked after the launches' statuses, so
+  // that a grid that deadlocks is reported as the deadlock first.
+  const int64_t own_rows = two_shot ? (c.rows + n - 1) / n : c.rows;
+  const int64_t cap = std::min<int64_t>(kMaxAllReduceBlocks, limits.multiprocessors);
+  const unsigned want_blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min(own_rows, cap)));
+  result.capped_by_processors =
+      limits.multiprocessors < kMaxAllReduceBlocks && own_rows > limits.multiprocessors;
+  result.capped_by_most = own_rows > kMaxAllReduceBlocks;
+  size_t recorded = 0;
+  for (const simt::LaunchRecord& r : launches) {
+    if (r.kernel != "allreduce_norm") continue;
+    ++recorded;
+    if (r.blocks != want_blocks) {
+      fail("a launch of " + std::to_string(r.blocks) + " blocks, where " +
+           std::to_string(own_rows) + " rows per device and a cap of " + std::to_string(cap) +
+           " (the multiprocessors, kMaxAllReduceBlocks) make " + std::to_string(want_blocks));
+      break;
+    }
+  }
+  if (recorded != static_cast<size_t>(n * c.calls * passes)) {
+    fail(std::to_string(recorded) + " launches recorded, " + std::to_string(n * c.calls * passes) +
+         " made");
+  }
+
   if (failures > 3) std::printf("  ... and %d more failures of %s\n", failures - 3, name.c_str());
   return result;
 }
