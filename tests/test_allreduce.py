@@ -345,6 +345,14 @@ else:
             op = fp8norm.allreduce_residual_rms_norm_fp8
             return _run_stacked(op, mesh, *args, method=method, **kw)
 
+    def _with_method(method, mesh, *args, **kw):
+        """Every device's outputs for ``method``: "xla" on the CPU kernels, the others
+        (auto among them) on the emulated CUDA kernels."""
+        if method == "xla":
+            op = fp8norm.allreduce_residual_rms_norm_fp8
+            return _run_stacked(op, mesh, *args, method=method, **kw)
+        return _emulated(method, mesh, *args, **kw)
+
     # Inputs that can see the order of the sum. A float32 sum of a few bfloat16 partials
     # is exact in any order, so bfloat16 inputs cannot tell one order from another; these
     # float32 partials spread over eight decades, partial 1 nearly cancelling partial 0.
@@ -417,16 +425,7 @@ else:
         mesh = MESHES[mesh_kind]()
         partials, residual, gamma = _order_visible_inputs(mesh.shape["tp"], 12, 1024)
         _assert_the_order_shows(partials, residual)
-        emulating = jax_fp8norm.simt.kernels() if method != "xla" else contextlib.nullcontext()
-        with emulating:
-            out = _run_stacked(
-                fp8norm.allreduce_residual_rms_norm_fp8,
-                mesh,
-                partials,
-                residual,
-                gamma,
-                method=method,
-            )
+        out = _with_method(method, mesh, partials, residual, gamma)
         _assert_every_copy(out, _axis_order_outputs(partials, residual, gamma))
 
     @pytest.mark.parametrize("method", ONE_KERNEL)
@@ -905,17 +904,7 @@ else:
         )
         assert want[1].shape == ((3, 1) if "group_size" not in kw else (3, 0))
         for method in ("xla", "auto", *ONE_KERNEL):
-            with jax_fp8norm.simt.kernels() if method != "xla" else contextlib.nullcontext():
-                out = _run_stacked(
-                    fp8norm.allreduce_residual_rms_norm_fp8,
-                    mesh,
-                    partials,
-                    residual,
-                    gamma,
-                    method=method,
-                    **kw,
-                )
-            _assert_every_copy(out, want)
+            _assert_every_copy(_with_method(method, mesh, partials, residual, gamma, **kw), want)
         sharded = NamedSharding(mesh, P("tp"))
         rows = jax.device_put(np.zeros((4, 0), jnp.bfloat16), sharded)
         for emulating in (contextlib.nullcontext(), jax_fp8norm.simt.kernels()):
