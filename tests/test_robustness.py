@@ -53,6 +53,15 @@ def test_more_rows_than_a_grid_dimension(platform, rows, hidden):
     check_against_reference(platform, "add_rms_norm_fp8", x, residual, gamma)
 
 
+def test_more_rows_than_a_grid_dimension_on_every_platform(platform):
+    # The default tier's share of the test above on the emulated kernels too (about 2 to
+    # 5 s each there): 65537 short rows, one op.
+    rows, hidden = 65537, 16
+    x = random_rows(rows, (rows, hidden), jnp.bfloat16)
+    gamma = random_gamma(1, hidden, jnp.float32)
+    check_against_reference(platform, "rms_norm_fp8", x, gamma)
+
+
 HUGE_ROWS, HUGE_HIDDEN, PERIOD = 16385, 131072, 5  # 2^31 + 131072 elements
 
 
@@ -353,7 +362,7 @@ def test_same_input_same_bits(platform):
 
 DETERMINISM_SCRIPT = textwrap.dedent(
     """
-    import sys
+    import os, sys
     import jax, numpy as np
     import jax_fp8norm as fp8norm
     from helpers import random_gamma, random_rows
@@ -365,13 +374,44 @@ DETERMINISM_SCRIPT = textwrap.dedent(
         gamma = random_gamma(hidden, hidden, "float32")
         for name, v in zip("ysr", fp8norm.add_rms_norm_fp8(x, residual, gamma)):
             outs[f"{hidden}-{name}"] = np.asarray(v).view(np.uint8)
+
+    # The threads that work on one call: each thread's CPU time before and after each of
+    # 40 calls, read from its CPU-time clock (Linux's clock id of thread tid), which is
+    # exact at the moment of reading (/proc's statistics lag by up to a tick); a thread
+    # that took a fifth of a call's CPU time or more worked on it.
+    import time
+
+    def cpu_ns():
+        times = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                times[tid] = time.clock_gettime_ns((~int(tid) << 3) | 6)
+            except OSError:
+                pass  # a thread that ended
+        return times
+
+    x = jax.device_put(random_rows(1, (4096, 2048), "bfloat16"))
+    gamma = jax.device_put(random_gamma(1, 2048, "float32"))
+    call = jax.jit(fp8norm.rms_norm_fp8).lower(x, gamma).compile()
+    jax.block_until_ready(call(x, gamma))
+    busy = []
+    for _ in range(40):
+        before = cpu_ns()
+        jax.block_until_ready(call(x, gamma))
+        after = cpu_ns()
+        spent = [after[t] - before.get(t, 0) for t in after]
+        busy.append(sum(d >= sum(spent) / 5 for d in spent))
+    outs["threads per call"] = np.asarray(busy)
     np.savez(sys.argv[1], **outs)
     """
 )
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's per-thread CPU clocks")
 def test_same_bits_for_every_cpu_thread_count(tmp_path):
-    """The CPU kernel on 1 thread, 2, and every core: bit-for-bit the same outputs."""
+    """The CPU kernel on 1 thread, 2, and every core (FP8NORM_CPU_THREADS): bit-for-bit the
+    same outputs; and the cap takes effect: one thread works on a call under
+    FP8NORM_CPU_THREADS=1, two under 2 (where there are two cores)."""
     counts = sorted({1, 2, os.cpu_count() or 1})
     results = [
         outputs_of_script(
@@ -379,6 +419,15 @@ def test_same_bits_for_every_cpu_thread_count(tmp_path):
         )
         for count in counts
     ]
+    for count, result in zip(counts, results, strict=True):
+        busy = result.pop("threads per call")
+        assert busy.min() >= 1 and busy.max() <= count, (count, busy)
+        # A helper may start too late for a call now and then, so the most threads seen
+        # on one call of the 40 is what the cap allows.
+        if count == 1:
+            assert busy.max() == 1, busy
+        elif (os.cpu_count() or 1) >= 2:
+            assert busy.max() >= 2, (count, busy)
     for count, result in zip(counts[1:], results[1:], strict=True):
         assert result.keys() == results[0].keys()
         for key in result:
