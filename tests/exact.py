@@ -4,8 +4,8 @@ float32 operation at a time (NumPy's float32 arithmetic and ml_dtypes' conversio
 IEEE operations, rounded once each).
 
 It covers the default keywords (per-row float32 scales, ``float8_e4m3fn``, no
-``scale_ub``), which is all it needs: the keywords only change steps 4-7, which
-the rest of the suite holds to the reference bit for bit.
+``scale_ub``) and ``weight_offset``, which is all it needs: the other keywords only change
+steps 4-7, which the rest of the suite holds to the reference bit for bit.
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ def spec_sum_of_squares(row) -> np.float32:
     squares"): ``RN(s + RN(S - s))`` with ``s = RN(S)``."""
     exact = exact_sum_of_squares(row)
     s = nearest_float32(exact)
+    if abs(s) > Fraction(2) ** 128:  # overflows float32 (nearest_float32's stand-in)
+        return np.float32(np.inf)
     return as_float32(nearest_float32(s + nearest_float32(exact - s)))
 
 
@@ -99,16 +101,50 @@ def distance_to_tie(row) -> Fraction:
     return abs(abs(exact - s) - ulp / 2) / ulp
 
 
-def rms_norm_rows(x, gamma, eps: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
-    """Steps 1-7 of the spec for rows of ``x`` [R, N] with the default keywords, from the
-    oracle's sum of squares: (y as float8_e4m3fn, scales as float32 [R, 1])."""
+# (significand bits, smallest normal exponent) of the input dtypes.
+_FORMATS = {"float32": (24, -126), "float16": (11, -14), "bfloat16": (8, -126)}
+
+
+def nearest_in_dtype(value: float, dtype) -> np.float32:
+    """``value`` (a Python float, exactly) rounded once to the nearest ``dtype`` value (float32,
+    float16 or bfloat16), ties to even, as a float32: the spec's ``f32(T(v))``. Fractions
+    only, no conversion of NumPy's or ml_dtypes'; finite results only."""
+    bits, min_exponent = _FORMATS[np.dtype(dtype).name]
+    exact = Fraction(value)
+    if exact == 0:
+        return np.float32(value)  # keeps the sign of a zero
+    magnitude = abs(exact)
+    exponent = magnitude.numerator.bit_length() - magnitude.denominator.bit_length()
+    if Fraction(2) ** exponent > magnitude:
+        exponent -= 1
+    ulp = Fraction(2) ** (max(exponent, min_exponent) - (bits - 1))
+    units, remainder = divmod(magnitude, ulp)
+    if remainder > ulp / 2 or (remainder == ulp / 2 and units % 2 == 1):
+        units += 1
+    return np.float32(float(units * ulp) * (1 if exact > 0 else -1))
+
+
+def rms_norm_rows(
+    x, gamma, eps: float = 1e-6, weight_offset: float = 0.0, offset_dtype=None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Steps 1-7 of the spec for rows of ``x`` [R, N] of finite values with the default
+    keywords (and any ``weight_offset``), from the oracle's sum of squares: (y as
+    float8_e4m3fn, scales as float32 [R, 1]); a row whose sum of squares overflows float32
+    is NaN. ``offset_dtype`` (default: x's, as the spec says) is the dtype the
+    offset is rounded through, for tests that show what another rounding would change."""
     x = np.asarray(x)
     eps32 = np.float32(np.asarray(eps, x.dtype))
     x32 = x.astype(np.float32)
-    g32 = np.asarray(gamma).astype(np.float32) + np.float32(0.0)
+    # Step 1: f32(T(weight_offset)).
+    wo32 = nearest_in_dtype(weight_offset, x.dtype if offset_dtype is None else offset_dtype)
+    g32 = np.asarray(gamma).astype(np.float32) + wo32
     ys, scales = [], []
     for row in x32:
         ss = spec_sum_of_squares(row)
+        if not np.isfinite(ss):  # a sum of squares past float32: a NaN row (step 7)
+            ys.append(np.full(row.shape, np.nan, np.float32).astype(ml_dtypes.float8_e4m3fn))
+            scales.append(np.float32(np.nan))
+            continue
         denom = np.float32(ss / np.float32(row.size)) + eps32
         r = np.float32(0) if denom == 0 else np.float32(1) / np.sqrt(denom)
         n = (row * r) * g32

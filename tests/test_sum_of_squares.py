@@ -34,27 +34,27 @@ def _reference_sum_of_squares(x) -> np.ndarray:
 _oracle_outputs: dict = {}
 
 
-def _oracle(x) -> tuple[np.ndarray, np.ndarray]:
+def _oracle(x, eps: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
     """The oracle's (y, scales) of rows ``x``, after holding the reference's sum of squares
     and its (y, scales) to them, bit for bit."""
-    key = (x.dtype.str, x.shape, x.tobytes())
+    key = (x.dtype.str, x.shape, x.tobytes(), eps)
     if key not in _oracle_outputs:
         gamma = np.ones(x.shape[-1], np.float32)
-        want = rms_norm_rows(x, gamma)
+        want = rms_norm_rows(x, gamma, eps=eps)
         want_ss = np.asarray([spec_sum_of_squares(row) for row in x.astype(np.float32)])
         np.testing.assert_array_equal(
             _reference_sum_of_squares(x)[:, 0].view(np.uint32), want_ss.view(np.uint32)
         )
-        assert_same_bits(reference_on_cpu(fp8norm.reference.rms_norm_fp8, x, gamma), want)
+        assert_same_bits(reference_on_cpu(fp8norm.reference.rms_norm_fp8, x, gamma, eps=eps), want)
         _oracle_outputs[key] = want
     return _oracle_outputs[key]
 
 
-def _check_rows_against_oracle(platform, x):
+def _check_rows_against_oracle(platform, x, eps: float = 1e-6):
     """The op on ``platform`` against the oracle: bit for bit on cpu and simt, by the
     accuracy rule on a GPU (and the reference bit for bit, once per input)."""
-    got = run_on(platform, fp8norm.rms_norm_fp8, x, np.ones(x.shape[-1], np.float32))
-    assert_kernel_matches(platform, got, _oracle(x))
+    got = run_on(platform, fp8norm.rms_norm_fp8, x, np.ones(x.shape[-1], np.float32), eps=eps)
+    assert_kernel_matches(platform, got, _oracle(x, eps))
 
 
 # Rows of 40000 elements and more are the extended tier's (the default tier's reproducer
@@ -118,3 +118,65 @@ def test_near_ties_agree_everywhere(platform, length):
     # Some of these rows do round otherwise when rounded exactly: the rule matters here.
     exact = np.asarray([correctly_rounded_sum_of_squares(row) for row in x])
     assert np.any(exact != np.asarray([spec_sum_of_squares(row) for row in x]))
+
+
+def _rows_with(length: int, rows: list[list[float]], seed: int) -> np.ndarray:
+    """Zero rows of ``length`` holding each list's values at scattered positions (so that
+    they fall in different lanes, threads and warps), with random signs."""
+    rng = np.random.default_rng(seed)
+    out = np.zeros((len(rows), length))
+    for i, values in enumerate(rows):
+        at = rng.choice(length, len(values), replace=False)
+        out[i, at] = np.asarray(values) * rng.choice([-1, 1], len(values))
+    return out
+
+
+@pytest.mark.parametrize("length", [5, 4099])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_finite_squares_whose_sum_overflows(platform, dtype, length):
+    """Every square finite, their sum past float32: a NaN row (scale and y), as the spec's
+    edge cases say; just below the overflow, a finite row."""
+    top = 2.0**64 * (1 - 2.0**-8)  # the largest bfloat16 below 2^64: its square is finite
+    rows = [
+        [2.0**63] * 3,  # 3 * 2^126: finite
+        [2.0**63] * 4,  # 2^128: overflows
+        [1.5 * 2.0**63] * 2,  # 1.125 * 2^128: overflows, each square 1.125 * 2^127
+        [top],  # 2^128 - 2^121 + 2^112: finite, near the top
+        [top, 2.0**52],  # the same plus 2^104: still finite
+        [top, 2.0**63],  # plus 2^126: overflows
+        [2.0**64],  # a square that overflows itself
+    ]
+    x = _rows_with(length, rows, length).astype(jnp.dtype(dtype))
+    squares = [sum(v * v for v in row) for row in rows]
+    overflow = np.asarray(squares) >= 2.0**128 * (1 - 2.0**-25)  # rounds past FLT_MAX
+    assert list(overflow) == [False, True, True, False, False, True, True]
+    y, scales = _oracle(x)
+    assert np.isnan(scales[overflow]).all() and np.isfinite(scales[~overflow]).all()
+    assert (y[overflow].view(np.uint8) == 0x7F).all()
+    _check_rows_against_oracle(platform, x)
+
+
+@pytest.mark.parametrize("length", [5, 4099])
+def test_squares_at_the_flushing_boundary(platform, length):
+    """Values near 2^-63, whose squares are near 2^-126 (float32's smallest normal): a
+    square of 2^-63 or more counts, one below it counts as zero. Beside 2^-52 (a square of
+    2^-104, whose ulp is 2^-127) each counted square moves the sum by two ulps; eps = 0
+    lets the sum reach the scales."""
+    below = float(np.nextafter(np.float32(2.0**-63), np.float32(0)))
+    above = float(np.nextafter(np.float32(2.0**-63), np.float32(1)))
+    rows = [
+        [2.0**-52],
+        [2.0**-52, 2.0**-63],  # + 2^-126
+        [2.0**-52] + [2.0**-63] * 3,  # + 3 * 2^-126
+        [2.0**-52] + [below] * 3,  # squares below 2^-126: + 0
+        [2.0**-52] + [above] * 2,  # + 2 * (1 + 2^-22 + 2^-46) 2^-126
+        [2.0**-63] * length,  # a mean square of exactly 2^-126
+        [below] * length,  # every square counts as zero: ss = 0, r = 0
+    ]
+    x = _rows_with(length, rows, length + 1).astype(np.float32)
+    _, scales = _oracle(x, eps=0.0)
+    # The counted squares show in the scales (a larger sum, a smaller scale); the
+    # uncounted ones do not.
+    assert scales[0, 0] > scales[1, 0] > scales[2, 0] and scales[0, 0] > scales[4, 0]
+    assert scales[3, 0] == scales[0, 0] and scales[6, 0] == 0 and scales[5, 0] > 0
+    _check_rows_against_oracle(platform, x, eps=0.0)
