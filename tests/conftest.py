@@ -76,19 +76,21 @@ def pytest_runtest_logreport(report):
         _skip_reasons.append(report.longrepr[2].removeprefix("Skipped: "))
 
 
+def _unexpected() -> list[str]:
+    return sorted(set(unexpected_skips(_skip_reasons)))
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
     """A run with a skip that helpers.EXPECTED_SKIPS does not name fails: a skip must not
     hide a test. (The controller decides; pytest-xdist's workers report to it.)"""
-    if hasattr(session.config, "workerinput"):
-        return
-    unexpected = sorted(set(unexpected_skips(_skip_reasons)))
-    if not unexpected:
-        return
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("unexpected skips (tests/helpers.py, EXPECTED_SKIPS):", red=True)
-        for reason in unexpected:
-            reporter.write_line(f"  {reason}", red=True)
-    if session.exitstatus == 0:
+    if not hasattr(session.config, "workerinput") and _unexpected() and session.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    unexpected = [] if hasattr(config, "workerinput") else _unexpected()
+    if unexpected:
+        terminalreporter.section("unexpected skips (tests/helpers.py, EXPECTED_SKIPS)", red=True)
+        for reason in unexpected:
+            terminalreporter.write_line(f"  {reason}", red=True)
