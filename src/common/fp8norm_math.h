@@ -343,7 +343,11 @@ FP8NORM_HD void TwoSum(float a, float b, float& s, float& e) {
 
 // p + e == v * v exactly (while v * v neither overflows nor underflows). kUseFma: with a
 // hardware FMA (the GPU; the CPU kernel built for AVX2 + FMA), else Dekker's split of v
-// into 12-bit halves whose products are exact. Both give the same p and e.
+// into 12-bit halves whose products are exact. Both give the same p and e; a square
+// below 2^-126 (|v| < 2^-63) counts as zero (docs/spec.md), as the FMA gives it with
+// denormals flushed. Dekker's halves need saying so: just below 2^-63, `high` rounds up
+// to 2^-63 and `high * high` is 2^-126, a normal number that would carry the flushed
+// square into e.
 template <bool kUseFma>
 FP8NORM_HD void ExactSquare(float v, float& p, float& e) {
   p = v * v;
@@ -353,7 +357,10 @@ FP8NORM_HD void ExactSquare(float v, float& p, float& e) {
     const float c = 4097.0f * v;
     const float high = c - (c - v);
     const float low = v - high;
-    e = ((high * high - p) + 2.0f * high * low) + low * low;
+    const float error = ((high * high - p) + 2.0f * high * low) + low * low;
+    const bool counted = (BitsOf(v) & kF32AbsMask) >= (64u << 23);  // |v| >= 2^-63
+    p = counted ? p : 0.0f;
+    e = counted ? error : 0.0f;
   }
 }
 
