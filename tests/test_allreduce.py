@@ -585,6 +585,18 @@ else:
         assert_same_bits(out, ref)
         _assert_every_copy(out, [o[0] for o in ref])
 
+    def _auto_on_emulated_devices(size, payload_bytes):
+        """auto's choice for ``size`` emulated devices and a partial of ``payload_bytes``."""
+        return jax_fp8norm._allreduce.select(
+            "auto",
+            platform="cpu",
+            emulating=True,
+            cuda_built=False,
+            processes=1,
+            num_devices=size,
+            payload_bytes=payload_bytes,
+        )
+
     def _lowered(mesh, rows, hidden, **kw):
         """The lowered text of the op, from the inputs' shapes only."""
         size = mesh.shape["tp"]
@@ -620,15 +632,7 @@ else:
     def test_auto_on_the_emulated_devices_follows_the_table(size, rows, chosen):
         mesh = _mesh(size)
         payload = rows * 1024 * 2
-        assert chosen == jax_fp8norm._allreduce.select(
-            "auto",
-            platform="cpu",
-            emulating=True,
-            cuda_built=False,
-            processes=1,
-            num_devices=size,
-            payload_bytes=payload,
-        )
+        assert chosen == _auto_on_emulated_devices(size, payload)
         with jax_fp8norm.simt.kernels():
             text = _lowered(mesh, rows, 1024)
         codes = re.findall(r"method = (\d+) : i64", text)
@@ -848,15 +852,7 @@ else:
         else:
             partials, residual, gamma = _inputs(size, 300, 1024, dtype)
         chosen = {
-            rows: jax_fp8norm._allreduce.select(
-                "auto",
-                platform="cpu",
-                emulating=True,
-                cuda_built=False,
-                processes=1,
-                num_devices=size,
-                payload_bytes=rows * 1024 * np.dtype(dtype).itemsize,
-            )
+            rows: _auto_on_emulated_devices(size, rows * 1024 * np.dtype(dtype).itemsize)
             for rows in (5, 300)
         }
         assert chosen == {5: "one_shot", 300: "one_shot" if size == 2 else "two_shot"}
