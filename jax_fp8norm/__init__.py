@@ -7,13 +7,12 @@
     y, scales, residual_out = fp8norm.allreduce_residual_rms_norm_fp8(
         x, residual, gamma, axis_name="tp")
     # NVFP4: FP4 codes, e4m3 scales per 16 elements, a global decode scale
-    y, scales = fp8norm.rms_norm_fp8(x, gamma, out_dtype=jnp.float4_e2m1fn, group_size=16,
-                                     scale_dtype=jnp.float8_e4m3fn, global_scale=gs)
+    y, scales = fp8norm.rms_norm_fp8(x, gamma, recipe="nvfp4", global_scale=gs)
 
 The contract is docs/spec.md; :mod:`jax_fp8norm.reference` holds the pure-jnp twins.
 """
 
-from jax_fp8norm import reference, simt, testing
+from jax_fp8norm import recipes, reference, simt, testing
 from jax_fp8norm._ffi import (
     built_with_cuda,
     cpu_kernel_variant,
@@ -31,11 +30,12 @@ from jax_fp8norm.ops import (
     rms_norm_fp8,
     sharded_allreduce_residual_rms_norm_fp8,
 )
-from jax_fp8norm.reference import dequantize
+from jax_fp8norm.recipes import RECIPES, dequantize
 
 __all__ = [
     "EXPORT_DISABLED_CHECKS",
     "FFI_TARGETS",
+    "RECIPES",
     "add_rms_norm_fp8",
     "add_rms_norm_fp8_dequantized",
     "allreduce_residual_rms_norm_fp8",
@@ -44,6 +44,7 @@ __all__ = [
     "cuda_kernel",
     "cuda_kernel_variants",
     "dequantize",
+    "recipes",
     "reference",
     "rms_norm_fp8",
     "rms_norm_fp8_dequantized",

@@ -1,5 +1,8 @@
 """How ``allreduce_residual_rms_norm_fp8`` sums its partials: the ``method=`` keyword
-(docs/spec.md, "One-kernel all-reduce"), where each method can run, and ``auto``'s table.
+(docs/spec.md, "One-kernel all-reduce"), where each method can run, ``auto``'s table, and
+XLA's all-reduce (the ``"xla"`` method's sum, which the reference twin states too). The
+method is decided here, once, when the call is lowered (``select``); every refusal's
+wording is here.
 
 ``"xla"`` is XLA's all-reduce followed by the fused add + norm kernel. ``"one_shot"`` and
 ``"two_shot"`` are one kernel per device that reads its peers' memory and meets them
@@ -9,6 +12,9 @@ CPU backend, where each virtual CPU device stands for one GPU.
 """
 
 from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
 
 METHODS = ("auto", "xla", "one_shot", "two_shot")
 ONE_KERNEL_METHODS = ("one_shot", "two_shot")
@@ -46,9 +52,23 @@ def check_method(method) -> str:
 
 
 def unavailable_reason(
-    *, platform: str, emulating: bool, cuda_built: bool, processes: int, num_devices: int
+    *,
+    platform: str,
+    emulating: bool,
+    cuda_built: bool,
+    processes: int,
+    num_devices: int | None,
+    axes: tuple = ("axis",),
 ) -> str:
-    """Why a one-kernel method cannot run here; "" when it can."""
+    """Why a one-kernel method cannot run here; "" when it can. ``num_devices`` is None
+    without a mesh of concrete devices (an abstract mesh, jax.export)."""
+    if len(axes) != 1:
+        return f"it reduces over one mesh axis, and axis_name is {axes!r}"
+    if num_devices is None:
+        return (
+            "it needs jax.shard_map over a mesh of concrete devices with the axis "
+            f"{axes[0]!r}"
+        )
     if processes > 1:
         return (
             "the devices are driven by several processes, whose memory the kernel cannot "
@@ -75,8 +95,9 @@ def select(
     emulating: bool,
     cuda_built: bool,
     processes: int,
-    num_devices: int,
+    num_devices: int | None,
     payload_bytes: int,
+    axes: tuple = ("axis",),
 ) -> str:
     """The method a call runs: ``method`` itself when it is explicit (a ValueError that
     says why when a one-kernel method cannot run here), or auto's choice: ``"xla"`` at
@@ -91,6 +112,7 @@ def select(
         cuda_built=cuda_built,
         processes=processes,
         num_devices=num_devices,
+        axes=axes,
     )
     if method in ONE_KERNEL_METHODS:
         if reason:
@@ -102,3 +124,9 @@ def select(
     if one_shot_max is None or payload_bytes <= one_shot_max:
         return "one_shot"
     return "two_shot"
+
+
+def xla_sum(x: jax.Array, axes: tuple, reduce_dtype=None) -> jax.Array:
+    """The ``"xla"`` method's sum: XLA's all-reduce of ``x`` over the bound ``axes``, in
+    ``x.dtype`` (``reduce_dtype`` None) or ``reduce_dtype`` (checked: float32)."""
+    return jax.lax.psum(x.astype(reduce_dtype or x.dtype), axes)

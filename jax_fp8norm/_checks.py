@@ -19,6 +19,7 @@ import numpy as np
 
 from jax_fp8norm._dtypes import E4M3, E8M0, FLOAT_DTYPES, FP4, OUT_DTYPES, SCALE_DTYPES
 from jax_fp8norm._params import NORM_KEYWORDS, NormCall, NormParams
+from jax_fp8norm.recipes import apply_recipe
 
 _FLOAT_NAMES = "float32, float16 or bfloat16"
 _SCALE_NAMES = "float32, float16, bfloat16, float8_e8m0fnu or float8_e4m3fn"
@@ -261,9 +262,11 @@ def check_global_scale(global_scale: Any) -> jax.Array | None:
 
 def validate(x: Any, gamma: Any, residual: Any = None, **keywords: Any) -> NormCall:
     """Every public op's first step: checks the arrays and the keywords (defaults from
-    NORM_KEYWORDS), rounds the constants."""
+    NORM_KEYWORDS) after the recipe's, rounds the constants."""
     check_keyword_names(keywords)
+    keywords = apply_recipe(keywords)
     given = {name: default for name, (default, _) in NORM_KEYWORDS.items()} | keywords
+    given.pop("recipe")
     check_arrays(x, gamma, residual)
     static_scale = check_static_scale(given.pop("static_scale"))
     global_scale = check_global_scale(given.pop("global_scale"))

@@ -13,6 +13,7 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from jax_fp8norm._dtypes import E4M3, FP4, OUT_MAX
+from jax_fp8norm.recipes import scales_per_row
 
 DEFAULT_EPS = 1e-6
 
@@ -48,7 +49,7 @@ class NormParams:
 
     def groups(self, n: int) -> int:
         """Scales per row of ``n`` elements."""
-        return 1 if self.group_size is None else n // self.group_size
+        return scales_per_row(n, self.group_size)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -57,6 +58,13 @@ class NormParams:
 # The keywords every op, reference twin, dequantised twin and the Flax module take, with
 # their defaults and what each means: the one place they are defined.
 NORM_KEYWORDS: dict[str, tuple[Any, str]] = {
+    "recipe": (
+        None,
+        "a scaling recipe of jax_fp8norm.recipes.RECIPES (``fp8_row``, ``fp8_group128``, "
+        "``fp8_group128_ue8m0``, ``fp8_static``, ``mxfp8``, ``nvfp4``, ``mxfp4``) that sets "
+        "the layout keywords it implies; an explicit keyword that contradicts it is a "
+        "ValueError.",
+    ),
     "eps": (DEFAULT_EPS, "added to the mean square; rounded through ``x.dtype``."),
     "weight_offset": (
         0.0,
@@ -108,6 +116,7 @@ NORM_KEYWORDS: dict[str, tuple[Any, str]] = {
 class NormKeywords(TypedDict, total=False):
     """The types of NORM_KEYWORDS, for ``**keywords: Unpack[NormKeywords]`` signatures."""
 
+    recipe: str | None
     eps: float
     weight_offset: float
     scale_ub: float | None

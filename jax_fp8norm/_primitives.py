@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_fp8norm import _allreduce, _ffi
+from jax_fp8norm.recipes import scales_per_row
 
 # The FFI target names of the native kernels, the same on every platform.
 TARGETS = tuple(_ffi.TARGETS.values())
@@ -186,7 +187,7 @@ def _norm_abstract_eval(*avals, reduced_axes: tuple = (), **params):
             reduced=frozenset(),
         )
     n = x.shape[-1]
-    groups = 1 if params["group_size"] is None else n // params["group_size"]
+    groups = scales_per_row(n, params["group_size"])
     outs = [
         x.update(shape=x.shape, dtype=np.dtype(params["out_dtype"]), **types),
         x.update(shape=x.shape[:-1] + (groups,), dtype=np.dtype(params["scale_dtype"]), **types),
@@ -375,10 +376,9 @@ def _make_norm_primitive(op: str) -> Primitive:
 rms_norm_fp8_p = _make_norm_primitive("rms_norm_fp8")
 add_rms_norm_fp8_p = _make_norm_primitive("add_rms_norm_fp8")
 
-# The one-kernel all-reduce (jax_fp8norm._allreduce): x is this device's partial, inside
-# shard_map over the manual axis `axis_name`. Its lowering decides where the method runs:
-# auto's choice, "xla" (lowered as XLA's all-reduce and the add kernel) or a ValueError for
-# an explicit method that cannot run on the platform.
+# The all-reduce op: x is this device's partial, inside shard_map over the manual axes
+# `axes`. Its lowering runs the method _allreduce.select decides: "xla" (XLA's all-reduce,
+# then the add kernel) or a one-kernel method.
 allreduce_rms_norm_fp8_p = Primitive("fp8norm_allreduce_rms_norm_fp8")
 allreduce_rms_norm_fp8_p.multiple_results = True
 
@@ -387,8 +387,8 @@ allreduce_rms_norm_fp8_p.multiple_results = True
 _call_sites = random.Random()
 
 
-def _allreduce_abstract_eval(*avals, axis_name, method, reduce_dtype, **params):
-    return _norm_abstract_eval(*avals, reduced_axes=(axis_name,), **params)
+def _allreduce_abstract_eval(*avals, axes, method, reduce_dtype, **params):
+    return _norm_abstract_eval(*avals, reduced_axes=axes, **params)
 
 
 def _device_ordinal(device) -> int:
@@ -399,46 +399,44 @@ def _device_ordinal(device) -> int:
     return int(device.id)
 
 
-def _axis_groups(ctx, axis_name: str) -> np.ndarray | None:
-    """[groups, n]: the devices of each group along ``axis_name``, in their order on the
-    axis, from the mesh of the enclosing shard_map; None without a mesh of concrete devices
-    (an abstract mesh, pmap)."""
+def _axis_groups(ctx, axes: tuple) -> np.ndarray | None:
+    """[groups, n]: the devices of each group along the one axis of ``axes``, in their
+    order on the axis, from the mesh of the enclosing shard_map; None without a mesh of
+    concrete devices (an abstract mesh, pmap) or for several axes."""
     mesh = getattr(ctx.module_context.axis_context, "mesh", None)
     # An abstract mesh has no devices: its `devices` raises rather than being absent.
-    if not isinstance(mesh, jax.sharding.Mesh) or axis_name not in mesh.axis_names:
+    if len(axes) != 1 or not isinstance(mesh, jax.sharding.Mesh):
+        return None
+    if axes[0] not in mesh.axis_names:
         return None
     ids = np.vectorize(_device_ordinal, otypes=[np.int64])(np.asarray(mesh.devices))
-    axis = list(mesh.axis_names).index(axis_name)
+    axis = list(mesh.axis_names).index(axes[0])
     return np.moveaxis(ids, axis, -1).reshape(-1, ids.shape[axis])
 
 
 def _allreduce_lowering(platform: str):
-    def lowering(ctx, *args, axis_name, method, reduce_dtype, **params):
+    def lowering(ctx, *args, axes, method, reduce_dtype, **params):
         x = ctx.avals_in[0]
-        groups = _axis_groups(ctx, axis_name)
-        if groups is None and method != "auto":
-            raise ValueError(
-                f"method={method!r} cannot run here: it needs jax.shard_map over a mesh of "
-                f"concrete devices with the axis {axis_name!r}"
-            )
-        chosen = "xla"
-        if groups is not None:
-            chosen = _allreduce.select(
-                method,
-                platform=platform,
-                emulating=_ffi.emulating(),
-                cuda_built=_ffi.built_with_cuda(),
-                processes=jax.process_count(),
-                num_devices=groups.shape[1],
-                payload_bytes=int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize,
-            )
+        groups = _axis_groups(ctx, axes)
+        chosen = _allreduce.select(
+            method,
+            platform=platform,
+            emulating=_ffi.emulating(),
+            cuda_built=_ffi.built_with_cuda(),
+            processes=jax.process_count(),
+            num_devices=None if groups is None else groups.shape[1],
+            payload_bytes=int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize,
+            axes=axes,
+        )
         if _empty_rows_are_constant(ctx):
             return _lower_empty_rows(ctx, args, params)
         if chosen == "xla":
-            return mlir.lower_fun(
-                functools.partial(_xla_allreduce, axis_name, reduce_dtype, params),
-                multiple_results=True,
-            )(ctx, *args)
+
+            def xla_method(x, *rest):
+                h = _allreduce.xla_sum(x, axes, reduce_dtype)
+                return add_rms_norm_fp8_p.bind(h, *rest, **params)
+
+            return mlir.lower_fun(xla_method, multiple_results=True)(ctx, *args)
         target = _ffi.EMULATED_TARGETS if platform == "cpu" else _ffi.TARGETS
         rule = jax.ffi.ffi_lowering(target["allreduce_rms_norm_fp8"])
         return rule(
@@ -454,13 +452,6 @@ def _allreduce_lowering(platform: str):
         )
 
     return lowering
-
-
-def _xla_allreduce(axis_name, reduce_dtype, params, x, *rest):
-    """method="xla": XLA's all-reduce of x, then the add + norm kernel."""
-    reduce = jnp.float32 if reduce_dtype is not None else x.dtype
-    h = jax.lax.psum(x.astype(reduce), axis_name)
-    return add_rms_norm_fp8_p.bind(h, *rest, **params)
 
 
 allreduce_rms_norm_fp8_p.def_abstract_eval(_allreduce_abstract_eval)

@@ -26,7 +26,7 @@ from jax_fp8norm._checks import validate
 from jax_fp8norm._params import NormKeywords, NormParams
 from jax_fp8norm._primitives import add_rms_norm_fp8_p, rms_norm_fp8_p
 from jax_fp8norm._signatures import norm_keywords
-from jax_fp8norm.reference import dequantize
+from jax_fp8norm.recipes import dequantize
 
 
 def _rms_norm_f32(h: jax.Array, gamma: jax.Array, p: NormParams) -> jax.Array:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_fp8norm._allreduce import ONE_KERNEL_METHODS, check_method
+from jax_fp8norm._allreduce import check_method
 from jax_fp8norm._checks import (
     check_axis_name,
     check_global_scale,
@@ -32,7 +32,6 @@ from jax_fp8norm._primitives import (
     round_p,
 )
 from jax_fp8norm._signatures import norm_keywords
-from jax_fp8norm.reference import all_reduce
 
 
 @norm_keywords
@@ -126,26 +125,12 @@ def allreduce_residual_rms_norm_fp8(
       has the residual's dtype.
     """
     call = validate(x, gamma, residual, **keywords)
-    method = check_method(method)
-    axes = check_axis_name(axis_name)
-    if method != "xla" and len(axes) != 1:
-        if method in ONE_KERNEL_METHODS:
-            raise ValueError(
-                f"method={method!r} cannot run here: it reduces over one mesh axis, and "
-                f"axis_name is {axis_name!r}"
-            )
-        method = "xla"
-    if method == "xla":
-        h = all_reduce(x, axis_name, reduce_dtype)
-        return tuple(
-            add_rms_norm_fp8_p.bind(*call.operands(h, residual, gamma), **call.params.as_dict())
-        )
     reduce = check_reduce_dtype(reduce_dtype, x.dtype)
     return tuple(
         allreduce_rms_norm_fp8_p.bind(
             *call.operands(x, residual, gamma),
-            axis_name=axes[0],
-            method=method,
+            axes=check_axis_name(axis_name),
+            method=check_method(method),
             reduce_dtype=None if reduce == jnp.dtype(x.dtype) else reduce,
             **call.params.as_dict(),
         )

@@ -13,10 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_fp8norm._allreduce import xla_sum
 from jax_fp8norm._checks import check_axis_name, check_reduce_dtype, validate
 from jax_fp8norm._dtypes import E4M3, E8M0, FP4_MAX
 from jax_fp8norm._params import DEFAULT_EPS, NormKeywords, NormParams
 from jax_fp8norm._signatures import norm_keywords
+from jax_fp8norm.recipes import dequantize
 
 __all__ = [
     "DEFAULT_EPS",
@@ -461,25 +463,8 @@ def fixed_order_sum(x: jax.Array, axis_name) -> jax.Array:
     return h
 
 
-def dequantize(
-    y: jax.Array, scales: jax.Array, global_scale: jax.Array | float | None = None
-) -> jax.Array:
-    """``f32(y) * f32(scales)``, each scale repeated over its group, times NVFP4's
-    ``global_scale`` when given: float32 ``[..., N]`` from the ``(y, scales)`` of any op
-    (per row, per group, e8m0, static, NVFP4 or MXFP4)."""
-    n = y.shape[-1]
-    groups = scales.shape[-1]
-    scales32 = scales.astype(jnp.float32)
-    if groups > 1:
-        scales32 = jnp.repeat(scales32, n // groups, axis=-1)
-    out = y.astype(jnp.float32) * scales32
-    if global_scale is not None:
-        out = out * jnp.reshape(jnp.asarray(global_scale, jnp.float32), ())
-    return out
-
-
 def all_reduce(x: jax.Array, axis_name, reduce_dtype) -> jax.Array:
-    """The all-reduce step of allreduce_residual_rms_norm_fp8, shared with the op: the sum
+    """The all-reduce step of allreduce_residual_rms_norm_fp8 with ``method="xla"``: the sum
     of ``x`` over the bound axis (or axes), in ``x.dtype`` (None) or float32."""
     reduce = check_reduce_dtype(reduce_dtype, x.dtype)
-    return jax.lax.psum(x.astype(reduce), check_axis_name(axis_name))
+    return xla_sum(x, check_axis_name(axis_name), reduce)
