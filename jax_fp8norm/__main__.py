@@ -18,7 +18,6 @@ import argparse
 import functools
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -27,29 +26,19 @@ import numpy as np
 import jax_fp8norm as fp8norm
 from jax_fp8norm import _ffi, testing
 from jax_fp8norm._dtypes import DTYPE_BY_NAME, FP4
+from jax_fp8norm.bench.timing import blocking, interleaved_seconds
 
 DEFAULT_SHAPES = ((16, 4096), (512, 4096), (256, 8192), (64, 7168))
 
 
 def _median_seconds(fn, args, iters: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    _, times = interleaved_seconds({"fn": blocking(fn, *args)}, iters)
+    return statistics.median(times["fn"])
 
 
-# The scale layouts checked beside the per-row one: (label, keywords).
-SCALINGS = (
-    ("per row", {}),
-    ("group 128", {"group_size": 128}),
-    ("MXFP8", {"group_size": 32, "scale_dtype": jnp.float8_e8m0fnu}),
-    # NVFP4's global scale is the shape's: _nvfp4_global_scale.
-    ("NVFP4", {"out_dtype": FP4, "group_size": 16, "scale_dtype": jnp.float8_e4m3fn}),
-    ("MXFP4", {"out_dtype": FP4, "group_size": 32, "scale_dtype": jnp.float8_e8m0fnu}),
-)
+# The block-scaled recipes checked beside the per-row one (jax_fp8norm.recipes); NVFP4's
+# global scale is the shape's: _nvfp4_global_scale.
+BLOCK_RECIPES = ("fp8_group128", "mxfp8", "nvfp4", "mxfp4")
 
 
 @jax.jit
@@ -90,12 +79,13 @@ def _run_shape(rows: int, hidden: int, dtype, iters: int) -> bool:
             {},
         ),
     ]
-    for label, keywords in SCALINGS[1:]:
-        if label == "NVFP4":
-            keywords = {**keywords, "global_scale": _nvfp4_global_scale(x, gamma)}
-        if hidden % keywords["group_size"] == 0:
+    for recipe in BLOCK_RECIPES:
+        keywords = {"recipe": recipe}
+        if recipe == "nvfp4":
+            keywords["global_scale"] = _nvfp4_global_scale(x, gamma)
+        if hidden % fp8norm.recipes.recipe_keywords(recipe)["group_size"] == 0:
             rms = (fp8norm.rms_norm_fp8, fp8norm.reference.rms_norm_fp8, (x, gamma), keywords)
-            cases.append((f"rms {label}", *rms))
+            cases.append((f"rms {recipe}", *rms))
     for name, op, ref_op, args, keywords in cases:
         kernel = jax.jit(functools.partial(op, **keywords))
         reference = jax.jit(functools.partial(ref_op, **keywords))

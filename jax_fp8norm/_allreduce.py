@@ -14,7 +14,6 @@ CPU backend, where each virtual CPU device stands for one GPU.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 METHODS = ("auto", "xla", "one_shot", "two_shot")
 ONE_KERNEL_METHODS = ("one_shot", "two_shot")
@@ -65,10 +64,7 @@ def unavailable_reason(
     if len(axes) != 1:
         return f"it reduces over one mesh axis, and axis_name is {axes!r}"
     if num_devices is None:
-        return (
-            "it needs jax.shard_map over a mesh of concrete devices with the axis "
-            f"{axes[0]!r}"
-        )
+        return f"it needs jax.shard_map over a mesh of concrete devices with the axis {axes[0]!r}"
     if processes > 1:
         return (
             "the devices are driven by several processes, whose memory the kernel cannot "

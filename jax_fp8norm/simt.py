@@ -83,5 +83,46 @@ def set_schedule_seed(seed: int) -> int:
     return _require().set_schedule_seed(int(seed))
 
 
+def forget_device_setups() -> None:
+    """Forgets every emulated device's one-time preparation, as a device reset would: the
+    next call prepares the device again."""
+    _require().forget_device_setups()
+
+
+@contextlib.contextmanager
+def injected_error(function: str, error: int, count: int = 1) -> Iterator[None]:
+    """Within the block, the next ``count`` calls of the emulated runtime's ``function``
+    (e.g. ``"cudaFuncSetAttribute"``) fail with the cudaError_t code ``error``."""
+    module = _require()
+    module.inject_error(function, int(error), int(count))
+    try:
+        yield
+    finally:
+        module.inject_error(function, int(error), 0)
+
+
+@contextlib.contextmanager
+def captured() -> Iterator[None]:
+    """Within the block, the emulated handlers run every call as inside CUDA graph
+    capture: the runtime refuses what a capture refuses (attribute setting, module
+    loading)."""
+    module = _require()
+    module.set_capture(True)
+    try:
+        yield
+    finally:
+        module.set_capture(False)
+
+
+def stale_errors() -> int:
+    """How many emulated calls have left a runtime error set for a later call to find."""
+    return _require().stale_errors()
+
+
+def kernel_variant() -> str:
+    """The CUDA kernel variant the emulated launches use now (``"auto"`` unless chosen)."""
+    return _require().kernel_variant()
+
+
 def _require():
     return _ffi._require_simt()

@@ -38,7 +38,32 @@ except ImportError as error:
         "`python -m pip install .`."
     ) from error
 
+from jax_fp8norm._dtypes import FLOAT_DTYPES, OUT_DTYPES
+from jax_fp8norm.recipes import RECIPES, apply_recipe, recipe_keywords
 from jax_fp8norm.testing import assert_matches_reference, assert_same_bits
+
+# The tests' vocabulary, from the package's own tables: the input dtypes (as jnp's scalar
+# types: float32, float16, bfloat16), the output dtypes, the recipes.
+FLOATS = [getattr(jnp, dtype.name) for dtype in FLOAT_DTYPES]
+OUTS = [getattr(jnp, dtype.name) for dtype in OUT_DTYPES]
+FP8S = [dtype for dtype in OUTS if dtype is not jnp.float4_e2m1fn]
+RECIPE_NAMES = tuple(RECIPES)
+# The data the recipes that take it are given in the tests: a calibrated scale, NVFP4's
+# global decode scale (amax / (448 * 6) for the tests' rows).
+RECIPE_DATA = {"fp8_static": {"static_scale": 0.02}, "nvfp4": {"global_scale": 0.0021}}
+
+
+def recipe(name: str, **changes) -> dict:
+    """The keywords of a call with the recipe ``name``: ``recipe=name`` and the data it
+    takes (RECIPE_DATA), with ``changes`` on top."""
+    return {"recipe": name, **RECIPE_DATA.get(name, {}), **changes}
+
+
+def layout(name: str, **changes) -> dict:
+    """The recipe ``name`` spelled out as the keywords it sets (no ``recipe=``), with its
+    data and ``changes``: for tests that read a layout's keywords."""
+    return {**recipe_keywords(name), **RECIPE_DATA.get(name, {}), **changes}
+
 
 REQUIRE_GPU = os.environ.get("FP8NORM_REQUIRE_GPU", "") not in ("", "0")
 
@@ -51,8 +76,8 @@ def gpu_devices():
 
 
 # The emulated CUDA kernels, once per kernel variant (auto chooses among these; its table is
-# tests/test_launch_plan.py's): "simt-block_shared", "simt-warp_rows", "simt-block_registers".
-SIMT_VARIANTS = ("block_shared", "warp_rows", "block_registers")
+# tests/test_cuda_launch_plan.py's): "simt-block_shared", "simt-warp_rows", "simt-block_registers".
+SIMT_VARIANTS = tuple(jax_fp8norm.cuda_kernel_variants()[1:])
 SIMT_PLATFORMS = tuple(f"simt-{v}" for v in SIMT_VARIANTS)
 
 
@@ -174,7 +199,8 @@ def assert_kernel_matches(platform: str, got, want, **kwargs) -> None:
     spec's accuracy rule on a GPU (whose fast reciprocal square root may move a value
     across a rounding tie)."""
     if is_gpu(platform):
-        assert_matches_reference(got, want, power_of_two=kwargs.get("power_of_two_scales") or None)
+        power_of_two = apply_recipe(kwargs).get("power_of_two_scales") or None
+        assert_matches_reference(got, want, power_of_two=power_of_two)
     else:
         assert_same_bits(got, want)
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from helpers import (
     EXTENDED,
+    FLOATS,
     assert_same_bits,
     check_against_reference,
     is_gpu,
@@ -26,7 +27,6 @@ from helpers import (
 
 import jax_fp8norm as fp8norm
 
-FLOATS = [jnp.float32, jnp.float16, jnp.bfloat16]
 E8M0 = jnp.float8_e8m0fnu
 FP8_MAX = {jnp.float8_e4m3fn: 448.0, jnp.float8_e4m3fnuz: 240.0}
 NAN_CODE = {jnp.float8_e4m3fn: 0x7F, jnp.float8_e4m3fnuz: 0x80}

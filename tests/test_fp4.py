@@ -15,6 +15,7 @@ import pytest
 from exact import spec_sum_of_squares
 from helpers import (
     EXTENDED,
+    FLOATS,
     REQUIRE_GPU,
     assert_kernel_matches,
     assert_same_bits,
@@ -34,7 +35,6 @@ from jax_fp8norm import _ffi as fp8norm_ffi
 F4 = jnp.float4_e2m1fn
 E4M3 = jnp.float8_e4m3fn
 E8M0 = jnp.float8_e8m0fnu
-FLOATS = [jnp.float32, jnp.float16, jnp.bfloat16]
 FORMATS = {
     "nvfp4": dict(out_dtype=F4, group_size=16, scale_dtype=E4M3),
     "mxfp4": dict(out_dtype=F4, group_size=32, scale_dtype=E8M0),

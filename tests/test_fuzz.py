@@ -24,9 +24,13 @@ hypothesis = pytest.importorskip("hypothesis")
 from exact import exact_sum_of_squares, nearest_float32  # noqa: E402
 from helpers import (  # noqa: E402
     EXTENDED,
+    FLOATS,
+    FP8S,
+    RECIPE_NAMES,
     SIMT_PLATFORMS,
     assert_kernel_matches,
     is_simt,
+    layout,
     reference_on_cpu,
     run_on,
 )
@@ -34,6 +38,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import jax_fp8norm as fp8norm  # noqa: E402
+from jax_fp8norm._params import NORM_KEYWORDS  # noqa: E402
+from jax_fp8norm.recipes import apply_recipe  # noqa: E402
 from jax_fp8norm.testing import assert_matches_reference  # noqa: E402
 
 EXAMPLES = int(os.environ.get("FP8NORM_FUZZ_EXAMPLES", "300"))
@@ -41,8 +47,6 @@ MAX_ELEMENTS = int(os.environ.get("FP8NORM_FUZZ_MAX_ELEMENTS", str(1 << 19)))
 MAX_ROWS = 5000
 MAX_HIDDEN = 70000
 
-FLOATS = [jnp.float32, jnp.float16, jnp.bfloat16]
-FP8S = [jnp.float8_e4m3fn, jnp.float8_e4m3fnuz]
 F4 = jnp.float4_e2m1fn
 E4M3 = jnp.float8_e4m3fn
 E8M0 = jnp.float8_e8m0fnu
@@ -52,8 +56,8 @@ SMALLEST_NORMAL_F32 = 2.0**-126
 # "FP4 outputs"): "row" is the per-row nearest scale, "group" nearest scales per group,
 # "power_of_two" power_of_two_scales=True with float32 or bfloat16 scales, "e8m0" the
 # float8_e8m0fnu scale dtype (per row or per group), "static" a calibrated scale, "nvfp4"
-# and "mxfp4" the FP4 outputs.
-MODES = ("row", "group", "power_of_two", "e8m0", "static", "nvfp4", "mxfp4")
+# and "mxfp4" the FP4 outputs, "recipe" a recipe= with the keywords it leaves free.
+MODES = ("row", "group", "power_of_two", "e8m0", "static", "nvfp4", "mxfp4", "recipe")
 # Group sizes the formats and models use, drawn more often where they divide N.
 USUAL_GROUPS = (16, 32, 64, 128)
 
@@ -236,17 +240,43 @@ def per_tensor_scales():
     return st.one_of(good, good, good, bad).flatmap(_as_scale_argument)
 
 
-@st.composite
-def cases(draw, modes=MODES):
-    mode = draw(st.sampled_from(modes))
+def _recipe_keywords(draw, name: str) -> dict:
+    """recipe=name and what it leaves to the caller: its data (a calibrated or global
+    scale), scale_ub where the layout takes one, sometimes a keyword it sets, repeated."""
+    keywords = {"recipe": name}
+    spelled = layout(name)
+    if name == "fp8_static":
+        keywords["static_scale"] = draw(per_tensor_scales())
+    elif name == "nvfp4":
+        if draw(st.booleans()):
+            keywords["global_scale"] = draw(per_tensor_scales())
+    else:
+        scale_dtype = spelled.get("scale_dtype", jnp.float32)
+        keywords["scale_ub"] = draw(scale_ub_for(scale_dtype))
+    if name.startswith("fp8_"):
+        keywords["out_dtype"] = draw(st.sampled_from(FP8S))
+    if draw(st.booleans()):
+        keywords["group_size"] = spelled["group_size"]  # consistent: accepted
+    return keywords
+
+
+def _fit_to_groups(shape: tuple[int, ...], group: int | None) -> tuple[int, ...]:
+    """``shape`` with its hidden size rounded to a multiple of ``group`` (at least one
+    group), its rows cut to keep the example's size."""
+    if group is None:
+        return shape
+    hidden = max(group, shape[-1] // group * group)
+    if len(shape) == 1:
+        return (hidden,)
+    lead = int(np.prod(shape[:-2]))
+    rows = min(shape[-2], MAX_ELEMENTS // hidden // max(lead, 1))
+    return (*shape[:-2], rows, hidden)
+
+
+def _mode_keywords(draw, mode: str, hidden: int) -> dict:
+    """The layout keywords of a scaling mode other than "recipe"."""
     fp4 = mode in ("nvfp4", "mxfp4")
-    shape = draw(shapes(even=fp4))
-    hidden = shape[-1]
-    x_dtype = draw(st.sampled_from(FLOATS))
-    keywords = dict(
-        eps=draw(st.one_of(st.just(1e-6), st.just(0.0), st.just(1e-8), st.floats(0.0, 1.0))),
-        weight_offset=draw(st.one_of(st.just(0.0), st.just(1.0), st.floats(-4.0, 4.0))),
-    )
+    keywords = {}
     if fp4:
         keywords["out_dtype"] = F4
         keywords["group_size"] = draw(group_sizes(hidden, even=True))
@@ -274,6 +304,24 @@ def cases(draw, modes=MODES):
         if mode == "group" or (mode != "row" and draw(st.booleans())):
             keywords["group_size"] = draw(group_sizes(hidden))
         keywords["scale_ub"] = draw(scale_ub_for(keywords["scale_dtype"]))
+    return keywords
+
+
+@st.composite
+def cases(draw, modes=MODES):
+    mode = draw(st.sampled_from(modes))
+    shape = draw(shapes(even=mode in ("nvfp4", "mxfp4")))
+    x_dtype = draw(st.sampled_from(FLOATS))
+    keywords = dict(
+        eps=draw(st.one_of(st.just(1e-6), st.just(0.0), st.just(1e-8), st.floats(0.0, 1.0))),
+        weight_offset=draw(st.one_of(st.just(0.0), st.just(1.0), st.floats(-4.0, 4.0))),
+    )
+    if mode == "recipe":
+        name = draw(st.sampled_from(RECIPE_NAMES))
+        keywords.update(_recipe_keywords(draw, name))
+        shape = _fit_to_groups(shape, layout(name)["group_size"])
+    else:
+        keywords.update(_mode_keywords(draw, mode, shape[-1]))
     kinds = draw(st.lists(st.sampled_from(ROW_KINDS), min_size=1, max_size=len(ROW_KINDS)))
     return dict(
         op=draw(st.sampled_from(["rms_norm_fp8", "add_rms_norm_fp8"])),
@@ -308,13 +356,14 @@ def _check_case(platform, case):
     keep = ~exempt_rows(h, x_dtype)
     flushed = flush_sensitive_rows(h) & keep
     bits = keep & ~flushed
-    groups = shape[-1] // kw["group_size"] if "group_size" in kw else 1
-    assert out[0].shape == shape and out[0].dtype == np.dtype(kw["out_dtype"])
+    spelled = {"out_dtype": jnp.float8_e4m3fn, "scale_dtype": jnp.float32, **apply_recipe(kw)}
+    groups = shape[-1] // spelled["group_size"] if spelled.get("group_size") else 1
+    assert out[0].shape == shape and out[0].dtype == np.dtype(spelled["out_dtype"])
     assert out[1].shape == shape[:-1] + (groups,)
-    assert out[1].dtype == np.dtype(kw["scale_dtype"])
+    assert out[1].dtype == np.dtype(spelled["scale_dtype"])
     assert_kernel_matches(platform, _keep_rows(out, bits), _keep_rows(ref, bits), **kw)
     if flushed.any():
-        power_of_two = kw.get("power_of_two_scales") or None
+        power_of_two = spelled.get("power_of_two_scales") or None
         assert_matches_reference(
             _keep_rows(out, flushed), _keep_rows(ref, flushed), power_of_two=power_of_two
         )
@@ -349,6 +398,19 @@ def quick_modes(platform: str) -> tuple[str, ...]:
 def test_kernel_matches_reference_on_random_cases(platform):
     for mode in quick_modes(platform):
         _quick[mode](platform)
+
+
+def test_the_fuzz_draws_every_keyword_of_the_table():
+    # A keyword added to the table (NORM_KEYWORDS) fails this until the fuzz draws it.
+    drawn = set()
+
+    @settings(max_examples=400, deadline=None, database=None)
+    @given(case=cases())
+    def record(case):
+        drawn.update(case["keywords"])
+
+    record()
+    assert drawn == set(NORM_KEYWORDS)
 
 
 def test_the_default_tier_reaches_every_mode_on_both_kernels():

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from exact import nearest_in_dtype, rms_norm_rows
 from helpers import (
+    FLOATS,
+    FP8S,
     assert_kernel_matches,
     assert_same_bits,
     check_against_reference,
@@ -22,8 +24,6 @@ from helpers import (
 
 import jax_fp8norm as fp8norm
 
-FLOATS = [jnp.float32, jnp.float16, jnp.bfloat16]
-FP8S = [jnp.float8_e4m3fn, jnp.float8_e4m3fnuz]
 FP8_MAX = {jnp.float8_e4m3fn: 448.0, jnp.float8_e4m3fnuz: 240.0}
 
 

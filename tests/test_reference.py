@@ -9,13 +9,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import random_gamma, random_rows, reference_on_cpu
+from helpers import FLOATS, FP8S, random_gamma, random_rows, reference_on_cpu
 
 import jax_fp8norm as fp8norm
 from jax_fp8norm.testing import assert_matches_reference
-
-FLOATS = [jnp.float32, jnp.float16, jnp.bfloat16]
-FP8S = [jnp.float8_e4m3fn, jnp.float8_e4m3fnuz]
 
 
 def numpy_rms_norm_fp8(

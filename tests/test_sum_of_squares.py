@@ -15,11 +15,17 @@ from exact import (
     rms_norm_rows,
     spec_sum_of_squares,
 )
-from helpers import EXTENDED, assert_kernel_matches, assert_same_bits, reference_on_cpu, run_on
+from helpers import (
+    EXTENDED,
+    FLOATS,
+    assert_kernel_matches,
+    assert_same_bits,
+    reference_on_cpu,
+    run_on,
+)
 
 import jax_fp8norm as fp8norm
 
-FLOATS = [jnp.float32, jnp.float16, jnp.bfloat16]
 # Constant rows: the padding rows of a batch are constant, and they are where a summation
 # order shows most (every addition rounds the same way).
 CONSTANTS = (-1.0673828, 3.3, 1.0 / 3.0, 0.1, 1e-3, 700.0)

@@ -63,7 +63,7 @@ if [ "$MODE" = check ]; then
   TAIL=6 step "tests, GPU required" "${TEST_SECONDS:-180}" pytest.log \
     env FP8NORM_REQUIRE_GPU=1 FP8NORM_FUZZ_EXAMPLES="${FUZZ_EXAMPLES:-100}" \
     python3 -m pytest -q -rfE -n 0 -p no:cacheprovider \
-    -k "not simt and not test_cuda_launch and not test_kernel_selection"
+    -k "not simt and not test_cuda_device_setup and not test_environment_switches"
   step "main job" 60 main_job.log python3 -m jax_fp8norm
   # The one-kernel all-reduce's methods against XLA's on every GPU (one GPU: the n = 1
   # path and the set-up cost); its bits against the twin ran in the tests above.

@@ -8,10 +8,10 @@
   :mod:`.figure` (the PNG; ``python -m jax_fp8norm.bench.figure`` draws it from a JSON).
 - ``python -m jax_fp8norm.bench.block_scaling``: the scale layouts of rms_norm_fp8 on one
   shape, their calls interleaved.
-- ``python -m jax_fp8norm.bench.simt_memory_report``: the global-memory traffic of the CUDA
-  kernel variants, counted by the SIMT emulation.
-- ``python -m jax_fp8norm.bench.ptxas_report``: registers, spills and static shared memory
-  of every CUDA kernel, from nvcc (needs a checkout's src/).
+
+Two reports need a source checkout and live in its tools/reports/: the CUDA kernels'
+memory traffic, emulated (``simt_memory_report.py``), and their registers and spills from
+nvcc (``ptxas_report.py``).
 
 The modules are imported one by one (``from jax_fp8norm.bench import runner``): importing
 this package runs nothing and loads neither jax's backends nor matplotlib.

@@ -21,7 +21,6 @@ import contextlib
 import os
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 
 
@@ -53,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import jax_fp8norm as fp8norm
     from jax_fp8norm import simt
+    from jax_fp8norm.bench.timing import blocking, interleaved_seconds
 
     devices = jax.devices()
     if devices[0].platform == "cpu":
@@ -96,11 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for m in methods
                 },
             }
-            first = {}
-            for name, fn in fns.items():
-                start = time.perf_counter()
-                jax.block_until_ready(fn(*placed))
-                first[name] = time.perf_counter() - start
+            calls = {name: blocking(fn, *placed) for name, fn in fns.items()}
+            first, times = interleaved_seconds(calls, args.rounds)
             for m in methods[1:]:
                 want = layer(fp8norm.reference.allreduce_residual_rms_norm_fp8, method=m)(*placed)
                 got = fns[f"method={m!r}"](*placed)
@@ -111,12 +108,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if not same:
                     print(f"  MISMATCH: method={m!r} differs from its reference twin")
                     return 1
-            times = {name: [] for name in fns}
-            for _ in range(args.rounds):
-                for name, fn in fns.items():
-                    start = time.perf_counter()
-                    jax.block_until_ready(fn(*placed))
-                    times[name].append(time.perf_counter() - start)
             payload = rows * args.hidden * 2
             print(f"  rows {rows} ({payload / 1024:.0f} KiB per device's partial):")
             for name, t in times.items():

@@ -16,24 +16,31 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import time
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
 import jax_fp8norm as fp8norm
-from jax_fp8norm.bench.ops import SCALED_OPS
+from jax_fp8norm.bench.ops import NVFP4_GLOBAL_SCALE
+from jax_fp8norm.bench.timing import blocking, interleaved_seconds
+from jax_fp8norm.recipes import RECIPES
 
+# Each recipe, with the data it takes: a calibrated scale, NVFP4's global scale.
+_RECIPE_DATA = {name: {} for name in RECIPES} | {
+    "fp8_static": {"static_scale": 0.01},
+    "nvfp4": {"global_scale": NVFP4_GLOBAL_SCALE},
+}
+
+# The recipes, and two layouts beside them: DeepSeek's group of 128 with its scales as
+# e8m0 bytes, and a group of 32 with float32 scales (MXFP8's group without its format).
 LAYOUTS = {
-    "per row": {},
-    "group 128": {"group_size": 128},
-    "group 128, e8m0": {"group_size": 128, "scale_dtype": jnp.float8_e8m0fnu},
+    **{name: dict(keywords, recipe=name) for name, keywords in _RECIPE_DATA.items()},
+    "fp8_group128_ue8m0, e8m0 bytes": {
+        "recipe": "fp8_group128_ue8m0",
+        "scale_dtype": jnp.float8_e8m0fnu,
+    },
     "group 32": {"group_size": 32},
-    "MXFP8 (group 32, e8m0)": {"group_size": 32, "scale_dtype": jnp.float8_e8m0fnu},
-    "static": {"static_scale": 0.01},
-    "NVFP4 (group 16, e4m3)": SCALED_OPS["rms_norm_fp8/nvfp4"][1],
-    "MXFP4 (group 32, e8m0)": SCALED_OPS["rms_norm_fp8/mxfp4"][1],
 }
 
 
@@ -50,22 +57,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     fns = {
         name: jax.jit(functools.partial(fp8norm.rms_norm_fp8, **kw)) for name, kw in LAYOUTS.items()
     }
-    for fn in fns.values():
-        jax.block_until_ready(fn(x, gamma))
-    times = {name: [] for name in fns}
-    for _ in range(args.rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn(x, gamma))
-            times[name].append(time.perf_counter() - start)
-    base = min(times["per row"])
+    calls = {name: blocking(fn, x, gamma) for name, fn in fns.items()}
+    _, times = interleaved_seconds(calls, args.rounds)
+    base = min(times["fp8_row"])
     print(
         f"rms_norm_fp8, x bfloat16 {args.rows} x {args.hidden}, gamma float32, on "
         f"{jax.devices()[0].device_kind}; {args.rounds} interleaved rounds"
     )
     for name, t in times.items():
         print(
-            f"  {name:>24}: min {min(t) * 1e3:8.3f} ms  median {statistics.median(t) * 1e3:8.3f}"
+            f"  {name:>30}: min {min(t) * 1e3:8.3f} ms  median {statistics.median(t) * 1e3:8.3f}"
             f" ms  min / per-row min {min(t) / base:5.2f}"
         )
     return 0

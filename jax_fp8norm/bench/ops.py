@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_fp8norm.recipes import apply_recipe, scales_per_row
+
 PER_ROW_OPS = ("rms_norm_fp8", "add_rms_norm_fp8")
 
 # NVFP4's activation global scale in the benchmark: a decode scale of the size
@@ -18,28 +20,17 @@ PER_ROW_OPS = ("rms_norm_fp8", "add_rms_norm_fp8")
 # power of two so that it is exact. Its value changes no work the op does.
 NVFP4_GLOBAL_SCALE = 2.0**-9
 
-# The ops with other scale layouts: name -> (the op, its keywords). Only the kernel and the
-# reference twin implement them.
+# The ops with other scale layouts: name -> (the op, its recipe and keywords). Only the
+# kernel and the reference twin implement them.
 SCALED_OPS = {
-    "rms_norm_fp8/group128": ("rms_norm_fp8", {"group_size": 128}),
-    "rms_norm_fp8/mxfp8": (
-        "rms_norm_fp8",
-        {"group_size": 32, "scale_dtype": jnp.float8_e8m0fnu},
-    ),
-    "rms_norm_fp8/static": ("rms_norm_fp8", {"static_scale": 0.05}),
+    "rms_norm_fp8/group128": ("rms_norm_fp8", {"recipe": "fp8_group128"}),
+    "rms_norm_fp8/mxfp8": ("rms_norm_fp8", {"recipe": "mxfp8"}),
+    "rms_norm_fp8/static": ("rms_norm_fp8", {"recipe": "fp8_static", "static_scale": 0.05}),
     "rms_norm_fp8/nvfp4": (
         "rms_norm_fp8",
-        {
-            "out_dtype": jnp.float4_e2m1fn,
-            "group_size": 16,
-            "scale_dtype": jnp.float8_e4m3fn,
-            "global_scale": NVFP4_GLOBAL_SCALE,
-        },
+        {"recipe": "nvfp4", "global_scale": NVFP4_GLOBAL_SCALE},
     ),
-    "rms_norm_fp8/mxfp4": (
-        "rms_norm_fp8",
-        {"out_dtype": jnp.float4_e2m1fn, "group_size": 32, "scale_dtype": jnp.float8_e8m0fnu},
-    ),
+    "rms_norm_fp8/mxfp4": ("rms_norm_fp8", {"recipe": "mxfp4"}),
 }
 OPS = (*PER_ROW_OPS, *SCALED_OPS)
 
@@ -62,8 +53,8 @@ def op_bytes(op: str, rows: int, hidden: int, dtype) -> int:
     """Bytes an op must move: x (and residual) and gamma read; y (and residual_out) and
     the scales written. gamma is counted in x's dtype, y as one byte per element (FP8) or
     half a byte (FP4: XLA packs two codes to a byte on the CPU and GPU backends)."""
-    keywords = SCALED_OPS[op][1] if op in SCALED_OPS else {}
-    groups = hidden // keywords["group_size"] if "group_size" in keywords else 1
+    keywords = apply_recipe(SCALED_OPS[op][1]) if op in SCALED_OPS else {}
+    groups = scales_per_row(hidden, keywords.get("group_size"))
     scale_bytes = jnp.dtype(keywords.get("scale_dtype", jnp.float32)).itemsize
     itemsize = jnp.dtype(dtype).itemsize
     elements = rows * hidden

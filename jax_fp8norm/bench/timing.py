@@ -10,7 +10,7 @@ drift) only ever adds time to a run; the shortest is the run it disturbed least.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 
@@ -50,6 +50,33 @@ def shortest_seconds(
         run()
         times.append(clock() - start)
     return min(times)
+
+
+def blocking(fn: Callable, *args) -> Callable[[], object]:
+    """A call of ``fn(*args)`` that returns once its results are ready."""
+    return lambda: jax.block_until_ready(fn(*args))
+
+
+def interleaved_seconds(
+    calls: Mapping[str, Callable[[], object]],
+    rounds: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Wall time of each of ``calls`` (each waits for its own results): one untimed-for-
+    comparison first call each (compilation, set-up), then ``rounds`` rounds that time
+    every call once, so that drift and interference reach every call alike. Returns the
+    first calls' seconds and each call's ``rounds`` timed seconds."""
+    first, times = {}, {name: [] for name in calls}
+    for name, call in calls.items():
+        start = clock()
+        call()
+        first[name] = clock() - start
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start = clock()
+            call()
+            times[name].append(clock() - start)
+    return first, times
 
 
 def per_call(t_one: float, t_many: float, calls: int) -> float:

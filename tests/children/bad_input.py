@@ -22,6 +22,15 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+from cases import (
+    BAD_ARRAYS,
+    BAD_KEYWORDS,
+    GAMMA,
+    HANDLER_CASES,
+    X,
+    ffi_call,
+    handler_target,
+)
 from helpers import (
     SIMT_PLATFORMS,
     check_against_reference,
@@ -29,15 +38,6 @@ from helpers import (
     kernels_of,
     random_gamma,
     random_rows,
-)
-from test_validation import (
-    BAD_ARRAYS,
-    BAD_KEYWORDS,
-    GAMMA,
-    HANDLER_CASES,
-    X,
-    _ffi,
-    handler_target,
 )
 
 import jax_fp8norm as fp8norm
@@ -112,7 +112,7 @@ def handler_cases(platform):
         def call(outs=outs, args=args, kw=kw):
             with jax.default_device(device):
                 placed = [jax.device_put(a, device) for a in args]
-                return _ffi(target, outs, *placed, **kw)
+                return ffi_call(target, outs, *placed, **kw)
 
         yield f"{platform}-handler{i}", _expecting(call, Exception, match)
 

@@ -12,7 +12,7 @@ exit code reports its errors.
 The scalar path is reached by hidden sizes that are not a multiple of the vector width
 (1, 7, 9, 1023, 1025, 8193, 70001 in every dtype; 4098 for float32), not by offsets: XLA
 hands a custom call a slice at an element offset as a fresh, aligned buffer, so a jax
-program cannot pass the kernel a misaligned row (tests/test_cuda_launch.py shows it on
+program cannot pass the kernel a misaligned row (tests/test_cuda_device_setup.py shows it on
 the emulated device). The misaligned vector path is the SIMT sanitizer run's
 (tools/checks/simt_check.sh), which calls the launch with misaligned pointers directly.
 """

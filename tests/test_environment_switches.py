@@ -14,7 +14,7 @@ import pytest
 from helpers import outputs_of_script
 
 import jax_fp8norm as fp8norm
-from jax_fp8norm import _ffi, simt
+from jax_fp8norm import simt
 
 pytestmark = pytest.mark.skipif(not simt.available(), reason="built without the emulation")
 
@@ -104,7 +104,7 @@ def test_variant_api():
     assert fp8norm.cuda_kernel() == "auto"
     with fp8norm.use_cuda_kernel("block_registers"):
         assert fp8norm.cuda_kernel() == "block_registers"
-        assert _ffi.simt_module.kernel_variant() == "block_registers"
+        assert simt.kernel_variant() == "block_registers"
     assert fp8norm.cuda_kernel() == "auto"
     with pytest.raises(ValueError, match="unknown CUDA kernel variant 'warp'"):
         with fp8norm.use_cuda_kernel("warp"):

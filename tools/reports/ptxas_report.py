@@ -2,10 +2,9 @@
 for one architecture (default sm_90a): the figures docs/performance.md records per kernel
 variant. Needs nvcc and the CUDA sources (a checkout's src/), no GPU.
 
-    python -m jax_fp8norm.bench.ptxas_report [--arch sm_90a] [--nvcc PATH] [--source DIR]
+    python tools/reports/ptxas_report.py [--arch sm_90a] [--nvcc PATH] [--source DIR]
 
-``--source`` defaults to the checkout this module sits in; an installed package has no
-sources, so point it at a checkout there. Exits 1 when a kernel spills.
+``--source`` defaults to the checkout this script sits in. Exits 1 when a kernel spills.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-# jax_fp8norm/bench/ptxas_report.py in a checkout: the checkout's root.
+# tools/reports/ptxas_report.py in a checkout: the checkout's root.
 DEFAULT_SOURCE = Path(__file__).resolve().parents[2]
 # The build's list of the kernel families' .cu files, read rather than repeated.
 SOURCE_LIST = Path("cmake/fp8norm_cuda_sources.cmake")
@@ -111,7 +110,7 @@ def _rows(ptxas_output: str) -> list[dict]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m jax_fp8norm.bench.ptxas_report", description=__doc__.split("\n\n")[0]
+        prog="python tools/reports/ptxas_report.py", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--nvcc", default="nvcc", help="the CUDA compiler (default: on PATH)")

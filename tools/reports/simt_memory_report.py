@@ -2,7 +2,7 @@
 measured by the SIMT emulation's accounting (docs/simt.md); prints the Markdown table of
 docs/performance.md.
 
-    python -m jax_fp8norm.bench.simt_memory_report [--rows 4] [--variants block_shared,warp_rows]
+    python tools/reports/simt_memory_report.py [--rows 4] [--variants block_shared,warp_rows]
         [--layout fp8|nvfp4|mxfp4] [--hidden 4096,7168]
 
 Each shape runs `--rows` rows on the emulated kernels (every row of a shape takes the same
@@ -38,13 +38,8 @@ SHAPES = [(DTYPE_BY_NAME[d], h) for d in _GPU["dtypes"] for h in _GPU["hidden"]]
 # The scale layouts it can count: per-row FP8 scales, and the FP4 formats.
 LAYOUTS = {
     "fp8": {},
-    "nvfp4": dict(
-        out_dtype=jnp.float4_e2m1fn,
-        group_size=16,
-        scale_dtype=jnp.float8_e4m3fn,
-        global_scale=0.002,
-    ),
-    "mxfp4": dict(out_dtype=jnp.float4_e2m1fn, group_size=32, scale_dtype=jnp.float8_e8m0fnu),
+    "nvfp4": {"recipe": "nvfp4", "global_scale": 0.002},
+    "mxfp4": {"recipe": "mxfp4"},
 }
 
 
@@ -96,7 +91,7 @@ def measure(op: str, dtype, hidden: int, rows: int, variant: str, layout: str = 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m jax_fp8norm.bench.simt_memory_report",
+        prog="python tools/reports/simt_memory_report.py",
         description=__doc__.split("\n\n")[0],
     )
     parser.add_argument("--rows", type=int, default=4)

@@ -20,7 +20,7 @@ import pytest
 from helpers import SIMT_VARIANTS, assert_same_bits, random_gamma, random_rows
 
 import jax_fp8norm as fp8norm
-from jax_fp8norm import _ffi, simt
+from jax_fp8norm import simt
 
 pytestmark = pytest.mark.skipif(not simt.available(), reason="built without the emulation")
 
@@ -39,16 +39,7 @@ def fresh_device(**limits):
     """An emulated device nobody has prepared yet (another device, as after a reset)."""
     with simt.device(**limits):
         yield
-    _ffi.simt_module.forget_device_setups()
-
-
-@contextlib.contextmanager
-def injected(function: str, error: int, count: int = 1):
-    _ffi.simt_module.inject_error(function, error, count)
-    try:
-        yield
-    finally:
-        _ffi.simt_module.inject_error(function, error, 0)
+    simt.forget_device_setups()
 
 
 def reference(op, *args):
@@ -93,7 +84,7 @@ def test_a_refused_attribute_leaves_rows_past_the_default_re_read():
     # opt-in attribute refused the row is re-read instead of launching and failing.
     x, gamma = norm_inputs(3, 12189, jnp.bfloat16)
     with fresh_device(), simt.kernels(), fp8norm.use_cuda_kernel("block_shared"):
-        with injected("cudaFuncSetAttribute", INVALID_VALUE, count=100):
+        with simt.injected_error("cudaFuncSetAttribute", INVALID_VALUE, count=100):
             simt.take_launches()
             out = jax.block_until_ready(jax.jit(fp8norm.rms_norm_fp8)(x, gamma))
             (launch,) = launches_of_the_op()
@@ -103,16 +94,16 @@ def test_a_refused_attribute_leaves_rows_past_the_default_re_read():
 
 def test_a_cached_launch_the_gpu_refuses_is_retried_re_reading_the_row():
     x, gamma = norm_inputs(3, 20000, jnp.float32)
-    before = _ffi.simt_module.stale_errors()
+    before = simt.stale_errors()
     with fresh_device(), simt.kernels(), fp8norm.use_cuda_kernel("block_shared"):
         fn = jax.jit(fp8norm.rms_norm_fp8)
         fn.lower(x, gamma).compile()
-        with injected("cudaLaunchKernelEx", INVALID_VALUE):
+        with simt.injected_error("cudaLaunchKernelEx", INVALID_VALUE):
             simt.take_launches()
             out = jax.block_until_ready(fn(x, gamma))
             launches = launches_of_the_op()
     assert [launch["dynamic_shared_bytes"] for launch in launches] == [0]
-    assert _ffi.simt_module.stale_errors() == before
+    assert simt.stale_errors() == before
     assert_same_bits(out, reference("rms_norm_fp8", x, gamma))
 
 
@@ -124,17 +115,17 @@ def test_a_cached_launch_the_gpu_refuses_is_retried_re_reading_the_row():
 )
 def test_a_failed_call_leaves_no_error_for_the_next(function):
     x, gamma = norm_inputs(2, 4096, jnp.bfloat16)
-    before = _ffi.simt_module.stale_errors()
+    before = simt.stale_errors()
     with fresh_device(), simt.kernels():
         fn = jax.jit(fp8norm.rms_norm_fp8)
         if function == "cudaLaunchKernelEx":
             fn.lower(x, gamma).compile()  # prepared: the launch itself fails
         else:
-            _ffi.simt_module.forget_device_setups()
-        with injected(function, INVALID_DEVICE_FUNCTION):
+            simt.forget_device_setups()
+        with simt.injected_error(function, INVALID_DEVICE_FUNCTION):
             with pytest.raises(Exception, match="invalid device function"):
                 jax.block_until_ready(fn(x, gamma))
-        assert _ffi.simt_module.stale_errors() == before  # the handler cleared it
+        assert simt.stale_errors() == before  # the handler cleared it
         # The next call is not failed by the previous one's error.
         out = jax.block_until_ready(fn(x, gamma))
     assert_same_bits(out, reference("rms_norm_fp8", x, gamma))
@@ -150,7 +141,7 @@ def test_the_attribute_is_set_once_per_device_to_the_most_any_call_uses():
     with fresh_device(), simt.kernels(), fp8norm.use_cuda_kernel("block_shared"):
         x0, g0 = norm_inputs(1, 64, jnp.float32)
         jax.block_until_ready(jax.jit(fp8norm.rms_norm_fp8)(x0, g0))  # prepares the device
-        with injected("cudaFuncSetAttribute", INVALID_VALUE, count=1000):
+        with simt.injected_error("cudaFuncSetAttribute", INVALID_VALUE, count=1000):
             for hidden in (50000, 1000, 30000):
                 x, gamma = norm_inputs(2, hidden, jnp.float32, seed=hidden)
                 simt.take_launches()
@@ -169,13 +160,10 @@ def test_the_one_time_work_runs_before_execution_not_in_capture():
     # (initialize on a GPU; XLA's CPU backend has only instantiate, which stands in).
     x, gamma = norm_inputs(2, 20000, jnp.float32)
     with fresh_device(), simt.kernels(), fp8norm.use_cuda_kernel("block_shared"):
-        _ffi.simt_module.set_capture(True)
-        try:
+        with simt.captured():
             simt.take_launches()
             out = jax.block_until_ready(jax.jit(fp8norm.rms_norm_fp8)(x, gamma))
             (launch,) = launches_of_the_op()
-        finally:
-            _ffi.simt_module.set_capture(False)
     assert launch["dynamic_shared_bytes"] == 20000 * 4  # opted in, before execution
     assert_same_bits(out, reference("rms_norm_fp8", x, gamma))
 
@@ -187,8 +175,8 @@ def test_an_attribute_refused_in_capture_is_set_by_the_next_call():
     with fresh_device(), simt.kernels(), fp8norm.use_cuda_kernel("block_shared"):
         fn = jax.jit(fp8norm.rms_norm_fp8)
         fn.lower(x, gamma).compile()
-        _ffi.simt_module.forget_device_setups()
-        with injected("cudaFuncSetAttribute", CAPTURE_UNSUPPORTED):
+        simt.forget_device_setups()
+        with simt.injected_error("cudaFuncSetAttribute", CAPTURE_UNSUPPORTED):
             with pytest.raises(Exception, match="capturing"):
                 jax.block_until_ready(fn(x, gamma))
         simt.take_launches()
@@ -203,13 +191,9 @@ def test_an_unprepared_device_in_capture_fails_the_call_and_the_next_prepares_it
     with fresh_device(), simt.kernels():
         fn = jax.jit(fp8norm.rms_norm_fp8)
         fn.lower(x, gamma).compile()
-        _ffi.simt_module.forget_device_setups()  # a device reset after compilation
-        _ffi.simt_module.set_capture(True)
-        try:
-            with pytest.raises(Exception, match="capturing"):
-                jax.block_until_ready(fn(x, gamma))
-        finally:
-            _ffi.simt_module.set_capture(False)
+        simt.forget_device_setups()  # a device reset after compilation
+        with simt.captured(), pytest.raises(Exception, match="capturing"):
+            jax.block_until_ready(fn(x, gamma))
         out = jax.block_until_ready(fn(x, gamma))
     assert_same_bits(out, reference("rms_norm_fp8", x, gamma))
 
