@@ -227,7 +227,7 @@ def _check_group_size(group_size: Any, hidden: int | None) -> int | None:
     return group
 
 
-def _scale_array(value: Any, name: str, float32_only: bool) -> jax.Array | None:
+def check_scale_operand(value: Any, name: str, float32_only: bool) -> jax.Array | None:
     """A per-tensor scale as a float32 ``(1,)`` array: from a Python float, or an array
     (concrete or traced) of shape () or (1,), of a float dtype (float32 only when
     ``float32_only``)."""
@@ -251,13 +251,13 @@ def _scale_array(value: Any, name: str, float32_only: bool) -> jax.Array | None:
 def check_static_scale(static_scale: Any) -> jax.Array | None:
     """The calibrated scale as a float32 ``(1,)`` array: from a Python float, or a float
     array (concrete or traced) of shape () or (1,)."""
-    return _scale_array(static_scale, "static_scale", float32_only=False)
+    return check_scale_operand(static_scale, "static_scale", float32_only=False)
 
 
 def check_global_scale(global_scale: Any) -> jax.Array | None:
     """NVFP4's global scale as a float32 ``(1,)`` array: from a Python float, or a float32
     array (concrete or traced) of shape () or (1,)."""
-    return _scale_array(global_scale, "global_scale", float32_only=True)
+    return check_scale_operand(global_scale, "global_scale", float32_only=True)
 
 
 def validate(x: Any, gamma: Any, residual: Any = None, **keywords: Any) -> NormCall:

@@ -24,7 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fp8norm._dtypes import E8M0
+from jax_fp8norm import _checks
+from jax_fp8norm._checks import check_scale_operand
+from jax_fp8norm._dtypes import E4M3, E8M0, FP4, FP4_MAX
+from jax_fp8norm._groups import fp4_groups
+from jax_fp8norm._params import NORM_KEYWORDS
+from jax_fp8norm.recipes import recipe_keywords
 
 FP8_DTYPES = (
     np.dtype(jnp.float8_e4m3fn),
@@ -36,13 +41,17 @@ FP8_DTYPES = (
 MXFP8_BLOCK = 32
 MXFP8_OPERANDS = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 
-# FP4 (E2M1: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6) and its two block-scaled formats.
-FP4 = np.dtype(jnp.float4_e2m1fn)
-FP4_MAX = 6.0
-E4M3 = np.dtype(jnp.float8_e4m3fn)
+# FP4's two block-scaled formats (E2M1: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), their
+# blocks those of the recipes.
 E4M3_MAX = 448.0
-NVFP4_BLOCK = 16
-MXFP4_BLOCK = 32
+NVFP4_BLOCK = recipe_keywords("nvfp4")["group_size"]
+MXFP4_BLOCK = recipe_keywords("mxfp4")["group_size"]
+# The keywords of the norm ops that a weight quantiser leaves at their defaults.
+_RECIPE_DEFAULTS = {
+    name: default
+    for name, (default, _) in NORM_KEYWORDS.items()
+    if name not in ("recipe", "static_scale", "global_scale")
+}
 # An FP4 operand's format, by its scales' dtype: (name, block size along K).
 FP4_FORMATS = {E4M3: ("nvfp4", NVFP4_BLOCK), E8M0: ("mxfp4", MXFP4_BLOCK)}
 _FORMAT_NAMES = {
@@ -193,19 +202,8 @@ def _check(a, a_scales, w, w_scales) -> str:
 
 def _global_scale(name: str, value) -> jax.Array:
     """A float32 global scale (a Python float, or a float32 array of shape () or (1,),
-    possibly traced) as a float32 array of shape ()."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a Python float or a float32 array, got {value!r}")
-    if isinstance(value, (int, float)):
-        return jnp.asarray(value, jnp.float32)
-    dtype = getattr(value, "dtype", None)
-    if dtype is None or np.dtype(dtype) != np.float32:
-        raise TypeError(
-            f"{name} must be a Python float or a float32 array, got {dtype or type(value)}"
-        )
-    if tuple(value.shape) not in ((), (1,)):
-        raise ValueError(f"{name} must have shape () or (1,), got {tuple(value.shape)}")
-    return jnp.reshape(value, ())
+    possibly traced) as a float32 array of shape (): the norm ops' own check."""
+    return jnp.reshape(check_scale_operand(value, name, float32_only=True), ())
 
 
 def _global_scales(fmt: str, a_global_scale, w_global_scale):
@@ -399,26 +397,14 @@ def quantize_weights_nvfp4(
     :func:`fp8_matmul`.
     """
     blocks = _fp4_blocks(w, NVFP4_BLOCK, "NVFP4")
-    k, n = w.shape
     if global_scale is None:
         amax = jnp.max(jnp.abs(blocks))
         # A NaN amax stays NaN (and so does every scale), never a silent 1.
         gs = jnp.where(amax == 0, jnp.float32(1.0), amax / jnp.float32(E4M3_MAX * FP4_MAX))
     else:
         gs = _global_scale("global_scale", global_scale)
-    # As the norm ops: NaN scales for a block holding NaN or Inf, and everywhere under a
-    # global scale that is not a positive normal float32.
-    gs_bits = jax.lax.bitcast_convert_type(jnp.reshape(gs, ()), jnp.uint32)
-    gs_valid = (gs_bits >= 0x00800000) & (gs_bits < 0x7F800000)
-    finite = jnp.isfinite(jnp.max(jnp.abs(blocks), axis=1))[:, None, :] & gs_valid
-    t = blocks / gs
-    amax = jnp.max(jnp.abs(t), axis=1, keepdims=True)
-    scales = jnp.minimum(amax / FP4_MAX, E4M3_MAX).astype(E4M3)
-    scales = jnp.where(finite, scales, jnp.array(jnp.nan, E4M3))
-    s = scales.astype(jnp.float32)
-    keep = finite & (s > 0)
-    y = jnp.where(keep, jnp.clip(t / jnp.where(keep, s, 1.0), -FP4_MAX, FP4_MAX), 0.0)
-    return y.reshape(k, n).astype(FP4), scales[:, 0, :], gs
+    w4, scales = _fp4_columns(blocks, "nvfp4", gs)
+    return w4, scales, gs
 
 
 def quantize_weights_mxfp4(w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -431,15 +417,20 @@ def quantize_weights_mxfp4(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     Returns ``(w4 [K, N] float4_e2m1fn, scales [K // 32, N] float8_e8m0fnu)``, the
     operand and ``w_scales`` of :func:`fp8_matmul`.
     """
-    blocks = _fp4_blocks(w, MXFP4_BLOCK, "MXFP4")
-    k, n = w.shape
-    amax = jnp.max(jnp.abs(blocks), axis=1)
-    finite = jnp.isfinite(amax)
-    exponent = _power_of_two_exponent(amax / FP4_MAX)
-    # 6 * 2^-127 is a normal float32: the comparison forms no subnormal.
-    exponent = jnp.where(amax <= FP4_MAX * 2.0**-127, -127, exponent)
-    # 2^-exponent is at most 2^127 here; the block of scale 2^-127 is zero or near it.
-    y = jnp.clip(blocks * _pow2(-exponent)[:, None, :], -FP4_MAX, FP4_MAX)
-    y = jnp.where(finite[:, None, :], y, 0.0)
-    codes = jnp.where(finite, exponent + 127, 255).astype(jnp.uint8)
-    return y.reshape(k, n).astype(FP4), jax.lax.bitcast_convert_type(codes, E8M0)
+    return _fp4_columns(_fp4_blocks(w, MXFP4_BLOCK, "MXFP4"), "mxfp4")
+
+
+def _fp4_columns(blocks: jax.Array, recipe: str, global_scale=None):
+    """FP4 codes ``[K, N]`` and scales ``[K // block, N]`` of weight blocks ``[K // block,
+    block, N]``, by the rule of the norm ops' groups (jax_fp8norm._groups.fp4_groups): each
+    column's blocks are a row's groups."""
+    kb, block, n = blocks.shape
+    groups = jnp.transpose(blocks, (2, 0, 1))  # [N, K // block, block]
+    params = _checks.make_params(
+        np.float32,
+        **{**_RECIPE_DEFAULTS, **recipe_keywords(recipe)},
+        has_global_scale=global_scale is not None,
+    )
+    operand = None if global_scale is None else jnp.reshape(global_scale, (1,))
+    y, scales = fp4_groups(groups, jnp.ones((n, 1), bool), params, operand)
+    return jnp.transpose(y, (1, 2, 0)).reshape(kb * block, n), jnp.transpose(scales)

@@ -98,17 +98,32 @@ RECIPES: dict[str, Recipe] = {
         Recipe(
             "mxfp8",
             "MXFP8 (OCP): e4m3 codes, one float8_e8m0fnu scale per 1x32 group.",
-            {"out_dtype": (_E4M3FN,), "group_size": (32,), "scale_dtype": (_E8M0,)},
+            {
+                "out_dtype": (_E4M3FN,),
+                "group_size": (32,),
+                "scale_dtype": (_E8M0,),
+                "static_scale": (None,),
+            },
         ),
         Recipe(
             "nvfp4",
             "NVFP4: e2m1 codes, one float8_e4m3fn scale per 1x16 group, a global_scale.",
-            {"out_dtype": (_FP4,), "group_size": (16,), "scale_dtype": (_E4M3FN,)},
+            {
+                "out_dtype": (_FP4,),
+                "group_size": (16,),
+                "scale_dtype": (_E4M3FN,),
+                "static_scale": (None,),
+            },
         ),
         Recipe(
             "mxfp4",
             "MXFP4 (OCP): e2m1 codes, one float8_e8m0fnu scale per 1x32 group.",
-            {"out_dtype": (_FP4,), "group_size": (32,), "scale_dtype": (_E8M0,)},
+            {
+                "out_dtype": (_FP4,),
+                "group_size": (32,),
+                "scale_dtype": (_E8M0,),
+                "static_scale": (None,),
+            },
         ),
     )
 }

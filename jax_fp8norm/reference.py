@@ -15,7 +15,8 @@ import numpy as np
 
 from jax_fp8norm._allreduce import xla_sum
 from jax_fp8norm._checks import check_axis_name, check_reduce_dtype, validate
-from jax_fp8norm._dtypes import E4M3, E8M0, FP4_MAX
+from jax_fp8norm._dtypes import E8M0
+from jax_fp8norm._groups import as_bits, divide, fp4_groups, from_bits, power_of_two_exponents
 from jax_fp8norm._params import DEFAULT_EPS, NormKeywords, NormParams
 from jax_fp8norm._signatures import norm_keywords
 from jax_fp8norm.recipes import dequantize
@@ -31,14 +32,6 @@ __all__ = [
     "rms_norm_fp8",
     "sum_of_squares",
 ]
-
-
-def _divide(numerator: jax.Array, denominator) -> jax.Array:
-    """``numerator / denominator`` rounded once, as the spec says. XLA's simplifier turns a
-    division by a constant into a multiplication by its rounded reciprocal, and
-    ``1 / sqrt`` into an approximate rsqrt; a barrier keeps the divisor opaque to it."""
-    denominator = jnp.broadcast_to(jnp.asarray(denominator, numerator.dtype), numerator.shape)
-    return numerator / jax.lax.optimization_barrier(denominator)
 
 
 def _round_through(value: jax.Array, dtype) -> jax.Array:
@@ -95,7 +88,7 @@ def _square_limbs(h: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
     """Each element's exact square on the grid: (the index of its lowest 16-bit limb, the four
     16-bit pieces at that limb and the three above it)."""
     u32 = jnp.uint32
-    bits = _bits(h)
+    bits = as_bits(h)
     exponent = (bits >> 23) & u32(0xFF)
     counted = (exponent >= _MIN_EXPONENT) & (exponent <= _MAX_EXPONENT)
     significand = jnp.where(counted, (bits & u32(0x7FFFFF)) | u32(0x800000), u32(0))
@@ -185,7 +178,7 @@ def _round_sum(limbs: jax.Array) -> jax.Array:
     significand = jnp.where(carried == 1, u32(1 << 23), significand)
     # The leading bit is bit 16 * top + 15 - shift of the grid, whose bit 0 is 2^-172.
     biased = (top * 16 + 15 - shift.astype(jnp.int32)) - 45 + carried.astype(jnp.int32)
-    finite = _float((biased.astype(u32) << 23) | (significand & u32(0x7FFFFF)))
+    finite = from_bits((biased.astype(u32) << 23) | (significand & u32(0x7FFFFF)))
     result = jnp.where(biased >= 255, jnp.float32(np.inf), finite)
     return jnp.where(top >= 0, result, jnp.float32(0))
 
@@ -200,7 +193,7 @@ def sum_of_squares(h: jax.Array) -> jax.Array:
     if n == 0 or int(np.prod(lead)) == 0:
         return jnp.zeros(lead + (1,), jnp.float32)
     rows = h.reshape(-1, n)
-    exponent = (_bits(rows) >> 23) & jnp.uint32(0xFF)
+    exponent = (as_bits(rows) >> 23) & jnp.uint32(0xFF)
     total = _round_sum(_exact_sum_limbs(rows))
     overflow = jnp.any(exponent > _MAX_EXPONENT, axis=-1)
     total = jnp.where(overflow, jnp.float32(np.inf), total)
@@ -208,52 +201,24 @@ def sum_of_squares(h: jax.Array) -> jax.Array:
     return total.reshape(lead + (1,))
 
 
-def _bits(value: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(value, jnp.uint32)
-
-
-def _float(bits: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.float32)
-
-
 def _nearest_scales(amax: jax.Array, p: NormParams) -> tuple[jax.Array, jax.Array]:
     """Steps 5-6 with nearest rounding: (scale as float32, recip)."""
     f32 = jnp.float32
     bounded = jnp.minimum(_round_through(amax, p.scale_dtype), f32(p.scale_ub))
-    scale32 = _round_through(_divide(bounded, p.out_max), p.scale_dtype)
-    inverse = _divide(jnp.ones_like(scale32), scale32)
+    scale32 = _round_through(divide(bounded, p.out_max), p.scale_dtype)
+    inverse = divide(jnp.ones_like(scale32), scale32)
     recip = jnp.where((scale32 == 0) | ~jnp.isfinite(inverse), f32(0), inverse)
     return scale32, recip
-
-
-def _power_of_two_exponents(amax: jax.Array, p: NormParams) -> tuple[jax.Array, jax.Array]:
-    """Steps 5-6 with power-of-two scales: (the scales' biased float32 exponents, recip).
-    P(q) is the smallest power of two >= q = min(amax, scale_ub) / FP8_MAX, at least 2^-127
-    for e8m0 and 2^-126 otherwise; a q below 2^-126 is decided from the abs-max, so that
-    denormal flushing cannot change it (src/common/fp8norm_math.h, PowerOfTwoExponent)."""
-    u32 = jnp.uint32
-    a = jnp.minimum(amax, jnp.float32(p.scale_ub))
-    q = _bits(_divide(a, p.out_max))
-    exponent = (q >> 23) & u32(0xFF)
-    rounded_up = jnp.where(
-        (exponent != 0xFF) & ((q & u32(0x7FFFFF)) != 0), exponent + u32(1), exponent
-    )
-    tiny_limit = np.float32(p.out_max) * np.float32(2.0**-127)  # a normal float32
-    tiny = jnp.where(a > tiny_limit, u32(1), u32(0))
-    exponent = jnp.where(exponent == 0, tiny, rounded_up)
-    exponent = jnp.maximum(exponent, u32(0 if p.scale_dtype == E8M0 else 1))
-    recip = jnp.where(exponent <= 253, _float((u32(254) - exponent) << 23), jnp.float32(0))
-    return exponent, recip
 
 
 def _static_scales(static_scale: jax.Array, p: NormParams) -> tuple[jax.Array, jax.Array]:
     """The calibrated scale: (scale as float32, recip); recip NaN for a scale that is not
     a positive normal finite float32, 0 where 1 / scale would be subnormal."""
     scale32 = _round_through(static_scale.astype(jnp.float32).reshape(()), p.scale_dtype)
-    bits = _bits(scale32)
+    bits = as_bits(scale32)
     valid = (bits >= 0x00800000) & (bits < 0x7F800000)
-    inverse = _divide(jnp.ones_like(scale32), scale32)
-    recip = jnp.where(_bits(inverse) >= 0x00800000, inverse, jnp.float32(0))
+    inverse = divide(jnp.ones_like(scale32), scale32)
+    recip = jnp.where(as_bits(inverse) >= 0x00800000, inverse, jnp.float32(0))
     return scale32, jnp.where(valid, recip, jnp.float32(np.nan))
 
 
@@ -269,13 +234,13 @@ def quantize_rows(
     groups = p.groups(n)
     rows = h.shape[:-1]
     sum_sq = sum_of_squares(h)  # [..., 1]
-    denom = _divide(sum_sq, max(n, 1)) + f32(p.eps)
-    r = jnp.where(denom == 0, f32(0), _divide(jnp.ones_like(denom), jnp.sqrt(denom)))
+    denom = divide(sum_sq, max(n, 1)) + f32(p.eps)
+    r = jnp.where(denom == 0, f32(0), divide(jnp.ones_like(denom), jnp.sqrt(denom)))
     normed = (h * r) * _plus_constant(gamma.astype(f32), p.weight_offset)
     grouped = normed.reshape(rows + (groups, n // groups if groups else 0))
     row_finite = jnp.isfinite(sum_sq)
     if p.fp4:
-        y, scale = _fp4_groups(grouped, row_finite, p, scale_operand)
+        y, scale = fp4_groups(grouped, row_finite, p, scale_operand)
         return y.reshape(h.shape), scale
     if static_scale is not None:
         scale32, recip = _static_scales(static_scale, p)
@@ -285,8 +250,8 @@ def quantize_rows(
     else:
         amax = jnp.max(jnp.abs(grouped), axis=-1, initial=f32(0))  # [..., groups]
         if p.power_of_two_scales:
-            exponent, recip = _power_of_two_exponents(amax, p)
-            scale32 = _float(exponent << 23)
+            exponent, recip = power_of_two_exponents(amax, p)
+            scale32 = from_bits(exponent << 23)
         else:
             scale32, recip = _nearest_scales(amax, p)
             exponent = None
@@ -303,49 +268,6 @@ def quantize_rows(
         if static_scale is None:
             scale = jnp.where(row_finite, scale, jnp.asarray(np.nan, p.scale_dtype))
     return _to_fp8(q, p.out_dtype), scale
-
-
-def _fp4_groups(
-    grouped: jax.Array, row_finite: jax.Array, p: NormParams, global_scale: jax.Array | None
-) -> tuple[jax.Array, jax.Array]:
-    """FP4 codes and scales of float32 normalised groups [..., groups, G] (docs/spec.md,
-    "FP4 outputs"). NVFP4: t = n / gs, scale = e4m3(min(max|t| / 6, 448)), y =
-    e2m1(clip(t / scale, -6, 6)). MXFP4: the power-of-two rule with FP4_MAX, y =
-    e2m1(clip(n * (1 / scale), -6, 6)). A group that is not finite (in a row that is not,
-    or holding NaN or Inf), or NVFP4 under a global scale that is not a positive normal
-    float32, gets a NaN scale and zero codes; a zero NVFP4 scale gives zero codes. NVFP4
-    values that overflow when divided by gs take the formula (scale 448, codes +-6)."""
-    if p.nvfp4 and global_scale is None:
-        raise ValueError("NVFP4 (float8_e4m3fn scales) needs its global_scale operand")
-    f32 = jnp.float32
-    if p.nvfp4:
-        gs = global_scale.astype(f32).reshape(())
-        gs_bits = _bits(gs)
-        gs_valid = (gs_bits >= 0x00800000) & (gs_bits < 0x7F800000)
-        # The barrier keeps XLA from folding (n / gs) / scale into n / (gs * scale).
-        t = jax.lax.optimization_barrier(_divide(grouped, gs))
-        holds_non_finite = ~jnp.isfinite(jnp.max(jnp.abs(grouped), axis=-1, initial=f32(0)))
-        amax = jnp.max(jnp.abs(t), axis=-1, initial=f32(0))  # [..., groups]
-        finite = row_finite & gs_valid & ~holds_non_finite
-        # The barrier keeps XLA from dropping the round trip through e4m3 (as jax.nn's
-        # quantiser does too).
-        scale = jax.lax.optimization_barrier(
-            jnp.minimum(_divide(amax, FP4_MAX), f32(448.0)).astype(E4M3)
-        )
-        scale32 = scale.astype(f32)
-        zero = ~finite | (scale32 == 0)
-        q = _divide(t, jnp.where(zero, f32(1), scale32)[..., None])
-        scale = jnp.where(finite, scale, jnp.asarray(np.nan, E4M3))
-    else:
-        amax = jnp.max(jnp.abs(grouped), axis=-1, initial=f32(0))
-        zero = ~(row_finite & jnp.isfinite(amax))
-        exponent, recip = _power_of_two_exponents(amax, p)
-        # The barrier keeps XLA from folding n * (1 / scale) into n / scale.
-        q = grouped * jax.lax.optimization_barrier(recip)[..., None]
-        exponent = jnp.where(zero, jnp.uint32(0xFF), exponent).astype(jnp.uint8)
-        scale = jax.lax.bitcast_convert_type(exponent, E8M0)
-    q = jnp.clip(jnp.where(zero[..., None], f32(0), q), -FP4_MAX, FP4_MAX)
-    return q.astype(p.out_dtype), scale
 
 
 # The NaN code of each FP8 format: the kernels write this one, whatever NaN they convert.
@@ -368,8 +290,8 @@ def _plus_constant(value: jax.Array, constant: float) -> jax.Array:
     written as what it computes."""
     if constant != 0.0:
         return value + jnp.float32(constant)
-    bits = _bits(value)
-    return _float(jnp.where(bits == jnp.uint32(0x80000000), jnp.uint32(0), bits))
+    bits = as_bits(value)
+    return from_bits(jnp.where(bits == jnp.uint32(0x80000000), jnp.uint32(0), bits))
 
 
 @norm_keywords

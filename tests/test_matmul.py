@@ -385,6 +385,31 @@ def _assert_within_one_fp4_step(w, w4, scale):
     assert np.all(deq[scale == 0] == 0) and np.all(w[scale == 0] == 0)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_non_finite_weight_block_among_varied_magnitudes(jit):
+    # One NaN and one Inf block in columns of magnitudes over twelve decades: XLA's max
+    # reduction need not carry a NaN through, so the rule must read every element.
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((256, 48)) * 10.0 ** rng.uniform(-6, 6, (256, 48))
+    w = w.astype(np.float32)
+    w[16:32, 1] = np.nan
+    w[33, 2] = np.inf
+    for quantise, nan_code, bad in (
+        (lambda w: quantize_weights_nvfp4(w, 0.01)[:2], 0x7F, [(1, 1), (2, 2)]),
+        (quantize_weights_mxfp4, 0xFF, [(0, 1), (1, 2)]),
+    ):
+        y, scales = (jax.jit(quantise) if jit else quantise)(w)
+        codes = np.asarray(scales).view(np.uint8)
+        block = w.shape[0] // codes.shape[0]
+        y = np.asarray(y, np.float32)
+        for b, column in bad:
+            assert codes[b, column] == nan_code
+            assert np.all(y[b * block : (b + 1) * block, column] == 0)
+        good = np.ones(codes.shape, bool)
+        good[tuple(zip(*bad, strict=True))] = False
+        assert not np.any(codes[good] == nan_code)
+
+
 def test_fp4_matmul_bad_input():
     a, a_s, w, w_s, gs = _fp4_operands("nvfp4", (4,), k=64, n=8)
     ma, ma_s, mw, mw_s, _ = _fp4_operands("mxfp4", (4,), k=64, n=8)
@@ -420,7 +445,7 @@ def test_fp4_matmul_bad_input():
         fp8_matmul(fp8_a, jnp.ones((4, 1)), fp8_a.T, jnp.ones((4,)), a_global_scale=1.0)
     with pytest.raises(ValueError, match="w_global_scale must have shape"):
         fp8_matmul(a, a_s, w, w_s, a_global_scale=1.0, w_global_scale=jnp.ones(2))
-    with pytest.raises(TypeError, match="a_global_scale must be a Python float or a float32"):
+    with pytest.raises(TypeError, match="a_global_scale must have dtype float32"):
         fp8_matmul(a, a_s, w, w_s, a_global_scale=jnp.ones((), jnp.bfloat16), w_global_scale=gs)
     # The weight helpers.
     with pytest.raises(ValueError, match="multiple of 16"):

@@ -1,0 +1,94 @@
+"""The rounding of float32 groups to the block formats, stated once: the power-of-two
+scale rule (MXFP8, MXFP4, UE8M0) and FP4's codes and scales (NVFP4, MXFP4). The reference
+twins (reference.py) quantise the normalised rows' groups with it, and matmul.py's weight
+quantisers the weights' blocks, so that an FP4 weight and an FP4 activation are rounded
+by the same rule."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_fp8norm._dtypes import E4M3, E8M0, FP4_MAX
+from jax_fp8norm._params import NormParams
+
+
+def divide(numerator: jax.Array, denominator) -> jax.Array:
+    """``numerator / denominator`` rounded once, as the spec says. XLA's simplifier turns a
+    division by a constant into a multiplication by its rounded reciprocal, and
+    ``1 / sqrt`` into an approximate rsqrt; a barrier keeps the divisor opaque to it."""
+    denominator = jnp.broadcast_to(jnp.asarray(denominator, numerator.dtype), numerator.shape)
+    return numerator / jax.lax.optimization_barrier(denominator)
+
+
+def as_bits(value: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(value, jnp.uint32)
+
+
+def from_bits(bits: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.float32)
+
+
+def power_of_two_exponents(amax: jax.Array, p: NormParams) -> tuple[jax.Array, jax.Array]:
+    """Steps 5-6 with power-of-two scales: (the scales' biased float32 exponents, recip).
+    P(q) is the smallest power of two >= q = min(amax, scale_ub) / FP8_MAX, at least 2^-127
+    for e8m0 and 2^-126 otherwise; a q below 2^-126 is decided from the abs-max, so that
+    denormal flushing cannot change it (src/common/fp8norm_math.h, PowerOfTwoExponent)."""
+    u32 = jnp.uint32
+    a = jnp.minimum(amax, jnp.float32(p.scale_ub))
+    q = as_bits(divide(a, p.out_max))
+    exponent = (q >> 23) & u32(0xFF)
+    rounded_up = jnp.where(
+        (exponent != 0xFF) & ((q & u32(0x7FFFFF)) != 0), exponent + u32(1), exponent
+    )
+    tiny_limit = np.float32(p.out_max) * np.float32(2.0**-127)  # a normal float32
+    tiny = jnp.where(a > tiny_limit, u32(1), u32(0))
+    exponent = jnp.where(exponent == 0, tiny, rounded_up)
+    exponent = jnp.maximum(exponent, u32(0 if p.scale_dtype == E8M0 else 1))
+    recip = jnp.where(exponent <= 253, from_bits((u32(254) - exponent) << 23), jnp.float32(0))
+    return exponent, recip
+
+
+def fp4_groups(
+    grouped: jax.Array, row_finite: jax.Array, p: NormParams, global_scale: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """FP4 codes and scales of float32 normalised groups [..., groups, G] (docs/spec.md,
+    "FP4 outputs"). NVFP4: t = n / gs, scale = e4m3(min(max|t| / 6, 448)), y =
+    e2m1(clip(t / scale, -6, 6)). MXFP4: the power-of-two rule with FP4_MAX, y =
+    e2m1(clip(n * (1 / scale), -6, 6)). A group that is not finite (in a row that is not,
+    or holding NaN or Inf), or NVFP4 under a global scale that is not a positive normal
+    float32, gets a NaN scale and zero codes; a zero NVFP4 scale gives zero codes. NVFP4
+    values that overflow when divided by gs take the formula (scale 448, codes +-6)."""
+    if p.nvfp4 and global_scale is None:
+        raise ValueError("NVFP4 (float8_e4m3fn scales) needs its global_scale operand")
+    f32 = jnp.float32
+    if p.nvfp4:
+        gs = global_scale.astype(f32).reshape(())
+        gs_bits = as_bits(gs)
+        gs_valid = (gs_bits >= 0x00800000) & (gs_bits < 0x7F800000)
+        # The barrier keeps XLA from folding (n / gs) / scale into n / (gs * scale).
+        t = jax.lax.optimization_barrier(divide(grouped, gs))
+        # Read from every element: XLA's max reductions need not carry a NaN through.
+        holds_non_finite = ~jnp.all(jnp.isfinite(grouped), axis=-1)
+        amax = jnp.max(jnp.abs(t), axis=-1, initial=f32(0))  # [..., groups]
+        finite = row_finite & gs_valid & ~holds_non_finite
+        # The barrier keeps XLA from dropping the round trip through e4m3 (as jax.nn's
+        # quantiser does too).
+        scale = jax.lax.optimization_barrier(
+            jnp.minimum(divide(amax, FP4_MAX), f32(448.0)).astype(E4M3)
+        )
+        scale32 = scale.astype(f32)
+        zero = ~finite | (scale32 == 0)
+        q = divide(t, jnp.where(zero, f32(1), scale32)[..., None])
+        scale = jnp.where(finite, scale, jnp.asarray(np.nan, E4M3))
+    else:
+        amax = jnp.max(jnp.abs(grouped), axis=-1, initial=f32(0))
+        zero = ~(row_finite & jnp.all(jnp.isfinite(grouped), axis=-1))
+        exponent, recip = power_of_two_exponents(amax, p)
+        # The barrier keeps XLA from folding n * (1 / scale) into n / scale.
+        q = grouped * jax.lax.optimization_barrier(recip)[..., None]
+        exponent = jnp.where(zero, jnp.uint32(0xFF), exponent).astype(jnp.uint8)
+        scale = jax.lax.bitcast_convert_type(exponent, E8M0)
+    q = jnp.clip(jnp.where(zero[..., None], f32(0), q), -FP4_MAX, FP4_MAX)
+    return q.astype(p.out_dtype), scale
