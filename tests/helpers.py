@@ -59,10 +59,12 @@ def recipe(name: str, **changes) -> dict:
     return {"recipe": name, **RECIPE_DATA.get(name, {}), **changes}
 
 
-def layout(name: str, **changes) -> dict:
-    """The recipe ``name`` spelled out as the keywords it sets (no ``recipe=``), with its
-    data and ``changes``: for tests that read a layout's keywords."""
-    return {**recipe_keywords(name), **RECIPE_DATA.get(name, {}), **changes}
+def layout(name: str, *, data: bool = True, **changes) -> dict:
+    """The recipe ``name`` spelled out as the keywords it sets to a value (no ``recipe=``,
+    no keyword it leaves at None), with its data (unless ``data=False``) and ``changes``:
+    for tests that read a layout's keywords."""
+    spelled = {k: v for k, v in recipe_keywords(name).items() if v is not None}
+    return {**spelled, **(RECIPE_DATA.get(name, {}) if data else {}), **changes}
 
 
 REQUIRE_GPU = os.environ.get("FP8NORM_REQUIRE_GPU", "") not in ("", "0")

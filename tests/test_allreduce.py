@@ -22,8 +22,10 @@ from helpers import (
     assert_matches_reference,
     assert_same_bits,
     gpu_devices,
+    layout,
     random_gamma,
     random_rows,
+    recipe,
     rerun_with_virtual_cpu_devices,
 )
 from jax.sharding import Mesh, NamedSharding
@@ -142,17 +144,12 @@ else:
     @pytest.mark.parametrize(
         "kw",
         [
-            dict(group_size=128),
-            dict(group_size=32, scale_dtype=jnp.float8_e8m0fnu),
-            dict(group_size=128, power_of_two_scales=True, reduce_dtype=jnp.float32),
-            dict(static_scale=0.02),
-            dict(
-                group_size=16,
-                out_dtype=jnp.float4_e2m1fn,
-                scale_dtype=jnp.float8_e4m3fn,
-                global_scale=0.003,
-            ),
-            dict(group_size=32, out_dtype=jnp.float4_e2m1fn, scale_dtype=jnp.float8_e8m0fnu),
+            layout("fp8_group128"),
+            layout("mxfp8"),
+            layout("fp8_group128_ue8m0", reduce_dtype=jnp.float32),
+            layout("fp8_static"),
+            layout("nvfp4", global_scale=0.003),
+            layout("mxfp4"),
         ],
         ids=["group128", "mxfp8", "ue8m0-float32", "static", "nvfp4", "mxfp4"],
     )
@@ -478,16 +475,11 @@ else:
     @pytest.mark.parametrize(
         "kw",
         [
-            dict(group_size=128),
-            dict(group_size=32, scale_dtype=jnp.float8_e8m0fnu),
-            dict(static_scale=0.02),
-            dict(
-                group_size=16,
-                out_dtype=jnp.float4_e2m1fn,
-                scale_dtype=jnp.float8_e4m3fn,
-                global_scale=0.003,
-            ),
-            dict(group_size=32, out_dtype=jnp.float4_e2m1fn, scale_dtype=jnp.float8_e8m0fnu),
+            recipe("fp8_group128"),
+            recipe("mxfp8"),
+            recipe("fp8_static"),
+            recipe("nvfp4", global_scale=0.003),
+            recipe("mxfp4"),
             dict(scale_ub=0.05, weight_offset=1.0, out_dtype=jnp.float8_e4m3fnuz),
         ],
         ids=["group128", "mxfp8", "static", "nvfp4", "mxfp4", "ub-offset-fnuz"],
@@ -878,12 +870,7 @@ else:
             dict(scale_dtype=jnp.float8_e8m0fnu),
             dict(power_of_two_scales=True),
             dict(static_scale=0.3, scale_dtype=jnp.bfloat16),
-            dict(
-                group_size=16,
-                out_dtype=jnp.float4_e2m1fn,
-                scale_dtype=jnp.float8_e4m3fn,
-                global_scale=0.5,
-            ),
+            recipe("nvfp4", global_scale=0.5),
         ],
         ids=["row", "group", "e8m0", "power_of_two", "static", "nvfp4"],
     )

@@ -23,6 +23,7 @@ from helpers import (
     device_of,
     gpu_devices,
     kernels_of,
+    layout,
     random_gamma,
     random_rows,
     reference_on_cpu,
@@ -35,10 +36,7 @@ from jax_fp8norm import _ffi as fp8norm_ffi
 F4 = jnp.float4_e2m1fn
 E4M3 = jnp.float8_e4m3fn
 E8M0 = jnp.float8_e8m0fnu
-FORMATS = {
-    "nvfp4": dict(out_dtype=F4, group_size=16, scale_dtype=E4M3),
-    "mxfp4": dict(out_dtype=F4, group_size=32, scale_dtype=E8M0),
-}
+FORMATS = {name: layout(name, data=False) for name in ("nvfp4", "mxfp4")}
 # The global scale an NVFP4 caller computes from calibration: amax / (448 * 6).
 GLOBAL_SCALE = np.float32(0.0021)
 

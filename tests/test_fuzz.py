@@ -256,7 +256,7 @@ def _recipe_keywords(draw, name: str) -> dict:
     if name.startswith("fp8_"):
         keywords["out_dtype"] = draw(st.sampled_from(FP8S))
     if draw(st.booleans()):
-        keywords["group_size"] = spelled["group_size"]  # consistent: accepted
+        keywords["group_size"] = spelled.get("group_size")  # consistent: accepted
     return keywords
 
 
@@ -319,7 +319,7 @@ def cases(draw, modes=MODES):
     if mode == "recipe":
         name = draw(st.sampled_from(RECIPE_NAMES))
         keywords.update(_recipe_keywords(draw, name))
-        shape = _fit_to_groups(shape, layout(name)["group_size"])
+        shape = _fit_to_groups(shape, layout(name).get("group_size"))
     else:
         keywords.update(_mode_keywords(draw, mode, shape[-1]))
     kinds = draw(st.lists(st.sampled_from(ROW_KINDS), min_size=1, max_size=len(ROW_KINDS)))

@@ -16,6 +16,7 @@ from helpers import (
     assert_same_bits,
     check_against_reference,
     kernels_of,
+    layout,
     random_gamma,
     random_rows,
     run_on,
@@ -26,15 +27,10 @@ import jax_fp8norm.simt
 
 ROW_COUNTS = (1, 3, 17, 255, 256, 257, 600)
 RECIPES = {
-    "row": {},
-    "group128": dict(group_size=128),
-    "mxfp8": dict(group_size=32, scale_dtype=jnp.float8_e8m0fnu),
-    "nvfp4": dict(
-        group_size=16,
-        out_dtype=jnp.float4_e2m1fn,
-        scale_dtype=jnp.float8_e4m3fn,
-        global_scale=0.01,
-    ),
+    "row": layout("fp8_row"),
+    "group128": layout("fp8_group128"),
+    "mxfp8": layout("mxfp8"),
+    "nvfp4": layout("nvfp4", global_scale=0.01),
 }
 HIDDEN = (2880, 4224, 5120)
 CASES = [

@@ -17,6 +17,7 @@ from helpers import (
     TIERS,
     assert_same_bits,
     collectives_in,
+    layout,
     random_gamma,
     random_rows,
     rerun_with_virtual_cpu_devices,
@@ -116,16 +117,11 @@ else:
                 assert aval.sharding.spec == rows, (aval.sharding, rows)
 
     BLOCK_SCALINGS = {
-        "group128": dict(group_size=128),
-        "mxfp8": dict(group_size=32, scale_dtype=jnp.float8_e8m0fnu),
-        "static": dict(static_scale=0.05),
-        "nvfp4": dict(
-            group_size=16,
-            out_dtype=jnp.float4_e2m1fn,
-            scale_dtype=jnp.float8_e4m3fn,
-            global_scale=0.004,
-        ),
-        "mxfp4": dict(group_size=32, out_dtype=jnp.float4_e2m1fn, scale_dtype=jnp.float8_e8m0fnu),
+        "group128": layout("fp8_group128"),
+        "mxfp8": layout("mxfp8"),
+        "static": layout("fp8_static", static_scale=0.05),
+        "nvfp4": layout("nvfp4", global_scale=0.004),
+        "mxfp4": layout("mxfp4"),
     }
 
     @pytest.mark.parametrize("scaling", list(BLOCK_SCALINGS))

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_same_bits, device_of, is_simt, random_gamma, random_rows
+from helpers import assert_same_bits, device_of, is_simt, random_gamma, random_rows, recipe
 
 import jax_fp8norm as fp8norm
 from jax_fp8norm import _ffi as fp8norm_ffi
@@ -144,8 +144,8 @@ def test_export_without_disabled_checks_names_the_target():
 
 
 BLOCK_SCALINGS = {
-    "group128": dict(group_size=128),
-    "mxfp8": dict(group_size=32, scale_dtype=jnp.float8_e8m0fnu),
+    "group128": recipe("fp8_group128"),
+    "mxfp8": recipe("mxfp8"),
     "ue8m0": dict(group_size=64, power_of_two_scales=True),
 }
 
