@@ -36,9 +36,13 @@ def _median_seconds(fn, args, iters: int) -> float:
     return statistics.median(times["fn"])
 
 
-# The block-scaled recipes checked beside the per-row one (jax_fp8norm.recipes); NVFP4's
-# global scale is the shape's: _nvfp4_global_scale.
-BLOCK_RECIPES = ("fp8_group128", "mxfp8", "nvfp4", "mxfp4")
+# The block-scaled recipes checked beside the per-row one: every recipe with groups
+# (jax_fp8norm.recipes); NVFP4's global scale is the shape's: _nvfp4_global_scale.
+BLOCK_RECIPES = tuple(
+    name
+    for name, recipe in fp8norm.recipes.RECIPES.items()
+    if recipe.keywords["group_size"] != (None,)
+)
 
 
 @jax.jit

@@ -428,7 +428,7 @@ def _fp4_columns(blocks: jax.Array, recipe: str, global_scale=None):
     groups = jnp.transpose(blocks, (2, 0, 1))  # [N, K // block, block]
     layout = {k: v for k, v in recipe_keywords(recipe).items() if k != "static_scale"}
     params = _checks.make_params(
-        np.float32, **_RECIPE_DEFAULTS, **layout, has_global_scale=global_scale is not None
+        np.float32, **{**_RECIPE_DEFAULTS, **layout}, has_global_scale=global_scale is not None
     )
     operand = None if global_scale is None else jnp.reshape(global_scale, (1,))
     y, scales = fp4_groups(groups, jnp.ones((n, 1), bool), params, operand)
