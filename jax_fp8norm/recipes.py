@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["RECIPES", "Recipe", "dequantize", "recipe_keywords", "scales_per_row"]
+__all__ = ["RECIPES", "Recipe", "apply_recipe", "dequantize", "recipe_keywords", "scales_per_row"]
 
 _E4M3FN = np.dtype(jnp.float8_e4m3fn)
 _E4M3FNUZ = np.dtype(jnp.float8_e4m3fnuz)
