@@ -632,7 +632,7 @@ else:
             assert "fp8norm_simt_add_rms_norm_fp8" in text and not codes, text
             assert "all_reduce" in text
         else:
-            assert codes == [str(jax_fp8norm._allreduce.METHOD_CODES[chosen])], text
+            assert codes == [str(jax_fp8norm._allreduce.method_code(chosen))], text
             assert "all_reduce" not in text
 
     def test_one_kernel_methods_where_they_cannot_run():
@@ -957,7 +957,7 @@ else:
             call_site=np.int64(np.random.default_rng().integers(1 << 62)),
             devices=np.array([d.id for d in mesh.devices.flat], np.int64),
             group_devices=np.int64(size),
-            method=np.int64(jax_fp8norm._allreduce.METHOD_CODES["one_shot"]),
+            method=np.int64(jax_fp8norm._allreduce.method_code("one_shot")),
             rows=np.int64(rows),
             hidden=np.int64(hidden),
         )
