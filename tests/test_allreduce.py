@@ -997,6 +997,10 @@ else:
             (dict(rows=np.int64(6)), "do not have the rows and hidden size"),
             (dict(hidden=np.int64(0)), "the all-reduce's rows and hidden size"),
             (dict(devices=others), "has no all-reduce workspace for this call"),
+            # Decoded as one struct of every attribute: a stray one, or one of another
+            # type, is the FFI's refusal.
+            (dict(stray=np.int64(0)), "Wrong number of attributes"),
+            (dict(rows=np.int32(5)), "Wrong scalar data type"),
         ]:
             with pytest.raises(jax.errors.JaxRuntimeError, match=message):
                 _raw_allreduce(mesh, *args, **changes)
