@@ -34,52 +34,49 @@ struct GpuTarget {
   int32_t device;
 };
 
+// How a handler's context gives its GpuTarget (tags for Ctx<>, as XLA's DeviceOrdinal).
+// On a GPU both are XLA's stream and DeviceOrdinal. They differ in the emulation, where
+// XLA's CPU backend has no stream and the emulated device runs each launch to completion
+// on the calling thread: the norms and their preparation run on emulated device 0; the
+// one-kernel all-reduce on the device of XLA's DeviceOrdinal, each of XLA's virtual CPU
+// devices standing for one GPU of the group (its position in the group).
+struct CallGpu {};
+struct PeerGpu {};
+
+template <bool kDeviceOrdinalInEmulation>
+std::optional<GpuTarget> DecodeGpuTarget(const XLA_FFI_Api* api, XLA_FFI_ExecutionContext* ctx,
+                                         ffi::DiagnosticEngine& diagnostic) {
+#if defined(FP8NORM_SIMT)
+  if (!kDeviceOrdinalInEmulation) return GpuTarget{nullptr, 0};
+  const auto device = ffi::CtxDecoding<ffi::DeviceOrdinal>::Decode(api, ctx, diagnostic);
+  if (!device.has_value()) return std::nullopt;
+  return GpuTarget{nullptr, *device};
+#else
+  const auto stream =
+      ffi::CtxDecoding<ffi::PlatformStream<cudaStream_t> >::Decode(api, ctx, diagnostic);
+  const auto device = ffi::CtxDecoding<ffi::DeviceOrdinal>::Decode(api, ctx, diagnostic);
+  if (!stream.has_value() || !device.has_value()) return std::nullopt;
+  return GpuTarget{*stream, *device};
+#endif
+}
+
 }  // namespace fp8norm
 
 template <>
-struct xla::ffi::CtxDecoding<fp8norm::GpuTarget> {
+struct xla::ffi::CtxDecoding<fp8norm::CallGpu> {
   using Type = fp8norm::GpuTarget;
   static std::optional<Type> Decode(const XLA_FFI_Api* api, XLA_FFI_ExecutionContext* ctx,
                                     DiagnosticEngine& diagnostic) {
-#if defined(FP8NORM_SIMT)
-    // The CPU backend has no stream: the emulated device runs each launch to completion
-    // on the calling thread.
-    return Type{nullptr, 0};
-#else
-    const auto stream = CtxDecoding<PlatformStream<cudaStream_t> >::Decode(api, ctx, diagnostic);
-    const auto device = CtxDecoding<DeviceOrdinal>::Decode(api, ctx, diagnostic);
-    if (!stream.has_value() || !device.has_value()) return std::nullopt;
-    return Type{*stream, *device};
-#endif
+    return fp8norm::DecodeGpuTarget<false>(api, ctx, diagnostic);
   }
 };
 
-namespace fp8norm {
-
-// The one-kernel all-reduce's device, which is this device's position in its group: XLA's
-// DeviceOrdinal in the emulation too, where each of XLA's virtual CPU devices stands for
-// one GPU.
-struct PeerTarget {
-  cudaStream_t stream;
-  int32_t device;
-};
-
-}  // namespace fp8norm
-
 template <>
-struct xla::ffi::CtxDecoding<fp8norm::PeerTarget> {
-  using Type = fp8norm::PeerTarget;
+struct xla::ffi::CtxDecoding<fp8norm::PeerGpu> {
+  using Type = fp8norm::GpuTarget;
   static std::optional<Type> Decode(const XLA_FFI_Api* api, XLA_FFI_ExecutionContext* ctx,
                                     DiagnosticEngine& diagnostic) {
-    const auto device = CtxDecoding<DeviceOrdinal>::Decode(api, ctx, diagnostic);
-    if (!device.has_value()) return std::nullopt;
-#if defined(FP8NORM_SIMT)
-    return Type{nullptr, *device};
-#else
-    const auto stream = CtxDecoding<PlatformStream<cudaStream_t> >::Decode(api, ctx, diagnostic);
-    if (!stream.has_value()) return std::nullopt;
-    return Type{*stream, *device};
-#endif
+    return fp8norm::DecodeGpuTarget<true>(api, ctx, diagnostic);
   }
 };
 
@@ -259,7 +256,7 @@ ffi::Error SetUpAllReduceImpl(AllReduceAttributes attrs) {
   return CudaStatus(err, what.c_str());
 }
 
-ffi::Error AllReduceNormImpl(PeerTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer residual,
+ffi::Error AllReduceNormImpl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer residual,
                              ffi::AnyBuffer gamma, std::optional<ffi::AnyBuffer> scale_operand,
                              ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
                              ffi::Result<ffi::AnyBuffer> residual_out,
@@ -309,22 +306,22 @@ ffi::Error AllReduceNormImpl(PeerTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer re
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8CudaHandler, RmsNormFp8Impl, RmsNormFp8Binding<GpuTarget>(),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8CudaHandler, RmsNormFp8Impl, RmsNormFp8Binding<CallGpu>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8CudaHandler, AddRmsNormFp8Impl,
-                              AddRmsNormFp8Binding<GpuTarget>(),
+                              AddRmsNormFp8Binding<CallGpu>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     RoundCudaHandler, RoundImpl,
-    ffi::Ffi::Bind().Ctx<GpuTarget>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int64_t>(
+    ffi::Ffi::Bind().Ctx<CallGpu>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int64_t>(
         "fp4_layout"),
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceNormCudaHandler, AllReduceNormImpl,
                               ffi::Ffi::Bind()
-                                  .Ctx<PeerTarget>()
+                                  .Ctx<PeerGpu>()
                                   .Arg<ffi::AnyBuffer>()          // x: this device's partial
                                   .Arg<ffi::AnyBuffer>()          // residual
                                   .Arg<ffi::AnyBuffer>()          // gamma
@@ -337,12 +334,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceNormCudaHandler, AllReduceNormImpl,
 
 #if defined(FP8NORM_SIMT)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PrepareCudaHandler, PrepareImpl,
-                              ffi::Ffi::BindInstantiate().Ctx<GpuTarget>());
+                              ffi::Ffi::BindInstantiate().Ctx<CallGpu>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SetUpAllReduceCudaHandler, SetUpAllReduceImpl,
                               ffi::Ffi::BindInstantiate().Attrs<AllReduceAttributes>());
 #else
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PrepareCudaHandler, PrepareImpl,
-                              ffi::Ffi::BindInitialize().Ctx<GpuTarget>());
+                              ffi::Ffi::BindInitialize().Ctx<CallGpu>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SetUpAllReduceCudaHandler, SetUpAllReduceImpl,
                               ffi::Ffi::BindInitialize().Attrs<AllReduceAttributes>());
 #endif
