@@ -15,12 +15,18 @@ from __future__ import annotations
 
 import jax
 
+from jax_fp8norm import _ffi
+
 METHODS = ("auto", "xla", "one_shot", "two_shot")
 ONE_KERNEL_METHODS = ("one_shot", "two_shot")
-# src/cuda/peer_allreduce.h: kMaxPeers.
-MAX_DEVICES = 8
-# The kernel's method codes (AllReduceMethod).
-METHOD_CODES = {"one_shot": 1, "two_shot": 2}
+# The kernel's own names for its methods (src/cuda/peer_allreduce.h, AllReduceMethod), as
+# the loaded CUDA modules export them with their codes: the keyword's names.
+if _ffi.ALLREDUCE_METHOD_CODES and set(_ffi.ALLREDUCE_METHOD_CODES) != set(ONE_KERNEL_METHODS):
+    raise ImportError(
+        f"the compiled all-reduce kernel's methods {sorted(_ffi.ALLREDUCE_METHOD_CODES)} are "
+        f"not the method= keyword's {list(ONE_KERNEL_METHODS)}: reinstall with "
+        "`python -m pip install .`"
+    )
 
 # auto's table (docs/performance.md, "The one-kernel all-reduce"): for each group size, the
 # largest payload (bytes of one device's partial x) for which one_shot is picked; beyond
@@ -42,6 +48,17 @@ AUTO_ONE_SHOT_MAX = {
 # run is opt-in, never a default. The emulated devices follow the table, so that the
 # selection itself is tested.
 AUTO_ON_GPUS = False
+
+
+def method_code(method: str) -> int:
+    """The kernel's code for the one-kernel method ``method`` (the call's ``method``
+    attribute), from the loaded CUDA modules."""
+    if not _ffi.ALLREDUCE_METHOD_CODES:
+        raise RuntimeError(
+            "this build of jax_fp8norm has neither the CUDA kernels nor the SIMT emulation, "
+            "so it has no one-kernel all-reduce"
+        )
+    return _ffi.ALLREDUCE_METHOD_CODES[method]
 
 
 def check_method(method) -> str:
@@ -70,8 +87,10 @@ def unavailable_reason(
             "the devices are driven by several processes, whose memory the kernel cannot "
             "reach (it needs every device of the axis in one process)"
         )
-    if num_devices > MAX_DEVICES:
-        return f"the axis has {num_devices} devices; the kernel takes at most {MAX_DEVICES}"
+    # Without a CUDA module (no limit known) a check below says why the kernel cannot run.
+    max_devices = _ffi.MAX_PEERS
+    if max_devices is not None and num_devices > max_devices:
+        return f"the axis has {num_devices} devices; the kernel takes at most {max_devices}"
     if platform == "cpu" and not emulating:
         return (
             "the CPU backend has no one-kernel all-reduce (its all-reduce is XLA's); the "

@@ -49,25 +49,26 @@ TARGETS = {op: f"fp8norm_{op}" for op in OPS + PEER_OPS}
 EMULATED_TARGETS = {op: f"fp8norm_simt_{op}" for op in OPS + PEER_OPS}
 
 
-# How each platform's XLA holds a float4_e2m1fn buffer, as the handlers' fp4_layout
-# attribute says it (src/common/ffi_decode.h, Fp4Layout): 1, two codes per byte with
-# element 2k in the low nibble. XLA gives sub-byte types a packed layout on the CPU and
-# GPU backends (jaxlib 0.10.2's CPU backend: tests/test_fp4.py checks it, and
-# tools/gpu_check.sh the GPU's); 0, one code per byte, is what the handlers also take.
-# The FFI's buffer sizes cannot tell the two apart, so the layout travels as an attribute.
-FP4_ONE_PER_BYTE = 0
-FP4_PACKED_LOW_FIRST = 1
-FP4_LAYOUTS = {"cpu": FP4_PACKED_LOW_FIRST, "cuda": FP4_PACKED_LOW_FIRST}
+# How each platform's XLA holds a float4_e2m1fn buffer, by the name of the layout the
+# handlers' fp4_layout attribute gives as a code (src/common/ffi_decode.h, Fp4Layout; the
+# codes are the modules', FP4_LAYOUT_CODES below): "packed_low_first", two codes per
+# byte with element 2k in the low nibble. XLA gives sub-byte types a packed layout on the
+# CPU and GPU backends (jaxlib 0.10.2's CPU backend: tests/test_fp4.py checks it, and
+# tools/gpu_check.sh the GPU's); "one_per_byte", one code per byte, is what the handlers
+# also take. The FFI's buffer sizes cannot tell the two apart, so the layout travels as
+# an attribute.
+FP4_LAYOUTS = {"cpu": "packed_low_first", "cuda": "packed_low_first"}
 
 
 def fp4_layout(platform: str) -> int:
     """The fp4_layout attribute of a custom call lowered for ``platform``."""
     try:
-        return FP4_LAYOUTS[platform]
+        name = FP4_LAYOUTS[platform]
     except KeyError:
         raise NotImplementedError(
             f"jax_fp8norm does not know how the {platform!r} backend holds float4_e2m1fn buffers"
         ) from None
+    return FP4_LAYOUT_CODES[name]
 
 
 def _register(module, targets: dict[str, str], platform: str, ops: tuple = OPS) -> None:
@@ -177,6 +178,43 @@ CUDA_KERNEL_ENV = "FP8NORM_CUDA_KERNEL"
 def _kernel_modules() -> list:
     """The modules that carry the CUDA kernels: the CUDA build's and the emulation's."""
     return [m for m in (_fp8norm_cuda, simt_module) if m is not None]
+
+
+def _agreed(name: str, modules: list):
+    """What ``module.<name>()`` returns, alike in every one of ``modules``: the C++ defines
+    each of these tables once, so modules that disagree come from different builds."""
+    values = []
+    for module in modules:
+        export = getattr(module, name, None)
+        if export is None:
+            raise ImportError(
+                f"{module.__file__} does not export {name}(): reinstall with "
+                "`python -m pip install .`"
+            )
+        values.append((module, export()))
+    (first, value), *others = values
+    for module, other in others:
+        if other != value:
+            raise ImportError(
+                f"jax_fp8norm's compiled modules disagree on {name}(): {value} in "
+                f"{first.__file__}, {other} in {module.__file__}: reinstall with "
+                "`python -m pip install .`"
+            )
+    return value
+
+
+# The constants that cross into the handlers, as the compiled modules define them (no
+# copies here). Every module's: the fp4_layout codes by layout name (kFp4LayoutNames in
+# src/common/ffi_decode.h).
+FP4_LAYOUT_CODES: dict[str, int] = dict(_agreed("fp4_layouts", [_fp8norm_cpu, *_kernel_modules()]))
+# The one-kernel all-reduce's, which the CUDA modules (real and emulated) carry
+# (src/cuda/peer_allreduce.h: kAllReduceMethodNames, kMaxPeers): the method codes by
+# name and the most devices of a group; empty and None in a build with neither module,
+# where the kernel cannot run.
+ALLREDUCE_METHOD_CODES: dict[str, int] = (
+    dict(_agreed("allreduce_methods", _kernel_modules())) if _kernel_modules() else {}
+)
+MAX_PEERS: int | None = _agreed("max_peers", _kernel_modules()) if _kernel_modules() else None
 
 
 def cuda_kernel_variants() -> list[str]:

@@ -446,7 +446,7 @@ def _allreduce_lowering(platform: str):
             call_site=np.int64(_call_sites.getrandbits(62)),
             devices=np.ascontiguousarray(groups.reshape(-1)),
             group_devices=np.int64(groups.shape[1]),
-            method=np.int64(_allreduce.METHOD_CODES[chosen]),
+            method=np.int64(_allreduce.method_code(chosen)),
             rows=np.int64(int(np.prod(x.shape[:-1]))),
             hidden=np.int64(x.shape[-1]),
         )

@@ -148,7 +148,7 @@ def ffi_call(
     scale_ub=np.inf,
     group_size=0,
     power_of_two_scales=False,
-    fp4_layout=fp8norm_ffi.FP4_PACKED_LOW_FIRST,
+    fp4_layout=fp8norm_ffi.FP4_LAYOUT_CODES["packed_low_first"],
 ):
     call = jax.ffi.ffi_call(target, outs)
     return call(

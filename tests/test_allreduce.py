@@ -632,7 +632,7 @@ else:
             assert "fp8norm_simt_add_rms_norm_fp8" in text and not codes, text
             assert "all_reduce" in text
         else:
-            assert codes == [str(jax_fp8norm._allreduce.METHOD_CODES[chosen])], text
+            assert codes == [str(jax_fp8norm._allreduce.method_code(chosen))], text
             assert "all_reduce" not in text
 
     def test_one_kernel_methods_where_they_cannot_run():
@@ -958,7 +958,7 @@ else:
             call_site=np.int64(np.random.default_rng().integers(1 << 62)),
             devices=np.array([d.id for d in mesh.devices.flat], np.int64),
             group_devices=np.int64(size),
-            method=np.int64(jax_fp8norm._allreduce.METHOD_CODES["one_shot"]),
+            method=np.int64(jax_fp8norm._allreduce.method_code("one_shot")),
             rows=np.int64(rows),
             hidden=np.int64(hidden),
         )
@@ -998,6 +998,10 @@ else:
             (dict(rows=np.int64(6)), "do not have the rows and hidden size"),
             (dict(hidden=np.int64(0)), "the all-reduce's rows and hidden size"),
             (dict(devices=others), "has no all-reduce workspace for this call"),
+            # Decoded as one struct of every attribute: a stray one, or one of another
+            # type, is the FFI's refusal.
+            (dict(stray=np.int64(0)), "Wrong number of attributes"),
+            (dict(rows=np.int32(5)), "Wrong scalar data type"),
         ]:
             with pytest.raises(jax.errors.JaxRuntimeError, match=message):
                 _raw_allreduce(mesh, *args, **changes)

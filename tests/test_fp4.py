@@ -406,7 +406,7 @@ def test_fp4_layout_of_the_cpu_backend():
     """XLA's CPU backend holds float4_e2m1fn buffers two per byte (its layout says
     E(4)), as the handlers are told; a custom call's FP4 output decodes to the reference
     only under that layout, and an fp4_layout the handlers do not know is refused."""
-    assert fp8norm_ffi.fp4_layout("cpu") == fp8norm_ffi.FP4_PACKED_LOW_FIRST
+    assert fp8norm_ffi.fp4_layout("cpu") == fp8norm_ffi.FP4_LAYOUT_CODES["packed_low_first"]
     hlo = jax.jit(lambda v: v.astype(F4)).lower(jnp.ones((8,), jnp.float32)).compile().as_text()
     assert "f4e2m1fn[8]{0:E(4)}" in hlo, hlo
     # The element order: the round target writes element 2k in the low nibble, and XLA
@@ -432,7 +432,8 @@ def test_fp4_layout_of_the_gpu_backend():
     with jax.default_device(gpus[0]):
         hlo = jax.jit(lambda v: v.astype(F4)).lower(jnp.ones((8,), jnp.float32)).compile().as_text()
     packed = "f4e2m1fn[8]{0:E(4)}" in hlo
-    assert packed == (fp8norm_ffi.fp4_layout("cuda") == fp8norm_ffi.FP4_PACKED_LOW_FIRST), hlo
+    packed_code = fp8norm_ffi.FP4_LAYOUT_CODES["packed_low_first"]
+    assert packed == (fp8norm_ffi.fp4_layout("cuda") == packed_code), hlo
     x = random_rows(3, (64, 2048), jnp.bfloat16)
     gamma = random_gamma(3, 2048, jnp.float32)
     for fmt in FORMATS:
@@ -440,7 +441,7 @@ def test_fp4_layout_of_the_gpu_backend():
 
 
 def test_fp4_unknown_layout_is_refused(monkeypatch):
-    monkeypatch.setitem(fp8norm_ffi.FP4_LAYOUTS, "cpu", 5)
+    monkeypatch.setitem(fp8norm_ffi.FP4_LAYOUT_CODES, "packed_low_first", 5)
     jax.clear_caches()
     try:
         x = jnp.ones((2, 32), jnp.float32)

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "named_codes.h"
 #include "rms_norm_fp8.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -31,6 +32,12 @@ struct NormAttributes {
 // A buffer's size_bytes() cannot tell them apart: the FFI header counts one byte per F4
 // element either way.
 enum class Fp4Layout : int64_t { kOnePerByte = 0, kPackedLowFirst = 1 };
+// Their names, which every compiled module exports (constant_bindings.h) and the Python
+// package reads the codes from (jax_fp8norm/_ffi.py).
+constexpr NamedCode<Fp4Layout> kFp4LayoutNames[] = {
+    {Fp4Layout::kOnePerByte, "one_per_byte"},
+    {Fp4Layout::kPackedLowFirst, "packed_low_first"},
+};
 
 // `residual` and `residual_out` are null for rms_norm_fp8. `scale_operand` is the
 // calibrated scale (FP8 outputs) or NVFP4's global scale (float4_e2m1fn y with
@@ -77,10 +84,14 @@ ffi::Error DecodeRound(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& ou
 
 }  // namespace fp8norm
 
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(fp8norm::NormAttributes,
-                                      ::xla::ffi::StructMember<float>("eps"),
-                                      ::xla::ffi::StructMember<float>("weight_offset"),
-                                      ::xla::ffi::StructMember<float>("scale_ub"),
-                                      ::xla::ffi::StructMember<int64_t>("group_size"),
-                                      ::xla::ffi::StructMember<bool>("power_of_two_scales"),
-                                      ::xla::ffi::StructMember<int64_t>("fp4_layout"));
+// The members of NormAttributes by attribute name, in order: also the first members of
+// the all-reduce's attributes (src/cuda/cuda_handlers.cc), which carry the norm's.
+#define FP8NORM_NORM_ATTRIBUTE_MEMBERS                       \
+  ::xla::ffi::StructMember<float>("eps"),                    \
+      ::xla::ffi::StructMember<float>("weight_offset"),      \
+      ::xla::ffi::StructMember<float>("scale_ub"),           \
+      ::xla::ffi::StructMember<int64_t>("group_size"),       \
+      ::xla::ffi::StructMember<bool>("power_of_two_scales"), \
+      ::xla::ffi::StructMember<int64_t>("fp4_layout")
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(fp8norm::NormAttributes, FP8NORM_NORM_ATTRIBUTE_MEMBERS);

@@ -1,8 +1,9 @@
-// Python module of every build: the FFI targets to register for platform "cpu" and the
-// name of the CPU kernel variant this machine runs.
+// Python module of every build: the FFI targets to register for platform "cpu", the name
+// of the CPU kernel variant this machine runs, and the constants every module exports.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include "constant_bindings.h"
 #include "ffi_registrations.h"
 #include "handlers.h"
 #include "rms_norm_fp8.h"
@@ -14,4 +15,5 @@ NB_MODULE(_fp8norm_cpu, m) {
                                    fp8norm::RoundCpuHandler});
   });
   m.def("cpu_kernel_variant", []() { return fp8norm::CpuKernelVariant(); });
+  fp8norm::AddFp4Layouts(m);
 }

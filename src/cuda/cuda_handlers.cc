@@ -34,54 +34,77 @@ struct GpuTarget {
   int32_t device;
 };
 
+// How a handler's context gives its GpuTarget (tags for Ctx<>, as XLA's DeviceOrdinal).
+// On a GPU both are XLA's stream and DeviceOrdinal. They differ in the emulation, where
+// XLA's CPU backend has no stream and the emulated device runs each launch to completion
+// on the calling thread: the norms and their preparation run on emulated device 0; the
+// one-kernel all-reduce on the device of XLA's DeviceOrdinal, each of XLA's virtual CPU
+// devices standing for one GPU of the group (its position in the group).
+struct CallGpu {};
+struct PeerGpu {};
+
+template <bool kDeviceOrdinalInEmulation>
+std::optional<GpuTarget> DecodeGpuTarget(const XLA_FFI_Api* api, XLA_FFI_ExecutionContext* ctx,
+                                         ffi::DiagnosticEngine& diagnostic) {
+#if defined(FP8NORM_SIMT)
+  if (!kDeviceOrdinalInEmulation) return GpuTarget{nullptr, 0};
+  const auto device = ffi::CtxDecoding<ffi::DeviceOrdinal>::Decode(api, ctx, diagnostic);
+  if (!device.has_value()) return std::nullopt;
+  return GpuTarget{nullptr, *device};
+#else
+  const auto stream =
+      ffi::CtxDecoding<ffi::PlatformStream<cudaStream_t> >::Decode(api, ctx, diagnostic);
+  const auto device = ffi::CtxDecoding<ffi::DeviceOrdinal>::Decode(api, ctx, diagnostic);
+  if (!stream.has_value() || !device.has_value()) return std::nullopt;
+  return GpuTarget{*stream, *device};
+#endif
+}
+
 }  // namespace fp8norm
 
 template <>
-struct xla::ffi::CtxDecoding<fp8norm::GpuTarget> {
+struct xla::ffi::CtxDecoding<fp8norm::CallGpu> {
   using Type = fp8norm::GpuTarget;
   static std::optional<Type> Decode(const XLA_FFI_Api* api, XLA_FFI_ExecutionContext* ctx,
                                     DiagnosticEngine& diagnostic) {
-#if defined(FP8NORM_SIMT)
-    // The CPU backend has no stream: the emulated device runs each launch to completion
-    // on the calling thread.
-    return Type{nullptr, 0};
-#else
-    const auto stream = CtxDecoding<PlatformStream<cudaStream_t> >::Decode(api, ctx, diagnostic);
-    const auto device = CtxDecoding<DeviceOrdinal>::Decode(api, ctx, diagnostic);
-    if (!stream.has_value() || !device.has_value()) return std::nullopt;
-    return Type{*stream, *device};
-#endif
+    return fp8norm::DecodeGpuTarget<false>(api, ctx, diagnostic);
+  }
+};
+
+template <>
+struct xla::ffi::CtxDecoding<fp8norm::PeerGpu> {
+  using Type = fp8norm::GpuTarget;
+  static std::optional<Type> Decode(const XLA_FFI_Api* api, XLA_FFI_ExecutionContext* ctx,
+                                    DiagnosticEngine& diagnostic) {
+    return fp8norm::DecodeGpuTarget<true>(api, ctx, diagnostic);
   }
 };
 
 namespace fp8norm {
 
-// The one-kernel all-reduce's device, which is this device's position in its group: XLA's
-// DeviceOrdinal in the emulation too, where each of XLA's virtual CPU devices stands for
-// one GPU.
-struct PeerTarget {
-  cudaStream_t stream;
-  int32_t device;
+// The one-kernel all-reduce's attributes (jax_fp8norm/_primitives.py writes them), which
+// both its stages take: the norm's, then the call site, every group's devices (group
+// after group), the devices per group, the method (an AllReduceMethod), and the rows and
+// hidden size the workspaces are laid out for.
+struct AllReduceAttributes {
+  NormAttributes norm;
+  int64_t call_site;
+  ffi::Span<const int64_t> devices;
+  int64_t group_devices;
+  int64_t method;
+  int64_t rows;
+  int64_t hidden;
 };
 
 }  // namespace fp8norm
 
-template <>
-struct xla::ffi::CtxDecoding<fp8norm::PeerTarget> {
-  using Type = fp8norm::PeerTarget;
-  static std::optional<Type> Decode(const XLA_FFI_Api* api, XLA_FFI_ExecutionContext* ctx,
-                                    DiagnosticEngine& diagnostic) {
-    const auto device = CtxDecoding<DeviceOrdinal>::Decode(api, ctx, diagnostic);
-    if (!device.has_value()) return std::nullopt;
-#if defined(FP8NORM_SIMT)
-    return Type{nullptr, *device};
-#else
-    const auto stream = CtxDecoding<PlatformStream<cudaStream_t> >::Decode(api, ctx, diagnostic);
-    if (!stream.has_value()) return std::nullopt;
-    return Type{*stream, *device};
-#endif
-  }
-};
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    fp8norm::AllReduceAttributes, FP8NORM_NORM_ATTRIBUTE_MEMBERS,
+    ::xla::ffi::StructMember<int64_t>("call_site"),
+    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t> >("devices"),
+    ::xla::ffi::StructMember<int64_t>("group_devices"),
+    ::xla::ffi::StructMember<int64_t>("method"), ::xla::ffi::StructMember<int64_t>("rows"),
+    ::xla::ffi::StructMember<int64_t>("hidden"));
 
 namespace fp8norm {
 namespace {
@@ -180,77 +203,47 @@ ffi::Error RoundImpl(GpuTarget gpu, ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffe
                      [&](int) { return LaunchRound(gpu.stream, args); });
 }
 
-// The one-kernel all-reduce's attributes beyond the norm's (jax_fp8norm/_primitives.py):
-// the call site, every group's devices (group after group), the group size, the method,
-// and the rows and hidden size the workspaces are laid out for.
+// What the all-reduce's attributes say about the call (AllReduceAttributes, checked): the
+// call site, every group's devices (group after group), the devices per group, the
+// method, and the rows and hidden size the workspaces are laid out for.
 struct AllReduceCall {
   int64_t call_site;
   std::vector<int64_t> devices;
-  int group_size;
+  int devices_per_group;
   AllReduceMethod method;
   int64_t rows;
   int64_t hidden;
   PeerWorkspaceLayout layout;
 };
 
-ffi::Error DecodeAllReduceCall(const ffi::Dictionary& attrs, AllReduceCall* call) {
-  const auto call_site = attrs.get<int64_t>("call_site");
-  const auto devices = attrs.get<ffi::Span<const int64_t> >("devices");
-  const auto group_size = attrs.get<int64_t>("group_devices");
-  const auto method = attrs.get<int64_t>("method");
-  const auto rows = attrs.get<int64_t>("rows");
-  const auto hidden = attrs.get<int64_t>("hidden");
-  if (call_site.has_error() || devices.has_error() || group_size.has_error() ||
-      method.has_error() || rows.has_error() || hidden.has_error()) {
-    return ffi::Error::InvalidArgument(
-        "jax_fp8norm: the all-reduce call lacks one of its attributes (call_site, devices, "
-        "group_devices, method, rows, hidden)");
+ffi::Error DecodeAllReduceCall(const AllReduceAttributes& attrs, AllReduceCall* call) {
+  if (attrs.group_devices < 1 || attrs.group_devices > kMaxPeers || attrs.devices.size() == 0 ||
+      attrs.devices.size() % attrs.group_devices != 0) {
+    return ffi::Error::InvalidArgument("jax_fp8norm: the all-reduce's groups must have 1 to " +
+                                       std::to_string(kMaxPeers) + " devices each");
   }
-  if (*group_size < 1 || *group_size > kMaxPeers || devices->size() == 0 ||
-      devices->size() % *group_size != 0) {
-    return ffi::Error::InvalidArgument(
-        "jax_fp8norm: the all-reduce's groups must have 1 to 8 devices each");
-  }
-  if (*method != static_cast<int64_t>(AllReduceMethod::kOneShot) &&
-      *method != static_cast<int64_t>(AllReduceMethod::kTwoShot)) {
+  if (attrs.method != static_cast<int64_t>(AllReduceMethod::kOneShot) &&
+      attrs.method != static_cast<int64_t>(AllReduceMethod::kTwoShot)) {
     return ffi::Error::InvalidArgument("jax_fp8norm: unknown all-reduce method " +
-                                       std::to_string(*method));
+                                       std::to_string(attrs.method));
   }
-  if (*rows < 0 || *hidden < 1) {
+  if (attrs.rows < 0 || attrs.hidden < 1) {
     return ffi::Error::InvalidArgument("jax_fp8norm: the all-reduce's rows and hidden size");
   }
-  call->call_site = *call_site;
-  call->devices.assign(devices->begin(), devices->end());
-  call->group_size = static_cast<int>(*group_size);
-  call->method = static_cast<AllReduceMethod>(*method);
-  call->rows = *rows;
-  call->hidden = *hidden;
+  call->call_site = attrs.call_site;
+  call->devices.assign(attrs.devices.begin(), attrs.devices.end());
+  call->devices_per_group = static_cast<int>(attrs.group_devices);
+  call->method = static_cast<AllReduceMethod>(attrs.method);
+  call->rows = attrs.rows;
+  call->hidden = attrs.hidden;
   call->layout = LayOutPeerWorkspace(call->rows, call->hidden, call->method);
   return ffi::Error::Success();
-}
-
-NormAttributes DecodedNormAttributes(const ffi::Dictionary& attrs, ffi::Error* status) {
-  NormAttributes n{};
-  const auto eps = attrs.get<float>("eps");
-  const auto weight_offset = attrs.get<float>("weight_offset");
-  const auto scale_ub = attrs.get<float>("scale_ub");
-  const auto group_size = attrs.get<int64_t>("group_size");
-  const auto power_of_two = attrs.get<bool>("power_of_two_scales");
-  const auto fp4_layout = attrs.get<int64_t>("fp4_layout");
-  if (eps.has_error() || weight_offset.has_error() || scale_ub.has_error() ||
-      group_size.has_error() || power_of_two.has_error() || fp4_layout.has_error()) {
-    *status =
-        ffi::Error::InvalidArgument("jax_fp8norm: the all-reduce call lacks a norm attribute");
-    return n;
-  }
-  n = NormAttributes{*eps, *weight_offset, *scale_ub, *group_size, *power_of_two, *fp4_layout};
-  return n;
 }
 
 // Set-up stage of the one-kernel all-reduce: every device's workspace of the call site.
 // On a GPU, XLA's initialize stage (before any command buffer is recorded); in the
 // emulation the instantiate stage, as for PrepareCudaHandler.
-ffi::Error SetUpAllReduceImpl(ffi::Dictionary attrs) {
+ffi::Error SetUpAllReduceImpl(AllReduceAttributes attrs) {
   AllReduceCall call;
   ffi::Error status = DecodeAllReduceCall(attrs, &call);
   if (status.failure()) return status;
@@ -258,23 +251,22 @@ ffi::Error SetUpAllReduceImpl(ffi::Dictionary attrs) {
   if (status.failure()) return status;
   std::string what;
   const cudaError_t err =
-      SetUpPeerGroups(call.call_site, call.devices, call.group_size, call.layout, &what);
+      SetUpPeerGroups(call.call_site, call.devices, call.devices_per_group, call.layout, &what);
   if (err != cudaSuccess) cudaGetLastError();
   return CudaStatus(err, what.c_str());
 }
 
-ffi::Error AllReduceNormImpl(PeerTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer residual,
+ffi::Error AllReduceNormImpl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer residual,
                              ffi::AnyBuffer gamma, std::optional<ffi::AnyBuffer> scale_operand,
                              ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
-                             ffi::Result<ffi::AnyBuffer> residual_out, ffi::Dictionary attrs) {
+                             ffi::Result<ffi::AnyBuffer> residual_out,
+                             AllReduceAttributes attrs) {
   AllReduceCall call;
   ffi::Error status = DecodeAllReduceCall(attrs, &call);
   if (status.failure()) return status;
-  const NormAttributes norm_attributes = DecodedNormAttributes(attrs, &status);
-  if (status.failure()) return status;
   RmsNormFp8Args norm;
   status = DecodeRmsNormFp8(x, &residual, gamma, scale_operand, y, scales, &residual_out,
-                            norm_attributes, &norm);
+                            attrs.norm, &norm);
   if (status.failure()) return status;
   if (norm.rows != call.rows || norm.hidden != call.hidden) {
     return ffi::Error::InvalidArgument(
@@ -314,22 +306,22 @@ ffi::Error AllReduceNormImpl(PeerTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer re
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8CudaHandler, RmsNormFp8Impl, RmsNormFp8Binding<GpuTarget>(),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8CudaHandler, RmsNormFp8Impl, RmsNormFp8Binding<CallGpu>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8CudaHandler, AddRmsNormFp8Impl,
-                              AddRmsNormFp8Binding<GpuTarget>(),
+                              AddRmsNormFp8Binding<CallGpu>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     RoundCudaHandler, RoundImpl,
-    ffi::Ffi::Bind().Ctx<GpuTarget>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int64_t>(
+    ffi::Ffi::Bind().Ctx<CallGpu>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int64_t>(
         "fp4_layout"),
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceNormCudaHandler, AllReduceNormImpl,
                               ffi::Ffi::Bind()
-                                  .Ctx<PeerTarget>()
+                                  .Ctx<PeerGpu>()
                                   .Arg<ffi::AnyBuffer>()          // x: this device's partial
                                   .Arg<ffi::AnyBuffer>()          // residual
                                   .Arg<ffi::AnyBuffer>()          // gamma
@@ -337,19 +329,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceNormCudaHandler, AllReduceNormImpl,
                                   .Ret<ffi::AnyBuffer>()          // y
                                   .Ret<ffi::AnyBuffer>()          // scales
                                   .Ret<ffi::AnyBuffer>()          // residual_out
-                                  .Attrs(),
+                                  .Attrs<AllReduceAttributes>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 #if defined(FP8NORM_SIMT)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PrepareCudaHandler, PrepareImpl,
-                              ffi::Ffi::BindInstantiate().Ctx<GpuTarget>());
+                              ffi::Ffi::BindInstantiate().Ctx<CallGpu>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SetUpAllReduceCudaHandler, SetUpAllReduceImpl,
-                              ffi::Ffi::BindInstantiate().Attrs());
+                              ffi::Ffi::BindInstantiate().Attrs<AllReduceAttributes>());
 #else
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PrepareCudaHandler, PrepareImpl,
-                              ffi::Ffi::BindInitialize().Ctx<GpuTarget>());
+                              ffi::Ffi::BindInitialize().Ctx<CallGpu>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SetUpAllReduceCudaHandler, SetUpAllReduceImpl,
-                              ffi::Ffi::BindInitialize().Attrs());
+                              ffi::Ffi::BindInitialize().Attrs<AllReduceAttributes>());
 #endif
 
 }  // namespace fp8norm

@@ -1,10 +1,10 @@
-// Python module of a CUDA build: the FFI targets to register for platform "CUDA", and the
-// choice of kernel variant.
+// Python module of a CUDA build: the FFI targets to register for platform "CUDA", the
+// constants the Python package reads, and the choice of kernel variant.
 #include <nanobind/nanobind.h>
 
 #include "ffi_registrations.h"
 #include "handlers.h"
-#include "kernel_variant_bindings.h"
+#include "cuda_module_bindings.h"
 
 NB_MODULE(_fp8norm_cuda, m) {
   m.attr("version") = FP8NORM_VERSION;
@@ -15,5 +15,5 @@ NB_MODULE(_fp8norm_cuda, m) {
         {fp8norm::kPrepareStage, fp8norm::PrepareCudaHandler},
         {fp8norm::AllReduceNormCudaHandler, fp8norm::SetUpAllReduceCudaHandler});
   });
-  fp8norm::AddKernelVariantControls(m);
+  fp8norm::AddCudaModuleBindings(m);
 }

@@ -7,11 +7,13 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "named_codes.h"
 #include "rms_norm_fp8.h"
 
 namespace fp8norm {
 
-// The most devices one group may have: the tensor-parallel sizes of one host.
+// The most devices one group may have: the tensor-parallel sizes of one host. The CUDA
+// modules export it (cuda_module_bindings.h), for the Python package's refusals.
 constexpr int kMaxPeers = 8;
 // The most blocks of one launch. A block waits for the blocks of the same index on its
 // peers, so every block of every device must be resident at once: the set-up caps the
@@ -22,6 +24,13 @@ constexpr int kMaxAllReduceBlocks = 64;
 constexpr int kAllReduceThreads = 256;
 
 enum class AllReduceMethod : int32_t { kOneShot = 1, kTwoShot = 2 };
+// The methods' names, as the all-reduce's `method=` keyword spells them: the CUDA modules
+// export the table (cuda_module_bindings.h), and the Python lowering writes the codes
+// from it into the call's `method` attribute.
+constexpr NamedCode<AllReduceMethod> kAllReduceMethodNames[] = {
+    {AllReduceMethod::kOneShot, "one_shot"},
+    {AllReduceMethod::kTwoShot, "two_shot"},
+};
 
 // Byte offsets in one device's workspace, the same on every device of the group.
 struct PeerWorkspaceLayout {

@@ -111,8 +111,9 @@ cudaError_t SetUpGroup(PeerGroup* g, std::string* error) {
 
 }  // namespace
 
-cudaError_t SetUpPeerGroups(int64_t call_site, const std::vector<int64_t>& devices, int group_size,
-                            const PeerWorkspaceLayout& layout, std::string* error) {
+cudaError_t SetUpPeerGroups(int64_t call_site, const std::vector<int64_t>& devices,
+                            int devices_per_group, const PeerWorkspaceLayout& layout,
+                            std::string* error) {
   Registry& registry = TheRegistry();
   std::lock_guard<std::mutex> one_set_up(registry.set_up);
   SiteKey key{call_site, layout.total, devices};
@@ -122,11 +123,11 @@ cudaError_t SetUpPeerGroups(int64_t call_site, const std::vector<int64_t>& devic
   }
   DeviceRestorer restore;
   std::vector<std::unique_ptr<PeerGroup>> groups;
-  for (size_t first = 0; first + group_size <= devices.size(); first += group_size) {
+  for (size_t first = 0; first + devices_per_group <= devices.size(); first += devices_per_group) {
     auto g = std::make_unique<PeerGroup>();
-    g->devices.assign(devices.begin() + first, devices.begin() + first + group_size);
+    g->devices.assign(devices.begin() + first, devices.begin() + first + devices_per_group);
     g->layout = layout;
-    g->key = static_cast<uint64_t>(call_site) * 4096 + first / group_size;
+    g->key = static_cast<uint64_t>(call_site) * 4096 + first / devices_per_group;
     const cudaError_t err = SetUpGroup(g.get(), error);
     groups.push_back(std::move(g));
     if (err != cudaSuccess) {

@@ -1,6 +1,6 @@
-// The kernel families that hold a row in registers: warp_rows (a group of 1 to 8 warps per
-// row, several rows per block) and block_registers (a whole block per row). Vector i of
-// the row lives in thread i % group, so every global element is read and written once and
+// The kernel families that hold a row in registers: warp_rows (1 to 8 warps per row,
+// several rows per block) and block_registers (a whole block per row). Vector i of the row
+// lives in thread i % threads_per_row, so every global element is read and written once and
 // all of a thread's loads, gamma's included, are in flight before the first arithmetic; a
 // reduction spanning several warps costs one barrier. The same three sweeps as
 // block_shared.cu, over registers instead of shared memory. Aligned rows that fit only
@@ -16,8 +16,8 @@
 namespace fp8norm {
 namespace {
 
-// One slot per warp of the block (at most 32) for each of the two reductions. A group
-// writes its sum slots before the barrier of its sum reduction and its max slots before
+// One slot per warp of the block (at most 32) for each of the two reductions. A row's warps
+// write their sum slots before the barrier of its sum reduction and their max slots before
 // the barrier of its max reduction; every warp reads a slot before it arrives at the
 // other reduction's barrier, which the next write of that slot follows. So one barrier per
 // reduction suffices, also from one row to the next.
@@ -26,19 +26,19 @@ struct RegisterScratch {
   uint32_t max_partial[kWarp];
 };
 
-// Reduces v over the `group_warps` consecutive warps of the calling thread's group; every
-// thread of the group gets the result. Every thread of the block calls it together.
+// Reduces v over the `warps_per_row` consecutive warps that hold the calling thread's row;
+// every thread of the row gets the result. Every thread of the block calls it together.
 template <typename T, typename WarpOp>
-__device__ __forceinline__ T GroupReduce(T v, T identity, WarpOp warp_op, T* partial /*[32]*/,
-                                         int group_warps) {
+__device__ __forceinline__ T RowReduce(T v, T identity, WarpOp warp_op, T* partial /*[32]*/,
+                                       int warps_per_row) {
   v = warp_op(v);
-  if (group_warps == 1) return v;
+  if (warps_per_row == 1) return v;
   const int lane = threadIdx.x % kWarp;
   const int warp = threadIdx.x / kWarp;
   if (lane == 0) partial[warp] = v;
   __syncthreads();
-  const int first = warp - warp % group_warps;
-  return warp_op(lane < group_warps ? partial[first + lane] : identity);
+  const int first = warp - warp % warps_per_row;
+  return warp_op(lane < warps_per_row ? partial[first + lane] : identity);
 }
 
 // The register variants' scales per group (GroupFitsRegisters): a group of V whole vectors
@@ -77,20 +77,20 @@ __device__ __forceinline__ void RegisterGroups(const RmsNormFp8Args& a, int64_t 
   }
 }
 
-// Row `row` held by a group of `group_threads` threads (whole warps), the caller thread
-// being `lane` of it: vector i of the row in registers of thread i % group_threads. Every
-// thread of the block calls it equally often (the reductions may meet at a barrier); a
-// group past the last row only takes part in those.
+// Row `row` held by `threads_per_row` threads (whole warps), the caller thread being `lane`
+// of them: vector i of the row in registers of thread i % threads_per_row. Every thread of
+// the block calls it equally often (the reductions may meet at a barrier); the threads of
+// a row past the last one only take part in those.
 template <typename TIn, int kVecs>
 __device__ __forceinline__ void RegisterRow(const RmsNormFp8Args& a, int64_t row, int lane,
-                                            int group_threads, RegisterScratch& scratch) {
+                                            int threads_per_row, RegisterScratch& scratch) {
   constexpr int kVec = kVecOf<TIn>;
-  const int group_warps = group_threads / kWarp;
+  const int warps_per_row = threads_per_row / kWarp;
   const bool valid = row < a.rows;
   const int64_t num_vecs = a.hidden / kVec;
   const auto [x, residual, residual_out, y] = RowOf<TIn>(a, valid ? row : 0);
-  const auto held = [&](int k) { return valid && lane + int64_t{k} * group_threads < num_vecs; };
-  const auto index = [&](int k) { return lane + int64_t{k} * group_threads; };
+  const auto held = [&](int k) { return valid && lane + int64_t{k} * threads_per_row < num_vecs; };
+  const auto index = [&](int k) { return lane + int64_t{k} * threads_per_row; };
 
   // Sweep 1: every load of the thread issued before the first use of any.
   float h[kVecs][kVec] = {};
@@ -111,9 +111,9 @@ __device__ __forceinline__ void RegisterRow(const RmsNormFp8Args& a, int64_t row
       for (int e = 0; e < kVec; ++e) AddSquare<true>(acc.hi, acc.lo, h[k][e]);
     }
   }
-  acc = GroupReduce(
+  acc = RowReduce(
       acc, SumOfSquares{0.0f, 0.0f}, [](SumOfSquares v) { return WarpSum(v); }, scratch.sum_partial,
-      group_warps);
+      warps_per_row);
   const float sum_sq = Total(acc);
   const float r = InverseRms(sum_sq, a.hidden, a.constants.eps);
 
@@ -132,9 +132,9 @@ __device__ __forceinline__ void RegisterRow(const RmsNormFp8Args& a, int64_t row
   // keeps the next row's sum slots from being written before every warp has read these.
   const bool row_max = PerRowScale(a) && a.static_scale == nullptr;
   if (row_max) {
-    amax = GroupReduce(
-        amax, 0u, [](uint32_t v) { return WarpMax(v); }, scratch.max_partial, group_warps);
-  } else if (group_warps > 1) {
+    amax = RowReduce(
+        amax, 0u, [](uint32_t v) { return WarpMax(v); }, scratch.max_partial, warps_per_row);
+  } else if (warps_per_row > 1) {
     __syncthreads();
   }
   if (!PerRowScale(a)) {
@@ -160,13 +160,13 @@ __global__ void __launch_bounds__(kWarpRowsBlockThreads, 2)
     WarpRowsKernel(const RmsNormFp8Args a, const int threads_per_row) {
   RegisterScratch& scratch = StaticShared<RegisterScratch>();
   const int rows_per_block = static_cast<int>(blockDim.x) / threads_per_row;
-  const int group = static_cast<int>(threadIdx.x) / threads_per_row;
+  const int block_row = static_cast<int>(threadIdx.x) / threads_per_row;
   const int lane = static_cast<int>(threadIdx.x) % threads_per_row;
-  // The same trip count for every group of the block: a group past the end still meets
-  // the others at the reductions' barriers.
+  // The same trip count for every row of the block: the threads of a row past the end
+  // still meet the others at the reductions' barriers.
   for (int64_t first = int64_t{blockIdx.x} * rows_per_block; first < a.rows;
        first += int64_t{gridDim.x} * rows_per_block) {
-    RegisterRow<TIn, kVecs>(a, first + group, lane, threads_per_row, scratch);
+    RegisterRow<TIn, kVecs>(a, first + block_row, lane, threads_per_row, scratch);
   }
 }
 

@@ -9,9 +9,9 @@
 
 #include "cuda_host_bindings.h"
 #include "cuda_kernels.h"
+#include "cuda_module_bindings.h"
 #include "ffi_registrations.h"
 #include "handlers.h"
-#include "kernel_variant_bindings.h"
 #include "simt.h"
 #include "simt_handlers.h"
 
@@ -24,7 +24,7 @@ NB_MODULE(_fp8norm_simt, m) {
         {fp8norm::kPrepareStage, fp8norm::SimtPrepareHandler},
         {fp8norm::SimtAllReduceNormHandler, fp8norm::SimtSetUpAllReduceHandler});
   });
-  fp8norm::AddKernelVariantControls(m);
+  fp8norm::AddCudaModuleBindings(m);
   fp8norm::AddCudaHostLogic(m);
   m.def("set_capture", &fp8norm::SetCaptureCalls, nanobind::arg("on"));
   m.def("stale_errors", &fp8norm::StaleErrors);

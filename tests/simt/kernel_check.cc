@@ -329,7 +329,7 @@ bool RunCase(const Case& c, KernelVariant variant, Coverage& coverage, int* runs
     coverage.Add(v + ", " + std::to_string(plan.vectors_per_thread) + " vectors per thread");
     coverage.Add(v +
                  (plan.threads_per_row > kWarp ? ", several warps per row" : ", one warp per row"));
-    if (c.rows % plan.rows_per_block != 0) coverage.Add(v + ", a group past the last row");
+    if (c.rows % plan.rows_per_block != 0) coverage.Add(v + ", a block row past the last row");
   }
   if (launch.blocks * static_cast<int64_t>(plan.rows_per_block) < c.rows) {
     coverage.Add(v + ", grid-stride over rows");
@@ -567,7 +567,7 @@ int Main(bool quick, bool allreduce, bool rest) {
                             "warp_rows, 4 vectors per thread",
                             "warp_rows, one warp per row",
                             "warp_rows, several warps per row",
-                            "warp_rows, a group past the last row",
+                            "warp_rows, a block row past the last row",
                             "warp_rows, grid-stride over rows",
                             "block_registers, 2 vectors per thread",
                             "block_registers, 4 vectors per thread",

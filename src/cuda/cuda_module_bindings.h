@@ -1,5 +1,8 @@
-// The Python controls of the CUDA kernel variant (cuda_launch_plan.h), for the modules that
-// carry the CUDA kernels: the CUDA build's and the SIMT emulation's, each over its own copy.
+// The Python bindings of the modules that carry the CUDA kernels, the CUDA build's and the
+// SIMT emulation's, each over its own copy: the constants every module exports
+// (constant_bindings.h), the all-reduce's (peer_allreduce.h) and the controls of the
+// CUDA kernel variant (cuda_launch_plan.h). For the module .cc files only: nanobind,
+// never seen by nvcc.
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -7,7 +10,9 @@
 
 #include <string>
 
+#include "constant_bindings.h"
 #include "cuda_kernels.h"
+#include "peer_allreduce.h"
 
 namespace fp8norm {
 
@@ -32,6 +37,20 @@ inline void AddKernelVariantControls(nanobind::module_& m) {
         throw nanobind::value_error(("unknown CUDA kernel variant " + name).c_str());
       },
       nanobind::arg("name"));
+}
+
+// The one-kernel all-reduce's constants: {method name: code} and the most devices of a
+// group.
+inline void AddAllReduceConstants(nanobind::module_& m) {
+  m.def("allreduce_methods", []() { return CodesByName(kAllReduceMethodNames); });
+  m.def("max_peers", []() { return kMaxPeers; });
+}
+
+// Everything the two CUDA modules share.
+inline void AddCudaModuleBindings(nanobind::module_& m) {
+  AddFp4Layouts(m);
+  AddAllReduceConstants(m);
+  AddKernelVariantControls(m);
 }
 
 }  // namespace fp8norm
