@@ -51,7 +51,8 @@ int main(int argc, char** argv) {
   const size_t n = static_cast<size_t>(rows * hidden);
   const size_t bytes = fp8norm::FloatTypeBytes(type);
   std::vector<uint8_t> x(n * bytes), residual(n * bytes), residual_out(n * bytes), y(n);
-  const int64_t groups = group > 0 ? hidden / group : 1;
+  const int64_t group_size = group > 0 ? group : hidden;  // the kernels' one scale per row
+  const int64_t groups = fp8norm::GroupsPerRow(hidden, group_size);
   std::vector<float> gamma(hidden), scales(rows * groups);
   std::mt19937 rng(1);
   std::normal_distribution<float> normal;
@@ -77,7 +78,7 @@ int main(int argc, char** argv) {
   a.residual_out = add ? residual_out.data() : nullptr;
   a.rows = rows;
   a.hidden = hidden;
-  a.group_size = group;
+  a.group_size = group_size;
   a.input_type = a.residual_type = type;
   a.gamma_type = a.scale_type = FloatType::kF32;
   a.out_format = fp8norm::OutFormat::kE4M3FN;

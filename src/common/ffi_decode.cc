@@ -96,14 +96,16 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
   }
   if (!(y->dimensions() == dims)) return Invalid("y must have the shape of x");
 
-  const int64_t group_size = attributes.group_size;
-  if (group_size < 0 || (group_size > 0 && hidden % group_size != 0)) {
+  if (attributes.group_size < 0 ||
+      (attributes.group_size > 0 && hidden % attributes.group_size != 0)) {
     return Invalid("group_size must be 0 (one scale per row) or a positive divisor of hidden");
   }
-  if (fp4 && (group_size <= 0 || group_size % 2 != 0)) {
+  if (fp4 && (attributes.group_size <= 0 || attributes.group_size % 2 != 0)) {
     return Invalid("float4_e2m1fn y needs an even group_size");
   }
-  const int64_t groups = group_size > 0 ? hidden / group_size : 1;
+  // The attribute's 0 (one scale per row) is the kernels' hidden (RmsNormFp8Args).
+  const int64_t group_size = attributes.group_size > 0 ? attributes.group_size : hidden;
+  const int64_t groups = GroupsPerRow(hidden, group_size);
   const bool power_of_two = attributes.power_of_two_scales;
   std::optional<FloatType> scale_type = FloatTypeOf(scales->element_type());
   if (scales->element_type() == ffi::DataType::F8E8M0FNU) scale_type = FloatType::kE8M0;
@@ -141,7 +143,7 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
                            : "static_scale must be one float32");
     }
     if (fp4 && !nvfp4) return Invalid("MXFP4 takes neither static_scale nor global_scale");
-    if (!fp4 && (group_size > 0 || power_of_two)) {
+    if (!fp4 && (attributes.group_size > 0 || power_of_two)) {
       return Invalid("static_scale excludes group_size and power-of-two scales");
     }
     scale_operand_data = static_cast<const float*>(scale_operand->untyped_data());
@@ -163,7 +165,7 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
       residual_out != nullptr ? (*residual_out)->untyped_data() : nullptr,
       rows,
       hidden,
-      group_size > 0 ? group_size : hidden,
+      group_size,
       *input_type,
       residual_type,
       *gamma_type,

@@ -17,18 +17,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(RmsNormFp8CudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AddRmsNormFp8CudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RoundCudaHandler);
 // The one-kernel all-reduce (no CPU kernel: the CPU backend's all-reduce is XLA's) and its
-// set-up, which runs in the same stage as kPrepareStage.
+// set-up, which runs in the stage before execution, as PrepareCudaHandler.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AllReduceNormCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SetUpAllReduceCudaHandler);
-// The stage before execution of every CUDA target (kPrepareStage): the device's one-time
-// preparation. XLA's GPU backend runs the initialize stage with the call's device and
-// stream, before it records any command buffer; its CPU backend, where the emulated
-// kernels run, has no initialize stage, and its instantiate stage stands in.
-#if defined(FP8NORM_SIMT)
-inline constexpr char kPrepareStage[] = "instantiate";
-#else
-inline constexpr char kPrepareStage[] = "initialize";
-#endif
+// The stage before execution of every CUDA target (src/cuda/gpu_platform.h's
+// kPrepareStage): the device's one-time preparation.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PrepareCudaHandler);
 
 }  // namespace fp8norm

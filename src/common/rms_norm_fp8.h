@@ -27,8 +27,8 @@ struct RmsNormFp8Args {
   void* residual_out;  // [rows, hidden], residual_type; null when residual is null
   int64_t rows;
   int64_t hidden;
-  // Elements that share one scale: a divisor of hidden, hidden itself for one scale per
-  // row (so, per row, also with a static scale); 0 reads as hidden.
+  // Elements that share one scale: a divisor of hidden; hidden itself for one scale per
+  // row (so, per row, also with a static scale), the only encoding of it here.
   int64_t group_size;
   FloatType input_type;
   // The input's dtype, or a 16-bit type when x is float32: the sum of a float32
@@ -46,7 +46,7 @@ FP8NORM_HD bool IsFp4(const RmsNormFp8Args& a) { return a.out_format == OutForma
 // One scale for the whole row (per row, or static). FP4 always takes the group paths, a
 // group of the whole row included.
 FP8NORM_HD bool PerRowScale(const RmsNormFp8Args& a) {
-  return (a.group_size <= 0 || a.group_size == a.hidden) && !IsFp4(a);
+  return a.group_size == a.hidden && !IsFp4(a);
 }
 
 // The byte of y where element `element` of the call (row-major) starts: packed FP4 holds
@@ -63,9 +63,12 @@ FP8NORM_HD Fp4Scale Fp4ScaleOf(const RmsNormFp8Args& a, float sum_sq, uint32_t a
                                           : Mxfp4Scale(sum_sq, amax, a.constants.scale_ub);
 }
 
-// Scales per row: hidden / group_size, or 1.
+// Scales per row: hidden / group_size, one when the group is the row (an empty one too).
+FP8NORM_HD int64_t GroupsPerRow(int64_t hidden, int64_t group_size) {
+  return group_size == hidden ? 1 : hidden / group_size;
+}
 FP8NORM_HD int64_t GroupsPerRow(const RmsNormFp8Args& a) {
-  return PerRowScale(a) ? 1 : a.hidden / a.group_size;
+  return GroupsPerRow(a.hidden, a.group_size);
 }
 
 // Element-wise rounding of float32 values, the same functions the kernels use; exposed so

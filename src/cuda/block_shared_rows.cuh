@@ -38,7 +38,7 @@ __device__ __forceinline__ void SharedGroups(const RmsNormFp8Args& a, int64_t ro
                                              float sum_sq, float r) {
   const int64_t num_vecs = a.hidden / kVec;
   const int64_t group = a.group_size;
-  const int64_t groups = a.hidden / group;
+  const int64_t groups = GroupsPerRow(a);
   const auto [x, residual, residual_out, y] = RowOf<TIn>(a, row);
   const auto normed_at = [&](int64_t j) {
     float h[1];

@@ -10,8 +10,9 @@
 // reads that device's shared-memory limit, so neither depends on which device the
 // calling thread happened to have current.
 //
-// The SIMT emulation compiles this file too (src/simt/simt_handlers.cc), against its own
-// runtime, so that the same handlers run the emulated kernels on XLA's CPU backend.
+// The SIMT emulation's module compiles this file too, against its own runtime, so that the
+// same handlers run the emulated kernels on XLA's CPU backend; what differs between the
+// two is in gpu_platform.h.
 #include <cuda_runtime_api.h>
 
 #include <optional>
@@ -21,64 +22,11 @@
 #include "cuda_driver_check.h"
 #include "cuda_kernels.h"
 #include "ffi_decode.h"
+#include "gpu_platform.h"
 #include "handlers.h"
 #include "peer_allreduce.h"
 #include "peer_workspaces.h"
 #include "xla/ffi/api/ffi.h"
-
-namespace fp8norm {
-
-// Where a call's kernels go: XLA's stream for the call and the GPU it belongs to.
-struct GpuTarget {
-  cudaStream_t stream;
-  int32_t device;
-};
-
-// How a handler's context gives its GpuTarget (tags for Ctx<>, as XLA's DeviceOrdinal).
-// On a GPU both are XLA's stream and DeviceOrdinal. They differ in the emulation, where
-// XLA's CPU backend has no stream and the emulated device runs each launch to completion
-// on the calling thread: the norms and their preparation run on emulated device 0; the
-// one-kernel all-reduce on the device of XLA's DeviceOrdinal, each of XLA's virtual CPU
-// devices standing for one GPU of the group (its position in the group).
-struct CallGpu {};
-struct PeerGpu {};
-
-template <bool kDeviceOrdinalInEmulation>
-std::optional<GpuTarget> DecodeGpuTarget(const XLA_FFI_Api* api, XLA_FFI_ExecutionContext* ctx,
-                                         ffi::DiagnosticEngine& diagnostic) {
-#if defined(FP8NORM_SIMT)
-  if (!kDeviceOrdinalInEmulation) return GpuTarget{nullptr, 0};
-  const auto device = ffi::CtxDecoding<ffi::DeviceOrdinal>::Decode(api, ctx, diagnostic);
-  if (!device.has_value()) return std::nullopt;
-  return GpuTarget{nullptr, *device};
-#else
-  const auto stream =
-      ffi::CtxDecoding<ffi::PlatformStream<cudaStream_t> >::Decode(api, ctx, diagnostic);
-  const auto device = ffi::CtxDecoding<ffi::DeviceOrdinal>::Decode(api, ctx, diagnostic);
-  if (!stream.has_value() || !device.has_value()) return std::nullopt;
-  return GpuTarget{*stream, *device};
-#endif
-}
-
-}  // namespace fp8norm
-
-template <>
-struct xla::ffi::CtxDecoding<fp8norm::CallGpu> {
-  using Type = fp8norm::GpuTarget;
-  static std::optional<Type> Decode(const XLA_FFI_Api* api, XLA_FFI_ExecutionContext* ctx,
-                                    DiagnosticEngine& diagnostic) {
-    return fp8norm::DecodeGpuTarget<false>(api, ctx, diagnostic);
-  }
-};
-
-template <>
-struct xla::ffi::CtxDecoding<fp8norm::PeerGpu> {
-  using Type = fp8norm::GpuTarget;
-  static std::optional<Type> Decode(const XLA_FFI_Api* api, XLA_FFI_ExecutionContext* ctx,
-                                    DiagnosticEngine& diagnostic) {
-    return fp8norm::DecodeGpuTarget<true>(api, ctx, diagnostic);
-  }
-};
 
 namespace fp8norm {
 
@@ -240,9 +188,8 @@ ffi::Error DecodeAllReduceCall(const AllReduceAttributes& attrs, AllReduceCall* 
   return ffi::Error::Success();
 }
 
-// Set-up stage of the one-kernel all-reduce: every device's workspace of the call site.
-// On a GPU, XLA's initialize stage (before any command buffer is recorded); in the
-// emulation the instantiate stage, as for PrepareCudaHandler.
+// Set-up stage of the one-kernel all-reduce: every device's workspace of the call site, in
+// the stage before execution, as PrepareCudaHandler (gpu_platform.h).
 ffi::Error SetUpAllReduceImpl(AllReduceAttributes attrs) {
   AllReduceCall call;
   ffi::Error status = DecodeAllReduceCall(attrs, &call);
@@ -332,16 +279,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceNormCudaHandler, AllReduceNormImpl,
                                   .Attrs<AllReduceAttributes>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
-#if defined(FP8NORM_SIMT)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PrepareCudaHandler, PrepareImpl,
-                              ffi::Ffi::BindInstantiate().Ctx<CallGpu>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PrepareCudaHandler, PrepareImpl, BindPrepareStage().Ctx<CallGpu>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SetUpAllReduceCudaHandler, SetUpAllReduceImpl,
-                              ffi::Ffi::BindInstantiate().Attrs<AllReduceAttributes>());
-#else
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PrepareCudaHandler, PrepareImpl,
-                              ffi::Ffi::BindInitialize().Ctx<CallGpu>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SetUpAllReduceCudaHandler, SetUpAllReduceImpl,
-                              ffi::Ffi::BindInitialize().Attrs<AllReduceAttributes>());
-#endif
+                              BindPrepareStage().Attrs<AllReduceAttributes>());
 
 }  // namespace fp8norm

@@ -2,9 +2,10 @@
 // constants the Python package reads, and the choice of kernel variant.
 #include <nanobind/nanobind.h>
 
-#include "ffi_registrations.h"
-#include "handlers.h"
 #include "cuda_module_bindings.h"
+#include "ffi_registrations.h"
+#include "gpu_platform.h"
+#include "handlers.h"
 
 NB_MODULE(_fp8norm_cuda, m) {
   m.attr("version") = FP8NORM_VERSION;

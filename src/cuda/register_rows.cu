@@ -50,7 +50,7 @@ __device__ __forceinline__ void RegisterGroups(const RmsNormFp8Args& a, int64_t 
                                                const float (&normed)[kVecs][kVec], Held held,
                                                Index index, float sum_sq, uint8_t* y) {
   const int lanes = static_cast<int>(a.group_size / kVec);
-  const int64_t groups = a.hidden / a.group_size;
+  const int64_t groups = GroupsPerRow(a);
   const float global_scale = GlobalScaleOf(a);
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {

@@ -67,6 +67,7 @@ inline void AddCudaHostLogic(nanobind::module_& m) {
         a.scales = at(0x60000);
         a.rows = rows;
         a.hidden = hidden;
+        a.group_size = hidden;  // one scale per row
         a.input_type = a.residual_type = input_type;
         a.gamma_type = gamma_type;
         return PlanRmsNormFp8Launch(a, limits, variant);

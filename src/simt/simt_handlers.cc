@@ -1,15 +1,17 @@
-// The emulated CUDA FFI handlers: the CUDA handlers (cuda_handlers.cc, compiled here by
-// the host compiler against the SIMT emulation's runtime, FP8NORM_SIMT defined: the same
-// decoding, driver check, device guard and launch calls), each run with the call's
-// buffers registered as the launch's global memory, on XLA's CPU backend.
+// The emulated CUDA FFI handlers: the CUDA handlers (cuda_handlers.cc, compiled into this
+// module by the host compiler against the SIMT emulation's runtime: the same decoding,
+// driver check, device guard and launch calls), each run with the call's buffers
+// registered as the launch's global memory, on XLA's CPU backend.
 #include "simt_handlers.h"
+
+#include <cuda_runtime_api.h>
 
 #include <atomic>
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
 
-#include "cuda_handlers.cc"
+#include "handlers.h"
 #include "simt.h"
 #include "xla/ffi/api/ffi.h"
 

@@ -11,6 +11,7 @@
 #include "cuda_kernels.h"
 #include "cuda_module_bindings.h"
 #include "ffi_registrations.h"
+#include "gpu_platform.h"
 #include "handlers.h"
 #include "simt.h"
 #include "simt_handlers.h"

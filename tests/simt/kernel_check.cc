@@ -26,6 +26,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -119,11 +120,20 @@ struct Rng {
 // A heap buffer of exactly `bytes` bytes, starting `misalign` bytes past an aligned
 // address: the allocation is misalign + bytes long, so its end is the buffer's end.
 struct ExactBuffer {
-  std::unique_ptr<unsigned char[]> storage;
+  // 256-byte aligned, as cudaMalloc's, so that `misalign` alone decides the alignment the
+  // launch plan sees (malloc's 16 bytes would leave a 32-byte vector of float32 gamma to
+  // wherever the heap happens to put it).
+  static constexpr std::align_val_t kAlignment{256};
+  struct Free {
+    void operator()(unsigned char* p) const { ::operator delete[](p, kAlignment); }
+  };
+  std::unique_ptr<unsigned char[], Free> storage;
   unsigned char* data;
   size_t bytes;
   ExactBuffer(size_t n, size_t misalign = 0)
-      : storage(new unsigned char[misalign + n]), data(storage.get() + misalign), bytes(n) {
+      : storage(static_cast<unsigned char*>(::operator new[](misalign + n, kAlignment))),
+        data(storage.get() + misalign),
+        bytes(n) {
     std::memset(storage.get(), 0xa5, misalign + n);
   }
 };
