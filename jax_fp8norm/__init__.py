@@ -13,6 +13,7 @@ The contract is docs/spec.md; :mod:`jax_fp8norm.reference` holds the pure-jnp tw
 """
 
 from jax_fp8norm import recipes, reference, simt, testing
+from jax_fp8norm._fallback import KernelFallbackWarning
 from jax_fp8norm._ffi import (
     built_with_cuda,
     cpu_kernel_variant,
@@ -36,6 +37,7 @@ __all__ = [
     "EXPORT_DISABLED_CHECKS",
     "FFI_TARGETS",
     "RECIPES",
+    "KernelFallbackWarning",
     "add_rms_norm_fp8",
     "add_rms_norm_fp8_dequantized",
     "allreduce_residual_rms_norm_fp8",

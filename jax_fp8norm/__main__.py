@@ -8,8 +8,11 @@ tensor-parallel Llama block example (jax_fp8norm/examples/llama_tp_block.py) ins
 (``--fp4 nvfp4|mxfp4``: its FP4 mode).
 
 Times are wall-clock per call of the jitted function (dispatch included, median of
-``--iters`` calls after a warm-up, a quarter as many, at least 3, for the jnp reference,
-which is 10 to 100 times slower); they are a sanity check, not a benchmark.
+``--iters`` calls after a warm-up): the kernel's, and that of the textbook jnp formula a
+user would write instead, under jax.jit (``xla formula``: the benchmark's
+``xla_formula``, the same layout, not the same bits). The exact reference twin is run
+for the check, not timed. They are a sanity check, not a benchmark
+(``python -m jax_fp8norm.bench``).
 """
 
 from __future__ import annotations
@@ -26,14 +29,10 @@ import numpy as np
 import jax_fp8norm as fp8norm
 from jax_fp8norm import _ffi, testing
 from jax_fp8norm._dtypes import DTYPE_BY_NAME, FP4
+from jax_fp8norm.bench.implementations import formula_add_rms_norm_fp8, formula_rms_norm_fp8
 from jax_fp8norm.bench.timing import blocking, interleaved_seconds
 
 DEFAULT_SHAPES = ((16, 4096), (512, 4096), (256, 8192), (64, 7168))
-
-
-def _median_seconds(fn, args, iters: int) -> float:
-    _, times = interleaved_seconds({"fn": blocking(fn, *args)}, iters)
-    return statistics.median(times["fn"])
 
 
 # The block-scaled recipes checked beside the per-row one: every recipe with groups
@@ -83,6 +82,7 @@ def _run_shape(rows: int, hidden: int, dtype, iters: int) -> bool:
             {},
         ),
     ]
+    formulas = {"rms_norm_fp8": formula_rms_norm_fp8, "add_rms_norm_fp8": formula_add_rms_norm_fp8}
     for recipe in BLOCK_RECIPES:
         keywords = {"recipe": recipe}
         if recipe == "nvfp4":
@@ -90,9 +90,15 @@ def _run_shape(rows: int, hidden: int, dtype, iters: int) -> bool:
         if hidden % fp8norm.recipes.recipe_keywords(recipe)["group_size"] == 0:
             rms = (fp8norm.rms_norm_fp8, fp8norm.reference.rms_norm_fp8, (x, gamma), keywords)
             cases.append((f"rms {recipe}", *rms))
+            layout = fp8norm.recipes.recipe_keywords(recipe)
+            layout.pop("static_scale")
+            formulas[f"rms {recipe}"] = functools.partial(
+                formula_rms_norm_fp8, **layout, global_scale=keywords.get("global_scale")
+            )
     for name, op, ref_op, args, keywords in cases:
         kernel = jax.jit(functools.partial(op, **keywords))
         reference = jax.jit(functools.partial(ref_op, **keywords))
+        formula = jax.jit(formulas[name])
         out, ref = kernel(*args), reference(*args)
         try:
             if jax.default_backend() == "gpu":
@@ -102,11 +108,13 @@ def _run_shape(rows: int, hidden: int, dtype, iters: int) -> bool:
             verdict = "ok"
         except AssertionError as error:
             verdict, ok = f"FAILED: {error}", False
-        t_kernel = _median_seconds(kernel, args, iters)
-        t_ref = _median_seconds(reference, args, max(3, iters // 4))
+        _, times = interleaved_seconds(
+            {"kernel": blocking(kernel, *args), "formula": blocking(formula, *args)}, iters
+        )
+        t_kernel, t_formula = (statistics.median(times[k]) for k in ("kernel", "formula"))
         print(
             f"{name:>17} {rows:6d} x {hidden:<6d} {_agreement(out, ref)}  "
-            f"kernel {t_kernel * 1e6:9.1f} us  jnp {t_ref * 1e6:9.1f} us  {verdict}"
+            f"kernel {t_kernel * 1e6:9.1f} us  xla formula {t_formula * 1e6:9.1f} us  {verdict}"
         )
     return ok
 

@@ -8,10 +8,8 @@ with ``python -m jax_fp8norm`` from a clone's root, then still finds the install
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import jax
 
@@ -90,10 +88,9 @@ try:
 except ImportError as _error:
     _fp8norm_cuda = None
     CUDA_UNAVAILABLE_REASON = (
-        "jax_fp8norm was built without CUDA support, so its ops cannot run on a GPU "
-        f"({_error}). Install the CUDA toolkit (nvcc; pip's jax[cuda12] / jax[cuda13] "
-        "wheels carry none), put nvcc on PATH and reinstall jax_fp8norm with "
-        "`FP8NORM_CUDA=ON python -m pip install .`, or run on the CPU backend."
+        f"this build of jax_fp8norm has no CUDA kernels ({_error}); for them, reinstall it "
+        "with `FP8NORM_CUDA=ON python -m pip install .` (without a CUDA toolkit the build "
+        "takes nvcc from PyPI)"
     )
 else:
     _register(_fp8norm_cuda, TARGETS, "CUDA", OPS + PEER_OPS)
@@ -274,37 +271,3 @@ def cpu_kernel_variant() -> str:
 def built_with_cuda() -> bool:
     """Whether this build of jax_fp8norm carries the CUDA kernels."""
     return _fp8norm_cuda is not None
-
-
-def cuda_gpu_visible() -> bool:
-    """Whether jax has, or will have, a CUDA GPU, without starting jax's backends: at import
-    that would come before a user's jax.distributed.initialize and cost seconds. Once the
-    backends are up it asks them; before, it looks for jax's CUDA plugin and the NVIDIA
-    driver's device node."""
-    platforms = jax.config.jax_platforms
-    if platforms and not {"cuda", "gpu"} & set(platforms.split(",")):
-        return False  # jax was told not to use a GPU
-    try:
-        from jax._src.xla_bridge import backends_are_initialized
-    except ImportError:  # a jax without it: the plugin and device node decide
-        backends_are_initialized = lambda: False  # noqa: E731
-    if backends_are_initialized():
-        try:
-            return bool(jax.devices("cuda"))
-        except RuntimeError:
-            return False
-    try:
-        plugin = any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
-    except ImportError:
-        plugin = False
-    return plugin and os.path.exists("/dev/nvidiactl")
-
-
-def warn_if_gpu_without_cuda_kernels(gpu_visible: Callable[[], bool] = cuda_gpu_visible) -> None:
-    """One warning at import when jax sees a CUDA GPU and this build has no CUDA kernels;
-    lowering for the GPU still raises CUDA_UNAVAILABLE_REASON."""
-    if not built_with_cuda() and gpu_visible():
-        warnings.warn(CUDA_UNAVAILABLE_REASON, RuntimeWarning, stacklevel=2)
-
-
-warn_if_gpu_without_cuda_kernels()

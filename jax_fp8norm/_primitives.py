@@ -1,7 +1,9 @@
 """JAX primitives of the ops, with every rule of each in this file: abstract evaluation (the
 shape rule), lowering to the XLA FFI custom calls per platform, partitioning under jit
 (custom_partitioning with a Shardy sharding rule), batching (vmap) and differentiation
-(the FP8 / FP4 outputs refuse a JVP; jax_fp8norm.autodiff holds the differentiable twins)."""
+(the FP8 / FP4 outputs refuse a JVP; jax_fp8norm.autodiff holds the differentiable twins).
+Where this build has no kernel for a platform, the kernels' primitives lower to their
+reference twins (jax_fp8norm._fallback)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_fp8norm import _allreduce, _ffi
+from jax_fp8norm import _allreduce, _fallback, _ffi, reference
+from jax_fp8norm._params import NormCall, NormParams
 from jax_fp8norm.recipes import scales_per_row
 
 # The FFI target names of the native kernels, the same on every platform.
@@ -109,8 +112,42 @@ def _lower_empty_rows(ctx, args, params: dict):
     return mlir.lower_fun(outputs, multiple_results=True)(ctx, *args)
 
 
-def _unavailable_cuda_lowering(ctx, *args, **params):
-    raise RuntimeError(_ffi.CUDA_UNAVAILABLE_REASON)
+def _lowering_platforms(ctx) -> tuple[str, ...]:
+    """The platforms a lowering rule lowers for: one, or those sharing this rule when
+    jax.export lowers for several."""
+    return tuple(getattr(ctx, "platforms", None) or ctx.module_context.platforms)
+
+
+def _twin(*operands, **params):
+    """The reference twin of a norm kernel's call, from the kernel primitive's operands."""
+    p = NormParams(**params)
+    scale_operand = operands[-1] if _has_scale_operand(params) else None
+    num_rows = _num_row_operands(len(operands), scale_operand is not None)
+    gamma = operands[num_rows]
+    if num_rows == 1:
+        return reference.quantize_rows(operands[0].astype(jnp.float32), gamma, p, scale_operand)
+    return reference.add_quantize(operands[0], operands[1], gamma, NormCall(p, scale_operand))
+
+
+def _twin_lowering(op: str):
+    """Where this build has no kernel for the platform: the op's reference twin."""
+    lower = mlir.lower_fun(_twin, multiple_results=True)
+
+    def lowering(ctx, *args, **params):
+        _fallback.lower_to_twin(op, _lowering_platforms(ctx))
+        return lower(ctx, *args, **params)
+
+    return lowering
+
+
+def _cuda_lowering(kernel_rule, fallback_rule):
+    """The CUDA kernels where this build has them, else the twin; decided when lowering."""
+
+    def lowering(ctx, *args, **params):
+        rule = kernel_rule if _ffi.built_with_cuda() else fallback_rule
+        return rule(ctx, *args, **params)
+
+    return lowering
 
 
 def _unreduced_axes(aval) -> frozenset:
@@ -210,14 +247,15 @@ def _cpu_lowering(op: str, make_rule):
     return lowering
 
 
-def _register_lowerings(prim: Primitive, op: str, make_rule) -> None:
+def _register_lowerings(prim: Primitive, op: str, make_rule, twin) -> None:
     """A native target's name is the same on every platform, only the handler behind it
-    differs; on the CPU the FFI layer's switch may pick the emulated target instead."""
+    differs; on the CPU the FFI layer's switch may pick the emulated target instead. Every
+    other platform (and CUDA in a build without its kernels) gets ``twin``."""
     mlir.register_lowering(prim, _cpu_lowering(op, make_rule), platform="cpu")
-    if _ffi.built_with_cuda():
-        mlir.register_lowering(prim, make_rule(_ffi.TARGETS[op], "cuda"), platform="cuda")
-    else:
-        mlir.register_lowering(prim, _unavailable_cuda_lowering, platform="cuda")
+    mlir.register_lowering(
+        prim, _cuda_lowering(make_rule(_ffi.TARGETS[op], "cuda"), twin), platform="cuda"
+    )
+    mlir.register_lowering(prim, twin)
 
 
 def _to_front(value, dim, size):
@@ -358,7 +396,7 @@ def _make_norm_primitive(op: str) -> Primitive:
     kernel = Primitive(f"{name}_kernel")
     kernel.multiple_results = True
     kernel.def_abstract_eval(_norm_abstract_eval)
-    _register_lowerings(kernel, op, _ffi_lowering)
+    _register_lowerings(kernel, op, _ffi_lowering, _twin_lowering(op))
 
     prim = Primitive(name)
     prim.multiple_results = True
@@ -414,13 +452,17 @@ def _axis_groups(ctx, axes: tuple) -> np.ndarray | None:
     return np.moveaxis(ids, axis, -1).reshape(-1, ids.shape[axis])
 
 
-def _allreduce_lowering(platform: str):
+def _allreduce_lowering(platform: str | None):
+    """``platform``: the backend the rule is registered for; None for the rule of every
+    platform without a kernel of ours, where the method is "xla" and the norm the twin."""
+
     def lowering(ctx, *args, axes, method, reduce_dtype, **params):
+        platform_here = platform or _lowering_platforms(ctx)[0]
         x = ctx.avals_in[0]
         groups = _axis_groups(ctx, axes)
         chosen = _allreduce.select(
             method,
-            platform=platform,
+            platform=platform_here,
             emulating=_ffi.emulating(),
             cuda_built=_ffi.built_with_cuda(),
             processes=jax.process_count(),
@@ -437,12 +479,12 @@ def _allreduce_lowering(platform: str):
                 return add_rms_norm_fp8_p.bind(h, *rest, **params)
 
             return mlir.lower_fun(xla_method, multiple_results=True)(ctx, *args)
-        target = _ffi.EMULATED_TARGETS if platform == "cpu" else _ffi.TARGETS
+        target = _ffi.EMULATED_TARGETS if platform_here == "cpu" else _ffi.TARGETS
         rule = jax.ffi.ffi_lowering(target["allreduce_rms_norm_fp8"])
         return rule(
             ctx,
             *args,
-            **_norm_attributes(params, platform),
+            **_norm_attributes(params, platform_here),
             call_site=np.int64(_call_sites.getrandbits(62)),
             devices=np.ascontiguousarray(groups.reshape(-1)),
             group_devices=np.int64(groups.shape[1]),
@@ -458,11 +500,10 @@ allreduce_rms_norm_fp8_p.def_abstract_eval(_allreduce_abstract_eval)
 batching.primitive_batchers[allreduce_rms_norm_fp8_p] = _norm_batching_rule(
     allreduce_rms_norm_fp8_p
 )
-mlir.register_lowering(allreduce_rms_norm_fp8_p, _allreduce_lowering("cpu"), platform="cpu")
-if _ffi.built_with_cuda():
-    mlir.register_lowering(allreduce_rms_norm_fp8_p, _allreduce_lowering("cuda"), platform="cuda")
-else:
-    mlir.register_lowering(allreduce_rms_norm_fp8_p, _unavailable_cuda_lowering, platform="cuda")
+for _platform in ("cpu", "cuda", None):
+    mlir.register_lowering(
+        allreduce_rms_norm_fp8_p, _allreduce_lowering(_platform), platform=_platform
+    )
 ad.primitive_jvps[allreduce_rms_norm_fp8_p] = _no_gradient("allreduce_residual_rms_norm_fp8")
 
 # Element-wise float32 -> float16 / bfloat16 / FP8 rounding with the kernels' own code;
@@ -477,5 +518,12 @@ def _round_lowering(target: str, platform: str):
 
 
 round_p.def_impl(functools.partial(_eager_impl, round_p))
-_register_lowerings(round_p, "round", _round_lowering)
+
+
+def _round_unavailable(ctx, x, *, dtype):
+    platforms = _lowering_platforms(ctx)
+    raise NotImplementedError(f"jax_fp8norm's rounding check has no kernel on {platforms}")
+
+
+_register_lowerings(round_p, "round", _round_lowering, _round_unavailable)
 batching.defvectorized(round_p)

@@ -23,6 +23,7 @@ from jax_fp8norm.recipes import dequantize
 
 __all__ = [
     "DEFAULT_EPS",
+    "add_quantize",
     "add_rms_norm_fp8",
     "all_reduce",
     "allreduce_residual_rms_norm_fp8",
@@ -322,10 +323,10 @@ def add_rms_norm_fp8(
       {keywords}
     """
     call = validate(x, gamma, residual, **keywords)
-    return _add_quantize(jnp.asarray(x), jnp.asarray(residual), jnp.asarray(gamma), call)
+    return add_quantize(jnp.asarray(x), jnp.asarray(residual), jnp.asarray(gamma), call)
 
 
-def _add_quantize(x, residual, gamma, call):
+def add_quantize(x, residual, gamma, call):
     """h = x + residual in float32; (y, scales) of the unrounded h; h in residual's dtype."""
     h = x.astype(jnp.float32) + residual.astype(jnp.float32)
     y, scales = quantize_rows(h, gamma, call.params, call.scale_operand)
@@ -362,23 +363,15 @@ def allreduce_residual_rms_norm_fp8(
         h = all_reduce(jnp.asarray(x), axis_name, reduce_dtype)
     else:
         h = fixed_order_sum(jnp.asarray(x), axis_name)
-    return _add_quantize(h, jnp.asarray(residual), jnp.asarray(gamma), call)
-
-
-def _all_gather_invariant(x: jax.Array, axis_name) -> jax.Array:
-    """jax's all-gather whose result shard_map knows to be the same on every device (public
-    in newer jax, private in jax 0.10)."""
-    gather = getattr(jax.lax, "all_gather_invariant", None)
-    if gather is None:
-        from jax._src.lax.parallel import all_gather_invariant as gather
-    return gather(x, axis_name)
+    return add_quantize(h, jnp.asarray(residual), jnp.asarray(gamma), call)
 
 
 def fixed_order_sum(x: jax.Array, axis_name) -> jax.Array:
     """The one-kernel methods' sum over the bound axis: every device's partial gathered,
     then added in float32 in the order of the axis, the same on every device."""
     (name,) = check_axis_name(axis_name)
-    partials = _all_gather_invariant(x, name).astype(jnp.float32)
+    # "invarying": shard_map knows the gathered partials to be the same on every device.
+    partials = jax.lax.all_gather(x, name, to="invarying").astype(jnp.float32)
     h = partials[0]
     for k in range(1, partials.shape[0]):
         h = h + partials[k]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import warnings
 
 import pytest
 
@@ -48,19 +47,6 @@ def test_compiled_modules_carry_the_package_version():
         from jax_fp8norm_kernels import _fp8norm_cuda
 
         assert _fp8norm_cuda.version == jax_fp8norm.__version__
-
-
-def test_gpu_without_cuda_kernels_warns_once_naming_the_fix(monkeypatch):
-    from jax_fp8norm import _ffi
-
-    monkeypatch.setattr(_ffi, "_fp8norm_cuda", None)
-    monkeypatch.setattr(_ffi, "CUDA_UNAVAILABLE_REASON", "built without CUDA: reinstall")
-    with pytest.warns(RuntimeWarning, match="built without CUDA: reinstall") as record:
-        _ffi.warn_if_gpu_without_cuda_kernels(gpu_visible=lambda: True)
-    assert len(record) == 1
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _ffi.warn_if_gpu_without_cuda_kernels(gpu_visible=lambda: False)
 
 
 def test_the_reason_names_the_fix():
@@ -130,6 +116,21 @@ def test_test_requirements_are_the_test_extra():
     with open(os.path.join(REPO_ROOT, "tests", "requirements.txt")) as f:
         listed = [line.strip() for line in f if line.strip() and not line.startswith("#")]
     assert sorted(listed) == sorted(extra)
+
+
+def test_the_oldest_tested_jax_is_the_oldest_allowed():
+    """pyproject.toml's tested jax releases: the oldest is the dependencies' lower bound
+    (the README's commands on Python 3.11 install it), the newest is newer."""
+    import tomllib
+
+    with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)
+    tested = project["tool"]["jax_fp8norm"]["tested_jax"]
+    dependencies = project["project"]["dependencies"]
+    assert f"jax>={tested['oldest']}" in dependencies
+    assert f"jaxlib>={tested['oldest']}" in dependencies
+    as_tuple = lambda version: tuple(int(part) for part in version.split("."))  # noqa: E731
+    assert as_tuple(tested["newest"]) > as_tuple(tested["oldest"])
 
 
 def test_installed_package_is_typed_and_registers_every_op():

@@ -45,14 +45,37 @@ VARIANT_COLOURS = {
 }
 
 
-def formula_rms_norm_fp8(x, gamma, eps=reference.DEFAULT_EPS):
-    """The textbook formula, without the reference's exactness (rsqrt, divide by scale)."""
+def formula_rms_norm_fp8(
+    x,
+    gamma,
+    eps=reference.DEFAULT_EPS,
+    *,
+    group_size=None,
+    out_dtype=jnp.float8_e4m3fn,
+    scale_dtype=jnp.float32,
+    power_of_two_scales=False,
+    global_scale=None,
+):
+    """The textbook formula a user would write, without the reference's exactness (rsqrt,
+    mean, divide by the scale): per row, or per group of ``group_size`` with scales in
+    ``scale_dtype``, rounded up to a power of two if ``power_of_two_scales`` or in
+    ``float8_e8m0fnu``, and, for FP4 with
+    e4m3 scales, NVFP4's ``global_scale``."""
     h = x.astype(jnp.float32)
     r = jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
     normed = h * r * gamma.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(normed), axis=-1, keepdims=True) / 448.0
-    y = jnp.clip(normed / scale, -448.0, 448.0).astype(jnp.float8_e4m3fn)
-    return y, scale
+    if global_scale is not None:
+        normed = normed / global_scale
+    n = x.shape[-1]
+    group = group_size or n
+    grouped = normed.reshape(x.shape[:-1] + (n // group, group))
+    out_max = float(jnp.finfo(out_dtype).max)
+    scale = jnp.max(jnp.abs(grouped), axis=-1, keepdims=True) / out_max
+    if power_of_two_scales or np.dtype(scale_dtype) == np.dtype(jnp.float8_e8m0fnu):
+        scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
+    scale = scale.astype(scale_dtype)
+    y = jnp.clip(grouped / scale.astype(jnp.float32), -out_max, out_max).astype(out_dtype)
+    return y.reshape(x.shape), scale[..., 0]
 
 
 def formula_add_rms_norm_fp8(x, residual, gamma, eps=reference.DEFAULT_EPS):

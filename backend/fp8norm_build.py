@@ -1,0 +1,180 @@
+"""The build backend: scikit-build-core's, plus the CUDA compiler from PyPI where a build
+wants the CUDA kernels and the machine has no CUDA toolkit.
+
+A build wants them with ``FP8NORM_CUDA=ON``, or by default (``AUTO``) on a machine with an
+NVIDIA driver. Then, when no nvcc is in ``CUDACXX``, on PATH, under ``CUDA_PATH`` /
+``CUDA_HOME`` or in CMake's default install folder, the build asks for NVIDIA's compiler
+wheels (``nvidia-cuda-nvcc`` and the runtime, NVVM and CRT wheels it needs, which install
+into one ``nvidia/cu13`` tree) and hands their nvcc to CMake. CPU-only machines download
+nothing. PyPI carries a whole compiler for CUDA 13 only (``nvidia-cuda-nvcc-cu12`` holds
+ptxas alone), so a machine whose driver or jax plugin is CUDA 12 needs a toolkit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from scikit_build_core import build as _scikit_build
+from scikit_build_core.build import (
+    build_sdist,
+    get_requires_for_build_sdist,
+    prepare_metadata_for_build_editable,
+    prepare_metadata_for_build_wheel,
+)
+
+__all__ = [
+    "build_editable",
+    "build_sdist",
+    "build_wheel",
+    "get_requires_for_build_editable",
+    "get_requires_for_build_sdist",
+    "get_requires_for_build_wheel",
+    "prepare_metadata_for_build_editable",
+    "prepare_metadata_for_build_wheel",
+]
+
+# The CUDA 13 compiler on PyPI: nvcc, ptxas, nvlink, fatbinary; cicc (nvidia-nvvm); the
+# runtime's headers and libcudart_static.a; the crt headers.
+PYPI_NVCC = {
+    13: (
+        "nvidia-cuda-nvcc==13.*",
+        "nvidia-cuda-runtime==13.*",
+        "nvidia-nvvm==13.*",
+        "nvidia-cuda-crt==13.*",
+    )
+}
+# Where those wheels put nvcc, relative to site-packages.
+PYPI_NVCC_PATH = {13: Path("nvidia/cu13/bin/nvcc")}
+# CMake looks here for nvcc after PATH (CMakeDetermineCUDACompiler).
+DEFAULT_TOOLKIT_NVCC = Path("/usr/local/cuda/bin/nvcc")
+_CUDA_SETTING = "cmake.define.FP8NORM_CUDA"
+
+
+def cuda_setting(config_settings: dict | None, environ=os.environ) -> str:
+    """FP8NORM_CUDA as the build sees it: ``-C cmake.define.FP8NORM_CUDA=...`` first, then
+    the environment (pyproject.toml's define), AUTO by default."""
+    value = (config_settings or {}).get(_CUDA_SETTING) or environ.get("FP8NORM_CUDA") or "AUTO"
+    return str(value).strip().upper()
+
+
+def nvidia_driver_present() -> bool:
+    """The NVIDIA driver's device node or its library: a machine that runs CUDA."""
+    if Path("/dev/nvidiactl").exists():
+        return True
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def system_nvcc(environ=os.environ) -> str | None:
+    """The nvcc CMake would find on its own, or None."""
+    if environ.get("CUDACXX"):
+        return environ["CUDACXX"]
+    on_path = shutil.which("nvcc", path=environ.get("PATH"))
+    if on_path:
+        return on_path
+    for root in (environ.get("CUDA_PATH"), environ.get("CUDA_HOME")):
+        if root and (Path(root) / "bin" / "nvcc").is_file():
+            return str(Path(root) / "bin" / "nvcc")
+    return str(DEFAULT_TOOLKIT_NVCC) if DEFAULT_TOOLKIT_NVCC.is_file() else None
+
+
+def _jax_plugin_major() -> int | None:
+    for major in (13, 12):
+        try:
+            importlib.metadata.version(f"jax-cuda{major}-plugin")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return major
+    return None
+
+
+def _driver_major() -> int | None:
+    """The newest CUDA major the driver runs (cuDriverGetVersion), or None."""
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    version = ctypes.c_int(0)
+    if libcuda.cuDriverGetVersion(ctypes.byref(version)) != 0:
+        return None
+    return version.value // 1000
+
+
+def cuda_major(plugin_major: int | None, driver_major: int | None) -> int | None:
+    """The CUDA major whose compiler to take from PyPI: with a driver, the newest on PyPI
+    that it runs (a CUDA 13 build runs beside jax's CUDA 12 plugin on such a driver);
+    without one, the jax plugin's, else the newest. None where PyPI has none of those."""
+    usable = [major for major in PYPI_NVCC if driver_major is None or major <= driver_major]
+    if driver_major is None and plugin_major is not None:
+        usable = [major for major in usable if major == plugin_major]
+    return max(usable, default=None)
+
+
+def pypi_nvcc_requirements(
+    config_settings: dict | None = None,
+    environ=os.environ,
+    *,
+    driver_present=nvidia_driver_present,
+    find_nvcc=system_nvcc,
+    plugin_major=_jax_plugin_major,
+    driver_major=_driver_major,
+) -> list[str]:
+    """The compiler wheels this build needs from PyPI; [] where it wants no CUDA or has a
+    toolkit. A CUDA major without a compiler on PyPI gets [] too, and CMake then says that
+    no nvcc was found."""
+    setting = cuda_setting(config_settings, environ)
+    wanted = setting == "ON" or (setting == "AUTO" and driver_present())
+    if not wanted or find_nvcc(environ):
+        return []
+    return list(PYPI_NVCC.get(cuda_major(plugin_major(), driver_major()), ()))
+
+
+def installed_pypi_nvcc() -> str | None:
+    """nvcc from the compiler wheels, where they are installed (the build's environment)."""
+    for entry in sys.path:
+        for relative in PYPI_NVCC_PATH.values():
+            candidate = Path(entry or ".") / relative
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return str(candidate)
+    return None
+
+
+def _with_compiler(config_settings: dict | None) -> dict | None:
+    """The settings with CMake pointed at the wheels' nvcc, where the build asked for them
+    (a changed compiler makes CMake start a cached build folder afresh)."""
+    if not pypi_nvcc_requirements(config_settings):
+        return config_settings
+    nvcc = installed_pypi_nvcc()
+    if nvcc is None:  # --no-build-isolation without the wheels: CMake decides
+        return config_settings
+    return {**(config_settings or {}), "cmake.define.CMAKE_CUDA_COMPILER": nvcc}
+
+
+def get_requires_for_build_wheel(config_settings=None):
+    requires = _scikit_build.get_requires_for_build_wheel(config_settings)
+    return [*requires, *pypi_nvcc_requirements(config_settings)]
+
+
+def get_requires_for_build_editable(config_settings=None):
+    requires = _scikit_build.get_requires_for_build_editable(config_settings)
+    return [*requires, *pypi_nvcc_requirements(config_settings)]
+
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    return _scikit_build.build_wheel(
+        wheel_directory, _with_compiler(config_settings), metadata_directory
+    )
+
+
+def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
+    return _scikit_build.build_editable(
+        wheel_directory, _with_compiler(config_settings), metadata_directory
+    )

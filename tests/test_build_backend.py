@@ -1,0 +1,92 @@
+"""The build backend's one addition to scikit-build-core: nvcc from PyPI where a build
+wants the CUDA kernels and the machine has no toolkit, nothing anywhere else. The build
+itself with the toolkit hidden is tools/checks/pypi_nvcc_check.sh (CI)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend"))
+import fp8norm_build  # noqa: E402
+
+NVCC_13 = list(fp8norm_build.PYPI_NVCC[13])
+
+
+def _requirements(setting, *, driver=None, toolkit=None, plugin=None, settings=None):
+    environ = {} if setting is None else {"FP8NORM_CUDA": setting}
+    return fp8norm_build.pypi_nvcc_requirements(
+        settings,
+        environ,
+        driver_present=lambda: driver is not None,
+        find_nvcc=lambda environ: toolkit,
+        plugin_major=lambda: plugin,
+        driver_major=lambda: driver,
+    )
+
+
+@pytest.mark.parametrize(
+    ("setting", "driver", "toolkit", "plugin", "expected"),
+    [
+        # CPU-only machines download nothing, whatever jax plugin is installed.
+        (None, None, None, None, []),
+        ("AUTO", None, None, 13, []),
+        ("OFF", 13, None, 13, []),
+        # A toolkit found: CMake takes it.
+        ("ON", 13, "/usr/local/cuda/bin/nvcc", None, []),
+        (None, 13, "/opt/cuda/bin/nvcc", 13, []),
+        # A driver and no toolkit: CUDA 13's compiler, also beside jax's CUDA 12 plugin.
+        (None, 13, None, None, NVCC_13),
+        ("auto", 13, None, 12, NVCC_13),
+        ("ON", 14, None, 13, NVCC_13),
+        # ON without a driver (a build machine): the plugin's major, else the newest.
+        ("ON", None, None, None, NVCC_13),
+        ("ON", None, None, 13, NVCC_13),
+        # CUDA 12 has no whole compiler on PyPI: nothing to take (CMake then says so).
+        ("ON", None, None, 12, []),
+        ("ON", 12, None, 12, []),
+    ],
+)
+def test_the_compiler_wheels_are_asked_for_only_where_wanted_and_missing(
+    setting, driver, toolkit, plugin, expected
+):
+    assert _requirements(setting, driver=driver, toolkit=toolkit, plugin=plugin) == expected
+
+
+def test_the_config_setting_wins_over_the_environment():
+    settings = {"cmake.define.FP8NORM_CUDA": "OFF"}
+    assert _requirements("ON", driver=13, settings=settings) == []
+    settings = {"cmake.define.FP8NORM_CUDA": "ON"}
+    assert _requirements("OFF", settings=settings) == NVCC_13
+
+
+def test_system_nvcc_looks_where_cmake_looks(tmp_path, monkeypatch):
+    nvcc = tmp_path / "cuda" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text("#!/bin/sh\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setattr(fp8norm_build, "DEFAULT_TOOLKIT_NVCC", tmp_path / "absent" / "nvcc")
+    empty = str(tmp_path / "empty")
+    assert fp8norm_build.system_nvcc({"PATH": empty}) is None
+    assert fp8norm_build.system_nvcc({"PATH": str(nvcc.parent)}) == str(nvcc)
+    assert fp8norm_build.system_nvcc({"PATH": empty, "CUDA_HOME": str(nvcc.parents[1])}) == str(
+        nvcc
+    )
+    assert fp8norm_build.system_nvcc({"PATH": empty, "CUDACXX": "/x/nvcc"}) == "/x/nvcc"
+    monkeypatch.setattr(fp8norm_build, "DEFAULT_TOOLKIT_NVCC", nvcc)
+    assert fp8norm_build.system_nvcc({"PATH": empty}) == str(nvcc)
+
+
+def test_the_build_points_cmake_at_the_wheels_nvcc(tmp_path, monkeypatch):
+    nvcc = tmp_path / fp8norm_build.PYPI_NVCC_PATH[13]
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text("#!/bin/sh\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    monkeypatch.setattr(fp8norm_build, "pypi_nvcc_requirements", lambda settings: NVCC_13)
+    settings = fp8norm_build._with_compiler({"a": "b"})
+    assert settings == {"a": "b", "cmake.define.CMAKE_CUDA_COMPILER": str(nvcc)}
+    monkeypatch.setattr(fp8norm_build, "pypi_nvcc_requirements", lambda settings: [])
+    assert fp8norm_build._with_compiler({"a": "b"}) == {"a": "b"}

@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# The wheel a GPU user without a CUDA toolkit gets (docs/install.md):
+#   1. `FP8NORM_CUDA=ON python -m pip wheel .` with every nvcc of this machine hidden (a
+#      private mount namespace puts an empty folder over the toolkit's install folder, and
+#      PATH loses the folders that hold an nvcc), so the build backend must take nvcc from
+#      PyPI (backend/fp8norm_build.py); CMake's message names the nvcc it used;
+#   2. the wheel holds the CPU, emulated and CUDA modules, the CUDA one with code for every
+#      architecture of the default list (cuobjdump, from the system toolkit, outside);
+#   3. `auditwheel show` names the manylinux policy the wheel meets;
+#   4. it installs and imports in a fresh venv with the C, C++ and CUDA compilers hidden,
+#      and its ops give the reference's bits there.
+# With --ptxas it also compares the ptxas tables (registers, spills, shared memory) of the
+# PyPI nvcc and the system's (tools/reports/ptxas_report.py). Run by .ci/run; needs
+# unshare (root), network or a pip cache. OUT sets the output folder.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out="$(realpath -m "${OUT:-build/wheel-check}")"
+rm -rf "$out"
+mkdir -p "$out/dist" "$out/empty"
+ptxas=0
+[ "${1:-}" = "--ptxas" ] && ptxas=1
+
+# PATH without the folders that hold an nvcc; the toolkit's install folder, resolved.
+hidden_path=$(tr ':' '\n' <<< "$PATH" | while read -r dir; do
+  [ -n "$dir" ] && [ ! -e "$dir/nvcc" ] && printf '%s:' "$dir"
+done)
+hidden_path=${hidden_path%:}
+toolkit=$(realpath -m /usr/local/cuda)
+
+without_toolkit() {  # <command...>: runs the command with no nvcc in sight
+  unshare -m --propagation private bash -c '
+    set -euo pipefail
+    [ -d "$1" ] && mount --bind "$2" "$1"
+    shift 2
+    exec env -u CUDACXX -u CUDA_HOME -u CUDA_PATH PATH="$HIDDEN_PATH" "$@"
+  ' bash "$toolkit" "$out/empty" "$@"
+}
+export HIDDEN_PATH="$hidden_path"
+
+echo "== wheel: nvcc hidden: $(without_toolkit bash -c 'command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || echo none')"
+start=$SECONDS
+without_toolkit env FP8NORM_CUDA=ON python -m pip wheel . --no-deps -w "$out/dist" -v \
+  > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+grep -o "jax_fp8norm: building CUDA kernels.*" "$out/build.log"
+wheel=$(ls "$out"/dist/jax_fp8norm-*.whl)
+echo "== wheel: built in $((SECONDS - start)) s: $(basename "$wheel"), $(du -k "$wheel" | cut -f1) KiB"
+
+echo "== wheel: its modules and the CUDA module's architectures"
+python - "$wheel" "$out/unpacked" <<'EOF'
+import re, subprocess, sys, zipfile
+from pathlib import Path
+
+wheel, unpacked = sys.argv[1], Path(sys.argv[2])
+with zipfile.ZipFile(wheel) as z:
+    names = z.namelist()
+    z.extractall(unpacked)
+modules = sorted(re.sub(r"\..*", "", Path(n).name) for n in names if n.endswith(".so"))
+print("modules:", modules)
+assert modules == ["_fp8norm_cpu", "_fp8norm_cuda", "_fp8norm_simt"], modules
+(cuda,) = [unpacked / n for n in names if "_fp8norm_cuda" in n]
+text = Path("CMakeLists.txt").read_text()
+default = re.search(r'set\(CMAKE_CUDA_ARCHITECTURES "([^"]*)"\)', text).group(1).split(";")
+want_sass = sorted("sm_" + a.split("-")[0] for a in default if a.endswith("-real"))
+want_ptx = sorted("sm_" + a.split("-")[0] for a in default if a.endswith("-virtual"))
+elf = subprocess.run(["cuobjdump", "--list-elf", str(cuda)], capture_output=True, text=True)
+ptx = subprocess.run(["cuobjdump", "--list-ptx", str(cuda)], capture_output=True, text=True)
+sass = sorted(set(re.findall(r"\.(sm_\w+)\.cubin", elf.stdout)))
+ptxs = sorted(set(re.findall(r"\.(sm_\w+)\.ptx", ptx.stdout)))
+print("SASS:", sass, " PTX:", ptxs)
+assert sass == want_sass and ptxs == want_ptx, (sass, want_sass, ptxs, want_ptx)
+EOF
+
+echo "== wheel: auditwheel show"
+python -m pip install -q auditwheel
+python -m auditwheel show "$wheel" | tee "$out/auditwheel.txt"
+
+echo "== wheel: a fresh venv with the compilers hidden"
+python -m venv "$out/venv"
+"$out/venv/bin/python" -m pip install -q "$wheel"
+compilers=$(for c in gcc g++ cc c++ clang clang++ nvcc; do command -v "$c" || true; done | sort -u)
+unshare -m --propagation private bash -c '
+  set -euo pipefail
+  venv=$1; shift
+  for c in "$@"; do mount --bind /dev/null "$(realpath "$c")"; done
+  for c in gcc g++ cc c++; do
+    if "$c" --version > /dev/null 2>&1; then echo "$c still runs" >&2; exit 1; fi
+  done
+  cd /
+  "$venv/bin/python" - <<EOF
+import jax, jax.numpy as jnp, numpy as np
+import jax_fp8norm as fp8norm
+assert fp8norm.built_with_cuda() and fp8norm.simt.available()
+x = jax.random.normal(jax.random.key(0), (8, 512), jnp.bfloat16)
+gamma = jnp.ones((512,), jnp.float32)
+for recipe in ("fp8_row", "mxfp8", "mxfp4"):
+    got = fp8norm.rms_norm_fp8(x, gamma, recipe=recipe)
+    want = fp8norm.reference.rms_norm_fp8(x, gamma, recipe=recipe)
+    fp8norm.testing.assert_same_bits(got, want)
+print("imported from", fp8norm.__file__, "- CUDA kernels built:", fp8norm.built_with_cuda(),
+      "- the CPU kernel gives the reference bits")
+EOF
+' bash "$out/venv" $compilers
+
+if [ "$ptxas" = 1 ]; then
+  echo "== wheel: ptxas tables, PyPI nvcc against the system's"
+  python -m pip install -q --target "$out/pypi-nvcc" "nvidia-cuda-nvcc==13.*" \
+    "nvidia-cuda-runtime==13.*" "nvidia-nvvm==13.*" "nvidia-cuda-crt==13.*"
+  without_toolkit python tools/reports/ptxas_report.py \
+    --nvcc "$out/pypi-nvcc/nvidia/cu13/bin/nvcc" > "$out/ptxas_pypi.txt"
+  python tools/reports/ptxas_report.py --nvcc "$toolkit/bin/nvcc" > "$out/ptxas_system.txt"
+  "$out/pypi-nvcc/nvidia/cu13/bin/nvcc" --version | tail -2
+  "$toolkit/bin/nvcc" --version | tail -2
+  if diff "$out/ptxas_system.txt" "$out/ptxas_pypi.txt"; then
+    echo "ptxas tables identical"
+  else
+    echo "ptxas tables differ (above)"
+  fi
+fi
+echo "== wheel: done in ${SECONDS} s"
