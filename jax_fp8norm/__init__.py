@@ -12,7 +12,7 @@
 The contract is docs/spec.md; :mod:`jax_fp8norm.reference` holds the pure-jnp twins.
 """
 
-from jax_fp8norm import recipes, reference, simt, testing
+from jax_fp8norm import interop, recipes, reference, simt, testing
 from jax_fp8norm._fallback import KernelFallbackWarning
 from jax_fp8norm._ffi import (
     built_with_cuda,
@@ -46,6 +46,7 @@ __all__ = [
     "cuda_kernel",
     "cuda_kernel_variants",
     "dequantize",
+    "interop",
     "recipes",
     "reference",
     "rms_norm_fp8",

@@ -35,8 +35,14 @@ def check_keyword_names(keywords: dict[str, Any]) -> None:
 
 
 def _dtype_of(value: Any, name: str) -> np.dtype:
-    if not hasattr(value, "dtype") or not hasattr(value, "shape"):
-        raise TypeError(f"{name} must be an array, got {type(value).__name__}")
+    """The dtype of an array argument: a jax or NumPy array, or an object that converts
+    itself to one (``__jax_array__``: a Keras variable, a Flax or penzai parameter)."""
+    array_like = isinstance(value, (jax.Array, np.ndarray)) or hasattr(value, "__jax_array__")
+    if not array_like or not hasattr(value, "dtype") or not hasattr(value, "shape"):
+        raise TypeError(
+            f"{name} must be an array (jax, NumPy, or one with __jax_array__), got "
+            f"{type(value).__name__}"
+        )
     return np.dtype(value.dtype)
 
 
@@ -51,10 +57,23 @@ def _as_dtype(value: Any, name: str, allowed: tuple[np.dtype, ...], names: str) 
 
 
 def _as_real(value: Any, name: str) -> float:
+    """A static real: a Python number, or a concrete 0-d array of a real dtype (as penzai
+    and Keras keep theirs). A traced value cannot be compiled into the kernel call."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{name} is static (compiled into the kernel call), so it must be a Python "
+            "float or a concrete 0-d array, got a traced value: pass it from outside the "
+            "jitted function (a closure, or jax.jit's static_argnames)"
+        )
+    if isinstance(value, (jax.Array, np.ndarray, np.generic)) and np.shape(value) == ():
+        dtype = np.dtype(value.dtype)
+        if dtype != np.bool_ and (jnp.issubdtype(dtype, jnp.floating) or dtype.kind in "iu"):
+            return float(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
-            f"{name} must be a Python float (a static value, not an array or tracer), "
-            f"got {type(value).__name__}"
+            f"{name} must be a Python float or a concrete 0-d real array, got "
+            f"{type(value).__name__}"
+            + (f" of shape {tuple(np.shape(value))}" if hasattr(value, "shape") else "")
         )
     return float(value)
 

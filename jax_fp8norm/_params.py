@@ -136,6 +136,14 @@ class AllReduceKeywords(NormKeywords, total=False):
     method: str
 
 
+def as_operand(value: Any) -> Any:
+    """An array argument as the primitives take it: objects that convert themselves
+    (``__jax_array__``: a Keras variable, say) converted."""
+    if value is None or isinstance(value, (jax.Array, np.ndarray)):
+        return value
+    return jnp.asarray(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class NormCall:
     """One checked call: its static parameters and, if any, the operand after gamma as a
@@ -145,5 +153,7 @@ class NormCall:
     scale_operand: jax.Array | None = None
 
     def operands(self, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+        """The primitive's operands: ``arrays`` (converted where they convert themselves,
+        a Keras variable say), then the scale operand if any."""
         extra = () if self.scale_operand is None else (self.scale_operand,)
-        return (*arrays, *extra)
+        return (*(as_operand(a) for a in arrays), *extra)

@@ -24,18 +24,31 @@ from jax_fp8norm.ops import add_rms_norm_fp8, rms_norm_fp8
 
 class RMSNormFP8(nnx.Module):
     """RMSNorm over the last axis with FP8 quantisation: dynamic scales per row or per
-    group, or a calibrated static scale.
+    group, or a calibrated static scale; or FP4.
+
+    A drop-in for ``flax.nnx.RMSNorm``: the same constructor arguments where they mean the
+    same (``num_features``, ``epsilon``, ``dtype``, ``param_dtype``, ``use_scale``,
+    ``scale_init``, ``rngs``) and the same parameter, ``scale``, so that an
+    ``nnx.RMSNorm``'s state loads as it is: ``nnx.update(fp8_norm, nnx.state(norm))``, or
+    :meth:`from_rmsnorm`.
 
     Args:
       num_features: N, the size of the last axis.
-      param_dtype: the weight's dtype.
+      epsilon: ``eps`` by nnx.RMSNorm's name (give one of the two).
+      dtype: the dtype ``x`` (and the residual) are cast to before the norm, and that of
+        a dequantised output; None keeps the input's.
+      param_dtype: the ``scale`` parameter's dtype.
+      use_scale: False for no parameter (gamma 1).
+      scale_init: the parameter's initializer, ``init(key, (N,), param_dtype)``; by
+        default ones, or zeros with ``weight_offset=1.0`` (Gemma), so that a new module is
+        the identity RMSNorm.
+      reduction_axes, feature_axes: -1 only (the kernels normalise the last axis).
       dequantize: return ``f32(y) * scales`` (differentiable) instead of ``(y, scales)``.
-      rngs: accepted for the NNX convention; the weight's initialisation is not random.
+      rngs: the key of ``scale_init``.
       The keywords of :func:`jax_fp8norm.rms_norm_fp8` (checked at construction, except
       that group_size is checked against N here and against each input's last axis at
-      the call). With ``weight_offset=1.0`` (Gemma) the weight starts at zeros, else at
-      ones, so that a new module is the identity RMSNorm. A ``static_scale`` array is kept
-      as given (not a parameter):
+      the call). A ``static_scale`` or ``global_scale`` array is kept as given (data, not
+      a parameter):
       {keywords}
     """
 
@@ -43,18 +56,37 @@ class RMSNormFP8(nnx.Module):
         self,
         num_features: int,
         *,
+        epsilon: float | None = None,
+        dtype=None,
         param_dtype=jnp.float32,
+        use_scale: bool = True,
+        scale_init=None,
+        reduction_axes=-1,
+        feature_axes=-1,
         dequantize: bool = False,
         rngs: nnx.Rngs | None = None,
         **keywords: Unpack[NormKeywords],
     ):
-        del rngs
+        for name, axes in (("reduction_axes", reduction_axes), ("feature_axes", feature_axes)):
+            if axes not in (-1, (-1,), [-1]):
+                raise ValueError(f"{name} must be -1 (the last axis), got {axes!r}")
+        if epsilon is not None:
+            if "eps" in keywords:
+                raise ValueError("give epsilon or eps, not both")
+            keywords["eps"] = epsilon
+        self.dtype = None if dtype is None else jnp.dtype(dtype)
         # Checked now, so that a bad keyword fails where the module is made.
-        weight = jnp.ones((num_features,), param_dtype)
-        validate(jnp.zeros((1, num_features), jnp.float32), weight, **keywords)
+        validate(jnp.zeros((1, num_features), jnp.float32), jnp.ones((num_features,)), **keywords)
         offset = keywords.get("weight_offset", NORM_KEYWORDS["weight_offset"][0])
-        start = 0.0 if offset == 1.0 else 1.0
-        self.weight = nnx.Param(jnp.full((num_features,), start, param_dtype))
+        identity = jnp.full((num_features,), 0.0 if offset == 1.0 else 1.0, param_dtype)
+        if not use_scale:
+            self.scale = None
+            self.gamma = nnx.data(identity)
+        elif scale_init is None:
+            self.scale = nnx.Param(identity)
+        else:
+            key = rngs.params() if rngs is not None else jax.random.key(0)
+            self.scale = nnx.Param(jnp.asarray(scale_init(key, (num_features,), param_dtype)))
         # The calibrated and global scales are data (arrays the module carries); the rest
         # are static.
         static_scale = check_static_scale(keywords.pop("static_scale", None))
@@ -64,11 +96,32 @@ class RMSNormFP8(nnx.Module):
         self.keywords = keywords
         self.dequantize = dequantize
 
+    @classmethod
+    def from_rmsnorm(cls, norm: nnx.RMSNorm, **keywords) -> RMSNormFP8:
+        """The module of ``norm`` (an ``nnx.RMSNorm`` over the last axis), with its
+        epsilon, dtypes and scale, quantising as ``keywords`` say."""
+        module = cls(
+            norm.num_features,
+            epsilon=norm.epsilon,
+            dtype=norm.dtype,
+            param_dtype=norm.param_dtype,
+            use_scale=norm.use_scale,
+            reduction_axes=norm.reduction_axes,
+            feature_axes=norm.feature_axes,
+            **keywords,
+        )
+        if norm.use_scale:
+            module.scale[...] = norm.scale[...]
+        return module
+
     def __call__(self, x: jax.Array, residual: jax.Array | None = None):
         """``x``: ``[..., N]``. Returns ``(y, scales)``, or ``(y, scales, residual_out)``
-        with a residual; with ``dequantize=True``, ``f32(y) * scales`` (and
-        ``residual_out``)."""
-        weight = self.weight[...]
+        with a residual; with ``dequantize=True``, ``f32(y) * scales`` (in ``dtype`` if
+        set; and ``residual_out``)."""
+        gamma = self.gamma if self.scale is None else self.scale[...]
+        if self.dtype is not None:
+            x = jnp.asarray(x).astype(self.dtype)
+            residual = None if residual is None else jnp.asarray(residual).astype(self.dtype)
         keywords = dict(self.keywords)
         if self.static_scale is not None:
             keywords["static_scale"] = self.static_scale
@@ -76,9 +129,15 @@ class RMSNormFP8(nnx.Module):
             keywords["global_scale"] = self.global_scale
         if residual is None:
             op = rms_norm_fp8_dequantized if self.dequantize else rms_norm_fp8
-            return op(x, weight, **keywords)
-        op = add_rms_norm_fp8_dequantized if self.dequantize else add_rms_norm_fp8
-        return op(x, residual, weight, **keywords)
+            out = op(x, gamma, **keywords)
+        else:
+            op = add_rms_norm_fp8_dequantized if self.dequantize else add_rms_norm_fp8
+            out = op(x, residual, gamma, **keywords)
+        if self.dequantize and self.dtype is not None:
+            if residual is None:
+                return out.astype(self.dtype)
+            return out[0].astype(self.dtype), out[1]
+        return out
 
 
 RMSNormFP8 = norm_keywords(RMSNormFP8)

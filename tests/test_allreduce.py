@@ -916,10 +916,12 @@ else:
         # Without concrete devices (jax.export over an AbstractMesh) auto is XLA's
         # all-reduce, and an explicit one-kernel method says why it cannot run.
         mesh = jax.sharding.AbstractMesh((4,), ("tp",))
+        # Placed as in_specs says: where the mesh's axes are Explicit (jax 0.12's default),
+        # shard_map checks the arguments' shardings against it.
         args = (
-            jax.ShapeDtypeStruct((4, 8, 256), jnp.bfloat16),
-            jax.ShapeDtypeStruct((8, 256), jnp.bfloat16),
-            jax.ShapeDtypeStruct((256,), jnp.float32),
+            jax.ShapeDtypeStruct((4, 8, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("tp"))),
+            jax.ShapeDtypeStruct((8, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P())),
+            jax.ShapeDtypeStruct((256,), jnp.float32, sharding=NamedSharding(mesh, P())),
         )
 
         def exported(method):

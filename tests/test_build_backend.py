@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend"))
-import fp8norm_build  # noqa: E402
+import fp8norm_build
 
 NVCC_13 = list(fp8norm_build.PYPI_NVCC[13])
 

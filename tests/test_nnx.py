@@ -20,15 +20,15 @@ def test_module_matches_the_ops(platform):
     residual = random_rows(2, (4, 8, 256), jnp.bfloat16)
     with jax.default_device(device_of(platform)):
         norm = RMSNormFP8(256, weight_offset=1.0, scale_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-        np.testing.assert_array_equal(np.asarray(norm.weight[...]), np.zeros(256))
-        norm.weight[...] = norm.weight[...] + 0.25
+        np.testing.assert_array_equal(np.asarray(norm.scale[...]), np.zeros(256))
+        norm.scale[...] = norm.scale[...] + 0.25
         gamma = np.full(256, 0.25, np.float32)
         kw = {"weight_offset": 1.0, "scale_dtype": jnp.bfloat16}
         assert_same_bits(nnx.jit(lambda m, x: m(x))(norm, x), fp8norm.rms_norm_fp8(x, gamma, **kw))
         assert_same_bits(norm(x, residual), fp8norm.add_rms_norm_fp8(x, residual, gamma, **kw))
 
 
-def test_weight_gets_a_gradient():
+def test_scale_gets_a_gradient():
     x = random_rows(3, (6, 128), jnp.float32)
     w = jnp.asarray(np.random.default_rng(4).standard_normal((6, 128)), jnp.float32)
     norm = RMSNormFP8(128, dequantize=True)
@@ -38,9 +38,9 @@ def test_weight_gets_a_gradient():
 
     grads = nnx.grad(loss)(norm)
     expected = jax.grad(lambda g: jnp.sum(w * fp8norm.rms_norm_fp8_dequantized(x, g)))(
-        norm.weight[...]
+        norm.scale[...]
     )
-    np.testing.assert_array_equal(np.asarray(grads.weight[...]), np.asarray(expected))
+    np.testing.assert_array_equal(np.asarray(grads.scale[...]), np.asarray(expected))
     assert np.any(np.asarray(expected) != 0)
 
 
@@ -64,3 +64,51 @@ def test_module_checks_its_keywords_when_made():
         RMSNormFP8(256, group_size=100)
     with pytest.raises(TypeError, match="unexpected keyword"):
         RMSNormFP8(256, group=128)
+
+
+def _trained_rmsnorm(n: int, **kwargs) -> nnx.RMSNorm:
+    norm = nnx.RMSNorm(n, rngs=nnx.Rngs(0), **kwargs)
+    norm.scale[...] = jnp.asarray(1.0 + 0.1 * np.random.default_rng(6).standard_normal(n))
+    return norm
+
+
+def test_an_nnx_rmsnorm_state_loads_as_it_is():
+    """The drop-in: nnx.RMSNorm's constructor arguments and its parameter's name, so that
+    nnx.update loads its state; from_rmsnorm does the same in one call."""
+    x = random_rows(7, (4, 256), jnp.bfloat16)
+    norm = _trained_rmsnorm(256, epsilon=1e-5, dtype=jnp.float32)
+    loaded = RMSNormFP8(256, epsilon=1e-5, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    nnx.update(loaded, nnx.state(norm))
+    gamma = norm.scale[...]
+    want = fp8norm.rms_norm_fp8(x.astype(jnp.float32), gamma, eps=1e-5)
+    assert_same_bits(loaded(x), want)
+    converted = RMSNormFP8.from_rmsnorm(norm, dequantize=True)
+    got = converted(x)
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(
+        np.asarray(got),
+        np.asarray(fp8norm.rms_norm_fp8_dequantized(x.astype(jnp.float32), gamma, eps=1e-5)),
+    )
+    # Within FP8 rounding of the module it replaces: e4m3 keeps 3 mantissa bits.
+    np.testing.assert_allclose(np.asarray(got), np.asarray(norm(x)), rtol=2**-4, atol=1e-6)
+
+
+def test_the_constructor_refuses_what_the_kernels_cannot_do():
+    with pytest.raises(ValueError, match="epsilon or eps"):
+        RMSNormFP8(64, epsilon=1e-5, eps=1e-6)
+    with pytest.raises(ValueError, match="reduction_axes must be -1"):
+        RMSNormFP8(64, reduction_axes=0)
+    with pytest.raises(TypeError, match=r"unexpected keyword.*axis_name"):
+        RMSNormFP8(64, axis_name="tp")
+
+
+def test_without_a_scale_parameter_and_with_an_initializer():
+    x = random_rows(8, (2, 64), jnp.float32)
+    bare = RMSNormFP8(64, use_scale=False)
+    assert nnx.state(bare, nnx.Param) == nnx.State({})
+    assert_same_bits(bare(x), fp8norm.rms_norm_fp8(x, jnp.ones(64)))
+    init = lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, 0.5, 1.5)  # noqa: E731
+    made = RMSNormFP8(64, scale_init=init, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(3))
+    assert made.scale[...].dtype == jnp.bfloat16
+    assert_same_bits(made(x), fp8norm.rms_norm_fp8(x, made.scale[...]))
+    assert not np.all(np.asarray(made.scale[...]) == 1)

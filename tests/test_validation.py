@@ -18,9 +18,10 @@ from cases import (
     handler_target,
     sds,
 )
-from helpers import SIMT_PLATFORMS
+from helpers import SIMT_PLATFORMS, random_rows
 
 import jax_fp8norm as fp8norm
+from jax_fp8norm.testing import assert_same_bits
 
 
 def _rms(impl, x=X, gamma=GAMMA, **kw):
@@ -72,8 +73,51 @@ def test_traced_keyword_is_refused_under_jit():
     def f(x, gamma, eps):
         return fp8norm.rms_norm_fp8(x, gamma, eps=eps)
 
-    with pytest.raises(TypeError, match="eps must be a Python float"):
+    with pytest.raises(TypeError, match=r"eps is static .* got a traced value"):
         f(X, GAMMA, 1e-6)
+
+
+@pytest.mark.parametrize(
+    "eps", [jnp.asarray(1e-5, jnp.float32), np.asarray(1e-5), jnp.bfloat16(1e-5)], ids=repr
+)
+def test_a_concrete_0d_array_is_a_static_keyword(eps):
+    """As penzai keeps its epsilon: the value it holds, rounded as a float would be. Rows
+    small enough that eps moves their bits."""
+    x = (random_rows(3, (4, 16), jnp.float32) * 3e-3).astype(jnp.bfloat16)
+    want = fp8norm.rms_norm_fp8(x, GAMMA, eps=float(eps))
+    assert_same_bits(fp8norm.rms_norm_fp8(x, GAMMA, eps=eps), want)
+    with pytest.raises(AssertionError):
+        assert_same_bits(fp8norm.rms_norm_fp8(x, GAMMA), want)
+
+
+class _SelfConverting:
+    """What a Keras variable or a framework's parameter looks like to the ops: dtype and
+    shape attributes, and __jax_array__."""
+
+    def __init__(self, value):
+        self.value = jnp.asarray(value)
+        self.dtype, self.shape = self.value.dtype.name, self.value.shape
+
+    def __jax_array__(self):
+        return self.value
+
+
+class _Opaque:
+    dtype, shape = "float32", (16,)
+
+
+def test_an_array_that_converts_itself_is_converted():
+    want = fp8norm.add_rms_norm_fp8(X, X, GAMMA)
+    got = fp8norm.add_rms_norm_fp8(_SelfConverting(X), X, _SelfConverting(GAMMA))
+    assert_same_bits(got, want)
+    gamma = _SelfConverting(GAMMA)  # held by a jitted function, as a model holds its weights
+    got = jax.jit(lambda x: fp8norm.add_rms_norm_fp8(x, x, gamma))(X)
+    assert_same_bits(got, want)
+
+
+def test_an_object_with_dtype_and_shape_but_no_array_is_refused_by_name():
+    with pytest.raises(TypeError, match=r"gamma must be an array .*got _Opaque"):
+        fp8norm.rms_norm_fp8(X, _Opaque())
 
 
 def test_valid_keywords_are_accepted():

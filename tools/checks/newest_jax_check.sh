@@ -55,5 +55,7 @@ python -c "import sys, jax, jax_fp8norm; print('Python', sys.version.split()[0],
 export PYTHONWARNINGS="error::DeprecationWarning,error::PendingDeprecationWarning,error::FutureWarning"
 python -m pytest -p no:cacheprovider -W error::DeprecationWarning \
   -W error::PendingDeprecationWarning -W error::FutureWarning
+# The README's tensor-parallel example, on jax's default (Explicit) mesh axes.
+python -m jax_fp8norm --tp 8
 INNER
 OUTER
