@@ -4,8 +4,8 @@ wants the CUDA kernels and the machine has no CUDA toolkit.
 A build wants them with ``FP8NORM_CUDA=ON``, or by default (``AUTO``) on a machine with an
 NVIDIA driver. Then, when no nvcc is in ``CUDACXX``, on PATH, under ``CUDA_PATH`` /
 ``CUDA_HOME`` or in CMake's default install folder, the build asks for NVIDIA's compiler
-wheels (``nvidia-cuda-nvcc`` and the runtime, NVVM and CRT wheels it needs, which install
-into one ``nvidia/cu13`` tree) and hands their nvcc to CMake. CPU-only machines download
+wheels (``nvidia-cuda-nvcc`` and the runtime, NVVM, CRT and CCCL wheels it needs, which
+install into one ``nvidia/cu13`` tree) and hands their nvcc to CMake. CPU-only machines download
 nothing. PyPI carries a whole compiler for CUDA 13 only (``nvidia-cuda-nvcc-cu12`` holds
 ptxas alone), so a machine whose driver or jax plugin is CUDA 12 needs a toolkit.
 """
@@ -39,13 +39,16 @@ __all__ = [
 ]
 
 # The CUDA 13 compiler on PyPI: nvcc, ptxas, nvlink, fatbinary; cicc (nvidia-nvvm); the
-# runtime's headers and libcudart_static.a; the crt headers.
+# runtime's headers and libcudart_static.a; the crt headers; CCCL's headers (CMake's
+# CUDA::cudart_static names their folder). Pinned to the release the kernels' register
+# and spill figures are measured with (README, "Build options").
 PYPI_NVCC = {
     13: (
-        "nvidia-cuda-nvcc==13.*",
-        "nvidia-cuda-runtime==13.*",
-        "nvidia-nvvm==13.*",
-        "nvidia-cuda-crt==13.*",
+        "nvidia-cuda-nvcc==13.0.*",
+        "nvidia-cuda-runtime==13.0.*",
+        "nvidia-nvvm==13.0.*",
+        "nvidia-cuda-crt==13.0.*",
+        "nvidia-cuda-cccl==13.0.*",
     )
 }
 # Where those wheels put nvcc, relative to site-packages.
@@ -147,6 +150,15 @@ def installed_pypi_nvcc() -> str | None:
     return None
 
 
+def complete_layout(nvcc: str) -> None:
+    """nvcc 13.0's wheel looks for the runtime's libraries in ``lib64``, as a toolkit lays
+    them out, where the runtime's wheel puts them in ``lib``: a link in the build's own
+    environment joins the two (later wheels look in ``lib``)."""
+    root = Path(nvcc).parent.parent
+    if (root / "lib").is_dir() and not (root / "lib64").exists():
+        (root / "lib64").symlink_to("lib")
+
+
 def _with_compiler(config_settings: dict | None) -> dict | None:
     """The settings with CMake pointed at the wheels' nvcc, where the build asked for them
     (a changed compiler makes CMake start a cached build folder afresh)."""
@@ -155,6 +167,7 @@ def _with_compiler(config_settings: dict | None) -> dict | None:
     nvcc = installed_pypi_nvcc()
     if nvcc is None:  # --no-build-isolation without the wheels: CMake decides
         return config_settings
+    complete_layout(nvcc)
     return {**(config_settings or {}), "cmake.define.CMAKE_CUDA_COMPILER": nvcc}
 
 

@@ -90,3 +90,13 @@ def test_the_build_points_cmake_at_the_wheels_nvcc(tmp_path, monkeypatch):
     assert settings == {"a": "b", "cmake.define.CMAKE_CUDA_COMPILER": str(nvcc)}
     monkeypatch.setattr(fp8norm_build, "pypi_nvcc_requirements", lambda settings: [])
     assert fp8norm_build._with_compiler({"a": "b"}) == {"a": "b"}
+
+
+def test_the_wheels_library_folder_is_found_under_both_names(tmp_path):
+    nvcc = tmp_path / "cu13" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    (tmp_path / "cu13" / "lib").mkdir()
+    (tmp_path / "cu13" / "lib" / "libcudart_static.a").write_text("")
+    fp8norm_build.complete_layout(str(nvcc))
+    assert (tmp_path / "cu13" / "lib64" / "libcudart_static.a").is_file()
+    fp8norm_build.complete_layout(str(nvcc))  # already there: left alone

@@ -398,11 +398,15 @@ class Worker:
         self.tsan = Builder(build / "tsan", self.copy, "thread") if tsan else None
 
     def restore(self) -> None:
+        """Puts back the files a mutant changed, with a fresh timestamp so that the build
+        sees the swap; the others keep theirs, so that each mutant rebuilds only what
+        includes its file."""
         for name in COPIED:
             for path in (SRC / name).iterdir():
-                shutil.copy2(path, self.copy / name / path.name)
-                # A fresh timestamp: the build must see every swap of the file.
-                os.utime(self.copy / name / path.name)
+                copy = self.copy / name / path.name
+                if not copy.exists() or copy.read_bytes() != path.read_bytes():
+                    shutil.copy2(path, copy)
+                    os.utime(copy)
 
     def baseline(self) -> str | None:
         """None when the unmutated copy passes, else why not."""
