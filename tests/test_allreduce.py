@@ -250,7 +250,7 @@ else:
                 partials[:1], residual, gamma, mesh=_mesh(2), axis_name="tp"
             )
 
-    @pytest.mark.parametrize("tp", [1, 8])
+    @pytest.mark.parametrize("tp", [pytest.param(1, marks=EXTENDED), 8])
     def test_llama_block_example(tp):
         from jax_fp8norm.examples import llama_tp_block
 
@@ -273,7 +273,7 @@ else:
         with pytest.raises(ValueError, match="allreduce_method must be one of"):
             llama_tp_block.Config(allreduce_method="nccl")
 
-    @pytest.mark.parametrize("fp4", ["nvfp4", "mxfp4"])
+    @pytest.mark.parametrize("fp4", ["nvfp4", pytest.param("mxfp4", marks=EXTENDED)])
     def test_llama_block_example_fp4(fp4):
         from jax_fp8norm.examples import llama_tp_block
 

@@ -49,6 +49,7 @@ GROUP_CASES = [
 ]
 
 
+@pytest.mark.sampled(2)
 @pytest.mark.parametrize(("hidden", "group"), GROUP_CASES, ids=lambda v: str(v))
 def test_group_sizes(platform, hidden, group):
     rows = 3 if hidden > 4096 else 9
@@ -220,6 +221,7 @@ def test_empty_rows_and_hidden(platform):
 # ------------------------------------------------------------------------- static scales
 
 
+@pytest.mark.sampled(2)
 @pytest.mark.parametrize("x_dtype", FLOATS, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("scale_dtype", FLOATS, ids=lambda d: jnp.dtype(d).name)
 def test_static_scale(platform, x_dtype, scale_dtype):

@@ -53,6 +53,7 @@ def test_more_rows_than_a_grid_dimension(platform, rows, hidden):
     check_against_reference(platform, "add_rms_norm_fp8", x, residual, gamma)
 
 
+@pytest.mark.default_platforms("cpu", "simt-block_shared")
 def test_more_rows_than_a_grid_dimension_on_every_platform(platform):
     # The default tier's share of the test above on the emulated kernels too (about 2 to
     # 5 s each there): 65537 short rows, one op.
