@@ -1,13 +1,17 @@
 """The build backend: scikit-build-core's, plus the CUDA compiler from PyPI where a build
 wants the CUDA kernels and the machine has no CUDA toolkit.
 
-A build wants them with ``FP8NORM_CUDA=ON``, or by default (``AUTO``) on a machine with an
-NVIDIA driver. Then, when no nvcc is in ``CUDACXX``, on PATH, under ``CUDA_PATH`` /
-``CUDA_HOME`` or in CMake's default install folder, the build asks for NVIDIA's compiler
-wheels (``nvidia-cuda-nvcc`` and the runtime, NVVM, CRT and CCCL wheels it needs, which
-install into one ``nvidia/cu13`` tree) and hands their nvcc to CMake. CPU-only machines download
-nothing. PyPI carries a whole compiler for CUDA 13 only (``nvidia-cuda-nvcc-cu12`` holds
-ptxas alone), so a machine whose driver or jax plugin is CUDA 12 needs a toolkit.
+A build wants them with ``FP8NORM_CUDA=ON``, or by default (``AUTO``) on a machine with
+an NVIDIA driver. Then, when no nvcc is in ``CUDACXX``, on PATH, under ``CUDA_PATH`` /
+``CUDA_HOME`` or in ``/usr/local/cuda`` (and none is named to CMake), the build asks for
+NVIDIA's compiler wheels (``nvidia-cuda-nvcc`` and the runtime, NVVM, CRT and CCCL
+wheels it needs, which install into one ``nvidia/cu13`` tree) and hands their nvcc to
+CMake. CPU-only machines download nothing. PyPI carries a whole compiler for CUDA 13
+only (``nvidia-cuda-nvcc-cu12`` holds ptxas alone), so a machine whose driver or jax
+plugin is CUDA 12 needs a toolkit. The nvcc the build settles on, the wheels' or an
+installed one, is handed to CMake by name. pip's build isolation hides the user's
+packages, so the jax plugin's CUDA major is read only in a build without it
+(``--no-build-isolation``); the driver's is read always.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import importlib.metadata
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -56,13 +61,38 @@ PYPI_NVCC_PATH = {13: Path("nvidia/cu13/bin/nvcc")}
 # CMake looks here for nvcc after PATH (CMakeDetermineCUDACompiler).
 DEFAULT_TOOLKIT_NVCC = Path("/usr/local/cuda/bin/nvcc")
 _CUDA_SETTING = "cmake.define.FP8NORM_CUDA"
+_COMPILER_SETTING = "cmake.define.CMAKE_CUDA_COMPILER"
+# The build folder of builds with the wheels' nvcc, whose path changes with every isolated
+# build environment: kept apart from the default one, so that a later build with a toolkit
+# (or none) does not meet a compiler path that no longer exists in its cache.
+PYPI_NVCC_BUILD_DIR = "build/{wheel_tag}-pypi-nvcc"
+
+
+def _cmake_args_define(name: str, environ) -> str | None:
+    """``-D<name>=<value>`` (or ``-D<name>:<type>=<value>``) in ``CMAKE_ARGS``."""
+    found = re.findall(rf"-D{name}(?::\w+)?=(\S+)", environ.get("CMAKE_ARGS", ""))
+    return found[-1] if found else None
 
 
 def cuda_setting(config_settings: dict | None, environ=os.environ) -> str:
-    """FP8NORM_CUDA as the build sees it: ``-C cmake.define.FP8NORM_CUDA=...`` first, then
-    the environment (pyproject.toml's define), AUTO by default."""
-    value = (config_settings or {}).get(_CUDA_SETTING) or environ.get("FP8NORM_CUDA") or "AUTO"
+    """FP8NORM_CUDA as the build sees it: ``-C cmake.define.FP8NORM_CUDA=...``, then
+    ``CMAKE_ARGS``, then the environment (pyproject.toml's define), AUTO by default; CMake
+    reads it without regard to case too."""
+    value = (
+        (config_settings or {}).get(_CUDA_SETTING)
+        or _cmake_args_define("FP8NORM_CUDA", environ)
+        or environ.get("FP8NORM_CUDA")
+        or "AUTO"
+    )
     return str(value).strip().upper()
+
+
+def chosen_compiler(config_settings: dict | None, environ=os.environ) -> str | None:
+    """A CUDA compiler the user named to CMake (``-C cmake.define.CMAKE_CUDA_COMPILER=`` or
+    ``CMAKE_ARGS``): the build takes it as it is."""
+    return (config_settings or {}).get(_COMPILER_SETTING) or _cmake_args_define(
+        "CMAKE_CUDA_COMPILER", environ
+    )
 
 
 def nvidia_driver_present() -> bool:
@@ -77,7 +107,9 @@ def nvidia_driver_present() -> bool:
 
 
 def system_nvcc(environ=os.environ) -> str | None:
-    """The nvcc CMake would find on its own, or None."""
+    """An installed nvcc, or None: ``CUDACXX``, PATH, ``CUDA_PATH`` / ``CUDA_HOME``, the
+    toolkit's default folder. The build hands it to CMake (whose own search stops short of
+    the last two)."""
     if environ.get("CUDACXX"):
         return environ["CUDACXX"]
     on_path = shutil.which("nvcc", path=environ.get("PATH"))
@@ -135,7 +167,7 @@ def pypi_nvcc_requirements(
     no nvcc was found."""
     setting = cuda_setting(config_settings, environ)
     wanted = setting == "ON" or (setting == "AUTO" and driver_present())
-    if not wanted or find_nvcc(environ):
+    if not wanted or chosen_compiler(config_settings, environ) or find_nvcc(environ):
         return []
     return list(PYPI_NVCC.get(cuda_major(plugin_major(), driver_major()), ()))
 
@@ -159,16 +191,24 @@ def complete_layout(nvcc: str) -> None:
         (root / "lib64").symlink_to("lib")
 
 
-def _with_compiler(config_settings: dict | None) -> dict | None:
-    """The settings with CMake pointed at the wheels' nvcc, where the build asked for them
-    (a changed compiler makes CMake start a cached build folder afresh)."""
-    if not pypi_nvcc_requirements(config_settings):
+def _with_compiler(config_settings: dict | None, environ=os.environ) -> dict | None:
+    """The settings with CMake pointed at the nvcc the build found: the wheels' where it
+    asked for them (in a build folder of their own), else an installed one; none where CUDA
+    is off or the user named a compiler."""
+    settings = dict(config_settings or {})
+    if cuda_setting(settings, environ) == "OFF" or chosen_compiler(settings, environ):
         return config_settings
-    nvcc = installed_pypi_nvcc()
-    if nvcc is None:  # --no-build-isolation without the wheels: CMake decides
-        return config_settings
-    complete_layout(nvcc)
-    return {**(config_settings or {}), "cmake.define.CMAKE_CUDA_COMPILER": nvcc}
+    if pypi_nvcc_requirements(settings, environ):
+        nvcc = installed_pypi_nvcc()
+        if nvcc is None:  # --no-build-isolation without the wheels: CMake decides
+            return config_settings
+        complete_layout(nvcc)
+        settings.setdefault("build-dir", PYPI_NVCC_BUILD_DIR)
+    else:
+        nvcc = system_nvcc(environ)
+        if nvcc is None:
+            return config_settings
+    return {**settings, _COMPILER_SETTING: nvcc}
 
 
 def get_requires_for_build_wheel(config_settings=None):

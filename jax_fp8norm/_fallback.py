@@ -1,8 +1,8 @@
 """Where the ops have no kernel of ours: the platforms jax lowers to that this build has no
 kernel for (TPU, ROCm, a GPU when the package was built without CUDA kernels). There each
-op lowers to its reference twin (jax_fp8norm.reference: the same bits as the kernels, by
-docs/spec.md, but several XLA fusions instead of one pass), with one warning per
-platform and process; ``FP8NORM_FALLBACK=error`` makes it an error instead."""
+op lowers to its reference twin (jax_fp8norm.reference: the spec's math in jnp, several
+XLA fusions instead of one pass), with one warning per platform and process;
+``FP8NORM_FALLBACK=error`` makes it an error instead."""
 
 from __future__ import annotations
 
@@ -32,11 +32,6 @@ def policy(environ=os.environ) -> str:
     return value
 
 
-def has_kernel(platform: str) -> bool:
-    """Whether this build has a kernel of ours for the lowering platform ``platform``."""
-    return platform == "cpu" or (platform == "cuda" and _ffi.built_with_cuda())
-
-
 def reason(platform: str) -> str:
     """Why ``platform`` has no kernel of ours, and the way to one."""
     if platform == "cuda":
@@ -61,11 +56,11 @@ def lower_to_twin(op: str, platforms) -> None:
             )
         if platform in _warned:
             continue
-        _warned.add(platform)
         warnings.warn(
-            f"jax_fp8norm's ops run as their jnp twins on platform {platform!r} (the same "
-            f"bits as the kernels, not fused, slower): {reason(platform)}. Set "
+            f"jax_fp8norm's ops run as their jnp twins on platform {platform!r} (the spec's "
+            f"math, not fused, slower): {reason(platform)}. Set "
             f"{FALLBACK_ENV}=error to make this an error.",
             KernelFallbackWarning,
             stacklevel=2,
         )
+        _warned.add(platform)

@@ -458,6 +458,8 @@ def _allreduce_lowering(platform: str | None):
 
     def lowering(ctx, *args, axes, method, reduce_dtype, **params):
         platform_here = platform or _lowering_platforms(ctx)[0]
+        if platform is None or (platform == "cuda" and not _ffi.built_with_cuda()):
+            _fallback.lower_to_twin("allreduce_residual_rms_norm_fp8", _lowering_platforms(ctx))
         x = ctx.avals_in[0]
         groups = _axis_groups(ctx, axes)
         chosen = _allreduce.select(

@@ -99,7 +99,13 @@ class RMSNormFP8(nnx.Module):
     @classmethod
     def from_rmsnorm(cls, norm: nnx.RMSNorm, **keywords) -> RMSNormFP8:
         """The module of ``norm`` (an ``nnx.RMSNorm`` over the last axis), with its
-        epsilon, dtypes and scale, quantising as ``keywords`` say."""
+        epsilon, dtypes and scale, quantising as ``keywords`` say. One that reduces over a
+        mesh axis (``axis_name``) is refused: the kernels normalise each row on its own."""
+        if getattr(norm, "axis_name", None) is not None:
+            raise ValueError(
+                f"the nnx.RMSNorm reduces over the mesh axis {norm.axis_name!r}; RMSNormFP8 "
+                "normalises each row on its own device"
+            )
         module = cls(
             norm.num_features,
             epsilon=norm.epsilon,
@@ -115,7 +121,8 @@ class RMSNormFP8(nnx.Module):
         return module
 
     def __call__(self, x: jax.Array, residual: jax.Array | None = None):
-        """``x``: ``[..., N]``. Returns ``(y, scales)``, or ``(y, scales, residual_out)``
+        """``x``: ``[..., N]`` (the second argument is a residual, not nnx.RMSNorm's mask,
+        which it has none of). Returns ``(y, scales)``, or ``(y, scales, residual_out)``
         with a residual; with ``dequantize=True``, ``f32(y) * scales`` (in ``dtype`` if
         set; and ``residual_out``)."""
         gamma = self.gamma if self.scale is None else self.scale[...]

@@ -1,6 +1,6 @@
 """The build backend's one addition to scikit-build-core: nvcc from PyPI where a build
 wants the CUDA kernels and the machine has no toolkit, nothing anywhere else. The build
-itself with the toolkit hidden is tools/checks/pypi_nvcc_check.sh (CI)."""
+itself with the toolkit hidden is tools/checks/wheel_check.sh (CI)."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def test_the_config_setting_wins_over_the_environment():
     assert _requirements("OFF", settings=settings) == NVCC_13
 
 
-def test_system_nvcc_looks_where_cmake_looks(tmp_path, monkeypatch):
+def test_system_nvcc_looks_where_toolkits_are(tmp_path, monkeypatch):
     nvcc = tmp_path / "cuda" / "bin" / "nvcc"
     nvcc.parent.mkdir(parents=True)
     nvcc.write_text("#!/bin/sh\n")
@@ -79,17 +79,50 @@ def test_system_nvcc_looks_where_cmake_looks(tmp_path, monkeypatch):
     assert fp8norm_build.system_nvcc({"PATH": empty}) == str(nvcc)
 
 
-def test_the_build_points_cmake_at_the_wheels_nvcc(tmp_path, monkeypatch):
+def test_the_build_names_the_nvcc_it_settled_on(tmp_path, monkeypatch):
     nvcc = tmp_path / fp8norm_build.PYPI_NVCC_PATH[13]
     nvcc.parent.mkdir(parents=True)
     nvcc.write_text("#!/bin/sh\n")
     nvcc.chmod(0o755)
     monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
-    monkeypatch.setattr(fp8norm_build, "pypi_nvcc_requirements", lambda settings: NVCC_13)
-    settings = fp8norm_build._with_compiler({"a": "b"})
-    assert settings == {"a": "b", "cmake.define.CMAKE_CUDA_COMPILER": str(nvcc)}
-    monkeypatch.setattr(fp8norm_build, "pypi_nvcc_requirements", lambda settings: [])
-    assert fp8norm_build._with_compiler({"a": "b"}) == {"a": "b"}
+    compiler = "cmake.define.CMAKE_CUDA_COMPILER"
+    # The wheels' nvcc, in a build folder of its own (unless one is given).
+    monkeypatch.setattr(fp8norm_build, "pypi_nvcc_requirements", lambda s, e: NVCC_13)
+    settings = fp8norm_build._with_compiler({"a": "b"}, {})
+    assert settings == {
+        "a": "b",
+        compiler: str(nvcc),
+        "build-dir": fp8norm_build.PYPI_NVCC_BUILD_DIR,
+    }
+    given = fp8norm_build._with_compiler({"build-dir": "mine"}, {})
+    assert given["build-dir"] == "mine"
+    # An installed nvcc, by name: CMake's own search misses /usr/local/cuda and CUDA_HOME.
+    monkeypatch.setattr(fp8norm_build, "pypi_nvcc_requirements", lambda s, e: [])
+    monkeypatch.setattr(fp8norm_build, "system_nvcc", lambda e: "/opt/cuda/bin/nvcc")
+    assert fp8norm_build._with_compiler({}, {}) == {compiler: "/opt/cuda/bin/nvcc"}
+    # CUDA off, or a compiler the user named: the settings as they are.
+    assert fp8norm_build._with_compiler({}, {"FP8NORM_CUDA": "off"}) == {}
+    named = {compiler: "/x/nvcc"}
+    assert fp8norm_build._with_compiler(named, {}) == named
+    assert fp8norm_build._with_compiler({}, {"CMAKE_ARGS": "-DCMAKE_CUDA_COMPILER=/y"}) == {}
+
+
+def test_settings_from_cmake_args_and_in_any_case():
+    assert fp8norm_build.cuda_setting({}, {"CMAKE_ARGS": "-DA=1 -DFP8NORM_CUDA:STRING=on"}) == "ON"
+    assert fp8norm_build.cuda_setting({}, {"FP8NORM_CUDA": "Off"}) == "OFF"
+    assert fp8norm_build.cuda_setting({}, {}) == "AUTO"
+    # A compiler the user named is a toolkit: nothing to download.
+    environ = {"FP8NORM_CUDA": "ON", "CMAKE_ARGS": "-DCMAKE_CUDA_COMPILER=/opt/nvcc"}
+    assert (
+        fp8norm_build.pypi_nvcc_requirements(
+            {},
+            environ,
+            find_nvcc=lambda e: None,
+            plugin_major=lambda: None,
+            driver_major=lambda: None,
+        )
+        == []
+    )
 
 
 def test_the_wheels_library_folder_is_found_under_both_names(tmp_path):

@@ -105,6 +105,7 @@ def test_allreduce_on_a_platform_without_kernels_sums_with_xla_then_runs_the_twi
         _export(lambda *a: allreduce(*a, method="one_shot"), ("tpu",), X, RESIDUAL, GAMMA)
 
 
+@pytest.mark.sampled(2)
 @pytest.mark.parametrize("name", RECIPE_NAMES)
 @pytest.mark.parametrize("op", ["rms", "add"])
 def test_the_twin_rule_reads_the_kernels_operands_as_the_kernel_does(op, name):

@@ -83,6 +83,7 @@ def _dequantized(v, scales, axis):
     return v * scales
 
 
+@pytest.mark.sampled(2)
 @pytest.mark.parametrize(
     "norm_kw",
     [

@@ -100,6 +100,8 @@ def test_the_constructor_refuses_what_the_kernels_cannot_do():
         RMSNormFP8(64, reduction_axes=0)
     with pytest.raises(TypeError, match=r"unexpected keyword.*axis_name"):
         RMSNormFP8(64, axis_name="tp")
+    with pytest.raises(ValueError, match="reduces over the mesh axis 'tp'"):
+        RMSNormFP8.from_rmsnorm(nnx.RMSNorm(64, axis_name="tp", rngs=nnx.Rngs(0)))
 
 
 def test_without_a_scale_parameter_and_with_an_initializer():

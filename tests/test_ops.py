@@ -35,7 +35,7 @@ def check_add(platform, x, residual, gamma, *, jit=True, **kw):
     return check_against_reference(platform, "add_rms_norm_fp8", x, residual, gamma, jit=jit, **kw)
 
 
-@pytest.mark.sampled(12)
+@pytest.mark.sampled(24)
 @pytest.mark.parametrize(
     "x_dtype,gamma_dtype,out_dtype,scale_dtype",
     list(itertools.product(FLOATS, FLOATS, FP8S, FLOATS)),
@@ -64,7 +64,7 @@ def test_ranks(platform, shape):
     check_add(platform, x, random_rows(5, shape, jnp.bfloat16), gamma)
 
 
-@pytest.mark.sampled(3)
+@pytest.mark.sampled(6)
 @pytest.mark.parametrize("hidden", [1, 2, 7, 97, 1025, 4096, 5137, 16384, 32768, 65536, 70001])
 @pytest.mark.parametrize("x_dtype", FLOATS, ids=lambda d: jnp.dtype(d).name)
 def test_hidden_sizes(platform, hidden, x_dtype):
@@ -290,7 +290,7 @@ def test_constants_reach_the_kernel(platform):
     assert (large < small).all()
 
 
-@pytest.mark.sampled(10)
+@pytest.mark.sampled(20)
 @pytest.mark.parametrize("x_dtype", FLOATS, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", [(64, 4096), (33, 1000), (3, 70001), (4096, 2)], ids=str)
 def test_bitwise_equal_to_reference(platform, x_dtype, shape):

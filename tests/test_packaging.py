@@ -58,7 +58,7 @@ def test_the_reason_names_the_fix():
         assert "FP8NORM_CUDA=ON python -m pip install ." in _ffi.CUDA_UNAVAILABLE_REASON
 
 
-def test_gpu_detection_does_not_start_jax_backends():
+def test_import_does_not_start_jax_backends():
     # At import, before a user's jax.distributed.initialize, the check must not start jax.
     script = (
         "from jax._src import xla_bridge; import jax_fp8norm;"

@@ -63,6 +63,7 @@ def test_the_table_is_the_documented_one():
         assert f"`{name}`" in readme, f"README does not name the recipe {name}"
 
 
+@pytest.mark.sampled(2)
 @pytest.mark.parametrize("name", RECIPE_NAMES)
 def test_a_recipe_is_the_keywords_it_sets(platform, name):
     x, gamma = _inputs()
@@ -177,6 +178,7 @@ def test_every_keyword_of_the_table_has_an_example_and_a_bad_value():
     assert set(KEYWORD_CASES) == set(NORM_KEYWORDS)
 
 
+@pytest.mark.sampled(2)
 @pytest.mark.parametrize("keyword", list(KEYWORD_CASES))
 def test_each_keywords_example_and_bad_value(platform, keyword):
     example, bad, error, match = KEYWORD_CASES[keyword]

@@ -16,12 +16,19 @@ print(tomllib.load(open("pyproject.toml", "rb"))["tool"]["jax_fp8norm"]["tested_
 EOF
 )"
 
-if [ ! -x "$root/usr/bin/python3" ]; then
+# A root is made once and marked when whole; a partial one is made again.
+if [ ! -e "$root/.made" ]; then
   start=$SECONDS
-  command -v debootstrap > /dev/null || apt-get install -y -q debootstrap > /dev/null
+  rm -rf "$root"
+  mkdir -p "$(dirname "$root")"
+  if ! command -v debootstrap > /dev/null; then
+    apt-get install -y -q debootstrap > /dev/null 2>&1 \
+      || { apt-get update -q > /dev/null && apt-get install -y -q debootstrap > /dev/null; }
+  fi
   debootstrap --variant=minbase \
     --include=python3,python3-venv,python3-dev,g++,cmake,git,make,ca-certificates \
     trixie "$root" > "$root.debootstrap.log" 2>&1 || { tail -20 "$root.debootstrap.log"; exit 1; }
+  touch "$root/.made"
   echo "== newest jax: the trixie root made in $((SECONDS - start)) s"
 fi
 cp /etc/resolv.conf "$root/etc/resolv.conf"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The wheel a GPU user without a CUDA toolkit gets (docs/install.md):
+# The wheel a GPU user without a CUDA toolkit gets (README, "Build options"):
 #   1. `FP8NORM_CUDA=ON python -m pip wheel .` with every nvcc of this machine hidden (a
 #      private mount namespace puts an empty folder over the toolkit's install folder, and
 #      PATH loses the folders that hold an nvcc), so the build backend must take nvcc from
@@ -21,10 +21,11 @@ ptxas=0
 [ "${1:-}" = "--ptxas" ] && ptxas=1
 
 # PATH without the folders that hold an nvcc; the toolkit's install folder, resolved.
-hidden_path=$(tr ':' '\n' <<< "$PATH" | while read -r dir; do
-  [ -n "$dir" ] && [ ! -e "$dir/nvcc" ] && printf '%s:' "$dir"
-done)
-hidden_path=${hidden_path%:}
+hidden_path=""
+IFS=: read -r -a path_dirs <<< "$PATH"
+for dir in "${path_dirs[@]}"; do
+  if [ -n "$dir" ] && [ ! -e "$dir/nvcc" ]; then hidden_path+="${hidden_path:+:}$dir"; fi
+done
 toolkit=$(realpath -m /usr/local/cuda)
 
 without_toolkit() {  # <command...>: runs the command with no nvcc in sight
