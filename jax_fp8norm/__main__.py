@@ -87,10 +87,10 @@ def _run_shape(rows: int, hidden: int, dtype, iters: int) -> bool:
         keywords = {"recipe": recipe}
         if recipe == "nvfp4":
             keywords["global_scale"] = _nvfp4_global_scale(x, gamma)
-        if hidden % fp8norm.recipes.recipe_keywords(recipe)["group_size"] == 0:
+        layout = fp8norm.recipes.recipe_keywords(recipe)
+        if hidden % layout["group_size"] == 0:
             rms = (fp8norm.rms_norm_fp8, fp8norm.reference.rms_norm_fp8, (x, gamma), keywords)
             cases.append((f"rms {recipe}", *rms))
-            layout = fp8norm.recipes.recipe_keywords(recipe)
             layout.pop("static_scale")
             formulas[f"rms {recipe}"] = functools.partial(
                 formula_rms_norm_fp8, **layout, global_scale=keywords.get("global_scale")

@@ -22,6 +22,7 @@ import numpy as np
 
 import jax_fp8norm as fp8norm
 from jax_fp8norm import reference, testing
+from jax_fp8norm._dtypes import OUT_MAX
 from jax_fp8norm.bench import timing
 from jax_fp8norm.bench.ops import PER_ROW_OPS, op_function
 from jax_fp8norm.bench.registry import Case, Implementation, Registry, Timing, spare_colour
@@ -59,8 +60,7 @@ def formula_rms_norm_fp8(
     """The textbook formula a user would write, without the reference's exactness (rsqrt,
     mean, divide by the scale): per row, or per group of ``group_size`` with scales in
     ``scale_dtype``, rounded up to a power of two if ``power_of_two_scales`` or in
-    ``float8_e8m0fnu``, and, for FP4 with
-    e4m3 scales, NVFP4's ``global_scale``."""
+    ``float8_e8m0fnu``, and, for FP4 with e4m3 scales, NVFP4's ``global_scale``."""
     h = x.astype(jnp.float32)
     r = jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
     normed = h * r * gamma.astype(jnp.float32)
@@ -69,7 +69,7 @@ def formula_rms_norm_fp8(
     n = x.shape[-1]
     group = group_size or n
     grouped = normed.reshape(x.shape[:-1] + (n // group, group))
-    out_max = float(jnp.finfo(out_dtype).max)
+    out_max = OUT_MAX[np.dtype(out_dtype)]
     scale = jnp.max(jnp.abs(grouped), axis=-1, keepdims=True) / out_max
     if power_of_two_scales or np.dtype(scale_dtype) == np.dtype(jnp.float8_e8m0fnu):
         scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
