@@ -12,7 +12,7 @@
 The contract is docs/spec.md; :mod:`jax_fp8norm.reference` holds the pure-jnp twins.
 """
 
-from jax_fp8norm import interop, recipes, reference, simt, testing
+from jax_fp8norm import interop, recipes, reference, simt, testing, training
 from jax_fp8norm._fallback import KernelFallbackWarning
 from jax_fp8norm._ffi import (
     built_with_cuda,
@@ -32,14 +32,22 @@ from jax_fp8norm.ops import (
     sharded_allreduce_residual_rms_norm_fp8,
 )
 from jax_fp8norm.recipes import RECIPES, dequantize
+from jax_fp8norm.training import (
+    add_rms_norm_backward,
+    add_rms_norm_fp8_training,
+    rms_norm_backward,
+    rms_norm_fp8_training,
+)
 
 __all__ = [
     "EXPORT_DISABLED_CHECKS",
     "FFI_TARGETS",
     "RECIPES",
     "KernelFallbackWarning",
+    "add_rms_norm_backward",
     "add_rms_norm_fp8",
     "add_rms_norm_fp8_dequantized",
+    "add_rms_norm_fp8_training",
     "allreduce_residual_rms_norm_fp8",
     "built_with_cuda",
     "cpu_kernel_variant",
@@ -49,10 +57,13 @@ __all__ = [
     "interop",
     "recipes",
     "reference",
+    "rms_norm_backward",
     "rms_norm_fp8",
     "rms_norm_fp8_dequantized",
+    "rms_norm_fp8_training",
     "sharded_allreduce_residual_rms_norm_fp8",
     "simt",
     "testing",
+    "training",
     "use_cuda_kernel",
 ]

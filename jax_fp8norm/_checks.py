@@ -303,6 +303,43 @@ def validate(x: Any, gamma: Any, residual: Any = None, **keywords: Any) -> NormC
     return NormCall(params, static_scale)
 
 
+def check_backward(
+    dn: Any,
+    x: Any,
+    gamma: Any,
+    inverse_rms: Any,
+    residual: Any = None,
+    d_residual_out: Any = None,
+    weight_offset: Any = 0.0,
+) -> float:
+    """Checks the backward's arguments; returns f32(T(weight_offset)), T being x's dtype."""
+    check_arrays(x, gamma, residual)
+    dn_dtype = _dtype_of(dn, "dn")
+    if dn_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dn must be {_FLOAT_NAMES}, got {dn_dtype}")
+    if tuple(dn.shape) != tuple(x.shape):
+        raise ValueError(f"dn must have the shape of x {tuple(x.shape)}, got {tuple(dn.shape)}")
+    if d_residual_out is not None:
+        dtype = _dtype_of(d_residual_out, "d_residual_out")
+        if dtype != residual.dtype or tuple(d_residual_out.shape) != tuple(x.shape):
+            raise TypeError(
+                f"d_residual_out must have the shape and dtype of residual ({tuple(x.shape)}, "
+                f"{residual.dtype}), got {tuple(d_residual_out.shape)}, {dtype}"
+            )
+    if _dtype_of(inverse_rms, "inverse_rms") != np.dtype(np.float32):
+        raise TypeError(f"inverse_rms must be float32, got {inverse_rms.dtype}")
+    rows_shape = tuple(x.shape[:-1]) + (1,)
+    if tuple(inverse_rms.shape) != rows_shape:
+        raise ValueError(
+            f"inverse_rms must have shape x.shape[:-1] + (1,) = {rows_shape} (the training "
+            f"form's), got {tuple(inverse_rms.shape)}"
+        )
+    wo = _round_through(_as_real(weight_offset, "weight_offset"), np.dtype(x.dtype))
+    if not np.isfinite(wo):
+        raise ValueError(f"weight_offset must be finite in {np.dtype(x.dtype)}, got {weight_offset}")
+    return wo
+
+
 def check_reduce_dtype(reduce_dtype: Any, x_dtype: Any) -> np.dtype:
     """The all-reduce's dtype: the input's (None) or float32."""
     if reduce_dtype is None:

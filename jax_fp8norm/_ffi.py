@@ -39,11 +39,20 @@ def check_version(module) -> None:
 # (src/common/ffi_registrations.h); the names of the targets are made here, once: the
 # same on every platform for the native kernels, "fp8norm_simt_<op>" for the emulated
 # CUDA kernels on the CPU backend.
-OPS = ("rms_norm_fp8", "add_rms_norm_fp8", "round")
+# The training forms ("<op>_training") save each row's r for the backward.
+OPS = (
+    "rms_norm_fp8",
+    "add_rms_norm_fp8",
+    "round",
+    "rms_norm_fp8_training",
+    "add_rms_norm_fp8_training",
+)
 # The one-kernel all-reduce: the CUDA modules (real and emulated) only, as the CPU
 # backend's all-reduce is XLA's own.
 PEER_OPS = ("allreduce_rms_norm_fp8",)
-TARGETS = {op: f"fp8norm_{op}" for op in OPS + PEER_OPS}
+# The backward kernels: the CPU module's so far (docs/spec.md, "Training").
+BACKWARD_OPS = ("rms_norm_backward", "add_rms_norm_backward")
+TARGETS = {op: f"fp8norm_{op}" for op in OPS + PEER_OPS + BACKWARD_OPS}
 EMULATED_TARGETS = {op: f"fp8norm_simt_{op}" for op in OPS + PEER_OPS}
 
 
@@ -81,7 +90,7 @@ def _register(module, targets: dict[str, str], platform: str, ops: tuple = OPS) 
         jax.ffi.register_ffi_target(targets[op], handler, platform=platform)
 
 
-_register(_fp8norm_cpu, TARGETS, "cpu")
+_register(_fp8norm_cpu, TARGETS, "cpu", OPS + BACKWARD_OPS)
 
 try:
     from jax_fp8norm_kernels import _fp8norm_cuda

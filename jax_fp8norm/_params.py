@@ -33,6 +33,8 @@ class NormParams:
     power_of_two_scales: bool = False  # also set for float8_e8m0fnu scales
     has_static_scale: bool = False  # a calibrated scale operand follows gamma
     has_global_scale: bool = False  # NVFP4's global scale operand follows gamma
+    # The training form: each row's r (float32 [..., 1]) is returned last, for the backward.
+    with_inverse_rms: bool = False
 
     @property
     def out_max(self) -> float:

@@ -42,7 +42,7 @@ def _jitted_bind(prim: Primitive, params: tuple, emulating: bool) -> callable:
     return jax.jit(functools.partial(prim.bind, **dict(params)))
 
 
-def _eager_impl(prim: Primitive, *args, **params):
+def eager_impl(prim: Primitive, *args, **params):
     """Eager calls compile the primitive once per set of parameters (and shapes), and per
     kind of kernel the CPU backend runs (native or emulated)."""
     return _jitted_bind(prim, tuple(sorted(params.items())), _ffi.emulating())(*args)
@@ -63,11 +63,14 @@ def _norm_attributes(params: dict, platform: str) -> dict:
 
 
 def _ffi_lowering(target: str, platform: str):
-    rule = jax.ffi.ffi_lowering(target)
+    """The op's target, or its training form's ("<target>_training"), which also returns
+    each row's r."""
+    rules = {False: jax.ffi.ffi_lowering(target), True: jax.ffi.ffi_lowering(f"{target}_training")}
 
     def lowering(ctx, *args, **params):
         if _empty_rows_are_constant(ctx):
             return _lower_empty_rows(ctx, args, params)
+        rule = rules[bool(params["with_inverse_rms"])]
         return rule(ctx, *args, **_norm_attributes(params, platform))
 
     return lowering
@@ -101,18 +104,23 @@ def _lower_empty_rows(ctx, args, params: dict):
     """The outputs of rows of no elements (_empty_rows_are_constant)."""
 
     def outputs(*operands):
-        y, scales, *residual_out = ctx.avals_out
+        y, scales, *rest = ctx.avals_out
+        inverse_rms = rest.pop() if params["with_inverse_rms"] else None
         scale = _empty_row_scale(params, operands[-1])
-        return [
+        outs = [
             jnp.zeros(y.shape, y.dtype),
             jnp.broadcast_to(scale, scales.shape),
-            *(jnp.zeros(r.shape, r.dtype) for r in residual_out),
+            *(jnp.zeros(r.shape, r.dtype) for r in rest),
         ]
+        if inverse_rms is not None:
+            empty = reference.inverse_rms(jnp.zeros((1, 0), jnp.float32), params["eps"])
+            outs.append(jnp.broadcast_to(empty.reshape(()), inverse_rms.shape))
+        return outs
 
     return mlir.lower_fun(outputs, multiple_results=True)(ctx, *args)
 
 
-def _lowering_platforms(ctx) -> tuple[str, ...]:
+def lowering_platforms(ctx) -> tuple[str, ...]:
     """The platforms a lowering rule lowers for: one, or those sharing this rule when
     jax.export lowers for several."""
     return tuple(getattr(ctx, "platforms", None) or ctx.module_context.platforms)
@@ -125,8 +133,14 @@ def _twin(*operands, **params):
     num_rows = _num_row_operands(len(operands), scale_operand is not None)
     gamma = operands[num_rows]
     if num_rows == 1:
-        return reference.quantize_rows(operands[0].astype(jnp.float32), gamma, p, scale_operand)
-    return reference.add_quantize(operands[0], operands[1], gamma, NormCall(p, scale_operand))
+        h = operands[0].astype(jnp.float32)
+        outs = reference.quantize_rows(h, gamma, p, scale_operand)
+    else:
+        outs = reference.add_quantize(operands[0], operands[1], gamma, NormCall(p, scale_operand))
+        h = operands[0].astype(jnp.float32) + operands[1].astype(jnp.float32)
+    if p.with_inverse_rms:
+        outs = (*outs, reference.inverse_rms(h, p.eps))
+    return outs
 
 
 def _twin_lowering(op: str):
@@ -134,7 +148,7 @@ def _twin_lowering(op: str):
     lower = mlir.lower_fun(_twin, multiple_results=True)
 
     def lowering(ctx, *args, **params):
-        _fallback.lower_to_twin(op, _lowering_platforms(ctx))
+        _fallback.lower_to_twin(op, lowering_platforms(ctx))
         return lower(ctx, *args, **params)
 
     return lowering
@@ -232,6 +246,8 @@ def _norm_abstract_eval(*avals, reduced_axes: tuple = (), **params):
     if _num_row_operands(len(avals), scale_operand) == 2:
         # x, residual, gamma: residual_out has the residual's dtype
         outs.append(x.update(shape=x.shape, dtype=avals[1].dtype, **types))
+    if params["with_inverse_rms"]:
+        outs.append(x.update(shape=x.shape[:-1] + (1,), dtype=np.dtype(np.float32), **types))
     return outs
 
 
@@ -308,7 +324,8 @@ def _partitioned(kernel: Primitive, params: tuple, num_operands: int):
     kwargs = dict(params)
     num_rows = _num_row_operands(num_operands, _has_scale_operand(kwargs))
     num_shared = num_operands - num_rows
-    num_results = num_rows + 1  # rms: (y, scales); add: (y, scales, residual_out)
+    # rms: (y, scales); add: (y, scales, residual_out); the training forms: then r
+    num_results = num_rows + 1 + int(bool(kwargs["with_inverse_rms"]))
 
     @custom_partitioning
     def call(*args):
@@ -332,6 +349,7 @@ def _partitioned(kernel: Primitive, params: tuple, num_operands: int):
     rows = "... n, " * num_rows
     shared = "n" + (", s" if num_shared == 2 else "")
     results = "... n, ... k" + (", ... n" if num_rows == 2 else "")
+    results += ", ... j" if kwargs["with_inverse_rms"] else ""
     call.def_partition(
         partition,
         infer_sharding_from_operands=infer,
@@ -401,7 +419,7 @@ def _make_norm_primitive(op: str) -> Primitive:
     prim = Primitive(name)
     prim.multiple_results = True
     prim.def_abstract_eval(_norm_abstract_eval)
-    prim.def_impl(functools.partial(_eager_impl, prim))
+    prim.def_impl(functools.partial(eager_impl, prim))
     mlir.register_lowering(prim, _partitioned_lowering(kernel))
     batching.primitive_batchers[prim] = _norm_batching_rule(prim)
     ad.primitive_jvps[prim] = _no_gradient(op)
@@ -457,9 +475,9 @@ def _allreduce_lowering(platform: str | None):
     platform without a kernel of ours, where the method is "xla" and the norm the twin."""
 
     def lowering(ctx, *args, axes, method, reduce_dtype, **params):
-        platform_here = platform or _lowering_platforms(ctx)[0]
+        platform_here = platform or lowering_platforms(ctx)[0]
         if platform is None or (platform == "cuda" and not _ffi.built_with_cuda()):
-            _fallback.lower_to_twin("allreduce_residual_rms_norm_fp8", _lowering_platforms(ctx))
+            _fallback.lower_to_twin("allreduce_residual_rms_norm_fp8", lowering_platforms(ctx))
         x = ctx.avals_in[0]
         groups = _axis_groups(ctx, axes)
         chosen = _allreduce.select(
@@ -519,11 +537,11 @@ def _round_lowering(target: str, platform: str):
     return lambda ctx, x, *, dtype: rule(ctx, x, fp4_layout=np.int64(_ffi.fp4_layout(platform)))
 
 
-round_p.def_impl(functools.partial(_eager_impl, round_p))
+round_p.def_impl(functools.partial(eager_impl, round_p))
 
 
 def _round_unavailable(ctx, x, *, dtype):
-    platforms = _lowering_platforms(ctx)
+    platforms = lowering_platforms(ctx)
     raise NotImplementedError(f"jax_fp8norm's rounding check has no kernel on {platforms}")
 
 

@@ -7,33 +7,29 @@ primitives' JVP rule, in jax_fp8norm._primitives).
 What training code differentiates instead is the dequantised output, ``f32(y) *
 f32(scales)`` (each scale repeated over its group, times NVFP4's global scale):
 :func:`rms_norm_fp8_dequantized` and :func:`add_rms_norm_fp8_dequantized` run the fused
-kernel forward and, backward, the straight-through rule: the cotangent of the dequantised
-output flows back as the gradient of the unquantised RMSNorm ``h * rsqrt(mean(h^2) + eps)
-* (gamma + weight_offset)``, computed in float32, to x, gamma and the residual (rounding,
-clamping, scale_ub and the choice of scales, dynamic or calibrated, are treated as the
-identity).
+kernel's training form forward (which saves each row's r) and, backward, the fused
+backward kernel (jax_fp8norm.training, docs/spec.md "Training: the backward pass"): the
+straight-through rule, the cotangent of the dequantised output arriving as that of the
+normalised ``n`` (rounding, clamping, scale_ub and the choice of scales, dynamic or
+calibrated, are treated as the identity), with order-free exact sums for each row's ``c``
+and for ``dgamma``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Unpack
 
 import jax
 import jax.numpy as jnp
 
+from jax_fp8norm._backward import add_rms_norm_backward_p, rms_norm_backward_p
 from jax_fp8norm._checks import validate
 from jax_fp8norm._params import NormKeywords, NormParams
 from jax_fp8norm._primitives import add_rms_norm_fp8_p, rms_norm_fp8_p
 from jax_fp8norm._signatures import norm_keywords
 from jax_fp8norm.recipes import dequantize
-
-
-def _rms_norm_f32(h: jax.Array, gamma: jax.Array, p: NormParams) -> jax.Array:
-    """The unquantised RMSNorm in float32, whose gradient is the straight-through one."""
-    h = h.astype(jnp.float32)
-    mean_square = jnp.mean(h * h, axis=-1, keepdims=True)
-    return h * jax.lax.rsqrt(mean_square + p.eps) * (gamma.astype(jnp.float32) + p.weight_offset)
 
 
 def _global_scale(p: NormParams, static: tuple) -> jax.Array | None:
@@ -43,19 +39,24 @@ def _global_scale(p: NormParams, static: tuple) -> jax.Array | None:
 
 @functools.cache
 def _rms_norm_dequantized(p: NormParams):
+    training = dataclasses.replace(p, with_inverse_rms=True)
+
     @jax.custom_vjp
     def fn(x, gamma, *static):
         y, scales = rms_norm_fp8_p.bind(x, gamma, *static, **p.as_dict())
         return dequantize(y, scales, _global_scale(p, static))
 
     def fwd(x, gamma, *static):
-        return fn(x, gamma, *static), (x, gamma, static)
+        y, scales, inverse_rms = rms_norm_fp8_p.bind(x, gamma, *static, **training.as_dict())
+        return dequantize(y, scales, _global_scale(p, static)), (x, gamma, inverse_rms, static)
 
     def bwd(saved, cotangent):
-        x, gamma, static = saved
-        _, vjp = jax.vjp(lambda x, g: _rms_norm_f32(x, g, p), x, gamma)
+        x, gamma, inverse_rms, static = saved
+        dx, dgamma = rms_norm_backward_p.bind(
+            cotangent, x, gamma, inverse_rms, weight_offset=p.weight_offset, add=False
+        )
         # The calibrated or global scale is a constant of the straight-through rule.
-        return (*vjp(cotangent), *(jnp.zeros_like(s) for s in static))
+        return (dx, dgamma.astype(gamma.dtype), *(jnp.zeros_like(s) for s in static))
 
     fn.defvjp(fwd, bwd)
     return fn
@@ -63,6 +64,8 @@ def _rms_norm_dequantized(p: NormParams):
 
 @functools.cache
 def _add_rms_norm_dequantized(p: NormParams):
+    training = dataclasses.replace(p, with_inverse_rms=True)
+
     @jax.custom_vjp
     def fn(x, residual, gamma, *static):
         y, scales, residual_out = add_rms_norm_fp8_p.bind(
@@ -71,18 +74,28 @@ def _add_rms_norm_dequantized(p: NormParams):
         return dequantize(y, scales, _global_scale(p, static)), residual_out
 
     def fwd(x, residual, gamma, *static):
-        return fn(x, residual, gamma, *static), (x, residual, gamma, static)
+        y, scales, residual_out, inverse_rms = add_rms_norm_fp8_p.bind(
+            x, residual, gamma, *static, **training.as_dict()
+        )
+        out = dequantize(y, scales, _global_scale(p, static)), residual_out
+        return out, (x, residual, gamma, inverse_rms, static)
 
     def bwd(saved, cotangents):
-        x, residual, gamma, static = saved
+        x, residual, gamma, inverse_rms, static = saved
         ct_normed, ct_residual_out = cotangents
-        h = x.astype(jnp.float32) + residual.astype(jnp.float32)
-        _, vjp = jax.vjp(lambda h, g: _rms_norm_f32(h, g, p), h, gamma)
-        ct_h, ct_gamma = vjp(ct_normed)
         # residual_out is h rounded to the residual's dtype: straight through as well.
-        ct_h = ct_h + ct_residual_out.astype(jnp.float32)
+        dx, dresidual, dgamma = add_rms_norm_backward_p.bind(
+            ct_normed,
+            ct_residual_out.astype(residual.dtype),
+            x,
+            residual,
+            gamma,
+            inverse_rms,
+            weight_offset=p.weight_offset,
+            add=True,
+        )
         zeros = tuple(jnp.zeros_like(s) for s in static)
-        return ct_h.astype(x.dtype), ct_h.astype(residual.dtype), ct_gamma, *zeros
+        return dx, dresidual, dgamma.astype(gamma.dtype), *zeros
 
     fn.defvjp(fwd, bwd)
     return fn

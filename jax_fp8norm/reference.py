@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_fp8norm._allreduce import xla_sum
-from jax_fp8norm._checks import check_axis_name, check_reduce_dtype, validate
+from jax_fp8norm._checks import check_axis_name, check_backward, check_reduce_dtype, validate
 from jax_fp8norm._dtypes import E8M0
 from jax_fp8norm._groups import as_bits, divide, fp4_groups, from_bits, power_of_two_exponents
 from jax_fp8norm._params import DEFAULT_EPS, NormKeywords, NormParams
@@ -24,13 +24,19 @@ from jax_fp8norm.recipes import dequantize
 __all__ = [
     "DEFAULT_EPS",
     "add_quantize",
+    "add_rms_norm_backward",
     "add_rms_norm_fp8",
+    "add_rms_norm_fp8_training",
     "all_reduce",
     "allreduce_residual_rms_norm_fp8",
     "dequantize",
+    "exact_sum",
     "fixed_order_sum",
+    "inverse_rms",
     "quantize_rows",
+    "rms_norm_backward",
     "rms_norm_fp8",
+    "rms_norm_fp8_training",
     "sum_of_squares",
 ]
 
@@ -133,22 +139,16 @@ def _exact_sum_limbs(h: jax.Array) -> jax.Array:
     width = -(-n // chunks)
     h = jnp.pad(h, ((0, 0), (0, chunks * width - n)))  # zeros add nothing
     base, pieces = _square_limbs(h.reshape(rows * chunks, width))
-    # Piece k of an element goes to limb base + k of its row's chunk: one scatter-add.
-    cell = jnp.arange(rows * chunks, dtype=jnp.uint32)[:, None] * jnp.uint32(_LIMBS) + base
-    at = jnp.stack([cell + jnp.uint32(k) for k in range(len(pieces))])
-    sums = jnp.zeros((rows * chunks * _LIMBS,), jnp.uint32)
-    sums = sums.at[at.reshape(-1)].add(jnp.stack(pieces).reshape(-1))
-    limbs = _carry(sums.reshape(rows, chunks, _LIMBS))
-    if chunks > 1:
-        limbs = _carry(limbs.sum(axis=1, dtype=jnp.uint32))
-    return limbs.reshape(rows, _LIMBS)
+    return _magnitude_limbs(base, pieces, rows, chunks)
 
 
-def _round_sum(limbs: jax.Array) -> jax.Array:
-    """The float32 of the exact sum in 16-bit ``limbs`` [R, L], rounded as the spec's
-    "The sum of squares" says: to nearest, ties to even, except that a sum within 2^-26 of
-    an ulp of a rounding tie rounds as the tie (s + RN(S - s), s = RN(S), rounded once more).
-    The compensated float32 sums of the kernels round those near-ties so."""
+def _round_sum(limbs: jax.Array, grid_exponent: int = -172, near_ties: bool = True) -> jax.Array:
+    """The float32 of the exact sum in 16-bit ``limbs`` [R, L] (value: sum of limbs[l] *
+    2^(16 l + grid_exponent)), rounded to nearest, ties to even, with the exponent range
+    unbounded, then +inf past float32 and +0 below 2^-126. ``near_ties``: as the spec's "The
+    sum of squares" says, a sum within 2^-26 of an ulp of a rounding tie rounds as the tie
+    (s + RN(S - s), s = RN(S), rounded once more); the compensated float32 sums of the
+    kernels round those near-ties so. Without it, the float32 nearest to the sum."""
     u32 = jnp.uint32
     rows, count = limbs.shape
     index = jnp.arange(count, dtype=jnp.int32)
@@ -172,16 +172,21 @@ def _round_sum(limbs: jax.Array) -> jax.Array:
     fraction = ((w[1] & u32(0xFF)) << 18) | (w[2] << 2) | (w[3] >> 14)
     rest_zero = ((w[3] & u32(0x3FFF)) == 0) & (w[4] == 0) & (left_out == 0) & ~below
     half = u32(1 << 25)
-    near_tie = (fraction == half - 1) | (fraction == half) | ((fraction == half + 1) & rest_zero)
-    up = jnp.where(near_tie, (significand & u32(1)) == 1, fraction >= half)
+    if near_ties:
+        near_tie = (fraction == half - 1) | (fraction == half) | ((fraction == half + 1) & rest_zero)
+        up = jnp.where(near_tie, (significand & u32(1)) == 1, fraction >= half)
+    else:
+        tie = (fraction == half) & rest_zero
+        up = jnp.where(tie, (significand & u32(1)) == 1, fraction > half)
     significand = significand + up.astype(u32)
     carried = significand >> 24  # rounded up to 2^24
     significand = jnp.where(carried == 1, u32(1 << 23), significand)
-    # The leading bit is bit 16 * top + 15 - shift of the grid, whose bit 0 is 2^-172.
-    biased = (top * 16 + 15 - shift.astype(jnp.int32)) - 45 + carried.astype(jnp.int32)
-    finite = from_bits((biased.astype(u32) << 23) | (significand & u32(0x7FFFFF)))
+    # The leading bit is bit 16 * top + 15 - shift of the grid.
+    leading = top * 16 + 15 - shift.astype(jnp.int32) + carried.astype(jnp.int32)
+    biased = leading + grid_exponent + 127
+    finite = from_bits((jnp.maximum(biased, 0).astype(u32) << 23) | (significand & u32(0x7FFFFF)))
     result = jnp.where(biased >= 255, jnp.float32(np.inf), finite)
-    return jnp.where(top >= 0, result, jnp.float32(0))
+    return jnp.where((top >= 0) & (biased > 0), result, jnp.float32(0))
 
 
 def sum_of_squares(h: jax.Array) -> jax.Array:
@@ -200,6 +205,106 @@ def sum_of_squares(h: jax.Array) -> jax.Array:
     total = jnp.where(overflow, jnp.float32(np.inf), total)
     total = jnp.where(jnp.any(exponent == 0xFF, axis=-1), jnp.float32(np.nan), total)
     return total.reshape(lead + (1,))
+
+
+# The backward's sums (docs/spec.md, "Training: the backward pass"): float32 terms of
+# either sign, summed exactly on a grid whose bit 0 is 2^-149. A finite term below 2^-126
+# counts as zero (flushed). A normal term is m * 2^(e - 1) units (m its 24-bit significand,
+# e its biased exponent): three 16-bit pieces at limb (e - 1) // 16. The positive and the
+# negative terms are summed apart, in the same integer limbs as the sum of squares, and
+# subtracted.
+_TERM_GRID_EXPONENT = -149
+
+
+def _term_limbs(bits: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+    """Each normal term's magnitude on the grid: (its lowest limb, three 16-bit pieces)."""
+    u32 = jnp.uint32
+    exponent = (bits >> 23) & u32(0xFF)
+    normal = (exponent > 0) & (exponent < 0xFF)
+    significand = jnp.where(normal, (bits & u32(0x7FFFFF)) | u32(0x800000), u32(0))
+    m0, m1 = significand & u32(_LIMB_MASK), significand >> 16
+    offset = jnp.maximum(exponent, u32(1)) - u32(1)  # 0..254
+    base, shift = offset >> 4, offset & u32(15)
+    back = u32(16) - shift
+    pieces = [
+        (m0 << shift) & u32(_LIMB_MASK),
+        ((m1 << shift) | (m0 >> back)) & u32(_LIMB_MASK),
+        m1 >> back,
+    ]
+    return base, pieces
+
+
+def _magnitude_limbs(base, pieces, rows: int, chunks: int) -> jax.Array:
+    """The exact sums of ``rows`` rows of pieces (each row in ``chunks`` cells of [rows *
+    chunks, width] arrays) as 16-bit limbs [rows, _LIMBS]: piece k of an element goes to limb
+    base + k of its row's chunk, in one scatter-add, then the chunks are carried and added."""
+    cell = jnp.arange(rows * chunks, dtype=jnp.uint32)[:, None] * jnp.uint32(_LIMBS) + base
+    at = jnp.stack([cell + jnp.uint32(k) for k in range(len(pieces))])
+    sums = jnp.zeros((rows * chunks * _LIMBS,), jnp.uint32)
+    sums = sums.at[at.reshape(-1)].add(jnp.stack(pieces).reshape(-1))
+    limbs = _carry(sums.reshape(rows, chunks, _LIMBS))
+    if chunks > 1:
+        limbs = _carry(limbs.sum(axis=1, dtype=jnp.uint32))
+    return limbs.reshape(rows, _LIMBS)
+
+
+def _subtract(big: jax.Array, small: jax.Array) -> jax.Array:
+    """``big - small`` of 16-bit limbs [R, L], big >= small."""
+
+    def step(borrow, limbs):
+        b, s = limbs
+        difference = b + jnp.uint32(1 << _LIMB_BITS) - s - borrow
+        return jnp.uint32(1) - (difference >> _LIMB_BITS), difference & jnp.uint32(_LIMB_MASK)
+
+    zero = jnp.zeros_like(big[..., 0])
+    _, out = jax.lax.scan(step, zero, (jnp.moveaxis(big, -1, 0), jnp.moveaxis(small, -1, 0)))
+    return jnp.moveaxis(out, 0, -1)
+
+
+def exact_sum(terms: jax.Array, axis: int = -1) -> jax.Array:
+    """The backward's sum of float32 ``terms`` along ``axis``: the float32 nearest to the
+    exact sum of the terms (ties to even), a term below 2^-126 counting as zero, then +-inf
+    past float32's largest and +0 below 2^-126 (an exact zero included). NaN where a term is
+    NaN or the terms hold both infinities, +-inf where they hold one. The same whatever the
+    order, in integer arithmetic that no XLA rewrite can change. ``axis`` is removed."""
+    terms = jnp.moveaxis(jnp.asarray(terms, jnp.float32), axis, -1)
+    lead, k = terms.shape[:-1], terms.shape[-1]
+    rows = int(np.prod(lead))
+    if k == 0 or rows == 0:
+        return jnp.zeros(lead, jnp.float32)
+    chunks = max(1, -(-k // _CHUNK))
+    if chunks > _MAX_CHUNKS:
+        raise ValueError(f"sums of {k} terms: at most {_CHUNK * _MAX_CHUNKS} supported")
+    width = -(-k // chunks)
+    flat = jnp.pad(terms.reshape(rows, k), ((0, 0), (0, chunks * width - k)))
+    bits = as_bits(flat.reshape(rows * chunks, width))
+    base, pieces = _term_limbs(bits)
+    negative = (bits >> 31) == 1
+    sums = [
+        _magnitude_limbs(base, [jnp.where(sign, p, jnp.uint32(0)) for p in pieces],
+                         rows, chunks)
+        for sign in (~negative, negative)
+    ]
+    positive, negative_sum = sums
+    index = jnp.arange(_LIMBS, dtype=jnp.int32)
+    differ = jnp.max(jnp.where(positive != negative_sum, index, -1), axis=-1)
+    at = jnp.maximum(differ, 0)[:, None]
+    below = (jnp.take_along_axis(positive, at, -1) < jnp.take_along_axis(negative_sum, at, -1))[:, 0]
+    big = jnp.where(below[:, None], negative_sum, positive)
+    small = jnp.where(below[:, None], positive, negative_sum)
+    magnitude = _round_sum(_subtract(big, small), _TERM_GRID_EXPONENT, near_ties=False)
+    total = jnp.where(below, -magnitude, magnitude)
+    total = jnp.where(differ < 0, jnp.float32(0), total)
+    exponent = (bits >> 23) & jnp.uint32(0xFF)
+    mantissa = bits & jnp.uint32(0x7FFFFF)
+    special = (exponent == 0xFF).reshape(rows, -1)
+    nan = jnp.any(special & (mantissa != 0).reshape(rows, -1), axis=-1)
+    plus_inf = jnp.any(special & (mantissa == 0).reshape(rows, -1) & ~negative.reshape(rows, -1), -1)
+    minus_inf = jnp.any(special & (mantissa == 0).reshape(rows, -1) & negative.reshape(rows, -1), -1)
+    total = jnp.where(plus_inf, jnp.float32(np.inf), total)
+    total = jnp.where(minus_inf, jnp.float32(-np.inf), total)
+    total = jnp.where(nan | (plus_inf & minus_inf), jnp.float32(np.nan), total)
+    return total.reshape(lead)
 
 
 def _nearest_scales(amax: jax.Array, p: NormParams) -> tuple[jax.Array, jax.Array]:
@@ -223,6 +328,21 @@ def _static_scales(static_scale: jax.Array, p: NormParams) -> tuple[jax.Array, j
     return scale32, jnp.where(valid, recip, jnp.float32(np.nan))
 
 
+def _inverse_rms_of(sum_sq: jax.Array, n: int, eps: float) -> jax.Array:
+    """Step 2: r = 1 / sqrt(ss / N + eps32), 0 where the denominator is 0; a row of no
+    elements has a mean square of 0."""
+    f32 = jnp.float32
+    denom = divide(sum_sq, max(n, 1)) + f32(eps)
+    return jnp.where(denom == 0, f32(0), divide(jnp.ones_like(denom), jnp.sqrt(denom)))
+
+
+def inverse_rms(h: jax.Array, eps: float) -> jax.Array:
+    """Each row's r (step 2) of float32 rows ``h`` [..., N], with ``eps`` already rounded
+    (f32(T(eps))): what the training forms return, float32 ``[..., 1]``."""
+    h = jnp.asarray(h, jnp.float32)
+    return _inverse_rms_of(sum_of_squares(h), h.shape[-1], eps)
+
+
 def quantize_rows(
     h: jax.Array, gamma: jax.Array, p: NormParams, scale_operand: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
@@ -235,8 +355,7 @@ def quantize_rows(
     groups = p.groups(n)
     rows = h.shape[:-1]
     sum_sq = sum_of_squares(h)  # [..., 1]
-    denom = divide(sum_sq, max(n, 1)) + f32(p.eps)
-    r = jnp.where(denom == 0, f32(0), divide(jnp.ones_like(denom), jnp.sqrt(denom)))
+    r = _inverse_rms_of(sum_sq, n, p.eps)
     normed = (h * r) * _plus_constant(gamma.astype(f32), p.weight_offset)
     grouped = normed.reshape(rows + (groups, n // groups if groups else 0))
     row_finite = jnp.isfinite(sum_sq)
@@ -293,6 +412,109 @@ def _plus_constant(value: jax.Array, constant: float) -> jax.Array:
         return value + jnp.float32(constant)
     bits = as_bits(value)
     return from_bits(jnp.where(bits == jnp.uint32(0x80000000), jnp.uint32(0), bits))
+
+
+def flush_subnormal(v: jax.Array) -> jax.Array:
+    """float32 ``v``, a zero of its sign where ``|v| < 2^-126``: the backward's rule for every
+    input and result (docs/spec.md, "Training: the backward pass")."""
+    bits = as_bits(v)
+    return jnp.where((bits & jnp.uint32(0x7F800000)) == 0, from_bits(bits & jnp.uint32(0x80000000)), v)
+
+
+def backward_rows(
+    dn: jax.Array, h: jax.Array, gamma: jax.Array, r: jax.Array, weight_offset: float
+) -> tuple[jax.Array, jax.Array]:
+    """The backward of steps 2-3 on float32 rows ``h`` [R, N] with their saved ``r`` [R, 1]
+    and the cotangent ``dn`` of n: (dx [R, N] float32, before any rounding to a dtype;
+    dgamma [N] float32). ``weight_offset``: f32(T(weight_offset))."""
+    f32 = jnp.float32
+    flush = flush_subnormal
+    n = h.shape[-1]
+    g = flush(_plus_constant(jnp.asarray(gamma).astype(f32), weight_offset))
+    dn = flush(jnp.asarray(dn).astype(f32))
+    u = flush(flush(h) * r)
+    a = flush(dn * g)
+    c = exact_sum(flush(a * u), axis=-1)[..., None]
+    c_over_n = flush(divide(c, max(n, 1)))
+    dx = flush(r * flush(a - flush(u * c_over_n)))
+    dgamma = exact_sum(flush(dn * u).reshape(-1, n), axis=0)
+    return dx, dgamma
+
+
+def rms_norm_backward(
+    dn: jax.Array, x: jax.Array, gamma: jax.Array, inverse_rms: jax.Array, *, weight_offset=0.0
+) -> tuple[jax.Array, jax.Array]:
+    """Reference of :func:`jax_fp8norm.rms_norm_backward`; same arguments and results."""
+    wo = check_backward(dn, x, gamma, inverse_rms, weight_offset=weight_offset)
+    return backward(dn, x, gamma, inverse_rms, wo)
+
+
+def add_rms_norm_backward(
+    dn: jax.Array,
+    d_residual_out: jax.Array,
+    x: jax.Array,
+    residual: jax.Array,
+    gamma: jax.Array,
+    inverse_rms: jax.Array,
+    *,
+    weight_offset=0.0,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Reference of :func:`jax_fp8norm.add_rms_norm_backward`; same arguments and results."""
+    wo = check_backward(dn, x, gamma, inverse_rms, residual, d_residual_out, weight_offset)
+    return add_backward(dn, d_residual_out, x, residual, gamma, inverse_rms, wo)
+
+
+def backward(dn, x, gamma, inverse_rms, weight_offset: float):
+    """(dx in x's dtype, dgamma float32 [N]) of checked arrays of any rank."""
+    n = x.shape[-1]
+    rows = (-1, n)
+    dx, dgamma = backward_rows(
+        dn.reshape(rows), x.reshape(rows).astype(jnp.float32), gamma,
+        inverse_rms.reshape(-1, 1), weight_offset,
+    )
+    return dx.reshape(x.shape).astype(x.dtype), dgamma
+
+
+def add_backward(dn, d_residual_out, x, residual, gamma, inverse_rms, weight_offset: float):
+    """(dx, dresidual, dgamma) of checked arrays: dh = dx + f32(d_residual_out), rounded to
+    x's and the residual's dtypes."""
+    n = x.shape[-1]
+    rows = (-1, n)
+    h = x.reshape(rows).astype(jnp.float32) + residual.reshape(rows).astype(jnp.float32)
+    dx, dgamma = backward_rows(dn.reshape(rows), h, gamma, inverse_rms.reshape(-1, 1), weight_offset)
+    dh = flush_subnormal(dx + flush_subnormal(d_residual_out.reshape(rows).astype(jnp.float32)))
+    dh = dh.reshape(x.shape)
+    return dh.astype(x.dtype), dh.astype(residual.dtype), dgamma
+
+
+@norm_keywords
+def rms_norm_fp8_training(
+    x: jax.Array, gamma: jax.Array, **keywords: Unpack[NormKeywords]
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Reference of :func:`jax_fp8norm.rms_norm_fp8_training`: ``(y, scales, inverse_rms)``.
+
+    Keywords:
+      {keywords}
+    """
+    y, scales = rms_norm_fp8(x, gamma, **keywords)
+    call = validate(x, gamma, **keywords)
+    return y, scales, inverse_rms(jnp.asarray(x).astype(jnp.float32), call.params.eps)
+
+
+@norm_keywords
+def add_rms_norm_fp8_training(
+    x: jax.Array, residual: jax.Array, gamma: jax.Array, **keywords: Unpack[NormKeywords]
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Reference of :func:`jax_fp8norm.add_rms_norm_fp8_training`:
+    ``(y, scales, residual_out, inverse_rms)``.
+
+    Keywords:
+      {keywords}
+    """
+    y, scales, residual_out = add_rms_norm_fp8(x, residual, gamma, **keywords)
+    call = validate(x, gamma, residual, **keywords)
+    h = jnp.asarray(x).astype(jnp.float32) + jnp.asarray(residual).astype(jnp.float32)
+    return y, scales, residual_out, inverse_rms(h, call.params.eps)
 
 
 @norm_keywords

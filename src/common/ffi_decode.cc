@@ -177,6 +177,89 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
   return ffi::Error::Success();
 }
 
+ffi::Error DecodeInverseRms(ffi::Result<ffi::AnyBuffer>& inverse_rms, RmsNormFp8Args* args) {
+  if (inverse_rms->element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(inverse_rms->element_count()) != args->rows) {
+    return Invalid("inverse_rms must be float32 with one element per row");
+  }
+  args->inverse_rms = static_cast<float*>(inverse_rms->untyped_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error DecodeRmsNormBackward(const ffi::AnyBuffer& dn, const ffi::AnyBuffer* d_residual_out,
+                                 const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
+                                 const ffi::AnyBuffer& gamma, const ffi::AnyBuffer& inverse_rms,
+                                 ffi::Result<ffi::AnyBuffer>& dx,
+                                 ffi::Result<ffi::AnyBuffer>* dresidual,
+                                 ffi::Result<ffi::AnyBuffer>& dgamma, float weight_offset,
+                                 RmsNormBackwardArgs* args) {
+  const auto dims = x.dimensions();
+  if (dims.size() < 1) return Invalid("x must have rank >= 1");
+  const auto input_type = FloatTypeOf(x.element_type());
+  if (!input_type) return Invalid("x must be float32, float16 or bfloat16");
+  const int64_t hidden = dims.back();
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < dims.size(); ++i) rows *= dims[i];
+  const auto dn_type = FloatTypeOf(dn.element_type());
+  if (!dn_type || !(dn.dimensions() == dims)) {
+    return Invalid("dn must have the shape of x and a float dtype");
+  }
+  const auto gamma_type = FloatTypeOf(gamma.element_type());
+  if (!gamma_type || gamma.dimensions().size() != 1 || gamma.dimensions()[0] != hidden) {
+    return Invalid("gamma must be a float of shape (hidden,)");
+  }
+  if (inverse_rms.element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(inverse_rms.element_count()) != rows) {
+    return Invalid("inverse_rms must be float32 with one element per row");
+  }
+  if (dx->element_type() != x.element_type() || !(dx->dimensions() == dims)) {
+    return Invalid("dx must have the shape and dtype of x");
+  }
+  if (dgamma->element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(dgamma->element_count()) != hidden) {
+    return Invalid("dgamma must be float32 of shape (hidden,)");
+  }
+  if ((residual == nullptr) != (d_residual_out == nullptr) ||
+      (residual == nullptr) != (dresidual == nullptr)) {
+    return Invalid("residual, d_residual_out and dresidual go together");
+  }
+  FloatType residual_type = *input_type;
+  if (residual != nullptr) {
+    const auto type = FloatTypeOf(residual->element_type());
+    if (!type || (*type != *input_type && *input_type != FloatType::kF32) ||
+        !(residual->dimensions() == dims)) {
+      return Invalid("residual must have the shape of x and its dtype (or x must be float32)");
+    }
+    residual_type = *type;
+    for (const ffi::AnyBuffer* buffer :
+         {d_residual_out, static_cast<const ffi::AnyBuffer*>(&**dresidual)}) {
+      if (buffer->element_type() != residual->element_type() || !(buffer->dimensions() == dims)) {
+        return Invalid("d_residual_out and dresidual must have the shape and dtype of residual");
+      }
+    }
+  }
+  if (!std::isfinite(weight_offset)) return Invalid("weight_offset must be finite");
+  *args = RmsNormBackwardArgs{
+      dn.untyped_data(),
+      x.untyped_data(),
+      residual != nullptr ? residual->untyped_data() : nullptr,
+      d_residual_out != nullptr ? d_residual_out->untyped_data() : nullptr,
+      gamma.untyped_data(),
+      static_cast<const float*>(inverse_rms.untyped_data()),
+      dx->untyped_data(),
+      dresidual != nullptr ? (*dresidual)->untyped_data() : nullptr,
+      static_cast<float*>(dgamma->untyped_data()),
+      rows,
+      hidden,
+      *dn_type,
+      *input_type,
+      residual_type,
+      *gamma_type,
+      weight_offset,
+  };
+  return ffi::Error::Success();
+}
+
 ffi::Error DecodeRound(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out,
                        int64_t fp4_layout, RoundArgs* args) {
   if (in.element_type() != ffi::DataType::F32) return Invalid("round: input must be float32");

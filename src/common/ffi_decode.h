@@ -5,8 +5,10 @@
 
 #include <cstdint>
 #include <optional>
+#include <utility>
 
 #include "named_codes.h"
+#include "rms_norm_backward.h"
 #include "rms_norm_fp8.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -49,33 +51,89 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
                             ffi::Result<ffi::AnyBuffer>* residual_out,
                             const NormAttributes& attributes, RmsNormFp8Args* args);
 
+// The training form's extra result: each row's r, float32 of shape x.shape[:-1] + (1,).
+ffi::Error DecodeInverseRms(ffi::Result<ffi::AnyBuffer>& inverse_rms, RmsNormFp8Args* args);
+
+// The backward of both ops (rms_norm_fp8: residual, d_residual_out and dresidual null).
+ffi::Error DecodeRmsNormBackward(const ffi::AnyBuffer& dn, const ffi::AnyBuffer* d_residual_out,
+                                 const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
+                                 const ffi::AnyBuffer& gamma, const ffi::AnyBuffer& inverse_rms,
+                                 ffi::Result<ffi::AnyBuffer>& dx,
+                                 ffi::Result<ffi::AnyBuffer>* dresidual,
+                                 ffi::Result<ffi::AnyBuffer>& dgamma, float weight_offset,
+                                 RmsNormBackwardArgs* args);
+
 // The signatures of the two norm targets, the same on every platform but for the
 // context (Ctx: the CPU's thread pool, the GPU's stream and device): x, [residual,]
 // gamma, an optional scale operand; y, scales[, residual_out]; the attributes.
-template <typename Ctx>
+// The training forms (kTraining) return each row's r last.
+template <typename Ctx, bool kTraining = false>
 auto RmsNormFp8Binding() {
+  auto binding = ffi::Ffi::Bind()
+                     .Ctx<Ctx>()
+                     .template Arg<ffi::AnyBuffer>()          // x
+                     .template Arg<ffi::AnyBuffer>()          // gamma
+                     .template OptionalArg<ffi::AnyBuffer>()  // static_scale or global_scale
+                     .template Ret<ffi::AnyBuffer>()          // y
+                     .template Ret<ffi::AnyBuffer>();         // scales
+  if constexpr (kTraining) {
+    return std::move(binding)
+        .template Ret<ffi::AnyBuffer>()  // inverse_rms
+        .template Attrs<NormAttributes>();
+  } else {
+    return std::move(binding).template Attrs<NormAttributes>();
+  }
+}
+
+template <typename Ctx, bool kTraining = false>
+auto AddRmsNormFp8Binding() {
+  auto binding = ffi::Ffi::Bind()
+                     .Ctx<Ctx>()
+                     .template Arg<ffi::AnyBuffer>()          // x
+                     .template Arg<ffi::AnyBuffer>()          // residual
+                     .template Arg<ffi::AnyBuffer>()          // gamma
+                     .template OptionalArg<ffi::AnyBuffer>()  // static_scale or global_scale
+                     .template Ret<ffi::AnyBuffer>()          // y
+                     .template Ret<ffi::AnyBuffer>()          // scales
+                     .template Ret<ffi::AnyBuffer>();         // residual_out
+  if constexpr (kTraining) {
+    return std::move(binding)
+        .template Ret<ffi::AnyBuffer>()  // inverse_rms
+        .template Attrs<NormAttributes>();
+  } else {
+    return std::move(binding).template Attrs<NormAttributes>();
+  }
+}
+
+// The backward targets: dn, [d_residual_out,] x, [residual,] gamma, inverse_rms; dx,
+// [dresidual,] dgamma; the rounded weight_offset.
+template <typename Ctx>
+auto RmsNormBackwardBinding() {
   return ffi::Ffi::Bind()
       .Ctx<Ctx>()
-      .template Arg<ffi::AnyBuffer>()          // x
-      .template Arg<ffi::AnyBuffer>()          // gamma
-      .template OptionalArg<ffi::AnyBuffer>()  // static_scale or global_scale
-      .template Ret<ffi::AnyBuffer>()          // y
-      .template Ret<ffi::AnyBuffer>()          // scales
-      .template Attrs<NormAttributes>();
+      .template Arg<ffi::AnyBuffer>()  // dn
+      .template Arg<ffi::AnyBuffer>()  // x
+      .template Arg<ffi::AnyBuffer>()  // gamma
+      .template Arg<ffi::AnyBuffer>()  // inverse_rms
+      .template Ret<ffi::AnyBuffer>()  // dx
+      .template Ret<ffi::AnyBuffer>()  // dgamma
+      .template Attr<float>("weight_offset");
 }
 
 template <typename Ctx>
-auto AddRmsNormFp8Binding() {
+auto AddRmsNormBackwardBinding() {
   return ffi::Ffi::Bind()
       .Ctx<Ctx>()
-      .template Arg<ffi::AnyBuffer>()          // x
-      .template Arg<ffi::AnyBuffer>()          // residual
-      .template Arg<ffi::AnyBuffer>()          // gamma
-      .template OptionalArg<ffi::AnyBuffer>()  // static_scale or global_scale
-      .template Ret<ffi::AnyBuffer>()          // y
-      .template Ret<ffi::AnyBuffer>()          // scales
-      .template Ret<ffi::AnyBuffer>()          // residual_out
-      .template Attrs<NormAttributes>();
+      .template Arg<ffi::AnyBuffer>()  // dn
+      .template Arg<ffi::AnyBuffer>()  // d_residual_out
+      .template Arg<ffi::AnyBuffer>()  // x
+      .template Arg<ffi::AnyBuffer>()  // residual
+      .template Arg<ffi::AnyBuffer>()  // gamma
+      .template Arg<ffi::AnyBuffer>()  // inverse_rms
+      .template Ret<ffi::AnyBuffer>()  // dx
+      .template Ret<ffi::AnyBuffer>()  // dresidual
+      .template Ret<ffi::AnyBuffer>()  // dgamma
+      .template Attr<float>("weight_offset");
 }
 
 // fp4_layout: as NormAttributes::fp4_layout, for a float4_e2m1fn output.

@@ -16,6 +16,15 @@ struct OpHandlers {
   FfiHandler* rms_norm_fp8;
   FfiHandler* add_rms_norm_fp8;
   FfiHandler* round;
+  // The training forms: the same, with each row's r as a last result.
+  FfiHandler* rms_norm_fp8_training;
+  FfiHandler* add_rms_norm_fp8_training;
+};
+
+// The backward kernels, which only the CPU module has so far.
+struct BackwardHandlers {
+  FfiHandler* rms_norm_backward = nullptr;
+  FfiHandler* add_rms_norm_backward = nullptr;
 };
 
 // A stage before execution ("initialize" or "instantiate") that every op of a platform
@@ -39,7 +48,8 @@ struct PeerOpHandlers {
 // {op name: the capsule, or {first stage: capsule, "execute": capsule}} as
 // jax.ffi.register_ffi_target takes it.
 inline nanobind::dict Registrations(const OpHandlers& ops, FirstStage first = {},
-                                    PeerOpHandlers peer_ops = {}) {
+                                    PeerOpHandlers peer_ops = {},
+                                    BackwardHandlers backward = {}) {
   const auto entry = [&](FfiHandler* first_stage, FfiHandler* execute) -> nanobind::object {
     if (first_stage == nullptr) return FfiCapsule(execute);
     nanobind::dict stages;
@@ -51,6 +61,12 @@ inline nanobind::dict Registrations(const OpHandlers& ops, FirstStage first = {}
   targets["rms_norm_fp8"] = entry(first.handler, ops.rms_norm_fp8);
   targets["add_rms_norm_fp8"] = entry(first.handler, ops.add_rms_norm_fp8);
   targets["round"] = entry(first.handler, ops.round);
+  targets["rms_norm_fp8_training"] = entry(first.handler, ops.rms_norm_fp8_training);
+  targets["add_rms_norm_fp8_training"] = entry(first.handler, ops.add_rms_norm_fp8_training);
+  if (backward.rms_norm_backward != nullptr) {
+    targets["rms_norm_backward"] = entry(first.handler, backward.rms_norm_backward);
+    targets["add_rms_norm_backward"] = entry(first.handler, backward.add_rms_norm_backward);
+  }
   if (peer_ops.allreduce_rms_norm_fp8 != nullptr) {
     targets["allreduce_rms_norm_fp8"] = entry(peer_ops.set_up, peer_ops.allreduce_rms_norm_fp8);
   }

@@ -385,9 +385,9 @@ FP8NORM_HD SumOfSquares Combine(SumOfSquares a, SumOfSquares b) {
 FP8NORM_HD float Total(SumOfSquares acc) { return acc.hi + acc.lo; }
 
 // 1 / sqrt(mean_sq + eps), 0 when the denominator is exactly 0 (an all-zero row with an
-// eps that rounded to zero).
+// eps that rounded to zero). A row of no elements has a mean square of 0.
 FP8NORM_HD float InverseRms(float sum_sq, int64_t hidden, float eps) {
-  const float denom = sum_sq / float(hidden) + eps;
+  const float denom = (hidden > 0 ? sum_sq / float(hidden) : 0.0f) + eps;
   return denom == 0.0f ? 0.0f : 1.0f / sqrtf(denom);
 }
 
@@ -544,6 +544,161 @@ FP8NORM_HD Fp4Scale Mxfp4Scale(float sum_sq, uint32_t amax_bits, float ub) {
 FP8NORM_HD uint8_t QuantizeFp4Element(float normed, const Fp4Scale& s) {
   const float v = s.nvfp4 ? (normed / s.global_scale) / s.scale : normed * s.recip;
   return s.zero ? uint8_t{0} : Fp4Code(v);
+}
+
+// ---------------------------------------------------------------------------------
+// The backward pass (docs/spec.md, "Training: the backward pass"). Every input and every
+// result of a float32 operation below 2^-126 in magnitude is taken as a zero of its sign,
+// explicitly, so that the bits do not depend on whether the hardware flushes subnormals.
+// ---------------------------------------------------------------------------------
+
+// v, or a zero of v's sign where |v| < 2^-126.
+FP8NORM_HD float FlushSubnormal(float v) {
+  const uint32_t u = BitsOf(v);
+  return FloatOf(Select((u & kF32Inf) == 0, u & 0x80000000u, u));
+}
+
+// u_j = f32(h_j * r): the normalised input before gamma.
+FP8NORM_HD float NormalizedInput(float h, float r) {
+  return FlushSubnormal(FlushSubnormal(h) * r);
+}
+
+// a_j = dn_j * g_j, g_j = f32(gamma_j) + wo32 (flushed by the caller once per call).
+FP8NORM_HD float GradTimesGamma(float dn, float g) {
+  return FlushSubnormal(FlushSubnormal(dn) * g);
+}
+
+// A float32 term of one of the backward's sums: a_j * u_j for c, dn_j * u_j for dgamma.
+FP8NORM_HD float ProductTerm(float p, float u) { return FlushSubnormal(p * u); }
+
+// c / N: the row's mean of a_j * u_j.
+FP8NORM_HD float MeanOfTerms(float c, int64_t hidden) {
+  return FlushSubnormal(c / float(hidden));
+}
+
+// dx_j = r * (a_j - u_j * (c / N)).
+FP8NORM_HD float InputGradient(float a, float u, float c_over_n, float r) {
+  return FlushSubnormal(r * FlushSubnormal(a - FlushSubnormal(u * c_over_n)));
+}
+
+// dh_j = dx_j + f32(d_residual_out_j), the add variants' gradient of h.
+FP8NORM_HD float PlusResidualGradient(float dx, float d_residual_out) {
+  return FlushSubnormal(dx + FlushSubnormal(d_residual_out));
+}
+
+// The exact sum of float32 terms, rounded once: the backward's two sums. Every finite
+// nonzero term is m * 2^(e - 1) units of 2^-149 (m its 24-bit significand, e its biased
+// exponent, 1..254), added as an integer to 32-bit digits held in int64 limbs: limb k
+// counts units of 2^(32 k - 149). A term touches two limbs and moves each by less than
+// 2^32, so 2^31 terms never overflow a limb; the top limb takes the carries. Integer
+// addition is associative: the result is the same for every order, split and merge.
+struct ExactSum {
+  static constexpr int kLimbs = 9;  // 253 + 24 bits of terms; the top limb holds the rest
+  int64_t limbs[kLimbs];
+  uint32_t specials;  // kSumNan | kSumPlusInf | kSumMinusInf
+};
+
+constexpr uint32_t kSumNan = 1u;
+constexpr uint32_t kSumPlusInf = 2u;
+constexpr uint32_t kSumMinusInf = 4u;
+
+FP8NORM_HD void Clear(ExactSum& acc) {
+  for (int k = 0; k < ExactSum::kLimbs; ++k) acc.limbs[k] = 0;
+  acc.specials = 0;
+}
+
+// Adds one term; a term below 2^-126 in magnitude (a flushed subnormal) adds nothing.
+FP8NORM_HD void Add(ExactSum& acc, float term) {
+  const uint32_t u = BitsOf(term);
+  const uint32_t exponent = (u >> 23) & 0xffu;
+  if (exponent == 0) return;
+  const bool negative = (u >> 31) != 0;
+  if (exponent == 0xffu) {
+    acc.specials |= (u & 0x7fffffu) != 0 ? kSumNan : (negative ? kSumMinusInf : kSumPlusInf);
+    return;
+  }
+  const uint32_t offset = exponent - 1u;
+  const uint64_t shifted = uint64_t((u & 0x7fffffu) | 0x800000u) << (offset & 31u);
+  const int64_t low = int64_t(shifted & 0xffffffffu);
+  const int64_t high = int64_t(shifted >> 32);
+  const int k = int(offset >> 5);
+  acc.limbs[k] += negative ? -low : low;
+  acc.limbs[k + 1] += negative ? -high : high;
+}
+
+FP8NORM_HD void Merge(ExactSum& acc, const ExactSum& other) {
+  for (int k = 0; k < ExactSum::kLimbs; ++k) acc.limbs[k] += other.limbs[k];
+  acc.specials |= other.specials;
+}
+
+// Carries so that every limb but the top one is a digit in [0, 2^32).
+FP8NORM_HD void Normalize(int64_t* limbs) {
+  for (int k = 0; k + 1 < ExactSum::kLimbs; ++k) {
+    const int64_t carry = limbs[k] >> 32;  // arithmetic: floor(limbs[k] / 2^32)
+    limbs[k] -= int64_t(uint64_t(carry) << 32);
+    limbs[k + 1] += carry;
+  }
+}
+
+// The float32 nearest to the exact sum (ties to even, exponent range unbounded), then
+// +-inf past float32's largest and +0 below 2^-126 (an exact zero too). NaN if a term
+// was NaN or the terms held both infinities; +-inf if they held one of them.
+FP8NORM_HD float Round(const ExactSum& acc) {
+  if (acc.specials != 0) {
+    const bool nan = (acc.specials & kSumNan) != 0 ||
+                     (acc.specials & (kSumPlusInf | kSumMinusInf)) == (kSumPlusInf | kSumMinusInf);
+    return FloatOf(nan ? kF32QuietNan
+                       : ((acc.specials & kSumMinusInf) != 0 ? 0xff800000u : kF32Inf));
+  }
+  int64_t d[ExactSum::kLimbs];
+  for (int k = 0; k < ExactSum::kLimbs; ++k) d[k] = acc.limbs[k];
+  Normalize(d);
+  const bool negative = d[ExactSum::kLimbs - 1] < 0;
+  if (negative) {
+    for (int k = 0; k < ExactSum::kLimbs; ++k) d[k] = -d[k];
+    Normalize(d);
+  }
+  // The leading bit's position p (bit 0: 2^-149); the top limb may exceed 32 bits.
+  int top = ExactSum::kLimbs - 1;
+  while (top >= 0 && d[top] == 0) --top;
+  if (top < 0) return 0.0f;
+  const uint64_t lead = uint64_t(d[top]);
+  int width = 0;
+  while (width < 64 && (lead >> width) != 0) ++width;
+  const int p = 32 * top + width - 1;
+  // Bits p - 24 .. p of the sum (the significand and the rounding bit), and whether any
+  // bit below them is set.
+  const int q = p - 24;
+  uint64_t window = 0;
+  bool sticky = false;
+  for (int k = 0; k < ExactSum::kLimbs; ++k) {
+    const uint64_t digit = uint64_t(d[k]);
+    if (digit == 0) continue;
+    const int at = 32 * k - q;  // where the digit's bit 0 lands in the window
+    if (at >= 0) {
+      window |= digit << at;  // at <= 24: nothing of the window is lost
+    } else if (at > -64) {
+      window |= digit >> -at;
+      sticky = sticky || (digit & ((uint64_t{1} << -at) - 1)) != 0;
+    } else {
+      sticky = true;
+    }
+  }
+  uint64_t significand = window >> 1;  // 24 bits
+  const bool round_bit = (window & 1u) != 0;
+  int leading = p;
+  if (round_bit && (sticky || (significand & 1u) != 0)) {
+    ++significand;
+    if (significand == (uint64_t{1} << 24)) {
+      significand >>= 1;
+      ++leading;
+    }
+  }
+  const int biased = leading - 149 + 127;
+  const uint32_t sign = negative ? 0x80000000u : 0u;
+  if (biased >= 255) return FloatOf(sign | kF32Inf);
+  if (biased <= 0) return 0.0f;
+  return FloatOf(sign | (uint32_t(biased) << 23) | (uint32_t(significand) & 0x7fffffu));
 }
 
 }  // namespace fp8norm

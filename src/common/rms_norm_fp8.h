@@ -39,6 +39,9 @@ struct RmsNormFp8Args {
   OutFormat out_format;
   bool y_packed;
   RowConstants constants;
+  // [rows] float32, each row's r (the training form saves it for the backward); null
+  // otherwise.
+  float* inverse_rms = nullptr;
 };
 
 FP8NORM_HD bool IsFp4(const RmsNormFp8Args& a) { return a.out_format == OutFormat::kE2M1; }

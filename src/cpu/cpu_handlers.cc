@@ -14,6 +14,7 @@
 
 #include "ffi_decode.h"
 #include "handlers.h"
+#include "rms_norm_backward.h"
 #include "rms_norm_fp8.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -119,6 +120,66 @@ ffi::Error AddRmsNormFp8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
   return RunOnPool(args, pool);
 }
 
+ffi::Error RmsNormFp8TrainingImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
+                                  std::optional<ffi::AnyBuffer> scale_operand,
+                                  ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
+                                  ffi::Result<ffi::AnyBuffer> inverse_rms,
+                                  NormAttributes attributes) {
+  RmsNormFp8Args args;
+  ffi::Error status =
+      DecodeRmsNormFp8(x, nullptr, gamma, scale_operand, y, scales, nullptr, attributes, &args);
+  if (status.success()) status = DecodeInverseRms(inverse_rms, &args);
+  if (status.failure()) return status;
+  return RunOnPool(args, pool);
+}
+
+ffi::Error AddRmsNormFp8TrainingImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                                     ffi::AnyBuffer residual, ffi::AnyBuffer gamma,
+                                     std::optional<ffi::AnyBuffer> scale_operand,
+                                     ffi::Result<ffi::AnyBuffer> y,
+                                     ffi::Result<ffi::AnyBuffer> scales,
+                                     ffi::Result<ffi::AnyBuffer> residual_out,
+                                     ffi::Result<ffi::AnyBuffer> inverse_rms,
+                                     NormAttributes attributes) {
+  RmsNormFp8Args args;
+  ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, scale_operand, y, scales, &residual_out,
+                                       attributes, &args);
+  if (status.success()) status = DecodeInverseRms(inverse_rms, &args);
+  if (status.failure()) return status;
+  return RunOnPool(args, pool);
+}
+
+ffi::Error RunBackwardOnPool(const RmsNormBackwardArgs& args, ffi::ThreadPool& pool) {
+  if (RmsNormBackwardCpu(args, PoolParallelFor(pool))) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                    "jax_fp8norm: out of host memory for the backward of rows of " +
+                        std::to_string(args.hidden) + " elements");
+}
+
+ffi::Error RmsNormBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer dn, ffi::AnyBuffer x,
+                               ffi::AnyBuffer gamma, ffi::AnyBuffer inverse_rms,
+                               ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dgamma,
+                               float weight_offset) {
+  RmsNormBackwardArgs args;
+  ffi::Error status = DecodeRmsNormBackward(dn, nullptr, x, nullptr, gamma, inverse_rms, dx,
+                                            nullptr, dgamma, weight_offset, &args);
+  if (status.failure()) return status;
+  return RunBackwardOnPool(args, pool);
+}
+
+ffi::Error AddRmsNormBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer dn,
+                                  ffi::AnyBuffer d_residual_out, ffi::AnyBuffer x,
+                                  ffi::AnyBuffer residual, ffi::AnyBuffer gamma,
+                                  ffi::AnyBuffer inverse_rms, ffi::Result<ffi::AnyBuffer> dx,
+                                  ffi::Result<ffi::AnyBuffer> dresidual,
+                                  ffi::Result<ffi::AnyBuffer> dgamma, float weight_offset) {
+  RmsNormBackwardArgs args;
+  ffi::Error status = DecodeRmsNormBackward(dn, &d_residual_out, x, &residual, gamma, inverse_rms,
+                                            dx, &dresidual, dgamma, weight_offset, &args);
+  if (status.failure()) return status;
+  return RunBackwardOnPool(args, pool);
+}
+
 ffi::Error RoundImpl(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out, int64_t fp4_layout) {
   RoundArgs args;
   ffi::Error status = DecodeRound(in, out, fp4_layout, &args);
@@ -134,6 +195,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8CpuHandler, RmsNormFp8Impl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8CpuHandler, AddRmsNormFp8Impl,
                               AddRmsNormFp8Binding<ffi::ThreadPool>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8TrainingCpuHandler, RmsNormFp8TrainingImpl,
+                              (RmsNormFp8Binding<ffi::ThreadPool, true>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8TrainingCpuHandler, AddRmsNormFp8TrainingImpl,
+                              (AddRmsNormFp8Binding<ffi::ThreadPool, true>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormBackwardCpuHandler, RmsNormBackwardImpl,
+                              RmsNormBackwardBinding<ffi::ThreadPool>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormBackwardCpuHandler, AddRmsNormBackwardImpl,
+                              AddRmsNormBackwardBinding<ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     RoundCpuHandler, RoundImpl,

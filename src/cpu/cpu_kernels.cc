@@ -153,6 +153,10 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   if (a.rows == 0) return true;
   if (a.hidden == 0) {
     // Empty rows: no groups, or the scale of a row of zeros.
+    if (a.inverse_rms != nullptr) {
+      const float r = InverseRms(0.0f, 0, a.constants.eps);
+      for (int64_t row = 0; row < a.rows; ++row) a.inverse_rms[row] = r;
+    }
     if (!PerRowScale(a)) return true;
     const RowScale s = a.static_scale != nullptr
                            ? StaticScale(0.0f, *a.static_scale, a.scale_type)

@@ -11,8 +11,10 @@
 NB_MODULE(_fp8norm_cpu, m) {
   m.attr("version") = FP8NORM_VERSION;
   m.def("registrations", []() {
-    return fp8norm::Registrations({fp8norm::RmsNormFp8CpuHandler, fp8norm::AddRmsNormFp8CpuHandler,
-                                   fp8norm::RoundCpuHandler});
+    return fp8norm::Registrations(
+        {fp8norm::RmsNormFp8CpuHandler, fp8norm::AddRmsNormFp8CpuHandler, fp8norm::RoundCpuHandler,
+         fp8norm::RmsNormFp8TrainingCpuHandler, fp8norm::AddRmsNormFp8TrainingCpuHandler},
+        {}, {}, {fp8norm::RmsNormBackwardCpuHandler, fp8norm::AddRmsNormBackwardCpuHandler});
   });
   m.def("cpu_kernel_variant", []() { return fp8norm::CpuKernelVariant(); });
   fp8norm::AddFp4Layouts(m);

@@ -142,6 +142,37 @@ ffi::Error AddRmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer res
                      [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
 }
 
+ffi::Error RmsNormFp8TrainingImpl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
+                                  std::optional<ffi::AnyBuffer> scale_operand,
+                                  ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
+                                  ffi::Result<ffi::AnyBuffer> inverse_rms,
+                                  NormAttributes attributes) {
+  RmsNormFp8Args args;
+  ffi::Error status =
+      DecodeRmsNormFp8(x, nullptr, gamma, scale_operand, y, scales, nullptr, attributes, &args);
+  if (status.success()) status = DecodeInverseRms(inverse_rms, &args);
+  if (status.failure()) return status;
+  return RunOnDevice(gpu.device, "rms_norm_fp8 launch",
+                     [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
+}
+
+ffi::Error AddRmsNormFp8TrainingImpl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer residual,
+                                     ffi::AnyBuffer gamma,
+                                     std::optional<ffi::AnyBuffer> scale_operand,
+                                     ffi::Result<ffi::AnyBuffer> y,
+                                     ffi::Result<ffi::AnyBuffer> scales,
+                                     ffi::Result<ffi::AnyBuffer> residual_out,
+                                     ffi::Result<ffi::AnyBuffer> inverse_rms,
+                                     NormAttributes attributes) {
+  RmsNormFp8Args args;
+  ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, scale_operand, y, scales, &residual_out,
+                                       attributes, &args);
+  if (status.success()) status = DecodeInverseRms(inverse_rms, &args);
+  if (status.failure()) return status;
+  return RunOnDevice(gpu.device, "add_rms_norm_fp8 launch",
+                     [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
+}
+
 ffi::Error RoundImpl(GpuTarget gpu, ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out,
                      int64_t fp4_layout) {
   RoundArgs args;
@@ -258,6 +289,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8CudaHandler, RmsNormFp8Impl, RmsNormFp8B
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8CudaHandler, AddRmsNormFp8Impl,
                               AddRmsNormFp8Binding<CallGpu>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8TrainingCudaHandler, RmsNormFp8TrainingImpl,
+                              (RmsNormFp8Binding<CallGpu, true>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8TrainingCudaHandler, AddRmsNormFp8TrainingImpl,
+                              (AddRmsNormFp8Binding<CallGpu, true>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

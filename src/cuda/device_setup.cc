@@ -155,8 +155,9 @@ cudaError_t LaunchRmsNormFp8(cudaStream_t stream, int device, const RmsNormFp8Ar
     // Empty rows: no groups at all, or a row of zeros' scale. That is 0 for a dynamic
     // nearest-rounded scale (zero bits in every scale dtype); a power-of-two or calibrated
     // one comes from the kernel, whose sweeps are then empty.
-    if (!PerRowScale(a)) return cudaSuccess;
-    if (a.static_scale == nullptr && !a.constants.power_of_two) {
+    // The training form's r comes from the kernel too.
+    if (!PerRowScale(a) && a.inverse_rms == nullptr) return cudaSuccess;
+    if (a.static_scale == nullptr && !a.constants.power_of_two && a.inverse_rms == nullptr) {
       return cudaMemsetAsync(a.scales, 0,
                              static_cast<size_t>(a.rows) * FloatTypeBytes(a.scale_type), stream);
     }

@@ -186,6 +186,12 @@ __device__ __forceinline__ void StoreScale(const RmsNormFp8Args& a, int64_t inde
   StoreAny<1>(a.scales, a.scale_type, index, value, site);
 }
 
+// The training form's r of row `row`; nothing for the plain forward.
+__device__ __forceinline__ void StoreInverseRms(const RmsNormFp8Args& a, int64_t row, float r,
+                                                int site = __builtin_LINE()) {
+  if (a.inverse_rms != nullptr) StoreGlobal(a.inverse_rms + row, r, site);
+}
+
 // The scale of a row with one scale (dynamic per row, or the calibrated one).
 __device__ __forceinline__ RowScale RowScaleOf(const RmsNormFp8Args& a, float sum_sq,
                                                uint32_t amax) {

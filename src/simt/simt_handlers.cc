@@ -80,6 +80,15 @@ XLA_FFI_Error* SimtAddRmsNormFp8Handler(XLA_FFI_CallFrame* frame) {
   return WithBuffers(frame, fp8norm::AddRmsNormFp8CudaHandler,
                      {"x", "residual", "gamma", "scale_operand"}, {"y", "scales", "residual_out"});
 }
+XLA_FFI_Error* SimtRmsNormFp8TrainingHandler(XLA_FFI_CallFrame* frame) {
+  return WithBuffers(frame, fp8norm::RmsNormFp8TrainingCudaHandler,
+                     {"x", "gamma", "scale_operand"}, {"y", "scales", "inverse_rms"});
+}
+XLA_FFI_Error* SimtAddRmsNormFp8TrainingHandler(XLA_FFI_CallFrame* frame) {
+  return WithBuffers(frame, fp8norm::AddRmsNormFp8TrainingCudaHandler,
+                     {"x", "residual", "gamma", "scale_operand"},
+                     {"y", "scales", "residual_out", "inverse_rms"});
+}
 XLA_FFI_Error* SimtAllReduceNormHandler(XLA_FFI_CallFrame* frame) {
   return WithBuffers(frame, fp8norm::AllReduceNormCudaHandler,
                      {"x", "residual", "gamma", "scale_operand"}, {"y", "scales", "residual_out"});

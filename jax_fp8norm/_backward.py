@@ -1,0 +1,94 @@
+"""JAX primitives of the backward pass of rms_norm_fp8 and add_rms_norm_fp8 (docs/spec.md,
+"Training: the backward pass"), with every rule of each in this file: the shape rule, the
+lowering (the CPU kernel; elsewhere the reference twin, as jax_fp8norm._fallback says) and
+batching. Operands: rms: (dn, x, gamma, inverse_rms); add: (dn, d_residual_out, x,
+residual, gamma, inverse_rms). Results: (dx, dgamma) and (dx, dresidual, dgamma)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from jax_fp8norm import _fallback, _ffi, reference
+from jax_fp8norm._primitives import eager_impl, lowering_platforms
+
+# Why a GPU runs the twin of the backward although it runs the forward's kernels.
+_NO_CUDA_BACKWARD = (
+    "the backward's kernels are the CPU's in this release (the CUDA ones are to come); "
+    "on GPUs the backward runs its exact jnp twin"
+)
+
+
+def _abstract_eval(*avals, weight_offset, add):
+    x = avals[2] if add else avals[1]
+    dx = x.update(shape=x.shape, dtype=x.dtype, weak_type=False)
+    dgamma = jax.core.ShapedArray((x.shape[-1],), np.dtype(np.float32))
+    if add:
+        residual = avals[3]
+        return [dx, residual.update(shape=x.shape, dtype=residual.dtype, weak_type=False), dgamma]
+    return [dx, dgamma]
+
+
+def _twin(*operands, weight_offset, add):
+    if add:
+        return reference.add_backward(*operands, weight_offset)
+    return reference.backward(*operands, weight_offset)
+
+
+def _twin_lowering(op: str):
+    lower = mlir.lower_fun(_twin, multiple_results=True)
+
+    def lowering(ctx, *args, **params):
+        platforms = lowering_platforms(ctx)
+        cuda_kernels = _ffi.built_with_cuda()
+        missing = _NO_CUDA_BACKWARD if cuda_kernels and "cuda" in platforms else None
+        _fallback.lower_to_twin(op, platforms, missing)
+        return lower(ctx, *args, **params)
+
+    return lowering
+
+
+def _cpu_lowering(op: str):
+    """The CPU kernel, also while the CPU backend emulates the CUDA kernels (which have no
+    backward yet)."""
+    rule = jax.ffi.ffi_lowering(_ffi.TARGETS[op])
+
+    def lowering(ctx, *args, weight_offset, add):
+        return rule(ctx, *args, weight_offset=np.float32(weight_offset))
+
+    return lowering
+
+
+def _batching_rule(prim: Primitive):
+    """vmap: one call per batch element (lax.map), as each element has a dgamma of its own."""
+
+    def rule(args, dims, **params):
+        size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
+        front = [
+            jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+            for a, d in zip(args, dims, strict=True)
+        ]
+        outs = jax.lax.map(lambda a: prim.bind(*a, **params), tuple(front))
+        return outs, [0] * len(outs)
+
+    return rule
+
+
+def _make_backward_primitive(op: str) -> Primitive:
+    prim = Primitive(f"fp8norm_{op}")
+    prim.multiple_results = True
+    prim.def_abstract_eval(_abstract_eval)
+    prim.def_impl(functools.partial(eager_impl, prim))
+    mlir.register_lowering(prim, _cpu_lowering(op), platform="cpu")
+    mlir.register_lowering(prim, _twin_lowering(op))
+    batching.primitive_batchers[prim] = _batching_rule(prim)
+    return prim
+
+
+rms_norm_backward_p = _make_backward_primitive("rms_norm_backward")
+add_rms_norm_backward_p = _make_backward_primitive("add_rms_norm_backward")

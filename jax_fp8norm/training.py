@@ -1,0 +1,133 @@
+"""The ops' training forms and their fused backward (docs/spec.md, "Training: the backward
+pass"): the building blocks of a custom_vjp around an FP8 / FP4 matmul.
+
+    y, scales, inverse_rms = fp8norm.rms_norm_fp8_training(x, gamma)
+    ...                                  # the matmul's backward gives dn, the cotangent of n
+    dx, dgamma = fp8norm.rms_norm_backward(dn, x, gamma, inverse_rms)
+
+The quantisation passes the gradient straight through: ``dn`` is the cotangent of the
+normalised ``n = (h * r) * (gamma + weight_offset)`` (that of the dequantised output).
+Both of the backward's sums, each row's ``c`` and ``dgamma``'s over the rows, are the
+float32 nearest to their exact sums: the bits of ``dx`` and ``dgamma`` do not depend on
+the batch, the split of the rows among threads, or the kernel. ``dgamma`` across devices
+(data parallelism) is the caller's psum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Unpack
+
+import jax
+
+from jax_fp8norm._backward import add_rms_norm_backward_p, rms_norm_backward_p
+from jax_fp8norm._checks import check_backward, validate
+from jax_fp8norm._params import NormKeywords, as_operand
+from jax_fp8norm._primitives import add_rms_norm_fp8_p, rms_norm_fp8_p
+from jax_fp8norm._signatures import norm_keywords
+
+__all__ = [
+    "add_rms_norm_backward",
+    "add_rms_norm_fp8_training",
+    "rms_norm_backward",
+    "rms_norm_fp8_training",
+]
+
+
+@norm_keywords
+def rms_norm_fp8_training(
+    x: jax.Array, gamma: jax.Array, **keywords: Unpack[NormKeywords]
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`jax_fp8norm.rms_norm_fp8`, also returning each row's ``r`` for the backward.
+
+    Args:
+      x, gamma: as for :func:`jax_fp8norm.rms_norm_fp8`.
+      {keywords}
+
+    Returns:
+      ``(y, scales, inverse_rms)``: ``y`` and ``scales`` bit for bit those of
+      :func:`jax_fp8norm.rms_norm_fp8`; ``inverse_rms`` is ``[..., 1]`` float32, each row's
+      ``r = 1 / sqrt(ss / N + eps)``.
+    """
+    call = validate(x, gamma, **keywords)
+    params = dataclasses.replace(call.params, with_inverse_rms=True)
+    y, scales, inverse_rms = rms_norm_fp8_p.bind(*call.operands(x, gamma), **params.as_dict())
+    return y, scales, inverse_rms
+
+
+@norm_keywords
+def add_rms_norm_fp8_training(
+    x: jax.Array, residual: jax.Array, gamma: jax.Array, **keywords: Unpack[NormKeywords]
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """:func:`jax_fp8norm.add_rms_norm_fp8`, also returning each row's ``r``.
+
+    Args:
+      x, residual, gamma: as for :func:`jax_fp8norm.add_rms_norm_fp8`.
+      {keywords}
+
+    Returns:
+      ``(y, scales, residual_out, inverse_rms)``; ``inverse_rms`` is ``[..., 1]`` float32.
+    """
+    call = validate(x, gamma, residual, **keywords)
+    params = dataclasses.replace(call.params, with_inverse_rms=True)
+    y, scales, residual_out, inverse_rms = add_rms_norm_fp8_p.bind(
+        *call.operands(x, residual, gamma), **params.as_dict()
+    )
+    return y, scales, residual_out, inverse_rms
+
+
+def rms_norm_backward(
+    dn: jax.Array,
+    x: jax.Array,
+    gamma: jax.Array,
+    inverse_rms: jax.Array,
+    *,
+    weight_offset: float = 0.0,
+) -> tuple[jax.Array, jax.Array]:
+    """The fused backward of :func:`jax_fp8norm.rms_norm_fp8`.
+
+    Args:
+      dn: ``[..., N]`` float32, float16 or bfloat16: the cotangent of the normalised output.
+      x, gamma: the forward's.
+      inverse_rms: ``[..., 1]`` float32, as :func:`rms_norm_fp8_training` returned it.
+      weight_offset: the forward's (rounded through ``x.dtype`` as it was there).
+
+    Returns:
+      ``(dx, dgamma)``: ``dx`` is ``[..., N]`` in ``x.dtype``; ``dgamma`` is ``[N]`` float32,
+      summed over every row of the call.
+    """
+    wo = check_backward(dn, x, gamma, inverse_rms, weight_offset=weight_offset)
+    operands = (as_operand(a) for a in (dn, x, gamma, inverse_rms))
+    dx, dgamma = rms_norm_backward_p.bind(*operands, weight_offset=wo, add=False)
+    return dx, dgamma
+
+
+def add_rms_norm_backward(
+    dn: jax.Array,
+    d_residual_out: jax.Array,
+    x: jax.Array,
+    residual: jax.Array,
+    gamma: jax.Array,
+    inverse_rms: jax.Array,
+    *,
+    weight_offset: float = 0.0,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The fused backward of :func:`jax_fp8norm.add_rms_norm_fp8`: ``dh = dx + d_residual_out``
+    in float32, the gradient of both ``x`` and ``residual``.
+
+    Args:
+      dn: ``[..., N]``: the cotangent of the normalised output.
+      d_residual_out: ``[..., N]`` in the residual's dtype: the cotangent of
+        ``residual_out``.
+      x, residual, gamma: the forward's.
+      inverse_rms: ``[..., 1]`` float32, as :func:`add_rms_norm_fp8_training` returned it.
+      weight_offset: the forward's.
+
+    Returns:
+      ``(dx, dresidual, dgamma)``: ``dh`` rounded to ``x.dtype`` and to the residual's
+      dtype, and ``dgamma`` ``[N]`` float32.
+    """
+    wo = check_backward(dn, x, gamma, inverse_rms, residual, d_residual_out, weight_offset)
+    operands = (as_operand(a) for a in (dn, d_residual_out, x, residual, gamma, inverse_rms))
+    dx, dresidual, dgamma = add_rms_norm_backward_p.bind(*operands, weight_offset=wo, add=True)
+    return dx, dresidual, dgamma
