@@ -176,8 +176,8 @@ def _round_sum(limbs: jax.Array, grid_exponent: int = -172, near_ties: bool = Tr
         near_tie = (fraction == half - 1) | (fraction == half) | ((fraction == half + 1) & rest_zero)
         up = jnp.where(near_tie, (significand & u32(1)) == 1, fraction >= half)
     else:
-        tie = (fraction == half) & rest_zero
-        up = jnp.where(tie, (significand & u32(1)) == 1, fraction > half)
+        odd = (significand & u32(1)) == 1
+        up = (fraction > half) | ((fraction == half) & (~rest_zero | odd))
     significand = significand + up.astype(u32)
     carried = significand >> 24  # rounded up to 2^24
     significand = jnp.where(carried == 1, u32(1 << 23), significand)
@@ -437,7 +437,7 @@ def backward_rows(
     c = exact_sum(flush(a * u), axis=-1)[..., None]
     c_over_n = flush(divide(c, max(n, 1)))
     dx = flush(r * flush(a - flush(u * c_over_n)))
-    dgamma = exact_sum(flush(dn * u).reshape(-1, n), axis=0)
+    dgamma = exact_sum(flush(dn * u), axis=0)
     return dx, dgamma
 
 
@@ -466,11 +466,10 @@ def add_rms_norm_backward(
 
 def backward(dn, x, gamma, inverse_rms, weight_offset: float):
     """(dx in x's dtype, dgamma float32 [N]) of checked arrays of any rank."""
-    n = x.shape[-1]
-    rows = (-1, n)
+    rows = (int(np.prod(x.shape[:-1])), x.shape[-1])
     dx, dgamma = backward_rows(
         dn.reshape(rows), x.reshape(rows).astype(jnp.float32), gamma,
-        inverse_rms.reshape(-1, 1), weight_offset,
+        inverse_rms.reshape(rows[0], 1), weight_offset,
     )
     return dx.reshape(x.shape).astype(x.dtype), dgamma
 
@@ -478,10 +477,11 @@ def backward(dn, x, gamma, inverse_rms, weight_offset: float):
 def add_backward(dn, d_residual_out, x, residual, gamma, inverse_rms, weight_offset: float):
     """(dx, dresidual, dgamma) of checked arrays: dh = dx + f32(d_residual_out), rounded to
     x's and the residual's dtypes."""
-    n = x.shape[-1]
-    rows = (-1, n)
+    rows = (int(np.prod(x.shape[:-1])), x.shape[-1])
     h = x.reshape(rows).astype(jnp.float32) + residual.reshape(rows).astype(jnp.float32)
-    dx, dgamma = backward_rows(dn.reshape(rows), h, gamma, inverse_rms.reshape(-1, 1), weight_offset)
+    dx, dgamma = backward_rows(
+        dn.reshape(rows), h, gamma, inverse_rms.reshape(rows[0], 1), weight_offset
+    )
     dh = flush_subnormal(dx + flush_subnormal(d_residual_out.reshape(rows).astype(jnp.float32)))
     dh = dh.reshape(x.shape)
     return dh.astype(x.dtype), dh.astype(residual.dtype), dgamma

@@ -156,3 +156,58 @@ def rms_norm_rows(
         ys.append(q.astype(ml_dtypes.float8_e4m3fn))
         scales.append(scale)
     return np.stack(ys), np.asarray(scales, np.float32)[:, None]
+
+
+def flushed(values) -> np.ndarray:
+    """float32 ``values`` with every magnitude below 2^-126 a zero of its sign: the
+    backward's rule for inputs and results."""
+    v = np.asarray(values, np.float32)
+    return np.where(np.abs(v) < np.float32(2.0**-126), np.copysign(np.float32(0), v), v)
+
+
+def backward_sum(terms) -> np.float32:
+    """The spec's sum of the backward's float32 ``terms``: the float32 nearest to their exact
+    sum (ties to even, the exponent range unbounded), a term below 2^-126 counting as zero,
+    +0 below 2^-126 and for an exact zero; NaN and infinities as the spec says. Fractions
+    only."""
+    terms = np.asarray(terms, np.float32).reshape(-1)
+    nan = np.isnan(terms).any()
+    plus, minus = (terms == np.inf).any(), (terms == -np.inf).any()
+    if nan or (plus and minus):
+        return np.float32(np.nan)
+    if plus or minus:
+        return np.float32(np.inf if plus else -np.inf)
+    total = sum((Fraction(float(t)) for t in flushed(terms)), Fraction(0))
+    if total == 0:
+        return np.float32(0)
+    magnitude = abs(total)
+    exponent = magnitude.numerator.bit_length() - magnitude.denominator.bit_length()
+    if Fraction(2) ** exponent > magnitude:
+        exponent -= 1
+    ulp = Fraction(2) ** (exponent - _F32_MANTISSA_BITS)  # 24 bits whatever the exponent
+    units, remainder = divmod(magnitude, ulp)
+    if remainder > ulp / 2 or (remainder == ulp / 2 and units % 2 == 1):
+        units += 1
+    rounded = units * ulp
+    if rounded >= Fraction(2) ** 128:
+        return np.float32(np.inf if total > 0 else -np.inf)
+    if rounded < Fraction(2) ** _F32_MIN_EXPONENT:
+        return np.float32(0)
+    return np.float32(float(rounded) * (1 if total > 0 else -1))
+
+
+def backward_rows(dn, x, gamma, r, weight_offset: float = 0.0):
+    """The spec's backward for float32 rows, one IEEE float32 operation at a time (NumPy's),
+    each input and result flushed, the sums by :func:`backward_sum`: (dx, dgamma)."""
+    f = flushed
+    dn, x = f(dn), f(x)
+    g = f(np.asarray(gamma, np.float32) + np.float32(weight_offset))
+    r = np.asarray(r, np.float32).reshape(-1, 1)
+    n = x.shape[-1]
+    u = f(x * r)
+    a = f(dn * g)
+    c = np.array([backward_sum(row) for row in f(a * u)], np.float32)[:, None]
+    c_over_n = f(c / np.float32(n))
+    dx = f(r * f(a - f(u * c_over_n)))
+    dgamma = np.array([backward_sum(column) for column in f(dn * u).T], np.float32)
+    return dx, dgamma

@@ -1,0 +1,330 @@
+"""The training forms and the fused backward (docs/spec.md, "Training: the backward
+pass"): the exact sums against an oracle in fractions, the kernels' bits against the twins,
+invariance to the batch and the thread count, the custom_vjp against jax.grad of the
+float32 formula, and bad input."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+import warnings
+
+import exact
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import (
+    check_against_reference,
+    outputs_of_script,
+    random_gamma,
+    random_rows,
+    recipe,
+)
+
+import jax_fp8norm as fp8norm
+from jax_fp8norm import reference
+
+
+def same_bits(got, want) -> None:
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype)
+    view = {1: np.uint8, 2: np.uint16, 4: np.uint32}[got.dtype.itemsize]
+    mismatch = np.flatnonzero(got.view(view) != want.view(view))
+    assert mismatch.size == 0, (mismatch[:8], got.reshape(-1)[mismatch[:8]], want.reshape(-1)[mismatch[:8]])
+
+
+def cancelling_terms(seed: int, rows: int, k: int) -> np.ndarray:
+    """float32 rows whose sums cancel: pairs t, -t(1 + small), magnitudes over 2^-140 ..
+    2^120, so that a float32 sum in any fixed order loses most of the result."""
+    rng = np.random.default_rng(seed)
+    half = rng.standard_normal((rows, k // 2)) * 2.0 ** rng.integers(-140, 120, (rows, k // 2))
+    wobble = 1 + rng.integers(-3, 4, (rows, k // 2)) * 2.0**-23
+    terms = np.concatenate([half, -half * wobble], axis=1).astype(np.float32)
+    return rng.permuted(terms, axis=1)
+
+
+def test_exact_sum_against_fractions():
+    """The twin's order-free sum is the float32 nearest to the exact sum of its terms, on rows
+    built to cancel and at the edges (overflow, results and terms below 2^-126, infinities,
+    NaN); a float32 sum in a fixed order gets many of them wrong."""
+    rows = list(cancelling_terms(0, 48, 40))
+    big = np.float32(2.0**127)
+    rows += [
+        np.array([big, big, -big, big * 0.5], np.float32),  # past float32 on the way only
+        np.array([big, big, big], np.float32),  # overflows: +inf
+        np.array([2.0**-126, -(2.0**-126) * (1 - 2**-23), 3e-39], np.float32),  # below 2^-126
+        np.array([1.0, 2.0**-24, 2.0**-70], np.float32),  # above the tie: rounds up
+        np.array([1.0, 2.0**-24], np.float32),  # the tie: to even
+        np.array([np.inf, 1.0, -3.0], np.float32),
+        np.array([np.inf, -np.inf, 1.0], np.float32),
+        np.array([np.nan, 1.0], np.float32),
+        np.zeros(5, np.float32),
+    ]
+    width = max(len(r) for r in rows)
+    padded = np.stack([np.pad(r, (0, width - len(r))) for r in rows])
+    got = np.asarray(jax.jit(reference.exact_sum)(padded))
+    want = np.array([exact.backward_sum(r) for r in rows], np.float32)
+    same_bits(got, want)
+    with np.errstate(over="ignore", invalid="ignore"):
+        forward = np.array([np.cumsum(r, dtype=np.float32)[-1] for r in rows[:48]])
+        backward = np.array([np.cumsum(r[::-1], dtype=np.float32)[-1] for r in rows[:48]])
+    assert np.sum(forward != want[:48]) > 10 and np.sum(forward != backward) > 10
+
+
+@pytest.mark.parametrize("add", [False, True], ids=["rms", "add"])
+def test_backward_against_the_oracle(add):
+    """dx and dgamma of the CPU kernel and of the twin, against the spec's backward one
+    float32 operation at a time with the sums in fractions, on rows whose c and dgamma
+    cancel (dn chosen so that a_j * u_j and dn_j * u_j come in near-opposite pairs)."""
+    rows, n = 12, 64
+    rng = np.random.default_rng(1)
+    x = random_rows(2, (rows, n), "float32", spread=20)
+    x[3] = 0.0  # a zero row: u = 0, dx = r * a
+    x[5, :8] = 1e-39  # float32 subnormals in, flushed
+    gamma = random_gamma(3, n, "float32")
+    half = rng.standard_normal((rows, n // 2)) * 2.0 ** rng.integers(-30, 30, (rows, 1))
+    dn = np.concatenate([half, -half], axis=1).astype(np.float32)
+    dn[:, n // 2 :] *= (gamma[: n // 2] * x[:, : n // 2]) / (gamma[n // 2 :] * x[:, n // 2 :] + 1e-30)
+    dn = np.nan_to_num(dn, posinf=1.0, neginf=-1.0).astype(np.float32)
+    _, _, r = fp8norm.rms_norm_fp8_training(x, gamma)
+    if add:
+        residual = np.zeros_like(x)
+        d_residual_out = random_rows(4, (rows, n), "float32")
+        got = fp8norm.add_rms_norm_backward(dn, d_residual_out, x, residual, gamma, r)
+        twin = reference.add_rms_norm_backward(dn, d_residual_out, x, residual, gamma, r)
+    else:
+        got = fp8norm.rms_norm_backward(dn, x, gamma, r)
+        twin = reference.rms_norm_backward(dn, x, gamma, r)
+    dx, dgamma = exact.backward_rows(dn, x, gamma, np.asarray(r))
+    if add:
+        dh = exact.flushed(dx + exact.flushed(d_residual_out))
+        want = (dh, dh, dgamma)
+    else:
+        want = (dx, dgamma)
+    for g, t, w in zip(got, twin, want, strict=True):
+        same_bits(g, w)
+        same_bits(t, w)
+
+
+SHAPES = [(2, 3, 33), (1, 1), (17, 1000), (0, 8), (3, 0)]
+DTYPE_CASES = [
+    # (x, dn, gamma)
+    (jnp.float32, jnp.float32, jnp.float32),
+    (jnp.bfloat16, jnp.float32, jnp.float32),
+    (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16),
+    (jnp.float16, jnp.float16, jnp.float32),
+    (jnp.float16, jnp.float32, jnp.float16),
+]
+
+
+@pytest.mark.sampled(3)
+@pytest.mark.parametrize("add", [False, True], ids=["rms", "add"])
+@pytest.mark.parametrize("dtypes", DTYPE_CASES, ids=lambda d: "-".join(t.__name__ for t in d))
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("weight_offset", [0.0, 1.0])
+def test_backward_kernel_gives_the_twins_bits(add, dtypes, shape, weight_offset):
+    x_dtype, dn_dtype, gamma_dtype = dtypes
+    n = shape[-1]
+    x = random_rows(10, shape, x_dtype)
+    gamma = random_gamma(11, n, gamma_dtype)
+    dn = random_rows(12, shape, dn_dtype)
+    kw = dict(weight_offset=weight_offset)
+    if add:
+        residual = random_rows(13, shape, x_dtype)
+        d_residual_out = random_rows(14, shape, x_dtype)
+        *_, r = fp8norm.add_rms_norm_fp8_training(x, residual, gamma, **kw)
+        args = (dn, d_residual_out, x, residual, gamma, r)
+        got = jax.jit(lambda *a: fp8norm.add_rms_norm_backward(*a, **kw))(*args)
+        want = jax.jit(lambda *a: reference.add_rms_norm_backward(*a, **kw))(*args)
+    else:
+        *_, r = fp8norm.rms_norm_fp8_training(x, gamma, **kw)
+        got = jax.jit(lambda *a: fp8norm.rms_norm_backward(*a, **kw))(dn, x, gamma, r)
+        want = jax.jit(lambda *a: reference.rms_norm_backward(*a, **kw))(dn, x, gamma, r)
+    for g, w in zip(got, want, strict=True):
+        same_bits(g, w)
+    assert got[-1].shape == (n,) and got[0].dtype == np.dtype(x_dtype)
+
+
+TRAINING_LAYOUTS = ["fp8_row", "fp8_group128", "mxfp8", "nvfp4", "mxfp4", "fp8_static"]
+
+
+@pytest.mark.default_platforms("cpu", "simt-auto", "simt-block_shared")
+@pytest.mark.parametrize("name", TRAINING_LAYOUTS)
+@pytest.mark.parametrize("shape", [(5, 256), (3, 4, 1024), (2, 0)], ids=str)
+def test_training_forms_save_r_and_keep_the_ops_bits(platform, name, shape):
+    """Every kernel (CPU, each emulated CUDA variant) returns the twin's r and, beside it,
+    exactly the plain op's outputs."""
+    x = random_rows(20, shape, jnp.bfloat16)
+    residual = random_rows(21, shape, jnp.bfloat16)
+    gamma = random_gamma(22, shape[-1], jnp.float32)
+    kw = recipe(name)
+    out, _ = check_against_reference(platform, "rms_norm_fp8_training", x, gamma, **kw)
+    plain, _ = check_against_reference(platform, "rms_norm_fp8", x, gamma, **kw)
+    for a, b in zip(out[:2], plain, strict=True):
+        same_bits(a, b)
+    out, _ = check_against_reference(platform, "add_rms_norm_fp8_training", x, residual, gamma, **kw)
+    assert out[-1].shape == shape[:-1] + (1,) and out[-1].dtype == np.float32
+
+
+def test_backward_is_the_same_in_every_batch():
+    """The same rows in calls of 1, 255, 256 and 4096 rows give the same dx bits; dgamma over
+    the same rows in another order (and split into two calls' halves, merged exactly by the
+    caller's own exact sum) gives the same bits, where a float32 sum in a fixed order of the
+    same terms does not."""
+    n = 96
+    rows = cancelling_terms(30, 4096, n)  # rows whose terms cancel: order shows
+    x = rows.astype(jnp.bfloat16)
+    gamma = random_gamma(31, n, jnp.float32)
+    dn = cancelling_terms(32, 4096, n)
+    backward = jax.jit(fp8norm.rms_norm_backward)
+    _, _, r = fp8norm.rms_norm_fp8_training(x, gamma)
+    full_dx, full_dgamma = backward(dn, x, gamma, r)
+    for size in (1, 255, 256):
+        start = 4096 - size - 7
+        dx, _ = backward(dn[start : start + size], x[start : start + size], gamma, r[start : start + size])
+        same_bits(dx, np.asarray(full_dx)[start : start + size])
+    order = np.random.default_rng(33).permutation(4096)
+    dx, dgamma = backward(dn[order], x[order], gamma, r[order])
+    same_bits(dx, np.asarray(full_dx)[order])
+    same_bits(dgamma, full_dgamma)
+    # The terms of dgamma in two row orders, summed in float32 one row after the other.
+    u = exact.flushed(np.asarray(x, np.float32) * np.asarray(r))
+    terms = exact.flushed(exact.flushed(dn) * u)
+    in_order = np.add.reduce(terms, axis=0, dtype=np.float32)
+    reordered = np.cumsum(terms[order], axis=0, dtype=np.float32)[-1]
+    assert np.any(in_order != reordered)
+
+
+THREADS_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import jax
+    import numpy as np
+    from helpers import random_gamma, random_rows
+    import jax_fp8norm as fp8norm
+
+    jax.config.update("jax_platforms", "cpu")
+    outs = {}
+    for rows, n in ((4096, 512), (5, 70001)):
+        x = random_rows(n, (rows, n), "bfloat16")
+        residual = random_rows(n + 1, (rows, n), "bfloat16")
+        dn = random_rows(n + 2, (rows, n), "float32")
+        gamma = random_gamma(n, n, "float32")
+        *_, r = fp8norm.add_rms_norm_fp8_training(x, residual, gamma)
+        outs_here = fp8norm.add_rms_norm_backward(dn, dn.astype("bfloat16"), x, residual, gamma, r)
+        for name, v in zip(("dx", "dresidual", "dgamma"), outs_here):
+            outs[f"{n}-{name}"] = np.asarray(v).view(np.uint8)
+    np.savez(sys.argv[1], **outs)
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="FP8NORM_CPU_THREADS")
+def test_backward_is_the_same_for_every_thread_count(tmp_path):
+    counts = sorted({1, 2, os.cpu_count() or 1})
+    results = [
+        outputs_of_script(THREADS_SCRIPT, tmp_path / f"t{c}.npz", FP8NORM_CPU_THREADS=str(c))
+        for c in counts
+    ]
+    for result in results[1:]:
+        assert result.keys() == results[0].keys()
+        for key in result:
+            np.testing.assert_array_equal(result[key], results[0][key], key)
+
+
+@pytest.mark.parametrize("add", [False, True], ids=["rms", "add"])
+def test_gradients_match_float32_autodiff(add):
+    """jax.grad through the dequantised ops (the fused backward) against jax.grad of the
+    float32 formula, with a loss linear in the output so that both get the same cotangent:
+    within 1e-5 of the largest gradient (the two differ only in float32 rounding: the
+    formula's mean and its order of operations against the spec's exact sums)."""
+    rows, n = 64, 512
+    x = random_rows(40, (rows, n), "float32", spread=1)
+    residual = random_rows(41, (rows, n), "float32", spread=1)
+    gamma = random_gamma(42, n, "float32")
+    w = random_rows(43, (rows, n), "float32", spread=0)
+    w_res = random_rows(44, (rows, n), "float32", spread=0)
+
+    def formula(x, residual, gamma):
+        h = x + residual if add else x
+        n_ = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6) * gamma
+        return jnp.sum(n_ * w) + (jnp.sum(h * w_res) if add else 0.0)
+
+    def fused(x, residual, gamma):
+        if add:
+            out, residual_out = fp8norm.add_rms_norm_fp8_dequantized(x, residual, gamma)
+            return jnp.sum(out * w) + jnp.sum(residual_out * w_res)
+        return jnp.sum(fp8norm.rms_norm_fp8_dequantized(x, gamma) * w)
+
+    got = jax.jit(jax.grad(fused, argnums=(0, 1, 2)))(x, residual, gamma)
+    want = jax.jit(jax.grad(formula, argnums=(0, 1, 2)))(x, residual, gamma)
+    for g, w_ in zip(got, want, strict=True):
+        scale = float(jnp.max(jnp.abs(w_))) or 1.0
+        assert float(jnp.max(jnp.abs(g - w_))) <= 1e-5 * scale
+
+
+def test_vmap_gives_each_element_its_own_dgamma():
+    x = random_rows(50, (3, 7, 40), "bfloat16")
+    dn = random_rows(51, (3, 7, 40), "float32")
+    gamma = random_gamma(52, 40, "float32")
+    _, _, r = fp8norm.rms_norm_fp8_training(x, gamma)
+    dx, dgamma = jax.vmap(fp8norm.rms_norm_backward, in_axes=(0, 0, None, 0))(dn, x, gamma, r)
+    assert dgamma.shape == (3, 40)
+    for i in range(3):
+        want = fp8norm.rms_norm_backward(dn[i], x[i], gamma, r[i])
+        same_bits(dx[i], want[0])
+        same_bits(dgamma[i], want[1])
+
+
+def test_other_platforms_run_the_backwards_twin():
+    """Lowered for a platform without the backward kernel, the backward is its twin (no
+    custom call), with the fallback warning."""
+    x = jax.ShapeDtypeStruct((4, 16), jnp.bfloat16)
+    f32 = jax.ShapeDtypeStruct((4, 16), jnp.float32)
+    gamma = jax.ShapeDtypeStruct((16,), jnp.float32)
+    r = jax.ShapeDtypeStruct((4, 1), jnp.float32)
+    from jax_fp8norm import _fallback
+
+    _fallback._warned.discard("tpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exported = jax.export.export(jax.jit(fp8norm.rms_norm_backward), platforms=("tpu",))(
+            f32, x, gamma, r
+        )
+    assert "custom_call @fp8norm" not in exported.mlir_module()
+    assert any(issubclass(w.category, fp8norm.KernelFallbackWarning) for w in caught)
+
+
+@pytest.mark.parametrize(
+    "change, error, words",
+    [
+        (dict(dn=np.ones((4, 16), np.int32)), TypeError, "dn must be"),
+        (dict(dn=np.ones((4, 8), np.float32)), ValueError, "dn must have the shape"),
+        (dict(inverse_rms=np.ones((4,), np.float32)), ValueError, "inverse_rms must have shape"),
+        (dict(inverse_rms=np.ones((4, 1), np.float16)), TypeError, "inverse_rms must be float32"),
+        (dict(gamma=np.ones((8,), np.float32)), ValueError, "gamma must have shape"),
+        (dict(weight_offset=1e6), ValueError, "weight_offset must be finite"),
+    ],
+)
+def test_backward_refuses_bad_input_by_name(change, error, words):
+    args = dict(
+        dn=np.ones((4, 16), np.float32),
+        x=np.ones((4, 16), jnp.float16),
+        gamma=np.ones((16,), np.float32),
+        inverse_rms=np.ones((4, 1), np.float32),
+        weight_offset=0.0,
+    ) | change
+    with pytest.raises(error, match=words):
+        fp8norm.rms_norm_backward(**args)
+
+
+def test_add_backward_refuses_a_mismatched_d_residual_out():
+    x = np.ones((4, 16), jnp.bfloat16)
+    r = np.ones((4, 1), np.float32)
+    with pytest.raises(TypeError, match="d_residual_out"):
+        fp8norm.add_rms_norm_backward(
+            x, np.ones((4, 16), np.float32), x, x, np.ones(16, np.float32), r
+        )
+
