@@ -336,7 +336,9 @@ def check_backward(
         )
     wo = _round_through(_as_real(weight_offset, "weight_offset"), np.dtype(x.dtype))
     if not np.isfinite(wo):
-        raise ValueError(f"weight_offset must be finite in {np.dtype(x.dtype)}, got {weight_offset}")
+        raise ValueError(
+            f"weight_offset must be finite in {np.dtype(x.dtype)}, got {weight_offset}"
+        )
     return wo
 
 

@@ -60,7 +60,11 @@ def lower_to_twin(op: str, platforms, missing: str | None = None) -> None:
         key = f"{op}:{platform}" if missing else platform
         if key in _warned:
             continue
-        subject = f"jax_fp8norm.{op} runs as its jnp twin" if missing else "jax_fp8norm's ops run as their jnp twins"
+        subject = (
+            f"jax_fp8norm.{op} runs as its jnp twin"
+            if missing
+            else "jax_fp8norm's ops run as their jnp twins"
+        )
         warnings.warn(
             f"{subject} on platform {platform!r} (the spec's math, not fused, slower): {why}. "
             f"Set {FALLBACK_ENV}=error to make this an error.",

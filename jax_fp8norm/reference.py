@@ -173,7 +173,9 @@ def _round_sum(limbs: jax.Array, grid_exponent: int = -172, near_ties: bool = Tr
     rest_zero = ((w[3] & u32(0x3FFF)) == 0) & (w[4] == 0) & (left_out == 0) & ~below
     half = u32(1 << 25)
     if near_ties:
-        near_tie = (fraction == half - 1) | (fraction == half) | ((fraction == half + 1) & rest_zero)
+        near_tie = (
+            (fraction == half - 1) | (fraction == half) | ((fraction == half + 1) & rest_zero)
+        )
         up = jnp.where(near_tie, (significand & u32(1)) == 1, fraction >= half)
     else:
         odd = (significand & u32(1)) == 1
@@ -281,15 +283,16 @@ def exact_sum(terms: jax.Array, axis: int = -1) -> jax.Array:
     base, pieces = _term_limbs(bits)
     negative = (bits >> 31) == 1
     sums = [
-        _magnitude_limbs(base, [jnp.where(sign, p, jnp.uint32(0)) for p in pieces],
-                         rows, chunks)
+        _magnitude_limbs(base, [jnp.where(sign, p, jnp.uint32(0)) for p in pieces], rows, chunks)
         for sign in (~negative, negative)
     ]
     positive, negative_sum = sums
     index = jnp.arange(_LIMBS, dtype=jnp.int32)
     differ = jnp.max(jnp.where(positive != negative_sum, index, -1), axis=-1)
     at = jnp.maximum(differ, 0)[:, None]
-    below = (jnp.take_along_axis(positive, at, -1) < jnp.take_along_axis(negative_sum, at, -1))[:, 0]
+    below = (jnp.take_along_axis(positive, at, -1) < jnp.take_along_axis(negative_sum, at, -1))[
+        :, 0
+    ]
     big = jnp.where(below[:, None], negative_sum, positive)
     small = jnp.where(below[:, None], positive, negative_sum)
     magnitude = _round_sum(_subtract(big, small), _TERM_GRID_EXPONENT, near_ties=False)
@@ -299,8 +302,12 @@ def exact_sum(terms: jax.Array, axis: int = -1) -> jax.Array:
     mantissa = bits & jnp.uint32(0x7FFFFF)
     special = (exponent == 0xFF).reshape(rows, -1)
     nan = jnp.any(special & (mantissa != 0).reshape(rows, -1), axis=-1)
-    plus_inf = jnp.any(special & (mantissa == 0).reshape(rows, -1) & ~negative.reshape(rows, -1), -1)
-    minus_inf = jnp.any(special & (mantissa == 0).reshape(rows, -1) & negative.reshape(rows, -1), -1)
+    plus_inf = jnp.any(
+        special & (mantissa == 0).reshape(rows, -1) & ~negative.reshape(rows, -1), -1
+    )
+    minus_inf = jnp.any(
+        special & (mantissa == 0).reshape(rows, -1) & negative.reshape(rows, -1), -1
+    )
     total = jnp.where(plus_inf, jnp.float32(np.inf), total)
     total = jnp.where(minus_inf, jnp.float32(-np.inf), total)
     total = jnp.where(nan | (plus_inf & minus_inf), jnp.float32(np.nan), total)
@@ -418,7 +425,9 @@ def flush_subnormal(v: jax.Array) -> jax.Array:
     """float32 ``v``, a zero of its sign where ``|v| < 2^-126``: the backward's rule for every
     input and result (docs/spec.md, "Training: the backward pass")."""
     bits = as_bits(v)
-    return jnp.where((bits & jnp.uint32(0x7F800000)) == 0, from_bits(bits & jnp.uint32(0x80000000)), v)
+    return jnp.where(
+        (bits & jnp.uint32(0x7F800000)) == 0, from_bits(bits & jnp.uint32(0x80000000)), v
+    )
 
 
 def backward_rows(
@@ -468,8 +477,11 @@ def backward(dn, x, gamma, inverse_rms, weight_offset: float):
     """(dx in x's dtype, dgamma float32 [N]) of checked arrays of any rank."""
     rows = (int(np.prod(x.shape[:-1])), x.shape[-1])
     dx, dgamma = backward_rows(
-        dn.reshape(rows), x.reshape(rows).astype(jnp.float32), gamma,
-        inverse_rms.reshape(rows[0], 1), weight_offset,
+        dn.reshape(rows),
+        x.reshape(rows).astype(jnp.float32),
+        gamma,
+        inverse_rms.reshape(rows[0], 1),
+        weight_offset,
     )
     return dx.reshape(x.shape).astype(x.dtype), dgamma
 

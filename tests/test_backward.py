@@ -32,7 +32,11 @@ def same_bits(got, want) -> None:
     assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype)
     view = {1: np.uint8, 2: np.uint16, 4: np.uint32}[got.dtype.itemsize]
     mismatch = np.flatnonzero(got.view(view) != want.view(view))
-    assert mismatch.size == 0, (mismatch[:8], got.reshape(-1)[mismatch[:8]], want.reshape(-1)[mismatch[:8]])
+    assert mismatch.size == 0, (
+        mismatch[:8],
+        got.reshape(-1)[mismatch[:8]],
+        want.reshape(-1)[mismatch[:8]],
+    )
 
 
 def cancelling_terms(seed: int, rows: int, k: int) -> np.ndarray:
@@ -86,7 +90,9 @@ def test_backward_against_the_oracle(add):
     gamma = random_gamma(3, n, "float32")
     half = rng.standard_normal((rows, n // 2)) * 2.0 ** rng.integers(-30, 30, (rows, 1))
     dn = np.concatenate([half, -half], axis=1).astype(np.float32)
-    dn[:, n // 2 :] *= (gamma[: n // 2] * x[:, : n // 2]) / (gamma[n // 2 :] * x[:, n // 2 :] + 1e-30)
+    dn[:, n // 2 :] *= (gamma[: n // 2] * x[:, : n // 2]) / (
+        gamma[n // 2 :] * x[:, n // 2 :] + 1e-30
+    )
     dn = np.nan_to_num(dn, posinf=1.0, neginf=-1.0).astype(np.float32)
     _, _, r = fp8norm.rms_norm_fp8_training(x, gamma)
     if add:
@@ -164,7 +170,9 @@ def test_training_forms_save_r_and_keep_the_ops_bits(platform, name, shape):
     plain, _ = check_against_reference(platform, "rms_norm_fp8", x, gamma, **kw)
     for a, b in zip(out[:2], plain, strict=True):
         same_bits(a, b)
-    out, _ = check_against_reference(platform, "add_rms_norm_fp8_training", x, residual, gamma, **kw)
+    out, _ = check_against_reference(
+        platform, "add_rms_norm_fp8_training", x, residual, gamma, **kw
+    )
     assert out[-1].shape == shape[:-1] + (1,) and out[-1].dtype == np.float32
 
 
@@ -183,7 +191,9 @@ def test_backward_is_the_same_in_every_batch():
     full_dx, full_dgamma = backward(dn, x, gamma, r)
     for size in (1, 255, 256):
         start = 4096 - size - 7
-        dx, _ = backward(dn[start : start + size], x[start : start + size], gamma, r[start : start + size])
+        dx, _ = backward(
+            dn[start : start + size], x[start : start + size], gamma, r[start : start + size]
+        )
         same_bits(dx, np.asarray(full_dx)[start : start + size])
     order = np.random.default_rng(33).permutation(4096)
     dx, dgamma = backward(dn[order], x[order], gamma, r[order])
@@ -309,13 +319,16 @@ def test_other_platforms_run_the_backwards_twin():
     ],
 )
 def test_backward_refuses_bad_input_by_name(change, error, words):
-    args = dict(
-        dn=np.ones((4, 16), np.float32),
-        x=np.ones((4, 16), jnp.float16),
-        gamma=np.ones((16,), np.float32),
-        inverse_rms=np.ones((4, 1), np.float32),
-        weight_offset=0.0,
-    ) | change
+    args = (
+        dict(
+            dn=np.ones((4, 16), np.float32),
+            x=np.ones((4, 16), jnp.float16),
+            gamma=np.ones((16,), np.float32),
+            inverse_rms=np.ones((4, 1), np.float32),
+            weight_offset=0.0,
+        )
+        | change
+    )
     with pytest.raises(error, match=words):
         fp8norm.rms_norm_backward(**args)
 
@@ -327,4 +340,3 @@ def test_add_backward_refuses_a_mismatched_d_residual_out():
         fp8norm.add_rms_norm_backward(
             x, np.ones((4, 16), np.float32), x, x, np.ones(16, np.float32), r
         )
-
