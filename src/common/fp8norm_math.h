@@ -593,7 +593,9 @@ FP8NORM_HD float PlusResidualGradient(float dx, float d_residual_out) {
 // 2^32, so 2^31 terms never overflow a limb; the top limb takes the carries. Integer
 // addition is associative: the result is the same for every order, split and merge.
 struct ExactSum {
-  static constexpr int kLimbs = 9;  // 253 + 24 bits of terms; the top limb holds the rest
+  // 253 + 24 bits of terms, and a limb above them for AddScaled's widest value; the top
+  // limb holds the carries.
+  static constexpr int kLimbs = 10;
   int64_t limbs[kLimbs];
   uint32_t specials;  // kSumNan | kSumPlusInf | kSumMinusInf
 };
@@ -624,6 +626,27 @@ FP8NORM_HD void Add(ExactSum& acc, float term) {
   const int k = int(offset >> 5);
   acc.limbs[k] += negative ? -low : low;
   acc.limbs[k + 1] += negative ? -high : high;
+}
+
+// Adds v * 2^offset units of 2^-149 (|v| < 2^62, offset <= 254). A negative offset needs
+// v to be a multiple of 2^-offset, as a sum of float32 terms on a coarser grid is.
+FP8NORM_HD void AddScaled(ExactSum& acc, int64_t v, int offset) {
+  if (v == 0) return;
+  if (offset < 0) {
+    v >>= -offset;  // exact: the bits shifted out are zeros
+    offset = 0;
+  }
+  const bool negative = v < 0;
+  const uint64_t magnitude = negative ? uint64_t(0) - uint64_t(v) : uint64_t(v);
+  const int k = offset >> 5;
+  const int shift = offset & 31;
+  const uint64_t low = (magnitude & 0xffffffffu) << shift;  // below 2^63
+  const uint64_t high = (magnitude >> 32) << shift;         // below 2^61
+  const int64_t digits[3] = {int64_t(low & 0xffffffffu),
+                             int64_t((low >> 32) + (high & 0xffffffffu)), int64_t(high >> 32)};
+  for (int i = 0; i < 3 && k + i < ExactSum::kLimbs; ++i) {
+    acc.limbs[k + i] += negative ? -digits[i] : digits[i];
+  }
 }
 
 FP8NORM_HD void Merge(ExactSum& acc, const ExactSum& other) {

@@ -3,6 +3,7 @@
 // so the FFI handlers (host compiler) and the CUDA kernels (nvcc) share it.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 
@@ -135,6 +136,9 @@ using ParallelFor = std::function<void(int64_t, const std::function<void(int64_t
 // False when the host memory for the call's float32 rows could not be allocated; the
 // outputs are then incomplete.
 bool RmsNormFp8Cpu(const RmsNormFp8Args& args, const ParallelFor& parallel_for);
+// Advises the whole 2 MiB pages inside a large output [p, p + bytes) onto transparent huge
+// pages (cpu_kernels.cc says why); nothing for a small one or off Linux.
+void AdviseHugePages(void* p, size_t bytes);
 // The instruction-set variant of the CPU row loops in use: "avx2" or "baseline".
 const char* CpuKernelVariant();
 void RoundCpu(const RoundArgs& args);

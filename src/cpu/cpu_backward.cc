@@ -14,6 +14,7 @@
 #include <string_view>
 #include <vector>
 
+#include "cpu_exact_sums.h"
 #include "fp8norm_math.h"
 #include "rms_norm_backward.h"
 
@@ -48,15 +49,19 @@ void StoreAt(void* p, int64_t i, float v) {
 // The loops, compiled once per instruction set like the forward's: the element-wise parts
 // vectorise, the exact accumulation is scalar integer work either way.
 #define FP8NORM_BACKWARD_ISA baseline
+#define FP8NORM_BACKWARD_AVX2 0
 #include "cpu_backward_rows.inc"
 #undef FP8NORM_BACKWARD_ISA
+#undef FP8NORM_BACKWARD_AVX2
 
 #if defined(FP8NORM_CPU_HAS_AVX2_VARIANT)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #define FP8NORM_BACKWARD_ISA avx2
+#define FP8NORM_BACKWARD_AVX2 1
 #include "cpu_backward_rows.inc"
 #undef FP8NORM_BACKWARD_ISA
+#undef FP8NORM_BACKWARD_AVX2
 #pragma GCC pop_options
 #endif
 
@@ -109,6 +114,9 @@ bool RmsNormBackwardCpu(const RmsNormBackwardArgs& a, const ParallelFor& paralle
       FillGamma<float>(a.gamma, a.weight_offset, n, g.data());
   }
   std::atomic<bool> out_of_memory{false};
+  const size_t elements = static_cast<size_t>(a.rows) * static_cast<size_t>(n);
+  AdviseHugePages(a.dx, elements * FloatTypeBytes(a.input_type));
+  if (a.dresidual != nullptr) AdviseHugePages(a.dresidual, elements * FloatTypeBytes(a.residual_type));
 
   // Rows: dx (and dresidual).
   const int64_t rows_per_task =
@@ -140,8 +148,10 @@ bool RmsNormBackwardCpu(const RmsNormBackwardArgs& a, const ParallelFor& paralle
     const int64_t block = task % blocks, chunk = task / blocks;
     const int64_t first = block * width, last = std::min(n, first + width);
     const int64_t begin = chunk * rows_per_chunk;
-    variant.columns(a, begin, std::min(a.rows, begin + rows_per_chunk), first, last,
-                    partials.data() + chunk * n);
+    if (!variant.columns(a, begin, std::min(a.rows, begin + rows_per_chunk), first, last,
+                         partials.data() + chunk * n)) {
+      out_of_memory.store(true, std::memory_order_relaxed);
+    }
   });
   parallel_for(blocks, [&](int64_t block) {
     for (int64_t j = block * width, last = std::min(n, j + width); j < last; ++j) {

@@ -117,6 +117,8 @@ CpuVariant SelectVariant() {
 // Outputs of at least this many bytes are advised onto huge pages.
 constexpr size_t kHugePageAdviceBytes = size_t{4} << 20;
 
+}  // namespace
+
 // Asks the kernel to back the whole 2 MiB pages inside [p, p + bytes) with transparent
 // huge pages (Linux; where THP is "madvise", the common default). A large output of XLA's
 // is often freshly mapped memory (glibc maps large allocations and unmaps them when
@@ -141,6 +143,8 @@ void AdviseHugePages(void* p, size_t bytes) {
   (void)bytes;
 #endif
 }
+
+namespace {
 
 const CpuVariant& Variant() {
   static const CpuVariant variant = SelectVariant();
