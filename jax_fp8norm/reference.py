@@ -347,7 +347,14 @@ def inverse_rms(h: jax.Array, eps: float) -> jax.Array:
     """Each row's r (step 2) of float32 rows ``h`` [..., N], with ``eps`` already rounded
     (f32(T(eps))): what the training forms return, float32 ``[..., 1]``."""
     h = jnp.asarray(h, jnp.float32)
-    return _inverse_rms_of(sum_of_squares(h), h.shape[-1], eps)
+    return canonical_nan(_inverse_rms_of(sum_of_squares(h), h.shape[-1], eps))
+
+
+def canonical_nan(v: jax.Array) -> jax.Array:
+    """float32 ``v`` with every NaN the one quiet NaN (0x7FC00000), as the kernels write
+    the training form's r and the backward's outputs: which NaN an operation gives depends
+    on the order of its operands."""
+    return jnp.where(jnp.isnan(v), jnp.float32(np.nan), v)
 
 
 def quantize_rows(
@@ -445,7 +452,7 @@ def backward_rows(
     a = flush(dn * g)
     c = exact_sum(flush(a * u), axis=-1)[..., None]
     c_over_n = flush(divide(c, max(n, 1)))
-    dx = flush(r * flush(a - flush(u * c_over_n)))
+    dx = canonical_nan(flush(r * flush(a - flush(u * c_over_n))))
     dgamma = exact_sum(flush(dn * u), axis=0)
     return dx, dgamma
 
@@ -495,6 +502,7 @@ def add_backward(dn, d_residual_out, x, residual, gamma, inverse_rms, weight_off
         dn.reshape(rows), h, gamma, inverse_rms.reshape(rows[0], 1), weight_offset
     )
     dh = flush_subnormal(dx + flush_subnormal(d_residual_out.reshape(rows).astype(jnp.float32)))
+    dh = canonical_nan(dh)
     dh = dh.reshape(x.shape)
     return dh.astype(x.dtype), dh.astype(residual.dtype), dgamma
 

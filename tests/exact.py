@@ -209,5 +209,6 @@ def backward_rows(dn, x, gamma, r, weight_offset: float = 0.0):
     c = np.array([backward_sum(row) for row in f(a * u)], np.float32)[:, None]
     c_over_n = f(c / np.float32(n))
     dx = f(r * f(a - f(u * c_over_n)))
+    dx = np.where(np.isnan(dx), np.float32(np.nan), dx)  # the one quiet NaN
     dgamma = np.array([backward_sum(column) for column in f(dn * u).T], np.float32)
     return dx, dgamma

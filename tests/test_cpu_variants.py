@@ -92,6 +92,21 @@ SCRIPT = textwrap.dedent(
                 group_size=group, **kw)
             for name, v in (("y", y), ("s", s), ("r", r)):
                 outs[f"{key}-{name}"] = np.asarray(v).view(np.uint8)
+    # The backward: the exact sums' AVX2 float64 lanes against the baseline's int64 levels,
+    # on rows with zeros, NaN, Inf, huge and tiny values, and columns that cancel.
+    for hidden in (1, 17, 100, 4099):
+        for i, dtype in enumerate(dtypes):
+            x, residual, gamma = inputs(hidden, dtype, hidden * 3 + i)
+            gamma = gamma.astype(np.float32)
+            rng = np.random.default_rng(hidden + i)
+            dn = (rng.standard_normal((12, hidden)) * 10.0 ** rng.uniform(-30, 30, (12, 1)))
+            dn[7] = -dn[8]
+            dn = dn.astype(np.float32)
+            *_, r = fp8norm.add_rms_norm_fp8_training(x, residual, gamma)
+            outs_bwd = fp8norm.add_rms_norm_backward(dn, dn.astype(dtype), x, residual, gamma, r)
+            outs_bwd += fp8norm.rms_norm_backward(dn.astype(dtype), x, gamma, r, weight_offset=1.0)
+            for k, v in enumerate(outs_bwd):
+                outs[f"backward-{hidden}-{dtype}-{k}"] = np.asarray(v).view(np.uint8)
     outs["variant"] = np.frombuffer(fp8norm.cpu_kernel_variant().encode(), np.uint8)
     np.savez(sys.argv[1], **outs)
     """

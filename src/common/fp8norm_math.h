@@ -558,6 +558,13 @@ FP8NORM_HD float FlushSubnormal(float v) {
   return FloatOf(Select((u & kF32Inf) == 0, u & 0x80000000u, u));
 }
 
+// Every NaN the backward and the training form's r write is the one quiet NaN: which NaN
+// an IEEE operation returns (its sign, its payload) depends on the order of its operands,
+// which vectorised and scalar code, and compilers, choose differently.
+FP8NORM_HD float CanonicalNan(float v) {
+  return FloatOf(Select(IsNan(v), kF32QuietNan, BitsOf(v)));
+}
+
 // u_j = f32(h_j * r): the normalised input before gamma.
 FP8NORM_HD float NormalizedInput(float h, float r) {
   return FlushSubnormal(FlushSubnormal(h) * r);
@@ -578,12 +585,12 @@ FP8NORM_HD float MeanOfTerms(float c, int64_t hidden) {
 
 // dx_j = r * (a_j - u_j * (c / N)).
 FP8NORM_HD float InputGradient(float a, float u, float c_over_n, float r) {
-  return FlushSubnormal(r * FlushSubnormal(a - FlushSubnormal(u * c_over_n)));
+  return CanonicalNan(FlushSubnormal(r * FlushSubnormal(a - FlushSubnormal(u * c_over_n))));
 }
 
 // dh_j = dx_j + f32(d_residual_out_j), the add variants' gradient of h.
 FP8NORM_HD float PlusResidualGradient(float dx, float d_residual_out) {
-  return FlushSubnormal(dx + FlushSubnormal(d_residual_out));
+  return CanonicalNan(FlushSubnormal(dx + FlushSubnormal(d_residual_out)));
 }
 
 // The exact sum of float32 terms, rounded once: the backward's two sums. Every finite
