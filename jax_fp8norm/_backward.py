@@ -1,7 +1,7 @@
 """JAX primitives of the backward pass of rms_norm_fp8 and add_rms_norm_fp8 (docs/spec.md,
 "Training: the backward pass"), with every rule of each in this file: the shape rule, the
-lowering (the CPU kernel; elsewhere the reference twin, as jax_fp8norm._fallback says) and
-batching. Operands: rms: (dn, x, gamma, inverse_rms); add: (dn, d_residual_out, x,
+lowering (the CPU and CUDA kernels, the emulated CUDA kernels while the CPU backend
+emulates them; elsewhere the reference twin, as jax_fp8norm._fallback says) and batching. Operands: rms: (dn, x, gamma, inverse_rms); add: (dn, d_residual_out, x,
 residual, gamma, inverse_rms). Results: (dx, dgamma) and (dx, dresidual, dgamma)."""
 
 from __future__ import annotations
@@ -16,12 +16,6 @@ from jax.interpreters import batching, mlir
 
 from jax_fp8norm import _fallback, _ffi, reference
 from jax_fp8norm._primitives import eager_impl, lowering_platforms
-
-# Why a GPU runs the twin of the backward although it runs the forward's kernels.
-_NO_CUDA_BACKWARD = (
-    "the backward's kernels are the CPU's in this release (the CUDA ones are to come); "
-    "on GPUs the backward runs its exact jnp twin"
-)
 
 
 def _abstract_eval(*avals, weight_offset, add):
@@ -41,25 +35,41 @@ def _twin(*operands, weight_offset, add):
 
 
 def _twin_lowering(op: str):
+    """Where this build has no kernel for the platform: the twin, with the fallback rule."""
     lower = mlir.lower_fun(_twin, multiple_results=True)
 
     def lowering(ctx, *args, **params):
-        platforms = lowering_platforms(ctx)
-        cuda_kernels = _ffi.built_with_cuda()
-        missing = _NO_CUDA_BACKWARD if cuda_kernels and "cuda" in platforms else None
-        _fallback.lower_to_twin(op, platforms, missing)
+        _fallback.lower_to_twin(op, lowering_platforms(ctx))
         return lower(ctx, *args, **params)
 
     return lowering
 
 
-def _cpu_lowering(op: str):
-    """The CPU kernel, also while the CPU backend emulates the CUDA kernels (which have no
-    backward yet)."""
-    rule = jax.ffi.ffi_lowering(_ffi.TARGETS[op])
+def _ffi_rule(target: str):
+    rule = jax.ffi.ffi_lowering(target)
 
     def lowering(ctx, *args, weight_offset, add):
         return rule(ctx, *args, weight_offset=np.float32(weight_offset))
+
+    return lowering
+
+
+def _cpu_lowering(op: str):
+    """The CPU kernel, or the emulated CUDA kernel while the FFI layer's switch is on."""
+    rules = {t: _ffi_rule(t) for t in (_ffi.TARGETS[op], _ffi.EMULATED_TARGETS[op])}
+
+    def lowering(ctx, *args, **params):
+        return rules[_ffi.cpu_target(op)](ctx, *args, **params)
+
+    return lowering
+
+
+def _cuda_lowering(op: str):
+    """The CUDA kernels where this build has them, else the twin; decided when lowering."""
+    kernel, twin = _ffi_rule(_ffi.TARGETS[op]), _twin_lowering(op)
+
+    def lowering(ctx, *args, **params):
+        return (kernel if _ffi.built_with_cuda() else twin)(ctx, *args, **params)
 
     return lowering
 
@@ -85,6 +95,7 @@ def _make_backward_primitive(op: str) -> Primitive:
     prim.def_abstract_eval(_abstract_eval)
     prim.def_impl(functools.partial(eager_impl, prim))
     mlir.register_lowering(prim, _cpu_lowering(op), platform="cpu")
+    mlir.register_lowering(prim, _cuda_lowering(op), platform="cuda")
     mlir.register_lowering(prim, _twin_lowering(op))
     batching.primitive_batchers[prim] = _batching_rule(prim)
     return prim

@@ -45,30 +45,22 @@ def reason(platform: str) -> str:
 _warned: set[str] = set()
 
 
-def lower_to_twin(op: str, platforms, missing: str | None = None) -> None:
+def lower_to_twin(op: str, platforms) -> None:
     """Called by a lowering rule about to lower ``op`` to its twin for ``platforms``: warns
-    once per platform and process, or raises under ``FP8NORM_FALLBACK=error``. ``missing``:
-    why this op has no kernel there when the platform has kernels for the others (warned
-    once per op and platform)."""
+    once per platform and process, or raises under ``FP8NORM_FALLBACK=error``."""
     for platform in platforms:
-        why = missing or reason(platform)
         if policy() == "error":
             raise RuntimeError(
-                f"jax_fp8norm.{op} has no kernel for platform {platform!r}: {why} "
+                f"jax_fp8norm.{op} has no kernel for platform {platform!r}: {reason(platform)} "
                 f"({FALLBACK_ENV}=error; unset it to run the op's exact jnp twin there)"
             )
-        key = f"{op}:{platform}" if missing else platform
-        if key in _warned:
+        if platform in _warned:
             continue
-        subject = (
-            f"jax_fp8norm.{op} runs as its jnp twin"
-            if missing
-            else "jax_fp8norm's ops run as their jnp twins"
-        )
         warnings.warn(
-            f"{subject} on platform {platform!r} (the spec's math, not fused, slower): {why}. "
-            f"Set {FALLBACK_ENV}=error to make this an error.",
+            f"jax_fp8norm's ops run as their jnp twins on platform {platform!r} (the spec's "
+            f"math, not fused, slower): {reason(platform)}. Set "
+            f"{FALLBACK_ENV}=error to make this an error.",
             KernelFallbackWarning,
             stacklevel=2,
         )
-        _warned.add(key)
+        _warned.add(platform)

@@ -50,10 +50,10 @@ OPS = (
 # The one-kernel all-reduce: the CUDA modules (real and emulated) only, as the CPU
 # backend's all-reduce is XLA's own.
 PEER_OPS = ("allreduce_rms_norm_fp8",)
-# The backward kernels: the CPU module's so far (docs/spec.md, "Training").
+# The backward kernels (docs/spec.md, "Training: the backward pass").
 BACKWARD_OPS = ("rms_norm_backward", "add_rms_norm_backward")
 TARGETS = {op: f"fp8norm_{op}" for op in OPS + PEER_OPS + BACKWARD_OPS}
-EMULATED_TARGETS = {op: f"fp8norm_simt_{op}" for op in OPS + PEER_OPS}
+EMULATED_TARGETS = {op: f"fp8norm_simt_{op}" for op in OPS + PEER_OPS + BACKWARD_OPS}
 
 
 # How each platform's XLA holds a float4_e2m1fn buffer, by the name of the layout the
@@ -102,7 +102,7 @@ except ImportError as _error:
         "takes nvcc from PyPI)"
     )
 else:
-    _register(_fp8norm_cuda, TARGETS, "CUDA", OPS + PEER_OPS)
+    _register(_fp8norm_cuda, TARGETS, "CUDA", OPS + PEER_OPS + BACKWARD_OPS)
     CUDA_UNAVAILABLE_REASON = ""
 
 # The CUDA kernels and handlers compiled for the host against the SIMT emulation
@@ -113,7 +113,7 @@ except ImportError as _error:
     simt_module = None
     SIMT_ERROR = str(_error)
 else:
-    _register(simt_module, EMULATED_TARGETS, "cpu", OPS + PEER_OPS)
+    _register(simt_module, EMULATED_TARGETS, "cpu", OPS + PEER_OPS + BACKWARD_OPS)
     SIMT_ERROR = ""
 
 EMULATE_CUDA_ENV = "FP8NORM_EMULATE_CUDA"

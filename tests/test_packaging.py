@@ -144,11 +144,11 @@ def test_installed_package_is_typed_and_registers_every_op():
     installed = [p for p in spec.submodule_search_locations if "site-packages" in p]
     for location in installed or spec.submodule_search_locations:
         assert os.path.exists(os.path.join(location, "py.typed")), location
-    # The backward's kernels are the CPU module's only, so far.
     assert sorted(_ffi._fp8norm_cpu.registrations()) == sorted(_ffi.OPS + _ffi.BACKWARD_OPS)
     # The one-kernel all-reduce is the CUDA modules' only (real and emulated).
     for module in [m for m in (_ffi._fp8norm_cuda, _ffi.simt_module) if m]:
-        assert sorted(module.registrations()) == sorted(_ffi.OPS + _ffi.PEER_OPS), module.__file__
+        expected = _ffi.OPS + _ffi.PEER_OPS + _ffi.BACKWARD_OPS
+        assert sorted(module.registrations()) == sorted(expected), module.__file__
 
 
 def test_a_plain_import_carries_the_emulation_controls():

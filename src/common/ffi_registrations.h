@@ -21,7 +21,7 @@ struct OpHandlers {
   FfiHandler* add_rms_norm_fp8_training;
 };
 
-// The backward kernels, which only the CPU module has so far.
+// The backward kernels.
 struct BackwardHandlers {
   FfiHandler* rms_norm_backward = nullptr;
   FfiHandler* add_rms_norm_backward = nullptr;

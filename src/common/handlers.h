@@ -23,6 +23,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(AddRmsNormFp8CudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RoundCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RmsNormFp8TrainingCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AddRmsNormFp8TrainingCudaHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(RmsNormBackwardCudaHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AddRmsNormBackwardCudaHandler);
 // The one-kernel all-reduce (no CPU kernel: the CPU backend's all-reduce is XLA's) and its
 // set-up, which runs in the stage before execution, as PrepareCudaHandler.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AllReduceNormCudaHandler);

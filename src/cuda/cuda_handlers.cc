@@ -173,6 +173,31 @@ ffi::Error AddRmsNormFp8TrainingImpl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBu
                      [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
 }
 
+ffi::Error RmsNormBackwardImpl(GpuTarget gpu, ffi::AnyBuffer dn, ffi::AnyBuffer x,
+                               ffi::AnyBuffer gamma, ffi::AnyBuffer inverse_rms,
+                               ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dgamma,
+                               float weight_offset) {
+  RmsNormBackwardArgs args;
+  ffi::Error status = DecodeRmsNormBackward(dn, nullptr, x, nullptr, gamma, inverse_rms, dx,
+                                            nullptr, dgamma, weight_offset, &args);
+  if (status.failure()) return status;
+  return RunOnDevice(gpu.device, "rms_norm_backward launch",
+                     [&](int) { return LaunchRmsNormBackward(gpu.stream, args); });
+}
+
+ffi::Error AddRmsNormBackwardImpl(GpuTarget gpu, ffi::AnyBuffer dn, ffi::AnyBuffer d_residual_out,
+                                  ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer gamma,
+                                  ffi::AnyBuffer inverse_rms, ffi::Result<ffi::AnyBuffer> dx,
+                                  ffi::Result<ffi::AnyBuffer> dresidual,
+                                  ffi::Result<ffi::AnyBuffer> dgamma, float weight_offset) {
+  RmsNormBackwardArgs args;
+  ffi::Error status = DecodeRmsNormBackward(dn, &d_residual_out, x, &residual, gamma, inverse_rms,
+                                            dx, &dresidual, dgamma, weight_offset, &args);
+  if (status.failure()) return status;
+  return RunOnDevice(gpu.device, "add_rms_norm_backward launch",
+                     [&](int) { return LaunchRmsNormBackward(gpu.stream, args); });
+}
+
 ffi::Error RoundImpl(GpuTarget gpu, ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out,
                      int64_t fp4_layout) {
   RoundArgs args;
@@ -297,6 +322,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8TrainingCudaHandler, RmsNormFp8TrainingI
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8TrainingCudaHandler, AddRmsNormFp8TrainingImpl,
                               (AddRmsNormFp8Binding<CallGpu, true>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormBackwardCudaHandler, RmsNormBackwardImpl,
+                              RmsNormBackwardBinding<CallGpu>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormBackwardCudaHandler, AddRmsNormBackwardImpl,
+                              AddRmsNormBackwardBinding<CallGpu>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

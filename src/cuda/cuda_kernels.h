@@ -9,6 +9,7 @@
 
 #include "cuda_launch_plan.h"
 #include "peer_allreduce.h"
+#include "rms_norm_backward.h"
 #include "rms_norm_fp8.h"
 
 namespace fp8norm {
@@ -19,6 +20,9 @@ namespace fp8norm {
 cudaError_t LaunchRmsNormFp8(cudaStream_t stream, int device, const RmsNormFp8Args& args);
 
 cudaError_t LaunchRound(cudaStream_t stream, const RoundArgs& args);
+
+// backward.cu: the backward of both ops (args.residual == null for rms_norm_fp8).
+cudaError_t LaunchRmsNormBackward(cudaStream_t stream, const RmsNormBackwardArgs& args);
 
 // allreduce.cu. Loads the one-kernel all-reduce's kernel on the current device (its set-up,
 // outside graph capture); enqueues one device's share of a call of it on `stream`. Every

@@ -64,6 +64,7 @@ cudaError_t SetUpDevice(int device, DeviceSetup* setup) {
     }
   }
   if (err == cudaSuccess) err = LoadRoundKernel();
+  if (err == cudaSuccess) err = LoadBackwardKernels();
   return err;
 }
 

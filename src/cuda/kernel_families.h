@@ -25,4 +25,7 @@ cudaError_t LaunchRegisterRows(cudaStream_t stream, const RmsNormFp8Args& args,
 // round.cu (LaunchRound is in cuda_kernels.h).
 cudaError_t LoadRoundKernel();
 
+// backward.cu (LaunchRmsNormBackward is in cuda_kernels.h).
+cudaError_t LoadBackwardKernels();
+
 }  // namespace fp8norm

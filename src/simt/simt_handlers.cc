@@ -89,6 +89,15 @@ XLA_FFI_Error* SimtAddRmsNormFp8TrainingHandler(XLA_FFI_CallFrame* frame) {
                      {"x", "residual", "gamma", "scale_operand"},
                      {"y", "scales", "residual_out", "inverse_rms"});
 }
+XLA_FFI_Error* SimtRmsNormBackwardHandler(XLA_FFI_CallFrame* frame) {
+  return WithBuffers(frame, fp8norm::RmsNormBackwardCudaHandler,
+                     {"dn", "x", "gamma", "inverse_rms"}, {"dx", "dgamma"});
+}
+XLA_FFI_Error* SimtAddRmsNormBackwardHandler(XLA_FFI_CallFrame* frame) {
+  return WithBuffers(frame, fp8norm::AddRmsNormBackwardCudaHandler,
+                     {"dn", "d_residual_out", "x", "residual", "gamma", "inverse_rms"},
+                     {"dx", "dresidual", "dgamma"});
+}
 XLA_FFI_Error* SimtAllReduceNormHandler(XLA_FFI_CallFrame* frame) {
   return WithBuffers(frame, fp8norm::AllReduceNormCudaHandler,
                      {"x", "residual", "gamma", "scale_operand"}, {"y", "scales", "residual_out"});

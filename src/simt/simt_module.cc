@@ -24,7 +24,8 @@ NB_MODULE(_fp8norm_simt, m) {
          fp8norm::SimtRoundHandler, fp8norm::SimtRmsNormFp8TrainingHandler,
          fp8norm::SimtAddRmsNormFp8TrainingHandler},
         {fp8norm::kPrepareStage, fp8norm::SimtPrepareHandler},
-        {fp8norm::SimtAllReduceNormHandler, fp8norm::SimtSetUpAllReduceHandler});
+        {fp8norm::SimtAllReduceNormHandler, fp8norm::SimtSetUpAllReduceHandler},
+        {fp8norm::SimtRmsNormBackwardHandler, fp8norm::SimtAddRmsNormBackwardHandler});
   });
   fp8norm::AddCudaModuleBindings(m);
   fp8norm::AddCudaHostLogic(m);
