@@ -1,8 +1,9 @@
 """JAX primitives of the backward pass of rms_norm_fp8 and add_rms_norm_fp8 (docs/spec.md,
 "Training: the backward pass"), with every rule of each in this file: the shape rule, the
 lowering (the CPU and CUDA kernels, the emulated CUDA kernels while the CPU backend
-emulates them; elsewhere the reference twin, as jax_fp8norm._fallback says) and batching. Operands: rms: (dn, x, gamma, inverse_rms); add: (dn, d_residual_out, x,
-residual, gamma, inverse_rms). Results: (dx, dgamma) and (dx, dresidual, dgamma)."""
+emulates them; elsewhere the reference twin, as jax_fp8norm._fallback says) and batching.
+Operands: rms: (dn, x, gamma, inverse_rms); add: (dn, d_residual_out, x, residual, gamma,
+inverse_rms). Results: (dx, dgamma) and (dx, dresidual, dgamma)."""
 
 from __future__ import annotations
 
