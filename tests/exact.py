@@ -204,6 +204,12 @@ def backward_rows(dn, x, gamma, r, weight_offset: float = 0.0):
     g = f(np.asarray(gamma, np.float32) + np.float32(weight_offset))
     r = np.asarray(r, np.float32).reshape(-1, 1)
     n = x.shape[-1]
+    with np.errstate(invalid="ignore", over="ignore"):
+        return _backward_rows(dn, x, g, r, n)
+
+
+def _backward_rows(dn, x, g, r, n):
+    f = flushed
     u = f(x * r)
     a = f(dn * g)
     c = np.array([backward_sum(row) for row in f(a * u)], np.float32)[:, None]

@@ -137,18 +137,26 @@ __global__ void __launch_bounds__(kBackwardThreads) DgammaKernel(const RmsNormBa
 
 cudaError_t LoadBackwardKernels() {
   cudaFuncAttributes attributes{};
-  cudaError_t err = cudaFuncGetAttributes(&attributes, BackwardRowsKernel);
-  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attributes, DgammaKernel);
+  cudaError_t err = LoadKernel(BackwardRowsKernel, "backward_rows", sizeof(BackwardScratch),
+                               kBackwardThreads, &attributes);
+  if (err == cudaSuccess) {
+    err = LoadKernel(DgammaKernel, "dgamma", sizeof(BackwardScratch), kBackwardThreads, &attributes);
+  }
   return err;
 }
 
 cudaError_t LaunchRmsNormBackward(cudaStream_t stream, const RmsNormBackwardArgs& a) {
   if (a.hidden == 0) return cudaSuccess;
+  // What the emulation knows of the kernels (nothing on a GPU, where the device's
+  // preparation has loaded them): a launch needs no preparation first.
+  DeclareKernel(BackwardRowsKernel, "backward_rows", sizeof(BackwardScratch), kBackwardThreads);
+  DeclareKernel(DgammaKernel, "dgamma", sizeof(BackwardScratch), kBackwardThreads);
   // Rows: one block each, at most 65535 blocks striding over the rest (a grid that large
   // fills every multiprocessor many times over).
   if (a.rows > 0) {
     const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(a.rows, 65535));
-    const cudaError_t err = LaunchKernel(BackwardRowsKernel, blocks, kBackwardThreads, 0, stream, a);
+    const cudaError_t err =
+        LaunchKernel(BackwardRowsKernel, blocks, kBackwardThreads, 0, stream, a);
     if (err != cudaSuccess) return err;
   }
   const unsigned column_blocks =

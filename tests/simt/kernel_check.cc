@@ -32,6 +32,7 @@
 
 #include "cuda_kernels.h"
 #include "cuda_launch_plan.h"
+#include "rms_norm_backward.h"
 #include "rms_norm_fp8.h"
 #include "simt.h"
 
@@ -420,6 +421,99 @@ int CheckRound() {
   return failures;
 }
 
+// The backward's two kernels against the CPU kernel: every input type, dn type and the
+// residual, hidden sizes around the block's 256 threads and the 32 columns of a dgamma
+// block, rows that cancel, zeros, Inf, NaN and r of 0, NaN and Inf.
+int CheckBackward(bool quick) {
+  int failures = 0;
+  const std::vector<int64_t> hiddens =
+      quick ? std::vector<int64_t>{7, 300} : std::vector<int64_t>{1, 7, 33, 300, 1000};
+  int k = 0;
+  for (const int64_t hidden : hiddens) {
+    for (const FloatType input : {FloatType::kBF16, FloatType::kF32, FloatType::kF16}) {
+      for (const bool residual : {false, true}) {
+        ++k;
+        const int64_t rows = quick ? 3 : 1 + k % 9;
+        const FloatType dn_type = k % 2 == 0 ? FloatType::kF32 : input;
+        const size_t elements = static_cast<size_t>(rows * hidden);
+        const size_t in_bytes = FloatTypeBytes(input);
+        Rng rng{static_cast<uint64_t>(k) * 7919 + 17};
+        ExactBuffer x(elements * in_bytes), res(residual ? elements * in_bytes : 0);
+        ExactBuffer dn(elements * FloatTypeBytes(dn_type)), dres(residual ? elements * in_bytes : 0);
+        ExactBuffer gamma(static_cast<size_t>(hidden) * sizeof(float));
+        ExactBuffer r(static_cast<size_t>(rows) * sizeof(float));
+        Fill(x, input, rows, hidden, rng, true, 2.0f);
+        if (residual) Fill(res, input, rows, hidden, rng, false, 1.0f);
+        Fill(dn, dn_type, rows, hidden, rng, k % 3 == 0, 20.0f);
+        if (residual) Fill(dres, input, rows, hidden, rng, false, 1.0f);
+        Fill(gamma, FloatType::kF32, 1, hidden, rng, false, 0.5f);
+        for (int64_t i = 0; i < rows; ++i) {
+          const float v = i == 2 ? 0.0f : (i == 4 ? NAN : (i == 6 ? INFINITY : rng.Uniform() + 0.1f));
+          StoreAs(FloatType::kF32, r.data, i, v);
+        }
+        ExactBuffer dx(elements * in_bytes), dx_cpu(elements * in_bytes);
+        ExactBuffer dresidual(residual ? elements * in_bytes : 0), dresidual_cpu(dresidual.bytes);
+        ExactBuffer dgamma(static_cast<size_t>(hidden) * sizeof(float)), dgamma_cpu(dgamma.bytes);
+        RmsNormBackwardArgs a{dn.data,
+                              x.data,
+                              residual ? res.data : nullptr,
+                              residual ? dres.data : nullptr,
+                              gamma.data,
+                              reinterpret_cast<const float*>(r.data),
+                              dx.data,
+                              residual ? dresidual.data : nullptr,
+                              reinterpret_cast<float*>(dgamma.data),
+                              rows,
+                              hidden,
+                              dn_type,
+                              input,
+                              input,
+                              FloatType::kF32,
+                              k % 4 == 0 ? 1.0f : 0.0f};
+        const std::string name = "backward " + std::to_string(rows) + "x" + std::to_string(hidden) +
+                                 " " + TypeName(input) + (residual ? " add" : "");
+        if (name_cases) std::fprintf(stderr, "case %s\n", name.c_str());
+        cudaError_t status;
+        {
+          simt::ScopedBuffers buffers;
+          buffers.Add("dn", dn.data, dn.bytes);
+          buffers.Add("x", x.data, x.bytes);
+          buffers.Add("gamma", gamma.data, gamma.bytes);
+          buffers.Add("inverse_rms", r.data, r.bytes);
+          buffers.Add("dx", dx.data, dx.bytes);
+          buffers.Add("dgamma", dgamma.data, dgamma.bytes);
+          if (residual) {
+            buffers.Add("residual", res.data, res.bytes);
+            buffers.Add("d_residual_out", dres.data, dres.bytes);
+            buffers.Add("dresidual", dresidual.data, dresidual.bytes);
+          }
+          status = LaunchRmsNormBackward(nullptr, a);
+        }
+        a.dx = dx_cpu.data;
+        a.dresidual = residual ? dresidual_cpu.data : nullptr;
+        a.dgamma = reinterpret_cast<float*>(dgamma_cpu.data);
+        const ParallelFor serial = [](int64_t n, const std::function<void(int64_t)>& task) {
+          for (int64_t i = 0; i < n; ++i) task(i);
+        };
+        RmsNormBackwardCpu(a, serial);
+        if (status != cudaSuccess) {
+          std::printf("FAIL %s: %s\n", name.c_str(), cudaGetErrorString(status));
+          ++failures;
+          continue;
+        }
+        bool ok = SameBytes(dx, dx_cpu, "dx", name) && SameBytes(dgamma, dgamma_cpu, "dgamma", name);
+        if (residual) ok = ok && SameBytes(dresidual, dresidual_cpu, "dresidual", name);
+        if (!ok) {
+          ++failures;
+          if (stop_at_failure) return failures;
+        }
+      }
+    }
+  }
+  simt::TakeLaunches();
+  return failures;
+}
+
 int Main(bool quick, bool allreduce, bool rest) {
   if (!rest) return CheckAllReduce(quick) == 0 ? 0 : 1;
   std::vector<Case> cases;
@@ -549,7 +643,7 @@ int Main(bool quick, bool allreduce, bool rest) {
     cases.push_back(c);
   }
   Coverage coverage;
-  int failures = CheckEmulator() + CheckRound();
+  int failures = CheckEmulator() + CheckRound() + CheckBackward(quick);
   int runs = 0;
   for (const Case& c : cases) {
     if (stop_at_failure && failures > 0) break;

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HEADER = Path("src") / "common" / "fp8norm_math.h"
 # In this order, so that most mutants fail one of the first, quicker files.
 TESTS = ["tests/test_sum_of_squares.py", "tests/test_rounding.py", "tests/test_block_scaling.py",
-         "tests/test_fp4.py", "tests/test_ops.py"]  # fmt: skip
+         "tests/test_fp4.py", "tests/test_ops.py", "tests/test_backward.py"]  # fmt: skip
 # The cpu platform's items of those files (the simt ones build their own module).
 SELECT = "cpu and not virtual"
 TIMEOUT_S = 900
@@ -104,6 +104,21 @@ MUTANTS = [
         "inverse rms: eps added before the mean",
         "  const float denom = sum_sq / float(hidden) + eps;",
         "  const float denom = (sum_sq + eps) / float(hidden);",
+    ),
+    Mutant(
+        "backward's exact sum: a rounding tie rounded up instead of to even",
+        "if (round_bit && (sticky || (significand & 1u) != 0)) {",
+        "if (round_bit) {",
+    ),
+    Mutant(
+        "backward's exact sum: a level's top digit dropped when folded in",
+        "int64_t((low >> 32) + (high & 0xffffffffu)), int64_t(high >> 32)};",
+        "int64_t((low >> 32) + (high & 0xffffffffu)), 0};",
+    ),
+    Mutant(
+        "backward's exact sum: the bits below the rounding bit ignored",
+        "      sticky = sticky || (digit & ((uint64_t{1} << -at) - 1)) != 0;",
+        "",
     ),
 ]
 

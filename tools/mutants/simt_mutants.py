@@ -316,6 +316,33 @@ MUTANTS = [
         "    const int64_t offset = row * n;",
         "    const int64_t offset = int32_t(row * n);",
     ),
+    Mutant(
+        "backward: a row's first term dropped from c",
+        "cuda/backward.cu",
+        "      Add(c, ProductTerm(ag, u));",
+        "      if (j != 0) Add(c, ProductTerm(ag, u));",
+    ),
+    Mutant(
+        "backward: dgamma sums the first row group twice",
+        "cuda/backward.cu",
+        "for (int g = 1; g < kDgammaRowGroups; ++g)",
+        "for (int g = 0; g < kDgammaRowGroups; ++g)",
+    ),
+    Mutant(
+        "backward: no barrier before the next row overwrites the block's accumulators",
+        "cuda/backward.cu",
+        "    __syncthreads();  // the next row's parts overwrite this row's",
+        "",
+        race=True,
+    ),
+    Mutant(
+        "backward: dresidual stored before the residual's gradient is added",
+        "cuda/backward.cu",
+        "        dx = PlusResidualGradient(dx, LoadElement(a.d_residual_out, a.residual_type, offset + j));\n"
+        "        StoreElement(a.dresidual, a.residual_type, offset + j, dx);",
+        "        StoreElement(a.dresidual, a.residual_type, offset + j, dx);\n"
+        "        dx = PlusResidualGradient(dx, LoadElement(a.d_residual_out, a.residual_type, offset + j));",
+    ),
 ]
 
 
