@@ -345,9 +345,12 @@ def _inverse_rms_of(sum_sq: jax.Array, n: int, eps: float) -> jax.Array:
 
 def inverse_rms(h: jax.Array, eps: float) -> jax.Array:
     """Each row's r (step 2) of float32 rows ``h`` [..., N], with ``eps`` already rounded
-    (f32(T(eps))): what the training forms return, float32 ``[..., 1]``."""
+    (f32(T(eps))): what the training forms return, float32 ``[..., 1]``; NaN for a row
+    whose sum of squares is not finite (its outputs are NaN; so is its gradient)."""
     h = jnp.asarray(h, jnp.float32)
-    return canonical_nan(_inverse_rms_of(sum_of_squares(h), h.shape[-1], eps))
+    sum_sq = sum_of_squares(h)
+    r = _inverse_rms_of(sum_sq, h.shape[-1], eps)
+    return jnp.where(jnp.isfinite(sum_sq), canonical_nan(r), jnp.float32(np.nan))
 
 
 def canonical_nan(v: jax.Array) -> jax.Array:

@@ -565,6 +565,12 @@ FP8NORM_HD float CanonicalNan(float v) {
   return FloatOf(Select(IsNan(v), kF32QuietNan, BitsOf(v)));
 }
 
+// The r the training form saves for a row: its r, the one quiet NaN for a row whose sum
+// of squares is not finite (a NaN or Inf in it, or an overflow), whose outputs are NaN.
+FP8NORM_HD float SavedInverseRms(float sum_sq, float r) {
+  return IsFinite(sum_sq) ? CanonicalNan(r) : FloatOf(kF32QuietNan);
+}
+
 // u_j = f32(h_j * r): the normalised input before gamma.
 FP8NORM_HD float NormalizedInput(float h, float r) {
   return FlushSubnormal(FlushSubnormal(h) * r);

@@ -107,7 +107,7 @@ __device__ __forceinline__ void ProcessGroupedRow(const RmsNormFp8Args& a, int64
                                                   SharedScratch& scratch) {
   const float sum_sq = RowSumOfSquares<TIn, kVec>(a, row, cache, scratch);
   const float r = InverseRms(sum_sq, a.hidden, a.constants.eps);
-  if (threadIdx.x == 0) StoreInverseRms(a, row, r);
+  if (threadIdx.x == 0) StoreInverseRms(a, row, sum_sq, r);
   SharedGroups<TIn, kVec>(a, row, cache, sum_sq, r);
 }
 
@@ -120,7 +120,7 @@ __device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
   const auto [x, residual, residual_out, y] = RowOf<TIn>(a, row);
   const float sum_sq = RowSumOfSquares<TIn, kVec>(a, row, cache, scratch);
   const float r = InverseRms(sum_sq, n, a.constants.eps);
-  if (threadIdx.x == 0) StoreInverseRms(a, row, r);
+  if (threadIdx.x == 0) StoreInverseRms(a, row, sum_sq, r);
 
   // Sweep 2: n and its abs-max.
   uint32_t amax = 0;

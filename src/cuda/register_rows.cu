@@ -116,7 +116,7 @@ __device__ __forceinline__ void RegisterRow(const RmsNormFp8Args& a, int64_t row
       warps_per_row);
   const float sum_sq = Total(acc);
   const float r = InverseRms(sum_sq, a.hidden, a.constants.eps);
-  if (valid && lane == 0) StoreInverseRms(a, row, r);
+  if (valid && lane == 0) StoreInverseRms(a, row, sum_sq, r);
 
   // Sweep 2: n, in place of h, and its abs-max.
   uint32_t amax = 0;

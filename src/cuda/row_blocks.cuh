@@ -186,10 +186,10 @@ __device__ __forceinline__ void StoreScale(const RmsNormFp8Args& a, int64_t inde
   StoreAny<1>(a.scales, a.scale_type, index, value, site);
 }
 
-// The training form's r of row `row`; nothing for the plain forward.
-__device__ __forceinline__ void StoreInverseRms(const RmsNormFp8Args& a, int64_t row, float r,
-                                                int site = __builtin_LINE()) {
-  if (a.inverse_rms != nullptr) StoreGlobal(a.inverse_rms + row, CanonicalNan(r), site);
+// The training form's r of row `row` (SavedInverseRms); nothing for the plain forward.
+__device__ __forceinline__ void StoreInverseRms(const RmsNormFp8Args& a, int64_t row, float sum_sq,
+                                                float r, int site = __builtin_LINE()) {
+  if (a.inverse_rms != nullptr) StoreGlobal(a.inverse_rms + row, SavedInverseRms(sum_sq, r), site);
 }
 
 // The scale of a row with one scale (dynamic per row, or the calibrated one).
