@@ -369,3 +369,17 @@ def test_the_allreduce_op_runs_its_own_report(capsys):
     out = capsys.readouterr().out
     assert "allreduce_residual_rms_norm_fp8, bfloat16 x 128" in out
     assert "method='xla'" in out and "xla all-reduce + jnp formula" in out
+
+
+def test_backward_report_runs(capsys):
+    """The backward's report (python -m jax_fp8norm.bench.backward) on a small shape: every
+    entry timed, the ratios printed."""
+    from jax_fp8norm.bench import backward
+
+    assert backward.main(["--rows", "64", "--hidden", "256", "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    for name in ("backward: kernel", "backward: XLA autodiff", "add backward: kernel",
+                 "forward: training form"):  # fmt: skip
+        assert f"{name}: min" in out
+    assert "XLA autodiff / kernel = " in out
+    assert backward.backward_bytes(2, 8, "bfloat16", add=False) == 2 * (8 * 8 + 4) + 64

@@ -1,0 +1,131 @@
+"""The training forms and the fused backward against XLA, calls interleaved.
+
+Times, on one shape and with calls interleaved (each round calls every entry once; the
+report gives each entry's minimum and median wall time per call, dispatch included;
+each comparison is a group timed on its own):
+the fused backward (``rms_norm_backward``, ``add_rms_norm_backward``) against XLA's
+autodiff of the plain float32 formula (``jax.vjp`` of ``h * rsqrt(mean(h^2) + eps) *
+gamma``, the residual add included for the add variant), and the training form of the
+forward against the plain op. On a GPU it adds the time the bytes would take at the
+device's peak bandwidth (``--peak-tbps``, H200: 4.8), a floor that no kernel beats.
+
+    python -m jax_fp8norm.bench.backward [--rows 4096] [--hidden 4096] [--dtype bfloat16]
+                                          [--rounds 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+import jax_fp8norm as fp8norm
+from jax_fp8norm._dtypes import DTYPE_BY_NAME
+from jax_fp8norm.bench.timing import blocking, interleaved_seconds
+
+
+def _formula(h: jax.Array, gamma: jax.Array, eps: float = 1e-6) -> jax.Array:
+    h = h.astype(jnp.float32)
+    return h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + eps) * gamma
+
+
+def backward_bytes(rows: int, hidden: int, dtype, add: bool) -> int:
+    """What the fused backward reads and writes: dn (float32), x (and residual,
+    d_residual_out) and r read, dx (and dresidual) written, gamma and dgamma."""
+    item = jnp.dtype(dtype).itemsize
+    per_row = hidden * (4 + item + item) + 4 + (3 * hidden * item if add else 0)
+    return rows * per_row + 8 * hidden
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m jax_fp8norm.bench.backward", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--rows", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--peak-tbps", type=float, default=4.8)
+    args = parser.parse_args(argv)
+    dtype = DTYPE_BY_NAME[args.dtype]
+    shape = (args.rows, args.hidden)
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    x = jax.random.normal(keys[0], shape, dtype)
+    residual = jax.random.normal(keys[1], shape, dtype)
+    dn = jax.random.normal(keys[2], shape, jnp.float32)
+    gamma = 1.0 + 0.1 * jax.random.normal(keys[3], (args.hidden,), jnp.float32)
+    *_, r = fp8norm.rms_norm_fp8_training(x, gamma)
+    *_, r_add = fp8norm.add_rms_norm_fp8_training(x, residual, gamma)
+    d_residual_out = dn.astype(dtype)
+
+    @jax.jit
+    def xla_backward(dn, x, gamma):
+        return jax.vjp(_formula, x, gamma)[1](dn)
+
+    @jax.jit
+    def xla_add_backward(dn, d_residual_out, x, residual, gamma):
+        def f(x, residual, gamma):
+            h = x.astype(jnp.float32) + residual.astype(jnp.float32)
+            return _formula(h, gamma), h.astype(residual.dtype)
+
+        return jax.vjp(f, x, residual, gamma)[1]((dn, d_residual_out))
+
+    # Three groups, each timed interleaved on its own: a group's calls allocate outputs
+    # of the same sizes, so none of them pays for the page faults of another's.
+    groups = [
+        {
+            "backward: kernel": blocking(jax.jit(fp8norm.rms_norm_backward), dn, x, gamma, r),
+            "backward: XLA autodiff": blocking(xla_backward, dn, x, gamma),
+        },
+        {
+            "add backward: kernel": blocking(
+                jax.jit(fp8norm.add_rms_norm_backward),
+                dn,
+                d_residual_out,
+                x,
+                residual,
+                gamma,
+                r_add,
+            ),
+            "add backward: XLA autodiff": blocking(
+                xla_add_backward, dn, d_residual_out, x, residual, gamma
+            ),
+        },
+        {
+            "forward: plain": blocking(jax.jit(fp8norm.rms_norm_fp8), x, gamma),
+            "forward: training form": blocking(jax.jit(fp8norm.rms_norm_fp8_training), x, gamma),
+        },
+    ]
+    times = {}
+    for calls in groups:
+        times.update(interleaved_seconds(calls, args.rounds)[1])
+    device = jax.devices()[0]
+    print(
+        f"x {args.dtype} {args.rows} x {args.hidden}, dn float32, gamma float32, on "
+        f"{device.device_kind}; {args.rounds} interleaved rounds"
+    )
+    for name, t in times.items():
+        print(
+            f"  {name:>28}: min {min(t) * 1e3:8.3f} ms  median {statistics.median(t) * 1e3:8.3f} ms"
+        )
+    for op, base in (("backward", "backward"), ("add backward", "add backward")):
+        ratio = min(times[f"{base}: XLA autodiff"]) / min(times[f"{op}: kernel"])
+        print(f"  {op}: XLA autodiff / kernel = {ratio:.2f}x")
+    training = min(times["forward: training form"]) / min(times["forward: plain"])
+    print(f"  forward: training form / plain = {training:.2f}x")
+    if device.platform == "gpu":
+        for add in (False, True):
+            moved = backward_bytes(args.rows, args.hidden, dtype, add)
+            floor = moved / (args.peak_tbps * 1e12)
+            print(
+                f"  {'add ' if add else ''}backward bytes {moved / 1e6:.1f} MB: "
+                f"{floor * 1e6:.1f} us at {args.peak_tbps} TB/s"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
