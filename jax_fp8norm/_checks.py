@@ -321,10 +321,14 @@ def check_backward(
         raise ValueError(f"dn must have the shape of x {tuple(x.shape)}, got {tuple(dn.shape)}")
     if d_residual_out is not None:
         dtype = _dtype_of(d_residual_out, "d_residual_out")
-        if dtype != residual.dtype or tuple(d_residual_out.shape) != tuple(x.shape):
+        if dtype != residual.dtype:
             raise TypeError(
-                f"d_residual_out must have the shape and dtype of residual ({tuple(x.shape)}, "
-                f"{residual.dtype}), got {tuple(d_residual_out.shape)}, {dtype}"
+                f"d_residual_out must have the dtype of residual ({residual.dtype}), got {dtype}"
+            )
+        if tuple(d_residual_out.shape) != tuple(x.shape):
+            raise ValueError(
+                f"d_residual_out must have the shape of x {tuple(x.shape)}, got "
+                f"{tuple(d_residual_out.shape)}"
             )
     if _dtype_of(inverse_rms, "inverse_rms") != np.dtype(np.float32):
         raise TypeError(f"inverse_rms must be float32, got {inverse_rms.dtype}")

@@ -296,7 +296,7 @@ def exact_sum(terms: jax.Array, axis: int = -1) -> jax.Array:
     big = jnp.where(below[:, None], negative_sum, positive)
     small = jnp.where(below[:, None], positive, negative_sum)
     magnitude = _round_sum(_subtract(big, small), _TERM_GRID_EXPONENT, near_ties=False)
-    total = jnp.where(below, -magnitude, magnitude)
+    total = jnp.where(below & (magnitude != 0), -magnitude, magnitude)
     total = jnp.where(differ < 0, jnp.float32(0), total)
     exponent = (bits >> 23) & jnp.uint32(0xFF)
     mantissa = bits & jnp.uint32(0x7FFFFF)
@@ -431,27 +431,28 @@ def _plus_constant(value: jax.Array, constant: float) -> jax.Array:
     return from_bits(jnp.where(bits == jnp.uint32(0x80000000), jnp.uint32(0), bits))
 
 
-def flush_subnormal(v: jax.Array) -> jax.Array:
-    """float32 ``v``, a zero of its sign where ``|v| < 2^-126``: the backward's rule for every
+def flush_tiny(v: jax.Array) -> jax.Array:
+    """float32 ``v``, a zero of its sign where ``|v| <= 2^-126``: the backward's rule for every
     input and result (docs/spec.md, "Training: the backward pass")."""
     bits = as_bits(v)
-    return jnp.where(
-        (bits & jnp.uint32(0x7F800000)) == 0, from_bits(bits & jnp.uint32(0x80000000)), v
-    )
+    tiny = (bits & jnp.uint32(0x7FFFFFFF)) <= jnp.uint32(0x00800000)
+    return jnp.where(tiny, from_bits(bits & jnp.uint32(0x80000000)), v)
 
 
 def backward_rows(
     dn: jax.Array, h: jax.Array, gamma: jax.Array, r: jax.Array, weight_offset: float
 ) -> tuple[jax.Array, jax.Array]:
-    """The backward of steps 2-3 on float32 rows ``h`` [R, N] with their saved ``r`` [R, 1]
-    and the cotangent ``dn`` of n: (dx [R, N] float32, before any rounding to a dtype;
-    dgamma [N] float32). ``weight_offset``: f32(T(weight_offset))."""
+    """The backward of steps 2-3 on float32 rows ``h`` [R, N] (made of flushed operands:
+    _flushed_sum) with their saved ``r`` [R, 1] and the cotangent ``dn`` of n: (dx [R, N]
+    float32, before any rounding to a dtype; dgamma [N] float32). ``weight_offset``:
+    f32(T(weight_offset))."""
     f32 = jnp.float32
-    flush = flush_subnormal
+    flush = flush_tiny
     n = h.shape[-1]
-    g = flush(_plus_constant(jnp.asarray(gamma).astype(f32), weight_offset))
+    g = flush(_plus_constant(flush(jnp.asarray(gamma).astype(f32)), weight_offset))
     dn = flush(jnp.asarray(dn).astype(f32))
-    u = flush(flush(h) * r)
+    r = flush(r)
+    u = flush(h * r)
     a = flush(dn * g)
     c = exact_sum(flush(a * u), axis=-1)[..., None]
     c_over_n = flush(divide(c, max(n, 1)))
@@ -483,6 +484,14 @@ def add_rms_norm_backward(
     return add_backward(dn, d_residual_out, x, residual, gamma, inverse_rms, wo)
 
 
+def _flushed_sum(*operands: jax.Array) -> jax.Array:
+    """h as the backward takes it: each operand in float32, flushed, then added."""
+    h = flush_tiny(operands[0].astype(jnp.float32))
+    for operand in operands[1:]:
+        h = h + flush_tiny(operand.astype(jnp.float32))
+    return h
+
+
 def backward(dn, x, gamma, inverse_rms, weight_offset: float):
     """(dx in x's dtype, dgamma float32 [N]) of checked arrays of any rank."""
     rows = (int(np.prod(x.shape[:-1])), x.shape[-1])
@@ -500,11 +509,11 @@ def add_backward(dn, d_residual_out, x, residual, gamma, inverse_rms, weight_off
     """(dx, dresidual, dgamma) of checked arrays: dh = dx + f32(d_residual_out), rounded to
     x's and the residual's dtypes."""
     rows = (int(np.prod(x.shape[:-1])), x.shape[-1])
-    h = x.reshape(rows).astype(jnp.float32) + residual.reshape(rows).astype(jnp.float32)
+    h = _flushed_sum(x.reshape(rows), residual.reshape(rows))
     dx, dgamma = backward_rows(
         dn.reshape(rows), h, gamma, inverse_rms.reshape(rows[0], 1), weight_offset
     )
-    dh = flush_subnormal(dx + flush_subnormal(d_residual_out.reshape(rows).astype(jnp.float32)))
+    dh = flush_tiny(dx + flush_tiny(d_residual_out.reshape(rows).astype(jnp.float32)))
     dh = canonical_nan(dh)
     dh = dh.reshape(x.shape)
     return dh.astype(x.dtype), dh.astype(residual.dtype), dgamma

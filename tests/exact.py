@@ -159,10 +159,10 @@ def rms_norm_rows(
 
 
 def flushed(values) -> np.ndarray:
-    """float32 ``values`` with every magnitude below 2^-126 a zero of its sign: the
+    """float32 ``values`` with every magnitude at most 2^-126 a zero of its sign: the
     backward's rule for inputs and results."""
     v = np.asarray(values, np.float32)
-    return np.where(np.abs(v) < np.float32(2.0**-126), np.copysign(np.float32(0), v), v)
+    return np.where(np.abs(v) <= np.float32(2.0**-126), np.copysign(np.float32(0), v), v)
 
 
 def backward_sum(terms) -> np.float32:
@@ -177,7 +177,7 @@ def backward_sum(terms) -> np.float32:
         return np.float32(np.nan)
     if plus or minus:
         return np.float32(np.inf if plus else -np.inf)
-    total = sum((Fraction(float(t)) for t in flushed(terms)), Fraction(0))
+    total = sum((Fraction(float(t)) for t in terms if abs(t) >= 2.0**-126), Fraction(0))
     if total == 0:
         return np.float32(0)
     magnitude = abs(total)
@@ -201,8 +201,8 @@ def backward_rows(dn, x, gamma, r, weight_offset: float = 0.0):
     each input and result flushed, the sums by :func:`backward_sum`: (dx, dgamma)."""
     f = flushed
     dn, x = f(dn), f(x)
-    g = f(np.asarray(gamma, np.float32) + np.float32(weight_offset))
-    r = np.asarray(r, np.float32).reshape(-1, 1)
+    g = f(f(np.asarray(gamma, np.float32)) + np.float32(weight_offset))
+    r = f(np.asarray(r, np.float32).reshape(-1, 1))
     n = x.shape[-1]
     with np.errstate(invalid="ignore", over="ignore"):
         return _backward_rows(dn, x, g, r, n)

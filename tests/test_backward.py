@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from helpers import (
     check_against_reference,
-    run_on,
     outputs_of_script,
     random_gamma,
     random_rows,
     recipe,
+    run_on,
 )
 
 import jax_fp8norm as fp8norm
@@ -75,6 +75,7 @@ def exact_sum_cases() -> list[np.ndarray]:
         np.array([big, big, -big, big * 0.5], np.float32),  # past float32 on the way only
         np.array([big, big, big], np.float32),  # overflows: +inf
         np.array([2.0**-126, -(2.0**-126) * (1 - 2**-23), 3e-39], np.float32),  # below 2^-126
+        np.array([-(2.0**-126), (2.0**-126) * (1 - 2**-23)], np.float32),  # below, negative: +0
         np.array([1.0, 2.0**-24, 2.0**-70], np.float32),  # above the tie: rounds up
         np.array([1.0, 2.0**-24], np.float32),  # the tie: to even
         np.array([1.0 + 2**-23, 2.0**-24], np.float32),  # the tie, odd: up
@@ -87,8 +88,8 @@ def exact_sum_cases() -> list[np.ndarray]:
 
 @pytest.mark.default_platforms("cpu", "simt-block_shared")
 def test_kernel_sums_are_exact(platform):
-    """The kernels' two sums against the oracle: with x = 1 and eps = 0, r = 1 and u = 1, so
-    that dgamma_j is the exact sum of column j of dn, and c that of a row of dn (gamma = 1)."""
+    """The kernels' two sums against the oracle: with x = 1 and r = 1, u = 1, so that
+    dgamma_j is the exact sum of column j of dn, and c that of a row of dn (gamma = 1)."""
     cases = exact_sum_cases()
     k = max(len(c) for c in cases)
     columns = np.stack([np.pad(c, (0, k - len(c))) for c in cases], axis=1)  # [k, cases]
@@ -96,7 +97,9 @@ def test_kernel_sums_are_exact(platform):
     gamma = np.ones(columns.shape[1], np.float32)
     r = np.ones((k, 1), np.float32)
     dx, dgamma = run_on(platform, fp8norm.rms_norm_backward, columns, x, gamma, r)
-    same_bits(dgamma, np.array([exact.backward_sum(c) for c in columns.T], np.float32))
+    # The terms dn_j * 1, flushed as every product is (|t| <= 2^-126 is zero).
+    want = [exact.backward_sum(exact.flushed(c)) for c in columns.T]
+    same_bits(dgamma, np.array(want, np.float32))
     rows = np.stack([np.pad(c, (0, k - len(c))) for c in cases])  # [cases, k]
     ones = np.ones(rows.shape, np.float32)
     dx, _ = run_on(
@@ -371,10 +374,11 @@ def test_backward_refuses_bad_input_by_name(change, error, words):
 def test_add_backward_refuses_a_mismatched_d_residual_out():
     x = np.ones((4, 16), jnp.bfloat16)
     r = np.ones((4, 1), np.float32)
-    with pytest.raises(TypeError, match="d_residual_out"):
-        fp8norm.add_rms_norm_backward(
-            x, np.ones((4, 16), np.float32), x, x, np.ones(16, np.float32), r
-        )
+    gamma = np.ones(16, np.float32)
+    with pytest.raises(TypeError, match="d_residual_out must have the dtype"):
+        fp8norm.add_rms_norm_backward(x, np.ones((4, 16), np.float32), x, x, gamma, r)
+    with pytest.raises(ValueError, match="d_residual_out must have the shape"):
+        fp8norm.add_rms_norm_backward(x, np.ones((4, 8), jnp.bfloat16), x, x, gamma, r)
 
 
 @pytest.mark.default_platforms("cpu", "simt-block_shared")
@@ -405,3 +409,22 @@ def test_non_finite_rows_give_the_twins_bits(platform, add):
     assert np.all(r[1:4].view(np.uint32) == 0x7FC00000) and np.all(np.isfinite(r[4:]))
     nans = got[0][np.isnan(got[0])]
     assert nans.size and np.all(nans.view(np.uint32) == 0x7FC00000)
+
+
+@pytest.mark.default_platforms("cpu", "simt-block_shared")
+def test_products_that_round_to_the_smallest_normal_are_zero(platform):
+    """a_j = dn_j * g_j of exact value (1 - 2^-24) * 2^-126: 2^-126 with gradual underflow
+    (NumPy, GPUs), zero where tininess is detected before rounding (x86 with FTZ, XLA's CPU
+    threads). The rule (|v| <= 2^-126 is zero) makes both zero, so the kernels agree with the
+    oracle, which computes with gradual underflow."""
+    n = 8
+    dn = np.full((2, n), (1 - 2.0**-24) * 2.0**-63, np.float32)
+    dn[1] *= -1
+    x = np.ones((2, n), np.float32)
+    gamma = np.full(n, 2.0**-63, np.float32)
+    r = np.ones((2, 1), np.float32)
+    assert np.float32(dn[0, 0]) * np.float32(gamma[0]) == np.float32(2.0**-126)  # NumPy: IEEE
+    got = run_on(platform, fp8norm.rms_norm_backward, dn, x, gamma, r)
+    for g, w in zip(got, exact.backward_rows(dn, x, gamma, r), strict=True):
+        same_bits(g, w)
+    assert np.all(got[0] == 0)

@@ -548,14 +548,18 @@ FP8NORM_HD uint8_t QuantizeFp4Element(float normed, const Fp4Scale& s) {
 
 // ---------------------------------------------------------------------------------
 // The backward pass (docs/spec.md, "Training: the backward pass"). Every input and every
-// result of a float32 operation below 2^-126 in magnitude is taken as a zero of its sign,
-// explicitly, so that the bits do not depend on whether the hardware flushes subnormals.
+// result of a float32 operation of magnitude at most 2^-126 is taken as a zero of its
+// sign, explicitly. Flushing 2^-126 itself, float32's smallest normal number, is what makes
+// the bits independent of the hardware: a product whose exact value lies just below 2^-126
+// rounds to 2^-126 with gradual underflow (GPUs, IEEE) but to zero where tininess is
+// detected before rounding and flushed (x86 with FTZ, as in XLA's CPU threads); both
+// become zero here. A sum or difference that small is exact either way.
 // ---------------------------------------------------------------------------------
 
-// v, or a zero of v's sign where |v| < 2^-126.
-FP8NORM_HD float FlushSubnormal(float v) {
+// v, or a zero of v's sign where |v| <= 2^-126.
+FP8NORM_HD float FlushTiny(float v) {
   const uint32_t u = BitsOf(v);
-  return FloatOf(Select((u & kF32Inf) == 0, u & 0x80000000u, u));
+  return FloatOf(Select((u & kF32AbsMask) <= kF32MinNormalBits, u & 0x80000000u, u));
 }
 
 // Every NaN the backward and the training form's r write is the one quiet NaN: which NaN
@@ -573,30 +577,30 @@ FP8NORM_HD float SavedInverseRms(float sum_sq, float r) {
 
 // u_j = f32(h_j * r): the normalised input before gamma.
 FP8NORM_HD float NormalizedInput(float h, float r) {
-  return FlushSubnormal(FlushSubnormal(h) * r);
+  return FlushTiny(FlushTiny(h) * r);
 }
 
 // a_j = dn_j * g_j, g_j = f32(gamma_j) + wo32 (flushed by the caller once per call).
 FP8NORM_HD float GradTimesGamma(float dn, float g) {
-  return FlushSubnormal(FlushSubnormal(dn) * g);
+  return FlushTiny(FlushTiny(dn) * g);
 }
 
 // A float32 term of one of the backward's sums: a_j * u_j for c, dn_j * u_j for dgamma.
-FP8NORM_HD float ProductTerm(float p, float u) { return FlushSubnormal(p * u); }
+FP8NORM_HD float ProductTerm(float p, float u) { return FlushTiny(p * u); }
 
 // c / N: the row's mean of a_j * u_j.
 FP8NORM_HD float MeanOfTerms(float c, int64_t hidden) {
-  return FlushSubnormal(c / float(hidden));
+  return FlushTiny(c / float(hidden));
 }
 
 // dx_j = r * (a_j - u_j * (c / N)).
 FP8NORM_HD float InputGradient(float a, float u, float c_over_n, float r) {
-  return CanonicalNan(FlushSubnormal(r * FlushSubnormal(a - FlushSubnormal(u * c_over_n))));
+  return CanonicalNan(FlushTiny(r * FlushTiny(a - FlushTiny(u * c_over_n))));
 }
 
 // dh_j = dx_j + f32(d_residual_out_j), the add variants' gradient of h.
 FP8NORM_HD float PlusResidualGradient(float dx, float d_residual_out) {
-  return CanonicalNan(FlushSubnormal(dx + FlushSubnormal(d_residual_out)));
+  return CanonicalNan(FlushTiny(dx + FlushTiny(d_residual_out)));
 }
 
 // The exact sum of float32 terms, rounded once: the backward's two sums. Every finite

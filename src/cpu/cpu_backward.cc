@@ -29,7 +29,7 @@ namespace {
 // late helper still finds work, and the cores finish within a task of each other.
 constexpr int64_t kTasksPerPass = 64;
 constexpr int64_t kMinElementsPerTask = int64_t{1} << 14;
-// Columns per dgamma task: a block's accumulators (80 bytes a column) stay in L1/L2 while
+// Columns per dgamma task: a block's accumulators (88 bytes a column) stay in L1/L2 while
 // its rows stream through.
 constexpr int64_t kColumnBlock = 256;
 // At most this many bytes of dgamma accumulators per call: the number of row chunks
@@ -83,7 +83,7 @@ BackwardVariant SelectBackwardVariant() {
 template <typename T>
 void FillGamma(const void* gamma, float weight_offset, int64_t n, float* out) {
   for (int64_t j = 0; j < n; ++j) {
-    out[j] = FlushSubnormal(GammaPlusOffset(LoadAt<T>(gamma, j), weight_offset));
+    out[j] = FlushTiny(GammaPlusOffset(FlushTiny(LoadAt<T>(gamma, j)), weight_offset));
   }
 }
 

@@ -3,8 +3,9 @@
 // accumulator once per block. With E the largest biased exponent among the terms, a term
 // of exponent e lies in level L = (E - e) / kLevelBits and is the integer m << (kLevelBits *
 // (L + 1) - 1 - (E - e)) in units of 2^(E - 150 - kLevelBits * (L + 1) + 1): below 2^47,
-// so a level of up to kMaxBlock terms stays below 2^62. Terms below every level (more than
-// 2^-48 times the largest), infinities and NaN take ExactSum's own Add, one by one.
+// so a level of up to kMaxBlock terms stays below 2^62. Terms below every level (48
+// binades or more below the largest), infinities and NaN take ExactSum's own Add, one by
+// one.
 // Integer sums are exact, so the result is the same as adding every term with Add, in
 // any order: only the speed differs. A portable version, and an AVX2 one that does 8 terms
 // at a time with the same integers.

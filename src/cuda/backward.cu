@@ -48,15 +48,16 @@ __device__ __forceinline__ void StoreElement(void* p, FloatType type, int64_t i,
   StoreAny<1>(p, type, i, v, site);
 }
 
-// h_j of element i of the call: x (+ residual).
+// h_j of element i of the call as the backward takes it: x (+ residual), each flushed.
 __device__ __forceinline__ float LoadH(const RmsNormBackwardArgs& a, int64_t i) {
-  float h = LoadElement(a.x, a.input_type, i);
-  if (a.residual != nullptr) h += LoadElement(a.residual, a.residual_type, i);
+  float h = FlushTiny(LoadElement(a.x, a.input_type, i));
+  if (a.residual != nullptr) h += FlushTiny(LoadElement(a.residual, a.residual_type, i));
   return h;
 }
 
 __device__ __forceinline__ float GammaAt(const RmsNormBackwardArgs& a, int64_t j) {
-  return FlushSubnormal(GammaPlusOffset(LoadElement(a.gamma, a.gamma_type, j), a.weight_offset));
+  return FlushTiny(
+      GammaPlusOffset(FlushTiny(LoadElement(a.gamma, a.gamma_type, j)), a.weight_offset));
 }
 
 // The exact sum of parts[0, count) into `total`, by kLimbs + 1 threads: thread k sums
@@ -80,7 +81,7 @@ __global__ void __launch_bounds__(kBackwardThreads) BackwardRowsKernel(const Rms
   const int64_t n = a.hidden;
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const int64_t offset = row * n;
-    const float r = LoadGlobal(a.inverse_rms + row);
+    const float r = FlushTiny(LoadGlobal(a.inverse_rms + row));
     ExactSum c;
     Clear(c);
     for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
@@ -118,8 +119,8 @@ __global__ void __launch_bounds__(kBackwardThreads) DgammaKernel(const RmsNormBa
   if (column < a.hidden) {
     for (int64_t row = group; row < a.rows; row += kDgammaRowGroups) {
       const int64_t i = row * a.hidden + column;
-      const float u = NormalizedInput(LoadH(a, i), LoadGlobal(a.inverse_rms + row));
-      Add(acc, ProductTerm(FlushSubnormal(LoadElement(a.dn, a.dn_type, i)), u));
+      const float u = NormalizedInput(LoadH(a, i), FlushTiny(LoadGlobal(a.inverse_rms + row)));
+      Add(acc, ProductTerm(FlushTiny(LoadElement(a.dn, a.dn_type, i)), u));
     }
   }
   s.parts[threadIdx.x] = acc;
