@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kBackwardThreads) BackwardRowsKernel(const Rms
       Add(c, ProductTerm(ag, u));
     }
     s.parts[threadIdx.x] = c;
-    __syncthreads();
+    __syncthreads();  // every part written before any is merged
     MergeParts(s, blockDim.x, threadIdx.x);
     __syncthreads();
     const float c_over_n = MeanOfTerms(Round(s.total), n);
@@ -104,7 +104,9 @@ __global__ void __launch_bounds__(kBackwardThreads) BackwardRowsKernel(const Rms
       }
       StoreElement(a.dx, a.input_type, offset + j, dx);
     }
-    __syncthreads();  // the next row's parts overwrite this row's
+    // No barrier here: the next row's parts are written after this row's second barrier
+    // (its merge done), its total after its own first one, which every thread reaches only
+    // once it has read this row's total.
   }
 }
 

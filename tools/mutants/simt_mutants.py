@@ -329,9 +329,9 @@ MUTANTS = [
         "for (int g = 0; g < kDgammaRowGroups; ++g)",
     ),
     Mutant(
-        "backward: no barrier before the next row overwrites the block's accumulators",
+        "backward: a row's parts merged without waiting for every thread's",
         "cuda/backward.cu",
-        "    __syncthreads();  // the next row's parts overwrite this row's",
+        "    __syncthreads();  // every part written before any is merged",
         "",
         race=True,
     ),
