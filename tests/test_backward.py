@@ -28,6 +28,13 @@ import jax_fp8norm as fp8norm
 from jax_fp8norm import reference
 
 
+# The backward's kernels do not depend on the CUDA kernel variant (a plan of their own):
+# one emulated variant is enough.
+BACKWARD_PLATFORMS = pytest.mark.parametrize(
+    "platform", ["cpu", "simt-block_shared", "gpu"], indirect=True
+)
+
+
 def same_bits(got, want) -> None:
     got, want = np.asarray(got), np.asarray(want)
     assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype)
@@ -86,7 +93,7 @@ def exact_sum_cases() -> list[np.ndarray]:
     ]
 
 
-@pytest.mark.default_platforms("cpu", "simt-block_shared")
+@BACKWARD_PLATFORMS
 def test_kernel_sums_are_exact(platform):
     """The kernels' two sums against the oracle: with x = 1 and r = 1, u = 1, so that
     dgamma_j is the exact sum of column j of dn, and c that of a row of dn (gamma = 1)."""
@@ -163,7 +170,7 @@ DTYPE_CASES = [
 
 
 @pytest.mark.sampled(8)
-@pytest.mark.default_platforms("cpu", "simt-block_shared")
+@BACKWARD_PLATFORMS
 @pytest.mark.parametrize("add", [False, True], ids=["rms", "add"])
 @pytest.mark.parametrize("dtypes", DTYPE_CASES, ids=lambda d: "-".join(t.__name__ for t in d))
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -381,7 +388,7 @@ def test_add_backward_refuses_a_mismatched_d_residual_out():
         fp8norm.add_rms_norm_backward(x, np.ones((4, 8), jnp.bfloat16), x, x, gamma, r)
 
 
-@pytest.mark.default_platforms("cpu", "simt-block_shared")
+@BACKWARD_PLATFORMS
 @pytest.mark.parametrize("add", [False, True], ids=["rms", "add"])
 def test_non_finite_rows_give_the_twins_bits(platform, add):
     """NaN, Inf, overflowing and tiny rows (and a NaN or Inf in dn): r is NaN for the rows
@@ -411,7 +418,7 @@ def test_non_finite_rows_give_the_twins_bits(platform, add):
     assert nans.size and np.all(nans.view(np.uint32) == 0x7FC00000)
 
 
-@pytest.mark.default_platforms("cpu", "simt-block_shared")
+@BACKWARD_PLATFORMS
 def test_products_that_round_to_the_smallest_normal_are_zero(platform):
     """a_j = dn_j * g_j of exact value (1 - 2^-24) * 2^-126: 2^-126 with gradual underflow
     (NumPy, GPUs), zero where tininess is detected before rounding (x86 with FTZ, XLA's CPU
