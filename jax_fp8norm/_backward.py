@@ -15,8 +15,8 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from jax_fp8norm import _fallback, _ffi, reference
-from jax_fp8norm._primitives import eager_impl, lowering_platforms
+from jax_fp8norm import _ffi, reference
+from jax_fp8norm._primitives import eager_impl, twin_lowering
 
 
 def _abstract_eval(*avals, weight_offset, add):
@@ -33,17 +33,6 @@ def _twin(*operands, weight_offset, add):
     if add:
         return reference.add_backward(*operands, weight_offset)
     return reference.backward(*operands, weight_offset)
-
-
-def _twin_lowering(op: str):
-    """Where this build has no kernel for the platform: the twin, with the fallback rule."""
-    lower = mlir.lower_fun(_twin, multiple_results=True)
-
-    def lowering(ctx, *args, **params):
-        _fallback.lower_to_twin(op, lowering_platforms(ctx))
-        return lower(ctx, *args, **params)
-
-    return lowering
 
 
 def _ffi_rule(target: str):
@@ -67,7 +56,7 @@ def _cpu_lowering(op: str):
 
 def _cuda_lowering(op: str):
     """The CUDA kernels where this build has them, else the twin; decided when lowering."""
-    kernel, twin = _ffi_rule(_ffi.TARGETS[op]), _twin_lowering(op)
+    kernel, twin = _ffi_rule(_ffi.TARGETS[op]), twin_lowering(op, _twin)
 
     def lowering(ctx, *args, **params):
         return (kernel if _ffi.built_with_cuda() else twin)(ctx, *args, **params)
@@ -97,7 +86,7 @@ def _make_backward_primitive(op: str) -> Primitive:
     prim.def_impl(functools.partial(eager_impl, prim))
     mlir.register_lowering(prim, _cpu_lowering(op), platform="cpu")
     mlir.register_lowering(prim, _cuda_lowering(op), platform="cuda")
-    mlir.register_lowering(prim, _twin_lowering(op))
+    mlir.register_lowering(prim, twin_lowering(op, _twin))
     batching.primitive_batchers[prim] = _batching_rule(prim)
     return prim
 

@@ -143,9 +143,10 @@ def _twin(*operands, **params):
     return outs
 
 
-def _twin_lowering(op: str):
-    """Where this build has no kernel for the platform: the op's reference twin."""
-    lower = mlir.lower_fun(_twin, multiple_results=True)
+def twin_lowering(op: str, twin=None):
+    """Where this build has no kernel for the platform: the op's reference twin (``twin``,
+    a function of the primitive's operands and parameters; the norm's by default)."""
+    lower = mlir.lower_fun(twin or _twin, multiple_results=True)
 
     def lowering(ctx, *args, **params):
         _fallback.lower_to_twin(op, lowering_platforms(ctx))
@@ -414,7 +415,7 @@ def _make_norm_primitive(op: str) -> Primitive:
     kernel = Primitive(f"{name}_kernel")
     kernel.multiple_results = True
     kernel.def_abstract_eval(_norm_abstract_eval)
-    _register_lowerings(kernel, op, _ffi_lowering, _twin_lowering(op))
+    _register_lowerings(kernel, op, _ffi_lowering, twin_lowering(op))
 
     prim = Primitive(name)
     prim.multiple_results = True

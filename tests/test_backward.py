@@ -27,7 +27,6 @@ from helpers import (
 import jax_fp8norm as fp8norm
 from jax_fp8norm import reference
 
-
 # The backward's kernels do not depend on the CUDA kernel variant (a plan of their own):
 # one emulated variant is enough.
 BACKWARD_PLATFORMS = pytest.mark.parametrize(

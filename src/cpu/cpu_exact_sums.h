@@ -47,6 +47,23 @@ inline int LevelOf(uint32_t bits, uint32_t top, int64_t* value) {
   return level;
 }
 
+// The terms t[begin, end) of a block whose largest biased exponent is top (below 0xff):
+// each level's sum into levels[], the terms below every level into acc.
+inline void AddToLevels(ExactSum& acc, const float* t, int64_t begin, int64_t end, uint32_t top,
+                        int64_t* levels) {
+  for (int64_t i = begin; i < end; ++i) {
+    const uint32_t bits = BitsOf(t[i]);
+    if ((bits & kF32Inf) == 0) continue;
+    int64_t value = 0;
+    const int level = LevelOf(bits, top, &value);
+    if (level == kLevels) {
+      Add(acc, t[i]);
+    } else {
+      levels[level] += value;
+    }
+  }
+}
+
 // Adds terms t[0, count) exactly to acc, portably.
 inline void AddTermsPortable(ExactSum& acc, const float* t, int64_t count) {
   for (int64_t begin = 0; begin < count; begin += kMaxBlock) {
@@ -60,17 +77,7 @@ inline void AddTermsPortable(ExactSum& acc, const float* t, int64_t count) {
       continue;
     }
     int64_t levels[kLevels] = {};
-    for (int64_t i = begin; i < end; ++i) {
-      const uint32_t bits = BitsOf(t[i]);
-      if ((bits & kF32Inf) == 0) continue;
-      int64_t value = 0;
-      const int level = LevelOf(bits, top, &value);
-      if (level == kLevels) {
-        Add(acc, t[i]);
-      } else {
-        levels[level] += value;
-      }
-    }
+    AddToLevels(acc, t, begin, end, top, levels);
     for (int level = 0; level < kLevels; ++level) {
       AddScaled(acc, levels[level], LevelOffset(top, level));
     }
@@ -208,17 +215,7 @@ inline void AddTermsAvx2(ExactSum& acc, const float* t, int64_t count) {
     }
     FoldLevels(acc, levels);
     int64_t sums[kLevels] = {};
-    for (int64_t i = vector_end; i < end; ++i) {
-      const uint32_t bits = BitsOf(t[i]);
-      if ((bits & kF32Inf) == 0) continue;
-      int64_t value = 0;
-      const int level = LevelOf(bits, top, &value);
-      if (level == kLevels) {
-        Add(acc, t[i]);
-      } else {
-        sums[level] += value;
-      }
-    }
+    AddToLevels(acc, t, vector_end, end, top, sums);
     for (int level = 0; level < kLevels; ++level) {
       AddScaled(acc, sums[level], LevelOffset(top, level));
     }
