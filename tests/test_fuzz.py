@@ -160,6 +160,25 @@ def exempt_rows(h: np.ndarray, x_dtype) -> np.ndarray:
         return np.all(magnitude < SMALLEST_NORMAL_F32, axis=-1) & np.any(magnitude > 0, axis=-1)
 
 
+def loose_rows(h: np.ndarray) -> np.ndarray:
+    """Flush-sensitive rows whose kernel sum may lie further from the exact one than the
+    accuracy rule can absorb: a bound of k * 2^-124 above 2^-21 of the sum itself (a sum of
+    squares made mostly of elements below 2^-40) can move r, and so the scales, by more than
+    4 ulps where eps is small beside the mean square. The spec's rule on such sums (docs/
+    spec.md, "The sum of squares", "Flushing") promises only the bound; these rows are
+    exempt, as rows made only of subnormals are."""
+    rows = h.reshape(-1, h.shape[-1]).astype(np.float32)
+    out = np.zeros(rows.shape[0], bool)
+    with np.errstate(invalid="ignore"):
+        magnitude = np.abs(rows)
+        small = np.sum((magnitude >= 2.0**-64) & (magnitude < 2.0**-40), axis=-1)
+        finite = np.isfinite(rows).all(axis=-1)
+    for i in np.nonzero((small > 0) & finite)[0]:
+        nearest = nearest_float32(exact_sum_of_squares(rows[i]))
+        out[i] = int(small[i]) * Fraction(2) ** -124 > nearest * Fraction(2) ** -21
+    return out
+
+
 def flush_sensitive_rows(h: np.ndarray) -> np.ndarray:
     """Rows whose sum of squares the kernels' denormal flushing may change (docs/spec.md,
     "The sum of squares", "Flushing"): a square of |x| below 2^-40 can have a rounding
@@ -353,7 +372,7 @@ def _check_case(platform, case):
             h = x.astype(np.float32) + residual.astype(np.float32)
     out = run_on(platform, getattr(fp8norm, case["op"]), *args, **kw)
     ref = reference_on_cpu(getattr(fp8norm.reference, case["op"]), *args, **kw)
-    keep = ~exempt_rows(h, x_dtype)
+    keep = ~exempt_rows(h, x_dtype) & ~loose_rows(h)
     flushed = flush_sensitive_rows(h) & keep
     bits = keep & ~flushed
     spelled = {"out_dtype": jnp.float8_e4m3fn, "scale_dtype": jnp.float32, **apply_recipe(kw)}
