@@ -107,7 +107,7 @@ def _row_values(rng: np.random.Generator, kind: str, n: int, dtype: np.dtype) ->
         # Small but normal: float16's smallest normals; otherwise magnitudes from 2^-64 to
         # 2^-40, where squares fall below float32's smallest normal and their rounding
         # errors are subnormal. Compared bit for bit except where the kernels' flushing of
-        # those errors may change the sum of squares (flush_sensitive_rows).
+        # those errors may change the sum of squares (flushing_rows).
         if dtype == np.float16:
             return normal * float(finfo.tiny) * 4
         return normal * 2.0 ** rng.uniform(-64, -40)
@@ -160,37 +160,27 @@ def exempt_rows(h: np.ndarray, x_dtype) -> np.ndarray:
         return np.all(magnitude < SMALLEST_NORMAL_F32, axis=-1) & np.any(magnitude > 0, axis=-1)
 
 
-def loose_rows(h: np.ndarray) -> np.ndarray:
-    """Flush-sensitive rows whose kernel sum may lie further from the exact one than the
-    accuracy rule can absorb: a bound of k * 2^-124 above 2^-21 of the sum itself (a sum of
-    squares made mostly of elements below 2^-40) can move r, and so the scales, by more than
-    4 ulps where eps is small beside the mean square. The spec's rule on such sums (docs/
-    spec.md, "The sum of squares", "Flushing") promises only the bound; these rows are
-    exempt, as rows made only of subnormals are."""
-    rows = h.reshape(-1, h.shape[-1]).astype(np.float32)
-    out = np.zeros(rows.shape[0], bool)
-    with np.errstate(invalid="ignore"):
-        magnitude = np.abs(rows)
-        small = np.sum((magnitude >= 2.0**-64) & (magnitude < 2.0**-40), axis=-1)
-        finite = np.isfinite(rows).all(axis=-1)
-    for i in np.nonzero((small > 0) & finite)[0]:
-        nearest = nearest_float32(exact_sum_of_squares(rows[i]))
-        out[i] = int(small[i]) * Fraction(2) ** -124 > nearest * Fraction(2) ** -21
-    return out
+def flushing_rows(h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sensitive, loose): the rows whose sum of squares the kernels' denormal flushing may
+    change, and those of them it may change by more than the accuracy rule can absorb.
 
-
-def flush_sensitive_rows(h: np.ndarray) -> np.ndarray:
-    """Rows whose sum of squares the kernels' denormal flushing may change (docs/spec.md,
-    "The sum of squares", "Flushing"): a square of |x| below 2^-40 can have a rounding
-    error, and its addition a TwoSum error, below 2^-126, which a kernel running with
-    denormals flushed loses (less than 2^-126 each). With k such elements (of 2^-64 or
-    more: smaller ones have squares that count as zero everywhere) the kernel's sum lies
-    within k * 2^-125 of the exact one, so only a row whose exact sum lies within that
+    Sensitive (docs/spec.md, "The sum of squares", "Flushing"): a square of |x| below 2^-40
+    can have a rounding error, and its addition a TwoSum error, below 2^-126, which a kernel
+    running with denormals flushed loses (less than 2^-126 each). With k such elements (of
+    2^-64 or more: smaller ones have squares that count as zero everywhere) the kernel's sum
+    lies within k * 2^-125 of the exact one, so only a row whose exact sum lies within that
     distance (twice it here, for margin) of a float32 rounding boundary may see a different
     ss. Those rows are held to the accuracy rule, every other row to the reference's bits.
-    Exact: tests/exact.py's integer sum, no floating-point addition."""
+
+    Loose: a bound k * 2^-124 above 2^-21 of the sum itself (a sum of squares made mostly
+    of elements below 2^-40) can move r, and so the scales, by more than 4 ulps where eps is
+    small beside the mean square. The spec promises only the bound there; these rows are
+    exempt, as rows made only of subnormals are.
+
+    Exact: tests/exact.py's integer sum, no floating-point addition, once per row."""
     rows = h.reshape(-1, h.shape[-1]).astype(np.float32)
-    out = np.zeros(rows.shape[0], bool)
+    sensitive = np.zeros(rows.shape[0], bool)
+    loose = np.zeros(rows.shape[0], bool)
     with np.errstate(invalid="ignore"):
         magnitude = np.abs(rows)
         small = np.sum((magnitude >= 2.0**-64) & (magnitude < 2.0**-40), axis=-1)
@@ -198,8 +188,10 @@ def flush_sensitive_rows(h: np.ndarray) -> np.ndarray:
     for i in np.nonzero((small > 0) & finite)[0]:
         exact = exact_sum_of_squares(rows[i])
         nearest = nearest_float32(exact)
+        bound = int(small[i]) * Fraction(2) ** -124
+        loose[i] = bound > nearest * Fraction(2) ** -21
         if nearest == 0:
-            out[i] = True
+            sensitive[i] = True
             continue
         if abs(nearest) > Fraction(2) ** 128:
             continue  # overflows: NaN everywhere
@@ -208,8 +200,8 @@ def flush_sensitive_rows(h: np.ndarray) -> np.ndarray:
             exponent -= 1
         ulp = Fraction(2) ** (max(exponent, -126) - 23)
         to_boundary = abs(abs(exact - nearest) - ulp / 2)
-        out[i] = to_boundary <= int(small[i]) * Fraction(2) ** -124
-    return out
+        sensitive[i] = to_boundary <= bound
+    return sensitive, loose
 
 
 def _keep_rows(outputs, keep: np.ndarray):
@@ -372,8 +364,9 @@ def _check_case(platform, case):
             h = x.astype(np.float32) + residual.astype(np.float32)
     out = run_on(platform, getattr(fp8norm, case["op"]), *args, **kw)
     ref = reference_on_cpu(getattr(fp8norm.reference, case["op"]), *args, **kw)
-    keep = ~exempt_rows(h, x_dtype) & ~loose_rows(h)
-    flushed = flush_sensitive_rows(h) & keep
+    sensitive, loose = flushing_rows(h)
+    keep = ~exempt_rows(h, x_dtype) & ~loose
+    flushed = sensitive & keep
     bits = keep & ~flushed
     spelled = {"out_dtype": jnp.float8_e4m3fn, "scale_dtype": jnp.float32, **apply_recipe(kw)}
     groups = shape[-1] // spelled["group_size"] if spelled.get("group_size") else 1
