@@ -303,6 +303,31 @@ def validate(x: Any, gamma: Any, residual: Any = None, **keywords: Any) -> NormC
     return NormCall(params, static_scale)
 
 
+def check_columnwise(columnwise: Any, params: NormParams, x_shape: tuple) -> bool:
+    """Checks ``columnwise`` (a bool) and, when set, that the call has a columnwise form:
+    block scales whose block divides the rows, or a calibrated scale."""
+    if not isinstance(columnwise, (bool, np.bool_)):
+        raise TypeError(f"columnwise must be a bool, got {columnwise!r}")
+    if not columnwise:
+        return False
+    if params.has_static_scale:
+        return True
+    if params.group_size is None:
+        raise ValueError(
+            "columnwise=True needs block scales (group_size, or a recipe such as mxfp8, "
+            "nvfp4, mxfp4, fp8_group128) or a static_scale: a dynamic per-row scale has no "
+            "columnwise form (a column's scale would need every row first)"
+        )
+    rows = int(np.prod(x_shape[:-1], dtype=np.int64))
+    if rows % params.group_size != 0:
+        raise ValueError(
+            f"columnwise=True quantises blocks of group_size={params.group_size} rows: the "
+            f"number of rows, prod(x.shape[:-1]) = {rows}, must be a multiple of it (pad the "
+            "rows)"
+        )
+    return True
+
+
 def check_backward(
     dn: Any,
     x: Any,

@@ -52,8 +52,10 @@ OPS = (
 PEER_OPS = ("allreduce_rms_norm_fp8",)
 # The backward kernels (docs/spec.md, "Training: the backward pass").
 BACKWARD_OPS = ("rms_norm_backward", "add_rms_norm_backward")
-TARGETS = {op: f"fp8norm_{op}" for op in OPS + PEER_OPS + BACKWARD_OPS}
-EMULATED_TARGETS = {op: f"fp8norm_simt_{op}" for op in OPS + PEER_OPS + BACKWARD_OPS}
+# The training ops: the backward and the columnwise outputs.
+TRAINING_OPS = BACKWARD_OPS + ("columnwise", "add_columnwise")
+TARGETS = {op: f"fp8norm_{op}" for op in OPS + PEER_OPS + TRAINING_OPS}
+EMULATED_TARGETS = {op: f"fp8norm_simt_{op}" for op in OPS + PEER_OPS + TRAINING_OPS}
 
 
 # How each platform's XLA holds a float4_e2m1fn buffer, by the name of the layout the
@@ -90,7 +92,7 @@ def _register(module, targets: dict[str, str], platform: str, ops: tuple = OPS) 
         jax.ffi.register_ffi_target(targets[op], handler, platform=platform)
 
 
-_register(_fp8norm_cpu, TARGETS, "cpu", OPS + BACKWARD_OPS)
+_register(_fp8norm_cpu, TARGETS, "cpu", OPS + TRAINING_OPS)
 
 try:
     from jax_fp8norm_kernels import _fp8norm_cuda
@@ -102,7 +104,7 @@ except ImportError as _error:
         "takes nvcc from PyPI)"
     )
 else:
-    _register(_fp8norm_cuda, TARGETS, "CUDA", OPS + PEER_OPS + BACKWARD_OPS)
+    _register(_fp8norm_cuda, TARGETS, "CUDA", OPS + PEER_OPS + TRAINING_OPS)
     CUDA_UNAVAILABLE_REASON = ""
 
 # The CUDA kernels and handlers compiled for the host against the SIMT emulation
@@ -113,7 +115,7 @@ except ImportError as _error:
     simt_module = None
     SIMT_ERROR = str(_error)
 else:
-    _register(simt_module, EMULATED_TARGETS, "cpu", OPS + PEER_OPS + BACKWARD_OPS)
+    _register(simt_module, EMULATED_TARGETS, "cpu", OPS + PEER_OPS + TRAINING_OPS)
     SIMT_ERROR = ""
 
 EMULATE_CUDA_ENV = "FP8NORM_EMULATE_CUDA"

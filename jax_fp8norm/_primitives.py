@@ -48,7 +48,7 @@ def eager_impl(prim: Primitive, *args, **params):
     return _jitted_bind(prim, tuple(sorted(params.items())), _ffi.emulating())(*args)
 
 
-def _norm_attributes(params: dict, platform: str) -> dict:
+def norm_attributes(params: dict, platform: str) -> dict:
     """The custom call's attributes of the norm (src/common/ffi_decode.h, NormAttributes).
     The dtypes are carried by the result types; a calibrated or global scale by its
     operand; how the platform holds FP4 buffers by fp4_layout."""
@@ -71,7 +71,7 @@ def _ffi_lowering(target: str, platform: str):
         if _empty_rows_are_constant(ctx):
             return _lower_empty_rows(ctx, args, params)
         rule = rules[bool(params["with_inverse_rms"])]
-        return rule(ctx, *args, **_norm_attributes(params, platform))
+        return rule(ctx, *args, **norm_attributes(params, platform))
 
     return lowering
 
@@ -505,7 +505,7 @@ def _allreduce_lowering(platform: str | None):
         return rule(
             ctx,
             *args,
-            **_norm_attributes(params, platform_here),
+            **norm_attributes(params, platform_here),
             call_site=np.int64(_call_sites.getrandbits(62)),
             devices=np.ascontiguousarray(groups.reshape(-1)),
             group_devices=np.int64(groups.shape[1]),

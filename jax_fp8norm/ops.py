@@ -15,14 +15,16 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_fp8norm._allreduce import check_method
+from jax_fp8norm._allreduce import check_method, xla_sum
 from jax_fp8norm._checks import (
     check_axis_name,
+    check_columnwise,
     check_global_scale,
     check_reduce_dtype,
     check_static_scale,
     validate,
 )
+from jax_fp8norm._columnwise import bind_norm
 from jax_fp8norm._dtypes import FLOAT_DTYPES, OUT_DTYPES
 from jax_fp8norm._params import AllReduceKeywords, NormKeywords
 from jax_fp8norm._primitives import (
@@ -36,8 +38,12 @@ from jax_fp8norm._signatures import norm_keywords
 
 @norm_keywords
 def rms_norm_fp8(
-    x: jax.Array, gamma: jax.Array, **keywords: Unpack[NormKeywords]
-) -> tuple[jax.Array, jax.Array]:
+    x: jax.Array,
+    gamma: jax.Array,
+    *,
+    columnwise: bool = False,
+    **keywords: Unpack[NormKeywords],
+) -> tuple[jax.Array, ...]:
     """RMSNorm of each row of ``x``, quantised to FP8 with dynamic scales per row (or per
     group of ``group_size`` elements), or with one calibrated ``static_scale``; or to FP4
     (``out_dtype=jnp.float4_e2m1fn``): NVFP4 with ``float8_e4m3fn`` scales per group and a
@@ -47,40 +53,53 @@ def rms_norm_fp8(
       x: ``[..., N]`` float32, float16 or bfloat16, rank >= 1; each of the
         ``prod(x.shape[:-1])`` rows is normalised on its own.
       gamma: ``[N]`` float32, float16 or bfloat16 (need not match ``x``).
+      columnwise: also return ``n`` quantised along the rows, for a GEMM that contracts
+        over them (the weight gradient ``x^T dy``): ``y_t`` ``[N, rows]`` in ``out_dtype``
+        and ``scales_t`` ``[N, rows // group_size]``, blocks of ``group_size`` rows with
+        the recipe's scale rule (``[N, 1]`` and the codes transposed for a
+        ``static_scale``). Needs block scales or a static scale, and rows a multiple of
+        ``group_size``.
       {keywords}
 
     Returns:
       ``(y, scales)``: ``y`` is ``[..., N]`` in ``out_dtype``; ``scales`` is
       ``[..., N // group_size]`` (``[..., 1]`` per row) in ``scale_dtype``.
       ``f32(y) * repeat(f32(scales), N // scales.shape[-1], axis=-1)`` dequantises
-      (times ``global_scale`` for NVFP4: :func:`jax_fp8norm.dequantize`).
+      (times ``global_scale`` for NVFP4: :func:`jax_fp8norm.dequantize`). With
+      ``columnwise``: ``(y, scales, y_t, scales_t)``.
     """
     call = validate(x, gamma, **keywords)
-    y, scales = rms_norm_fp8_p.bind(*call.operands(x, gamma), **call.params.as_dict())
-    return y, scales
+    columnwise = check_columnwise(columnwise, call.params, x.shape)
+    return bind_norm(rms_norm_fp8_p, call, (x,), gamma, training=False, columnwise=columnwise)
 
 
 @norm_keywords
 def add_rms_norm_fp8(
-    x: jax.Array, residual: jax.Array, gamma: jax.Array, **keywords: Unpack[NormKeywords]
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    x: jax.Array,
+    residual: jax.Array,
+    gamma: jax.Array,
+    *,
+    columnwise: bool = False,
+    **keywords: Unpack[NormKeywords],
+) -> tuple[jax.Array, ...]:
     """``h = x + residual`` in float32, then :func:`rms_norm_fp8` of ``h``, in one pass.
 
     Args:
       x, residual: ``[..., N]``, the same shape and dtype (float32, float16 or bfloat16).
-      gamma: as for :func:`rms_norm_fp8`.
+      gamma, columnwise: as for :func:`rms_norm_fp8`.
       {keywords}
 
     Returns:
       ``(y, scales, residual_out)``: ``y`` and ``scales`` as for :func:`rms_norm_fp8`,
       computed from the unrounded float32 ``h``; ``residual_out`` is ``h`` rounded to
-      ``x.dtype`` (the next layer's residual).
+      ``x.dtype`` (the next layer's residual). With ``columnwise``:
+      ``(y, scales, residual_out, y_t, scales_t)``.
     """
     call = validate(x, gamma, residual, **keywords)
-    y, scales, residual_out = add_rms_norm_fp8_p.bind(
-        *call.operands(x, residual, gamma), **call.params.as_dict()
+    columnwise = check_columnwise(columnwise, call.params, x.shape)
+    return bind_norm(
+        add_rms_norm_fp8_p, call, (x, residual), gamma, training=False, columnwise=columnwise
     )
-    return y, scales, residual_out
 
 
 @norm_keywords
@@ -92,8 +111,9 @@ def allreduce_residual_rms_norm_fp8(
     axis_name,
     reduce_dtype=None,
     method: str = "auto",
+    columnwise: bool = False,
     **keywords: Unpack[NormKeywords],
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, ...]:
     """Tensor-parallel all-reduce of partial sums, then :func:`add_rms_norm_fp8`, fused.
 
     Call inside ``jax.shard_map`` (or wherever ``axis_name`` is bound). With
@@ -118,14 +138,29 @@ def allreduce_residual_rms_norm_fp8(
         one-kernel method that cannot run here (the CPU backend outside the SIMT
         emulation, several processes, more than 8 devices, a tuple of axes) is a
         ValueError that says why.
+      columnwise: as for :func:`rms_norm_fp8` (the rows are the same on every device, and
+        so are ``y_t`` and ``scales_t``). The call then sums with ``"xla"`` (``"auto"``
+        takes it; a one-kernel method is a ValueError): the columnwise pass reads the
+        float32 sum, which the one-kernel methods keep in their registers.
       {keywords}
 
     Returns:
       ``(y, scales, residual_out)`` as for :func:`add_rms_norm_fp8`; ``residual_out``
-      has the residual's dtype.
+      has the residual's dtype. With ``columnwise``: then ``y_t, scales_t``.
     """
     call = validate(x, gamma, residual, **keywords)
     reduce = check_reduce_dtype(reduce_dtype, x.dtype)
+    if check_columnwise(columnwise, call.params, x.shape):
+        if check_method(method) not in ("auto", "xla"):
+            raise ValueError(
+                f"columnwise=True sums the partials with method='xla' ('auto' takes it), "
+                f"got method={method!r}: the columnwise pass reads the float32 sum, which "
+                "the one-kernel methods do not write"
+            )
+        h = xla_sum(x, check_axis_name(axis_name), None if reduce == jnp.dtype(x.dtype) else reduce)
+        return bind_norm(
+            add_rms_norm_fp8_p, call, (h, residual), gamma, training=False, columnwise=True
+        )
     return tuple(
         allreduce_rms_norm_fp8_p.bind(
             *call.operands(x, residual, gamma),

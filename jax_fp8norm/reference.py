@@ -14,7 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_fp8norm._allreduce import xla_sum
-from jax_fp8norm._checks import check_axis_name, check_backward, check_reduce_dtype, validate
+from jax_fp8norm._checks import (
+    check_axis_name,
+    check_backward,
+    check_columnwise,
+    check_reduce_dtype,
+    validate,
+)
 from jax_fp8norm._dtypes import E8M0
 from jax_fp8norm._groups import as_bits, divide, fp4_groups, from_bits, power_of_two_exponents
 from jax_fp8norm._params import DEFAULT_EPS, NormKeywords, NormParams
@@ -33,6 +39,7 @@ __all__ = [
     "exact_sum",
     "fixed_order_sum",
     "inverse_rms",
+    "quantize_columns",
     "quantize_rows",
     "rms_norm_backward",
     "rms_norm_fp8",
@@ -366,23 +373,63 @@ def quantize_rows(
     """Steps 2-7 of the spec on float32 rows ``h`` [..., N], with scales per row, per
     group, calibrated or FP4's: returns (y, scales). ``scale_operand``: the calibrated
     scale, or NVFP4's global scale (a float32 (1,) array)."""
-    static_scale = scale_operand if p.has_static_scale else None
-    f32 = jnp.float32
     n = h.shape[-1]
     groups = p.groups(n)
     rows = h.shape[:-1]
     sum_sq = sum_of_squares(h)  # [..., 1]
-    r = _inverse_rms_of(sum_sq, n, p.eps)
-    normed = (h * r) * _plus_constant(gamma.astype(f32), p.weight_offset)
+    normed = _normalize(h, _inverse_rms_of(sum_sq, n, p.eps), gamma, p)
     grouped = normed.reshape(rows + (groups, n // groups if groups else 0))
-    row_finite = jnp.isfinite(sum_sq)
+    y, scales = _quantize_groups(grouped, jnp.isfinite(sum_sq), p, scale_operand)
+    return y.reshape(h.shape), scales
+
+
+def quantize_columns(
+    h: jax.Array,
+    gamma: jax.Array,
+    inverse_rms: jax.Array,
+    p: NormParams,
+    scale_operand: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The columnwise outputs (docs/spec.md, "Columnwise outputs") of float32 rows ``h``
+    [..., N] with their saved ``inverse_rms`` [..., 1] (NaN for a row that is not finite):
+    ``n`` transposed to [N, rows] and quantised along the rows in blocks of
+    ``p.group_size`` by the recipe's group rule, a block with a row that is not finite
+    taking that row's rule (NaN codes and scale; FP4: zero codes, NaN scale). A calibrated
+    scale: the rowwise codes transposed, scales ``[N, 1]``. Returns (y_t, scales_t)."""
+    n = h.shape[-1]
+    rows = int(np.prod(h.shape[:-1], dtype=np.int64))
+    r = inverse_rms.reshape(rows, 1)
+    row_finite = ~jnp.isnan(r).reshape(rows)
+    normed_t = _normalize(h.reshape(rows, n), r, gamma, p).T  # [N, rows]
+    if p.has_static_scale:
+        y_t, scales = _quantize_groups(normed_t[..., None], row_finite[None, :], p, scale_operand)
+        return y_t.reshape(n, rows), scales[:, :1]
+    block = p.group_size
+    grouped = normed_t.reshape(n, rows // block, block)
+    block_finite = jnp.all(row_finite.reshape(rows // block, block), axis=-1)
+    y_t, scales_t = _quantize_groups(grouped, block_finite[None, :], p, scale_operand)
+    return y_t.reshape(n, rows), scales_t
+
+
+def _normalize(h: jax.Array, r: jax.Array, gamma: jax.Array, p: NormParams) -> jax.Array:
+    """Step 5: n = (h * r) * (gamma + weight_offset), in that order."""
+    return (h * r) * _plus_constant(gamma.astype(jnp.float32), p.weight_offset)
+
+
+def _quantize_groups(
+    grouped: jax.Array, finite: jax.Array, p: NormParams, scale_operand: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """Steps 6-7 of normalised groups [..., groups, G] (per row: one group of the row; a
+    calibrated scale: any grouping), ``finite`` [..., groups] false where the group's rows
+    are not all finite: (codes [..., groups, G], scales [..., groups])."""
+    f32 = jnp.float32
     if p.fp4:
-        y, scale = fp4_groups(grouped, row_finite, p, scale_operand)
-        return y.reshape(h.shape), scale
-    if static_scale is not None:
-        scale32, recip = _static_scales(static_scale, p)
-        scale32 = jnp.broadcast_to(scale32, rows + (1,))
-        recip = jnp.broadcast_to(recip, rows + (1,))
+        return fp4_groups(grouped, finite, p, scale_operand)
+    lead = grouped.shape[:-1]
+    if p.has_static_scale:
+        scale32, recip = _static_scales(scale_operand, p)
+        scale32 = jnp.broadcast_to(scale32, lead)
+        recip = jnp.broadcast_to(recip, lead)
         exponent = None
     else:
         amax = jnp.max(jnp.abs(grouped), axis=-1, initial=f32(0))  # [..., groups]
@@ -396,14 +443,14 @@ def quantize_rows(
     q = jnp.clip(grouped * jax.lax.optimization_barrier(recip)[..., None], -p.out_max, p.out_max)
     # A NaN or Inf in the row, or an overflowing sum of squares: the whole row is NaN (and
     # its scales, unless calibrated).
-    q = jnp.where(row_finite[..., None], q, f32(np.nan)).reshape(h.shape)
+    q = jnp.where(finite[..., None], q, f32(np.nan))
     if p.scale_dtype == E8M0:
-        exponent = jnp.where(row_finite, exponent, jnp.uint32(0xFF)).astype(jnp.uint8)
+        exponent = jnp.where(finite, exponent, jnp.uint32(0xFF)).astype(jnp.uint8)
         scale = jax.lax.bitcast_convert_type(exponent, E8M0)
     else:
         scale = scale32.astype(p.scale_dtype)  # exact: scale32 is a scale_dtype value
-        if static_scale is None:
-            scale = jnp.where(row_finite, scale, jnp.asarray(np.nan, p.scale_dtype))
+        if not p.has_static_scale:
+            scale = jnp.where(finite, scale, jnp.asarray(np.nan, p.scale_dtype))
     return _to_fp8(q, p.out_dtype), scale
 
 
@@ -521,63 +568,89 @@ def add_backward(dn, d_residual_out, x, residual, gamma, inverse_rms, weight_off
 
 @norm_keywords
 def rms_norm_fp8_training(
-    x: jax.Array, gamma: jax.Array, **keywords: Unpack[NormKeywords]
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Reference of :func:`jax_fp8norm.rms_norm_fp8_training`: ``(y, scales, inverse_rms)``.
+    x: jax.Array, gamma: jax.Array, *, columnwise: bool = False, **keywords: Unpack[NormKeywords]
+) -> tuple[jax.Array, ...]:
+    """Reference of :func:`jax_fp8norm.rms_norm_fp8_training`: ``(y, scales, inverse_rms)``,
+    then ``y_t, scales_t`` with ``columnwise``.
 
     Keywords:
       {keywords}
     """
-    y, scales = rms_norm_fp8(x, gamma, **keywords)
     call = validate(x, gamma, **keywords)
-    return y, scales, inverse_rms(jnp.asarray(x).astype(jnp.float32), call.params.eps)
+    return _outputs(call, jnp.asarray(x), None, jnp.asarray(gamma), True, columnwise)
 
 
 @norm_keywords
 def add_rms_norm_fp8_training(
-    x: jax.Array, residual: jax.Array, gamma: jax.Array, **keywords: Unpack[NormKeywords]
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    x: jax.Array,
+    residual: jax.Array,
+    gamma: jax.Array,
+    *,
+    columnwise: bool = False,
+    **keywords: Unpack[NormKeywords],
+) -> tuple[jax.Array, ...]:
     """Reference of :func:`jax_fp8norm.add_rms_norm_fp8_training`:
-    ``(y, scales, residual_out, inverse_rms)``.
+    ``(y, scales, residual_out, inverse_rms)``, then ``y_t, scales_t`` with ``columnwise``.
 
     Keywords:
       {keywords}
     """
-    y, scales, residual_out = add_rms_norm_fp8(x, residual, gamma, **keywords)
     call = validate(x, gamma, residual, **keywords)
-    h = jnp.asarray(x).astype(jnp.float32) + jnp.asarray(residual).astype(jnp.float32)
-    return y, scales, residual_out, inverse_rms(h, call.params.eps)
+    return _outputs(
+        call, jnp.asarray(x), jnp.asarray(residual), jnp.asarray(gamma), True, columnwise
+    )
 
 
 @norm_keywords
 def rms_norm_fp8(
-    x: jax.Array, gamma: jax.Array, **keywords: Unpack[NormKeywords]
-) -> tuple[jax.Array, jax.Array]:
+    x: jax.Array, gamma: jax.Array, *, columnwise: bool = False, **keywords: Unpack[NormKeywords]
+) -> tuple[jax.Array, ...]:
     """Reference of :func:`jax_fp8norm.rms_norm_fp8`; same arguments and results.
 
     Keywords:
       {keywords}
     """
     call = validate(x, gamma, **keywords)
-    return quantize_rows(
-        jnp.asarray(x).astype(jnp.float32),
-        jnp.asarray(gamma),
-        call.params,
-        call.scale_operand,
-    )
+    return _outputs(call, jnp.asarray(x), None, jnp.asarray(gamma), False, columnwise)
 
 
 @norm_keywords
 def add_rms_norm_fp8(
-    x: jax.Array, residual: jax.Array, gamma: jax.Array, **keywords: Unpack[NormKeywords]
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    x: jax.Array,
+    residual: jax.Array,
+    gamma: jax.Array,
+    *,
+    columnwise: bool = False,
+    **keywords: Unpack[NormKeywords],
+) -> tuple[jax.Array, ...]:
     """Reference of :func:`jax_fp8norm.add_rms_norm_fp8`; same arguments and results.
 
     Keywords:
       {keywords}
     """
     call = validate(x, gamma, residual, **keywords)
-    return add_quantize(jnp.asarray(x), jnp.asarray(residual), jnp.asarray(gamma), call)
+    return _outputs(
+        call, jnp.asarray(x), jnp.asarray(residual), jnp.asarray(gamma), False, columnwise
+    )
+
+
+def _outputs(call, x, residual, gamma, training: bool, columnwise) -> tuple[jax.Array, ...]:
+    """(y, scales[, residual_out][, inverse_rms][, y_t, scales_t]) of one checked call."""
+    columnwise = check_columnwise(columnwise, call.params, x.shape)
+    if residual is None:
+        h = x.astype(jnp.float32)
+        outs = quantize_rows(h, gamma, call.params, call.scale_operand)
+    else:
+        outs = add_quantize(x, residual, gamma, call)
+        h = x.astype(jnp.float32) + residual.astype(jnp.float32)
+    if not (training or columnwise):
+        return outs
+    r = inverse_rms(h, call.params.eps)
+    if training:
+        outs = (*outs, r)
+    if columnwise:
+        outs = (*outs, *quantize_columns(h, gamma, r, call.params, call.scale_operand))
+    return outs
 
 
 def add_quantize(x, residual, gamma, call):
@@ -596,8 +669,9 @@ def allreduce_residual_rms_norm_fp8(
     axis_name,
     reduce_dtype=None,
     method: str = "xla",
+    columnwise: bool = False,
     **keywords: Unpack[NormKeywords],
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, ...]:
     """Reference of :func:`jax_fp8norm.allreduce_residual_rms_norm_fp8`; same arguments.
     ``method`` is the method the op ran (its ``"auto"`` depends on the platform, so the
     reference takes only the explicit ones): ``"xla"`` is ``jax.lax.psum``; ``"one_shot"``
@@ -617,7 +691,7 @@ def allreduce_residual_rms_norm_fp8(
         h = all_reduce(jnp.asarray(x), axis_name, reduce_dtype)
     else:
         h = fixed_order_sum(jnp.asarray(x), axis_name)
-    return add_quantize(h, jnp.asarray(residual), jnp.asarray(gamma), call)
+    return _outputs(call, h, jnp.asarray(residual), jnp.asarray(gamma), False, columnwise)
 
 
 def fixed_order_sum(x: jax.Array, axis_name) -> jax.Array:

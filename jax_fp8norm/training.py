@@ -15,13 +15,13 @@ the batch, the split of the rows among threads, or the kernel. ``dgamma`` across
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Unpack
 
 import jax
 
 from jax_fp8norm._backward import add_rms_norm_backward_p, rms_norm_backward_p
-from jax_fp8norm._checks import check_backward, validate
+from jax_fp8norm._checks import check_backward, check_columnwise, validate
+from jax_fp8norm._columnwise import bind_norm
 from jax_fp8norm._params import NormKeywords, as_operand
 from jax_fp8norm._primitives import add_rms_norm_fp8_p, rms_norm_fp8_p
 from jax_fp8norm._signatures import norm_keywords
@@ -36,44 +36,52 @@ __all__ = [
 
 @norm_keywords
 def rms_norm_fp8_training(
-    x: jax.Array, gamma: jax.Array, **keywords: Unpack[NormKeywords]
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    x: jax.Array,
+    gamma: jax.Array,
+    *,
+    columnwise: bool = False,
+    **keywords: Unpack[NormKeywords],
+) -> tuple[jax.Array, ...]:
     """:func:`jax_fp8norm.rms_norm_fp8`, also returning each row's ``r`` for the backward.
 
     Args:
-      x, gamma: as for :func:`jax_fp8norm.rms_norm_fp8`.
+      x, gamma, columnwise: as for :func:`jax_fp8norm.rms_norm_fp8`.
       {keywords}
 
     Returns:
       ``(y, scales, inverse_rms)``: ``y`` and ``scales`` bit for bit those of
       :func:`jax_fp8norm.rms_norm_fp8`; ``inverse_rms`` is ``[..., 1]`` float32, each row's
-      ``r = 1 / sqrt(ss / N + eps)``.
+      ``r = 1 / sqrt(ss / N + eps)``. With ``columnwise``: then ``y_t, scales_t``.
     """
     call = validate(x, gamma, **keywords)
-    params = dataclasses.replace(call.params, with_inverse_rms=True)
-    y, scales, inverse_rms = rms_norm_fp8_p.bind(*call.operands(x, gamma), **params.as_dict())
-    return y, scales, inverse_rms
+    columnwise = check_columnwise(columnwise, call.params, x.shape)
+    return bind_norm(rms_norm_fp8_p, call, (x,), gamma, training=True, columnwise=columnwise)
 
 
 @norm_keywords
 def add_rms_norm_fp8_training(
-    x: jax.Array, residual: jax.Array, gamma: jax.Array, **keywords: Unpack[NormKeywords]
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    x: jax.Array,
+    residual: jax.Array,
+    gamma: jax.Array,
+    *,
+    columnwise: bool = False,
+    **keywords: Unpack[NormKeywords],
+) -> tuple[jax.Array, ...]:
     """:func:`jax_fp8norm.add_rms_norm_fp8`, also returning each row's ``r``.
 
     Args:
-      x, residual, gamma: as for :func:`jax_fp8norm.add_rms_norm_fp8`.
+      x, residual, gamma, columnwise: as for :func:`jax_fp8norm.add_rms_norm_fp8`.
       {keywords}
 
     Returns:
       ``(y, scales, residual_out, inverse_rms)``; ``inverse_rms`` is ``[..., 1]`` float32.
+      With ``columnwise``: then ``y_t, scales_t``.
     """
     call = validate(x, gamma, residual, **keywords)
-    params = dataclasses.replace(call.params, with_inverse_rms=True)
-    y, scales, residual_out, inverse_rms = add_rms_norm_fp8_p.bind(
-        *call.operands(x, residual, gamma), **params.as_dict()
+    columnwise = check_columnwise(columnwise, call.params, x.shape)
+    return bind_norm(
+        add_rms_norm_fp8_p, call, (x, residual), gamma, training=True, columnwise=columnwise
     )
-    return y, scales, residual_out, inverse_rms
 
 
 def rms_norm_backward(

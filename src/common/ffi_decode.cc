@@ -37,14 +37,15 @@ std::optional<bool> Fp4Packed(int64_t layout) {
   }
 }
 
-}  // namespace
-
-ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
-                            const ffi::AnyBuffer& gamma,
-                            const std::optional<ffi::AnyBuffer>& scale_operand,
-                            ffi::Result<ffi::AnyBuffer>& y, ffi::Result<ffi::AnyBuffer>& scales,
-                            ffi::Result<ffi::AnyBuffer>* residual_out,
-                            const NormAttributes& attributes, RmsNormFp8Args* args) {
+// The norm's call (columnwise false) or its columnwise pass's (y and scales are y_t and
+// scales_t, group_size the block of rows: ColumnwiseArgs).
+ffi::Error DecodeNormCall(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
+                          const ffi::AnyBuffer& gamma,
+                          const std::optional<ffi::AnyBuffer>& scale_operand,
+                          ffi::Result<ffi::AnyBuffer>& y, ffi::Result<ffi::AnyBuffer>& scales,
+                          ffi::Result<ffi::AnyBuffer>* residual_out,
+                          const NormAttributes& attributes, bool columnwise,
+                          RmsNormFp8Args* args) {
   const float eps = attributes.eps;
   const float weight_offset = attributes.weight_offset;
   const float scale_ub = attributes.scale_ub;
@@ -61,7 +62,7 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
   if (gamma.dimensions().size() != 1 || gamma.dimensions()[0] != hidden) {
     return Invalid("gamma must have shape (hidden,) matching x.shape[-1]");
   }
-  if ((residual == nullptr) != (residual_out == nullptr)) {
+  if (!columnwise && (residual == nullptr) != (residual_out == nullptr)) {
     return Invalid("residual and residual_out go together");
   }
   FloatType residual_type = *input_type;
@@ -72,8 +73,8 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
     }
     residual_type = *type;
     if (!(residual->dimensions() == dims)) return Invalid("residual must have the shape of x");
-    if ((*residual_out)->element_type() != residual->element_type() ||
-        !((*residual_out)->dimensions() == dims)) {
+    if (residual_out != nullptr && ((*residual_out)->element_type() != residual->element_type() ||
+                                    !((*residual_out)->dimensions() == dims))) {
       return Invalid("residual_out must have the shape and dtype of residual");
     }
   }
@@ -94,18 +95,32 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
     return Invalid("fp4_layout " + std::to_string(attributes.fp4_layout) +
                    " is not a float4_e2m1fn layout this build knows");
   }
-  if (!(y->dimensions() == dims)) return Invalid("y must have the shape of x");
+  if (columnwise) {
+    const auto y_dims = y->dimensions();
+    if (y_dims.size() != 2 || y_dims[0] != hidden || y_dims[1] != rows) {
+      return Invalid("y_t must have shape (hidden, rows)");
+    }
+  } else if (!(y->dimensions() == dims)) {
+    return Invalid("y must have the shape of x");
+  }
 
+  // Rows of a call share a columnwise scale, elements of a row a rowwise one.
+  const int64_t blocked = columnwise ? rows : hidden;
   if (attributes.group_size < 0 ||
-      (attributes.group_size > 0 && hidden % attributes.group_size != 0)) {
-    return Invalid("group_size must be 0 (one scale per row) or a positive divisor of hidden");
+      (attributes.group_size > 0 && blocked % attributes.group_size != 0)) {
+    return Invalid(columnwise ? "group_size must be 0 (a static scale) or a positive divisor of rows"
+                              : "group_size must be 0 (one scale per row) or a positive divisor "
+                                "of hidden");
   }
   if (fp4 && (attributes.group_size <= 0 || attributes.group_size % 2 != 0)) {
     return Invalid("float4_e2m1fn y needs an even group_size");
   }
-  // The attribute's 0 (one scale per row) is the kernels' hidden (RmsNormFp8Args).
-  const int64_t group_size = attributes.group_size > 0 ? attributes.group_size : hidden;
-  const int64_t groups = GroupsPerRow(hidden, group_size);
+  // The attribute's 0 (one scale per row) is the kernels' hidden (RmsNormFp8Args); the
+  // columnwise pass keeps 0 (a static scale).
+  const int64_t group_size =
+      attributes.group_size > 0 || columnwise ? attributes.group_size : hidden;
+  const int64_t groups = columnwise ? (group_size > 0 ? rows / group_size : 1)
+                                    : GroupsPerRow(hidden, group_size);
   const bool power_of_two = attributes.power_of_two_scales;
   std::optional<FloatType> scale_type = FloatTypeOf(scales->element_type());
   if (scales->element_type() == ffi::DataType::F8E8M0FNU) scale_type = FloatType::kE8M0;
@@ -128,12 +143,19 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
     return Invalid("power-of-two scales need a float32, bfloat16 or float8_e8m0fnu scale dtype");
   }
   const auto scale_dims = scales->dimensions();
-  bool scale_shape_ok = scale_dims.size() == dims.size() && scale_dims.back() == groups;
-  for (size_t i = 0; scale_shape_ok && i + 1 < dims.size(); ++i) {
-    scale_shape_ok = scale_dims[i] == dims[i];
+  if (columnwise) {
+    if (scale_dims.size() != 2 || scale_dims[0] != hidden || scale_dims[1] != groups) {
+      return Invalid("scales_t must have shape (hidden, rows / group_size), (hidden, 1) for a "
+                     "static scale");
+    }
+  } else {
+    bool scale_shape_ok = scale_dims.size() == dims.size() && scale_dims.back() == groups;
+    for (size_t i = 0; scale_shape_ok && i + 1 < dims.size(); ++i) {
+      scale_shape_ok = scale_dims[i] == dims[i];
+    }
+    if (!scale_shape_ok)
+      return Invalid("scales must have shape x.shape[:-1] + (hidden / group_size,)");
   }
-  if (!scale_shape_ok)
-    return Invalid("scales must have shape x.shape[:-1] + (hidden / group_size,)");
 
   const float* scale_operand_data = nullptr;
   if (scale_operand.has_value()) {
@@ -149,6 +171,9 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
     scale_operand_data = static_cast<const float*>(scale_operand->untyped_data());
   } else if (nvfp4) {
     return Invalid("NVFP4 needs its global_scale operand");
+  }
+  if (columnwise && group_size == 0 && scale_operand_data == nullptr) {
+    return Invalid("columnwise outputs need block scales (group_size) or a static scale");
   }
   if (!(eps >= 0.0f) || !std::isfinite(eps)) return Invalid("eps must be finite and >= 0");
   if (!std::isfinite(weight_offset)) return Invalid("weight_offset must be finite");
@@ -174,6 +199,35 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
       fp4 && *packed,
       RowConstants{eps, weight_offset, scale_ub, power_of_two},
   };
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
+                            const ffi::AnyBuffer& gamma,
+                            const std::optional<ffi::AnyBuffer>& scale_operand,
+                            ffi::Result<ffi::AnyBuffer>& y, ffi::Result<ffi::AnyBuffer>& scales,
+                            ffi::Result<ffi::AnyBuffer>* residual_out,
+                            const NormAttributes& attributes, RmsNormFp8Args* args) {
+  return DecodeNormCall(x, residual, gamma, scale_operand, y, scales, residual_out, attributes,
+                        false, args);
+}
+
+ffi::Error DecodeColumnwise(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
+                            const ffi::AnyBuffer& gamma, const ffi::AnyBuffer& inverse_rms,
+                            const std::optional<ffi::AnyBuffer>& scale_operand,
+                            ffi::Result<ffi::AnyBuffer>& y_t, ffi::Result<ffi::AnyBuffer>& scales_t,
+                            const NormAttributes& attributes, ColumnwiseArgs* args) {
+  ffi::Error status = DecodeNormCall(x, residual, gamma, scale_operand, y_t, scales_t, nullptr,
+                                     attributes, true, args);
+  if (status.failure()) return status;
+  if (inverse_rms.element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(inverse_rms.element_count()) != args->rows) {
+    return Invalid("inverse_rms must be float32 with one element per row");
+  }
+  // Read only: the pass takes the r the training form wrote.
+  args->inverse_rms = static_cast<float*>(const_cast<void*>(inverse_rms.untyped_data()));
   return ffi::Error::Success();
 }
 

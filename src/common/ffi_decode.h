@@ -7,6 +7,7 @@
 #include <optional>
 #include <utility>
 
+#include "columnwise.h"
 #include "named_codes.h"
 #include "rms_norm_backward.h"
 #include "rms_norm_fp8.h"
@@ -50,6 +51,15 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
                             ffi::Result<ffi::AnyBuffer>& y, ffi::Result<ffi::AnyBuffer>& scales,
                             ffi::Result<ffi::AnyBuffer>* residual_out,
                             const NormAttributes& attributes, RmsNormFp8Args* args);
+
+// The columnwise pass (docs/spec.md, "Columnwise outputs"): x, [residual,] gamma, each
+// row's saved r and the scale operand; y_t and scales_t; the norm's attributes, whose
+// group_size is the block of rows (0: a static scale).
+ffi::Error DecodeColumnwise(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
+                            const ffi::AnyBuffer& gamma, const ffi::AnyBuffer& inverse_rms,
+                            const std::optional<ffi::AnyBuffer>& scale_operand,
+                            ffi::Result<ffi::AnyBuffer>& y_t, ffi::Result<ffi::AnyBuffer>& scales_t,
+                            const NormAttributes& attributes, ColumnwiseArgs* args);
 
 // The training form's extra result: each row's r, float32 of shape x.shape[:-1] + (1,).
 ffi::Error DecodeInverseRms(ffi::Result<ffi::AnyBuffer>& inverse_rms, RmsNormFp8Args* args);
@@ -134,6 +144,35 @@ auto AddRmsNormBackwardBinding() {
       .template Ret<ffi::AnyBuffer>()  // dresidual
       .template Ret<ffi::AnyBuffer>()  // dgamma
       .template Attr<float>("weight_offset");
+}
+
+// The columnwise targets: x, [residual,] gamma, inverse_rms, an optional scale operand;
+// y_t, scales_t; the norm's attributes.
+template <typename Ctx>
+auto ColumnwiseBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<Ctx>()
+      .template Arg<ffi::AnyBuffer>()          // x
+      .template Arg<ffi::AnyBuffer>()          // gamma
+      .template Arg<ffi::AnyBuffer>()          // inverse_rms
+      .template OptionalArg<ffi::AnyBuffer>()  // static_scale or global_scale
+      .template Ret<ffi::AnyBuffer>()          // y_t
+      .template Ret<ffi::AnyBuffer>()          // scales_t
+      .template Attrs<NormAttributes>();
+}
+
+template <typename Ctx>
+auto AddColumnwiseBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<Ctx>()
+      .template Arg<ffi::AnyBuffer>()          // x
+      .template Arg<ffi::AnyBuffer>()          // residual
+      .template Arg<ffi::AnyBuffer>()          // gamma
+      .template Arg<ffi::AnyBuffer>()          // inverse_rms
+      .template OptionalArg<ffi::AnyBuffer>()  // static_scale or global_scale
+      .template Ret<ffi::AnyBuffer>()          // y_t
+      .template Ret<ffi::AnyBuffer>()          // scales_t
+      .template Attrs<NormAttributes>();
 }
 
 // fp4_layout: as NormAttributes::fp4_layout, for a float4_e2m1fn output.

@@ -21,10 +21,12 @@ struct OpHandlers {
   FfiHandler* add_rms_norm_fp8_training;
 };
 
-// The backward kernels.
-struct BackwardHandlers {
+// The training kernels: the backward and the columnwise outputs.
+struct TrainingHandlers {
   FfiHandler* rms_norm_backward = nullptr;
   FfiHandler* add_rms_norm_backward = nullptr;
+  FfiHandler* columnwise = nullptr;
+  FfiHandler* add_columnwise = nullptr;
 };
 
 // A stage before execution ("initialize" or "instantiate") that every op of a platform
@@ -49,7 +51,7 @@ struct PeerOpHandlers {
 // jax.ffi.register_ffi_target takes it.
 inline nanobind::dict Registrations(const OpHandlers& ops, FirstStage first = {},
                                     PeerOpHandlers peer_ops = {},
-                                    BackwardHandlers backward = {}) {
+                                    TrainingHandlers training = {}) {
   const auto entry = [&](FfiHandler* first_stage, FfiHandler* execute) -> nanobind::object {
     if (first_stage == nullptr) return FfiCapsule(execute);
     nanobind::dict stages;
@@ -63,9 +65,11 @@ inline nanobind::dict Registrations(const OpHandlers& ops, FirstStage first = {}
   targets["round"] = entry(first.handler, ops.round);
   targets["rms_norm_fp8_training"] = entry(first.handler, ops.rms_norm_fp8_training);
   targets["add_rms_norm_fp8_training"] = entry(first.handler, ops.add_rms_norm_fp8_training);
-  if (backward.rms_norm_backward != nullptr) {
-    targets["rms_norm_backward"] = entry(first.handler, backward.rms_norm_backward);
-    targets["add_rms_norm_backward"] = entry(first.handler, backward.add_rms_norm_backward);
+  if (training.rms_norm_backward != nullptr) {
+    targets["rms_norm_backward"] = entry(first.handler, training.rms_norm_backward);
+    targets["add_rms_norm_backward"] = entry(first.handler, training.add_rms_norm_backward);
+    targets["columnwise"] = entry(first.handler, training.columnwise);
+    targets["add_columnwise"] = entry(first.handler, training.add_columnwise);
   }
   if (peer_ops.allreduce_rms_norm_fp8 != nullptr) {
     targets["allreduce_rms_norm_fp8"] = entry(peer_ops.set_up, peer_ops.allreduce_rms_norm_fp8);

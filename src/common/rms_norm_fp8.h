@@ -139,6 +139,10 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& args, const ParallelFor& parallel_for);
 // Advises the whole 2 MiB pages inside a large output [p, p + bytes) onto transparent huge
 // pages (cpu_kernels.cc says why); nothing for a small one or off Linux.
 void AdviseHugePages(void* p, size_t bytes);
+// out[j] = f32(gamma[j]) + weight_offset for j < n, gamma of float type `type`: what the
+// CPU kernels normalise with, once per call.
+void FillGammaPlusOffset(FloatType type, const void* gamma, float weight_offset, int64_t n,
+                         float* out);
 // The instruction-set variant of the CPU row loops in use: "avx2" or "baseline".
 const char* CpuKernelVariant();
 void RoundCpu(const RoundArgs& args);

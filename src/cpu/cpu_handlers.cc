@@ -12,6 +12,7 @@
 #include <optional>
 #include <string>
 
+#include "columnwise.h"
 #include "ffi_decode.h"
 #include "handlers.h"
 #include "rms_norm_backward.h"
@@ -180,6 +181,36 @@ ffi::Error AddRmsNormBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer dn,
   return RunBackwardOnPool(args, pool);
 }
 
+ffi::Error RunColumnwiseOnPool(const ColumnwiseArgs& args, ffi::ThreadPool& pool) {
+  if (ColumnwiseCpu(args, PoolParallelFor(pool))) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                    "jax_fp8norm: out of host memory for the columnwise tiles of blocks of " +
+                        std::to_string(args.group_size) + " rows");
+}
+
+ffi::Error ColumnwiseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
+                          ffi::AnyBuffer inverse_rms, std::optional<ffi::AnyBuffer> scale_operand,
+                          ffi::Result<ffi::AnyBuffer> y_t, ffi::Result<ffi::AnyBuffer> scales_t,
+                          NormAttributes attributes) {
+  ColumnwiseArgs args;
+  ffi::Error status = DecodeColumnwise(x, nullptr, gamma, inverse_rms, scale_operand, y_t,
+                                       scales_t, attributes, &args);
+  if (status.failure()) return status;
+  return RunColumnwiseOnPool(args, pool);
+}
+
+ffi::Error AddColumnwiseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer residual,
+                             ffi::AnyBuffer gamma, ffi::AnyBuffer inverse_rms,
+                             std::optional<ffi::AnyBuffer> scale_operand,
+                             ffi::Result<ffi::AnyBuffer> y_t, ffi::Result<ffi::AnyBuffer> scales_t,
+                             NormAttributes attributes) {
+  ColumnwiseArgs args;
+  ffi::Error status = DecodeColumnwise(x, &residual, gamma, inverse_rms, scale_operand, y_t,
+                                       scales_t, attributes, &args);
+  if (status.failure()) return status;
+  return RunColumnwiseOnPool(args, pool);
+}
+
 ffi::Error RoundImpl(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out, int64_t fp4_layout) {
   RoundArgs args;
   ffi::Error status = DecodeRound(in, out, fp4_layout, &args);
@@ -207,6 +238,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormBackwardCpuHandler, RmsNormBackwardImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormBackwardCpuHandler, AddRmsNormBackwardImpl,
                               AddRmsNormBackwardBinding<ffi::ThreadPool>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColumnwiseCpuHandler, ColumnwiseImpl,
+                              ColumnwiseBinding<ffi::ThreadPool>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AddColumnwiseCpuHandler, AddColumnwiseImpl,
+                              AddColumnwiseBinding<ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     RoundCpuHandler, RoundImpl,

@@ -62,7 +62,7 @@ float* ThreadBuffer(int64_t size) {
 }
 
 template <typename TGamma>
-void FillGammaPlusOffset(const void* gamma, float weight_offset, int64_t n, float* out) {
+void FillGammaPlusOffsetOf(const void* gamma, float weight_offset, int64_t n, float* out) {
   const TGamma* g = static_cast<const TGamma*>(gamma);
   for (int64_t j = 0; j < n; ++j) out[j] = GammaPlusOffset(ToFloat(g[j]), weight_offset);
 }
@@ -144,6 +144,20 @@ void AdviseHugePages(void* p, size_t bytes) {
 #endif
 }
 
+void FillGammaPlusOffset(FloatType type, const void* gamma, float weight_offset, int64_t n,
+                         float* out) {
+  switch (type) {
+    case FloatType::kF16:
+      FillGammaPlusOffsetOf<F16>(gamma, weight_offset, n, out);
+      break;
+    case FloatType::kBF16:
+      FillGammaPlusOffsetOf<BF16>(gamma, weight_offset, n, out);
+      break;
+    default:
+      FillGammaPlusOffsetOf<float>(gamma, weight_offset, n, out);
+  }
+}
+
 namespace {
 
 const CpuVariant& Variant() {
@@ -172,16 +186,8 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   // thread's buffer, which the tasks only read, and only while this call waits for them.
   float* const gamma_plus_offset = ThreadBuffer<Buffer::kGammaRow>(a.hidden);
   if (gamma_plus_offset == nullptr) return false;
-  switch (a.gamma_type) {
-    case FloatType::kF16:
-      FillGammaPlusOffset<F16>(a.gamma, a.constants.weight_offset, a.hidden, gamma_plus_offset);
-      break;
-    case FloatType::kBF16:
-      FillGammaPlusOffset<BF16>(a.gamma, a.constants.weight_offset, a.hidden, gamma_plus_offset);
-      break;
-    default:
-      FillGammaPlusOffset<float>(a.gamma, a.constants.weight_offset, a.hidden, gamma_plus_offset);
-  }
+  FillGammaPlusOffset(a.gamma_type, a.gamma, a.constants.weight_offset, a.hidden,
+                      gamma_plus_offset);
   const size_t elements = static_cast<size_t>(a.rows) * static_cast<size_t>(a.hidden);
   AdviseHugePages(a.y, static_cast<size_t>(YByte(a, static_cast<int64_t>(elements))));
   if (a.residual_out != nullptr) {

@@ -35,19 +35,6 @@ struct BackwardScratch {
   ExactSum total;
 };
 
-__device__ __forceinline__ float LoadElement(const void* p, FloatType type, int64_t i,
-                                             int site = __builtin_LINE()) {
-  float v[1];
-  LoadAny<1>(p, type, i, v, site);
-  return v[0];
-}
-
-__device__ __forceinline__ void StoreElement(void* p, FloatType type, int64_t i, float value,
-                                             int site = __builtin_LINE()) {
-  const float v[1] = {value};
-  StoreAny<1>(p, type, i, v, site);
-}
-
 // h_j of element i of the call as the backward takes it: x (+ residual), each flushed.
 __device__ __forceinline__ float LoadH(const RmsNormBackwardArgs& a, int64_t i) {
   float h = FlushTiny(LoadElement(a.x, a.input_type, i));

@@ -307,6 +307,31 @@ ffi::Error AllReduceNormImpl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer res
   });
 }
 
+ffi::Error ColumnwiseImpl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
+                          ffi::AnyBuffer inverse_rms, std::optional<ffi::AnyBuffer> scale_operand,
+                          ffi::Result<ffi::AnyBuffer> y_t, ffi::Result<ffi::AnyBuffer> scales_t,
+                          NormAttributes attributes) {
+  ColumnwiseArgs args;
+  ffi::Error status = DecodeColumnwise(x, nullptr, gamma, inverse_rms, scale_operand, y_t,
+                                       scales_t, attributes, &args);
+  if (status.failure()) return status;
+  return RunOnDevice(gpu.device, "columnwise launch",
+                     [&](int) { return LaunchColumnwise(gpu.stream, args); });
+}
+
+ffi::Error AddColumnwiseImpl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer residual,
+                             ffi::AnyBuffer gamma, ffi::AnyBuffer inverse_rms,
+                             std::optional<ffi::AnyBuffer> scale_operand,
+                             ffi::Result<ffi::AnyBuffer> y_t, ffi::Result<ffi::AnyBuffer> scales_t,
+                             NormAttributes attributes) {
+  ColumnwiseArgs args;
+  ffi::Error status = DecodeColumnwise(x, &residual, gamma, inverse_rms, scale_operand, y_t,
+                                       scales_t, attributes, &args);
+  if (status.failure()) return status;
+  return RunOnDevice(gpu.device, "add_columnwise launch",
+                     [&](int) { return LaunchColumnwise(gpu.stream, args); });
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8CudaHandler, RmsNormFp8Impl, RmsNormFp8Binding<CallGpu>(),
@@ -330,6 +355,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormBackwardCudaHandler, RmsNormBackwardImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormBackwardCudaHandler, AddRmsNormBackwardImpl,
                               AddRmsNormBackwardBinding<CallGpu>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColumnwiseCudaHandler, ColumnwiseImpl,
+                              ColumnwiseBinding<CallGpu>(), {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AddColumnwiseCudaHandler, AddColumnwiseImpl,
+                              AddColumnwiseBinding<CallGpu>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

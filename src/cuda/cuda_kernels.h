@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "columnwise.h"
 #include "cuda_launch_plan.h"
 #include "peer_allreduce.h"
 #include "rms_norm_backward.h"
@@ -23,6 +24,9 @@ cudaError_t LaunchRound(cudaStream_t stream, const RoundArgs& args);
 
 // backward.cu: the backward of both ops (args.residual == null for rms_norm_fp8).
 cudaError_t LaunchRmsNormBackward(cudaStream_t stream, const RmsNormBackwardArgs& args);
+
+// columnwise.cu: the columnwise outputs of both ops, from the rows' saved r.
+cudaError_t LaunchColumnwise(cudaStream_t stream, const ColumnwiseArgs& args);
 
 // allreduce.cu. Loads the one-kernel all-reduce's kernel on the current device (its set-up,
 // outside graph capture); enqueues one device's share of a call of it on `stream`. Every

@@ -16,7 +16,8 @@ NB_MODULE(_fp8norm_cuda, m) {
          fp8norm::AddRmsNormFp8TrainingCudaHandler},
         {fp8norm::kPrepareStage, fp8norm::PrepareCudaHandler},
         {fp8norm::AllReduceNormCudaHandler, fp8norm::SetUpAllReduceCudaHandler},
-        {fp8norm::RmsNormBackwardCudaHandler, fp8norm::AddRmsNormBackwardCudaHandler});
+        {fp8norm::RmsNormBackwardCudaHandler, fp8norm::AddRmsNormBackwardCudaHandler,
+         fp8norm::ColumnwiseCudaHandler, fp8norm::AddColumnwiseCudaHandler});
   });
   fp8norm::AddCudaModuleBindings(m);
 }

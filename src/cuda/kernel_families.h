@@ -28,4 +28,7 @@ cudaError_t LoadRoundKernel();
 // backward.cu (LaunchRmsNormBackward is in cuda_kernels.h).
 cudaError_t LoadBackwardKernels();
 
+// columnwise.cu (LaunchColumnwise is in cuda_kernels.h).
+cudaError_t LoadColumnwiseKernel();
+
 }  // namespace fp8norm

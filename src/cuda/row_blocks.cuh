@@ -114,6 +114,20 @@ __device__ __forceinline__ void StoreAny(void* p, FloatType type, int64_t i,
   }
 }
 
+// One element i of p, of a float type chosen at run time.
+__device__ __forceinline__ float LoadElement(const void* p, FloatType type, int64_t i,
+                                             int site = __builtin_LINE()) {
+  float v[1];
+  LoadAny<1>(p, type, i, v, site);
+  return v[0];
+}
+
+__device__ __forceinline__ void StoreElement(void* p, FloatType type, int64_t i, float value,
+                                             int site = __builtin_LINE()) {
+  const float v[1] = {value};
+  StoreAny<1>(p, type, i, v, site);
+}
+
 // h for vector i of the row: x (+ residual).
 template <typename TIn, int kVec>
 __device__ __forceinline__ void LoadH(const TIn* x, const void* residual, FloatType residual_type,

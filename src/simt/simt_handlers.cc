@@ -98,6 +98,15 @@ XLA_FFI_Error* SimtAddRmsNormBackwardHandler(XLA_FFI_CallFrame* frame) {
                      {"dn", "d_residual_out", "x", "residual", "gamma", "inverse_rms"},
                      {"dx", "dresidual", "dgamma"});
 }
+XLA_FFI_Error* SimtColumnwiseHandler(XLA_FFI_CallFrame* frame) {
+  return WithBuffers(frame, fp8norm::ColumnwiseCudaHandler,
+                     {"x", "gamma", "inverse_rms", "scale_operand"}, {"y_t", "scales_t"});
+}
+XLA_FFI_Error* SimtAddColumnwiseHandler(XLA_FFI_CallFrame* frame) {
+  return WithBuffers(frame, fp8norm::AddColumnwiseCudaHandler,
+                     {"x", "residual", "gamma", "inverse_rms", "scale_operand"},
+                     {"y_t", "scales_t"});
+}
 XLA_FFI_Error* SimtAllReduceNormHandler(XLA_FFI_CallFrame* frame) {
   return WithBuffers(frame, fp8norm::AllReduceNormCudaHandler,
                      {"x", "residual", "gamma", "scale_operand"}, {"y", "scales", "residual_out"});

@@ -25,7 +25,8 @@ NB_MODULE(_fp8norm_simt, m) {
          fp8norm::SimtAddRmsNormFp8TrainingHandler},
         {fp8norm::kPrepareStage, fp8norm::SimtPrepareHandler},
         {fp8norm::SimtAllReduceNormHandler, fp8norm::SimtSetUpAllReduceHandler},
-        {fp8norm::SimtRmsNormBackwardHandler, fp8norm::SimtAddRmsNormBackwardHandler});
+        {fp8norm::SimtRmsNormBackwardHandler, fp8norm::SimtAddRmsNormBackwardHandler,
+         fp8norm::SimtColumnwiseHandler, fp8norm::SimtAddColumnwiseHandler});
   });
   fp8norm::AddCudaModuleBindings(m);
   fp8norm::AddCudaHostLogic(m);

@@ -1,0 +1,83 @@
+// The columnwise pass of rms_norm_fp8 / add_rms_norm_fp8 (docs/spec.md, "Columnwise
+// outputs"): n quantised along the rows, for a GEMM that contracts over them. Its
+// arguments, the math of a column's block that the CPU and CUDA kernels share, and the
+// CPU kernel's entry point. Plain C++, compiled by the host compiler and nvcc.
+#pragma once
+
+#include <cstdint>
+
+#include "fp8norm_math.h"
+#include "rms_norm_fp8.h"
+
+namespace fp8norm {
+
+// The norm's arguments read the columnwise way: y is y_t [hidden, rows] (FP4 packed along
+// the rows when y_packed), scales is scales_t [hidden, rows / group_size] ([hidden, 1] for
+// a static scale), group_size the rows of a block (0 with a static scale, which has
+// none), inverse_rms each row's r as the training form saved it (read here, never
+// written), residual_out null.
+struct ColumnwiseArgs : RmsNormFp8Args {};
+
+// Blocks per column: scales_t's second dimension.
+FP8NORM_HD int64_t ColumnBlocks(const ColumnwiseArgs& a) {
+  return a.static_scale != nullptr ? 1 : a.rows / a.group_size;
+}
+
+// A row is finite (no NaN or Inf, no overflowing sum of squares) exactly when its saved r
+// is not NaN (SavedInverseRms). The scale functions read a row's finiteness from its sum
+// of squares: a block of finite rows passes 0 for it, any other block NaN.
+FP8NORM_HD float BlockFiniteness(bool rows_finite) {
+  return rows_finite ? 0.0f : FloatOf(kF32QuietNan);
+}
+
+// How one column's block becomes codes: the recipe's group rule over the block's n.
+struct ColumnScale {
+  RowScale fp8;
+  Fp4Scale fp4;
+};
+
+// The scale of a column's block from the abs-max of its n (ordered bits) and whether all
+// of its rows are finite; global_scale: NVFP4's (0 for every other format).
+FP8NORM_HD ColumnScale ColumnBlockScale(const ColumnwiseArgs& a, bool rows_finite, uint32_t amax,
+                                        float global_scale) {
+  ColumnScale s{};
+  if (IsFp4(a)) {
+    s.fp4 = Fp4ScaleOf(a, BlockFiniteness(rows_finite), amax, global_scale);
+  } else {
+    s.fp8 = ComputeScale(BlockFiniteness(rows_finite), amax, a.out_format, a.scale_type,
+                         a.constants);
+  }
+  return s;
+}
+
+// A static scale's code for an element of a row: the rowwise rule, element by element.
+FP8NORM_HD ColumnScale StaticColumnScale(const ColumnwiseArgs& a, bool row_finite,
+                                         float static_scale) {
+  ColumnScale s{};
+  s.fp8 = StaticScale(BlockFiniteness(row_finite), static_scale, a.scale_type);
+  return s;
+}
+
+// The scale as scales_t stores it (StoreAs / the CUDA kernels' StoreScale encode it).
+FP8NORM_HD float StoredScale(const ColumnwiseArgs& a, const ColumnScale& s) {
+  return IsFp4(a) ? s.fp4.scale : s.fp8.scale;
+}
+
+// The code of a normalised element under its block's scale: FP8's byte, or FP4's code in
+// the low nibble.
+FP8NORM_HD uint8_t ColumnCode(const ColumnwiseArgs& a, const ColumnScale& s, float normed) {
+  switch (a.out_format) {
+    case OutFormat::kE4M3FN:
+      return QuantizeElement<OutFormat::kE4M3FN>(normed, s.fp8.recip);
+    case OutFormat::kE4M3FNUZ:
+      return QuantizeElement<OutFormat::kE4M3FNUZ>(normed, s.fp8.recip);
+    default:
+      return QuantizeFp4Element(normed, s.fp4);
+  }
+}
+
+// False when host memory for the pass's tiles could not be had; the outputs are then
+// incomplete.
+bool ColumnwiseCpu(const ColumnwiseArgs& args, const ParallelFor& parallel_for);
+
+}  // namespace fp8norm
