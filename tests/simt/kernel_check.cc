@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "columnwise.h"
 #include "cuda_kernels.h"
 #include "cuda_launch_plan.h"
 #include "rms_norm_backward.h"
@@ -514,6 +515,116 @@ int CheckBackward(bool quick) {
   return failures;
 }
 
+// The columnwise kernel against the CPU kernel: every output format and scale rule, the
+// residual, hidden sizes around the kernel's 128-column tile, blocks whose bytes are and
+// are not whole 32-bit words, a static scale with a last tile of fewer rows, and rows
+// whose saved r is NaN (rows that are not finite).
+int CheckColumnwise(bool quick) {
+  struct Format {
+    OutFormat out;
+    FloatType scale;
+    int64_t block;  // 0: a static scale
+    bool power_of_two;
+    bool packed;
+    const char* name;
+  };
+  const Format formats[] = {
+      {OutFormat::kE4M3FN, FloatType::kE8M0, 32, true, false, "mxfp8"},
+      {OutFormat::kE2M1, FloatType::kE4M3, 16, false, true, "nvfp4 packed"},
+      {OutFormat::kE2M1, FloatType::kE8M0, 32, true, false, "mxfp4 unpacked"},
+      {OutFormat::kE4M3FNUZ, FloatType::kBF16, 128, false, false, "group 128 bf16"},
+      {OutFormat::kE4M3FN, FloatType::kF32, 6, false, false, "group 6 (byte stores)"},
+      {OutFormat::kE2M1, FloatType::kE4M3, 2, false, true, "nvfp4 group 2 (byte stores)"},
+      {OutFormat::kE4M3FN, FloatType::kF32, 0, false, false, "static"},
+  };
+  const std::vector<int64_t> hiddens =
+      quick ? std::vector<int64_t>{7, 130} : std::vector<int64_t>{1, 7, 130, 300};
+  int failures = 0;
+  int k = 0;
+  for (const Format& f : formats) {
+    for (const int64_t hidden : hiddens) {
+      for (const bool residual : {false, true}) {
+        ++k;
+        const FloatType input =
+            k % 3 == 0 ? FloatType::kF32 : (k % 3 == 1 ? FloatType::kBF16 : FloatType::kF16);
+        const int64_t rows = f.block > 0 ? f.block * (quick ? 2 : 1 + k % 3) : 37;
+        const size_t elements = static_cast<size_t>(rows * hidden);
+        const size_t in_bytes = FloatTypeBytes(input);
+        Rng rng{static_cast<uint64_t>(k) * 104729 + 3};
+        ExactBuffer x(elements * in_bytes), res(residual ? elements * in_bytes : 0);
+        ExactBuffer gamma(static_cast<size_t>(hidden) * sizeof(float));
+        ExactBuffer r(static_cast<size_t>(rows) * sizeof(float));
+        ExactBuffer operand(sizeof(float));
+        Fill(x, input, rows, hidden, rng, false, 2.0f);
+        if (residual) Fill(res, input, rows, hidden, rng, false, 1.0f);
+        Fill(gamma, FloatType::kF32, 1, hidden, rng, false, 0.5f);
+        for (int64_t i = 0; i < rows; ++i) {
+          StoreAs(FloatType::kF32, r.data, i, i % 11 == 5 ? NAN : rng.Uniform() + 0.1f);
+        }
+        StoreAs(FloatType::kF32, operand.data, 0, f.block == 0 ? 0.03f : 0.5f);
+        const int64_t blocks = f.block > 0 ? rows / f.block : 1;
+        const size_t y_bytes = f.packed ? elements / 2 : elements;
+        const size_t scale_bytes =
+            static_cast<size_t>(hidden * blocks) *
+            (f.scale == FloatType::kE8M0 || f.scale == FloatType::kE4M3 ? 1 : FloatTypeBytes(f.scale));
+        ExactBuffer y(y_bytes), y_cpu(y_bytes), scales(scale_bytes), scales_cpu(scale_bytes);
+        ColumnwiseArgs a{};
+        a.x = x.data;
+        a.residual = residual ? res.data : nullptr;
+        a.gamma = gamma.data;
+        a.y = y.data;
+        a.scales = scales.data;
+        a.rows = rows;
+        a.hidden = hidden;
+        a.group_size = f.block;
+        a.input_type = input;
+        a.residual_type = input;
+        a.gamma_type = FloatType::kF32;
+        a.scale_type = f.scale;
+        a.out_format = f.out;
+        a.y_packed = f.packed;
+        a.constants = RowConstants{RoundTo(input, 1e-6f), RoundTo(input, k % 2 ? 1.0f : 0.0f),
+                                   f.scale == FloatType::kBF16 ? 0.25f : INFINITY, f.power_of_two};
+        const bool nvfp4 = f.scale == FloatType::kE4M3;
+        a.static_scale = f.block == 0 ? reinterpret_cast<const float*>(operand.data) : nullptr;
+        a.global_scale = nvfp4 ? reinterpret_cast<const float*>(operand.data) : nullptr;
+        a.inverse_rms = reinterpret_cast<float*>(r.data);
+        const std::string name = std::string("columnwise ") + f.name + " " + std::to_string(rows) +
+                                 "x" + std::to_string(hidden) + " " + TypeName(input) +
+                                 (residual ? " add" : "");
+        if (name_cases) std::fprintf(stderr, "case %s\n", name.c_str());
+        cudaError_t status;
+        {
+          simt::ScopedBuffers buffers;
+          buffers.Add("x", x.data, x.bytes);
+          buffers.Add("gamma", gamma.data, gamma.bytes);
+          buffers.Add("inverse_rms", r.data, r.bytes);
+          buffers.Add("scale_operand", operand.data, operand.bytes);
+          buffers.Add("y_t", y.data, y.bytes);
+          buffers.Add("scales_t", scales.data, scales.bytes);
+          if (residual) buffers.Add("residual", res.data, res.bytes);
+          status = LaunchColumnwise(nullptr, a);
+        }
+        a.y = y_cpu.data;
+        a.scales = scales_cpu.data;
+        ColumnwiseCpu(a, [](int64_t n, const std::function<void(int64_t)>& task) {
+          for (int64_t i = 0; i < n; ++i) task(i);
+        });
+        if (status != cudaSuccess) {
+          std::printf("FAIL %s: %s\n", name.c_str(), cudaGetErrorString(status));
+          ++failures;
+          continue;
+        }
+        const bool ok = SameBytes(y, y_cpu, "y_t", name) &&
+                        SameBytes(scales, scales_cpu, "scales_t", name);
+        if (!ok) ++failures;
+      }
+    }
+  }
+  simt::TakeLaunches();
+  return failures;
+}
+
 int Main(bool quick, bool allreduce, bool rest) {
   if (!rest) return CheckAllReduce(quick) == 0 ? 0 : 1;
   std::vector<Case> cases;
@@ -643,7 +754,8 @@ int Main(bool quick, bool allreduce, bool rest) {
     cases.push_back(c);
   }
   Coverage coverage;
-  int failures = CheckEmulator() + CheckRound() + CheckBackward(quick);
+  int failures =
+      CheckEmulator() + CheckRound() + CheckBackward(quick) + CheckColumnwise(quick);
   int runs = 0;
   for (const Case& c : cases) {
     if (stop_at_failure && failures > 0) break;
