@@ -402,8 +402,9 @@ def quantize_columns(
     row_finite = ~jnp.isnan(r).reshape(rows)
     normed_t = _normalize(h.reshape(rows, n), r, gamma, p).T  # [N, rows]
     if p.has_static_scale:
-        y_t, scales = _quantize_groups(normed_t[..., None], row_finite[None, :], p, scale_operand)
-        return y_t.reshape(n, rows), scales[:, :1]
+        y_t, _ = _quantize_groups(normed_t[..., None], row_finite[None, :], p, scale_operand)
+        scale = _static_scales(scale_operand, p)[0].astype(p.scale_dtype)
+        return y_t.reshape(n, rows), jnp.broadcast_to(scale, (n, 1))
     block = p.group_size
     grouped = normed_t.reshape(n, rows // block, block)
     block_finite = jnp.all(row_finite.reshape(rows // block, block), axis=-1)

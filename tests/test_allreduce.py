@@ -170,6 +170,43 @@ else:
         )
         assert_same_bits(wrapped, out)
 
+    @pytest.mark.parametrize("kw", [layout("mxfp8"), layout("nvfp4", global_scale=0.003)])
+    def test_columnwise_outputs_are_the_same_on_every_device(kw):
+        # The rows are replicated after the all-reduce, and so are y_t and scales_t: every
+        # device's copy is read.
+        mesh = _mesh(4)
+        partials, residual, gamma = _inputs(4, 64, 256)
+
+        def run(op):
+            def per_device(p, r, g):
+                return op(p[0], r, g, axis_name="tp", columnwise=True, **kw)
+
+            fn = jax.shard_map(
+                per_device, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(),) * 5
+            )
+            return jax.jit(fn)(
+                jax.device_put(partials, NamedSharding(mesh, P("tp"))), residual, gamma
+            )
+
+        out = run(fp8norm.allreduce_residual_rms_norm_fp8)
+        ref = run(fp8norm.reference.allreduce_residual_rms_norm_fp8)
+        assert out[3].shape == (256, 64) and out[4].shape == (256, 64 // kw["group_size"])
+        assert_same_bits(_numpy(out), _numpy(ref))
+        _assert_same_on_every_device(out)
+        plain = _run(fp8norm.allreduce_residual_rms_norm_fp8, mesh, partials, residual, gamma, **kw)
+        assert_same_bits(_numpy(out[:3]), _numpy(plain))
+        with pytest.raises(ValueError, match="columnwise=True sums the partials with method='xla'"):
+            _run(
+                fp8norm.allreduce_residual_rms_norm_fp8,
+                mesh,
+                partials,
+                residual,
+                gamma,
+                method="one_shot",
+                columnwise=True,
+                **kw,
+            )
+
     def test_sharded_wrapper_for_callers_outside_shard_map():
         mesh = _mesh(8)
         partials, residual, gamma = _inputs(8, 17, 4096)

@@ -345,8 +345,8 @@ MUTANTS = [
         "columnwise: a block's codes taken from the rows one below its own",
         "cuda/columnwise.cu",
         "row0 + i);\n      writer.Code(ColumnCode(a, s, Normalize(ColumnH(a, (row0 + i) * a.hidden",
-        "row0 + i);\n      writer.Code(ColumnCode(a, s, Normalize(ColumnH(a, ((row0 + i + 1) % a.rows)"
-        " * a.hidden",
+        "row0 + i);\n      writer.Code(ColumnCode(a, s, Normalize(ColumnH(a, "
+        "((row0 + i + 1) % a.rows) * a.hidden",
     ),
     Mutant(
         "columnwise: a block's scale blind to a row that is not finite",

@@ -1,0 +1,200 @@
+"""The columnwise outputs (docs/spec.md, "Columnwise outputs"): the kernels' bits against
+the twin on cpu and the emulated CUDA kernel, the twin against the spec computed
+independently (NumPy and ml_dtypes), the rowwise outputs unchanged, each block's bits
+depending on its own rows alone, vmap, edge shapes and bad input."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import (
+    assert_kernel_matches,
+    random_gamma,
+    random_rows,
+    recipe,
+    reference_on_cpu,
+    run_on,
+)
+
+import jax_fp8norm as fp8norm
+from jax_fp8norm import reference
+from jax_fp8norm.recipes import recipe_keywords
+from jax_fp8norm.testing import assert_same_bits
+
+# The columnwise kernel has no variants of its own: one emulated platform serves.
+COLUMNWISE_PLATFORMS = pytest.mark.parametrize(
+    "platform", ["cpu", "simt-block_shared", "gpu"], indirect=True
+)
+BLOCK_RECIPES = ["mxfp8", "nvfp4", "mxfp4", "fp8_group128", "fp8_group128_ue8m0"]
+
+
+def block_of(name: str) -> int:
+    """The rows of a columnwise block of the recipe ``name``: its group size."""
+    return recipe_keywords(name)["group_size"]
+
+
+def rows_with_specials(seed: int, shape, dtype) -> np.ndarray:
+    """Rows of spread magnitudes, one holding a NaN, one an Inf, one all zeros."""
+    x = random_rows(seed, shape, dtype).reshape(-1, shape[-1])
+    x[3, 5] = np.nan
+    x[130, -1] = np.inf
+    x[200] = 0
+    return x.reshape(shape)
+
+
+def op_and_args(add: bool, shape, dtype, seed: int = 0):
+    x = rows_with_specials(seed, shape, dtype)
+    gamma = random_gamma(seed + 1, shape[-1], jnp.float32)
+    if not add:
+        return "rms_norm_fp8", (x, gamma)
+    residual = random_rows(seed + 2, shape, dtype, spread=0.5)
+    return "add_rms_norm_fp8", (x, residual, gamma)
+
+
+@COLUMNWISE_PLATFORMS
+@pytest.mark.sampled(4)
+@pytest.mark.parametrize("name", [*BLOCK_RECIPES, "fp8_static"])
+@pytest.mark.parametrize("add", [False, True], ids=["rms", "add"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
+@pytest.mark.parametrize("shape", [(256, 256), (2, 128, 384)])
+def test_columnwise_kernels_give_the_twins_bits(platform, name, add, dtype, shape):
+    op, args = op_and_args(add, shape, dtype)
+    kw = dict(recipe(name), columnwise=True)
+    if name == "fp8_group128":
+        kw["weight_offset"] = 1.0
+    out = run_on(platform, getattr(fp8norm, op), *args, **kw)
+    ref = reference_on_cpu(getattr(reference, op), *args, **kw)
+    rows = int(np.prod(shape[:-1]))
+    y_t, scales_t = out[-2:]
+    assert y_t.shape == (shape[-1], rows)
+    blocks = 1 if name == "fp8_static" else rows // block_of(name)
+    assert scales_t.shape == (shape[-1], blocks)
+    assert_kernel_matches(platform, out[:-2], ref[:-2], **recipe(name))
+    assert_kernel_matches(platform, out[-2:], ref[-2:], **recipe(name))
+    # The rowwise outputs are the op's without columnwise.
+    kw.pop("columnwise")
+    plain = run_on(platform, getattr(fp8norm, op), *args, **kw)
+    assert_same_bits(out[:-2], plain)
+
+
+@COLUMNWISE_PLATFORMS
+@pytest.mark.parametrize("add", [False, True], ids=["rms", "add"])
+def test_training_forms_return_r_then_the_columnwise_outputs(platform, add):
+    op, args = op_and_args(add, (256, 96), jnp.bfloat16)
+    kw = dict(recipe("mxfp8"), columnwise=True)
+    out = run_on(platform, getattr(fp8norm, f"{op}_training"), *args, **kw)
+    ref = reference_on_cpu(getattr(reference, f"{op}_training"), *args, **kw)
+    assert_kernel_matches(platform, out[-2:], ref[-2:], **recipe("mxfp8"))
+    assert out[-3].shape == (256, 1) and out[-3].dtype == np.float32
+    training = run_on(platform, getattr(fp8norm, f"{op}_training"), *args, **recipe("mxfp8"))
+    assert_same_bits(out[:-2], training)
+
+
+def spec_mxfp8_columnwise(x: np.ndarray, gamma: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """MXFP8's columnwise outputs as the spec states them, in NumPy float32 and ml_dtypes:
+    n = (h * r) * gamma per element, blocks of 32 rows per column, scale 2^e the smallest
+    power of two >= amax / 448, codes e4m3fn(n * 2^-e) (finite rows, normal scales)."""
+    h = x.astype(np.float32)
+    r = np.asarray(reference.inverse_rms(h, np.float32(ml_dtypes.bfloat16(1e-6))))
+    n = (h * r) * gamma.astype(np.float32)  # float32 products, in that order
+    blocks = n.T.reshape(n.shape[1], -1, 32)
+    q = np.max(np.abs(blocks), axis=-1) / np.float32(448)
+    mantissa, exponent = np.frexp(q)
+    exponent = np.where(mantissa == 0.5, exponent - 1, exponent).astype(np.int32)
+    recip = np.ldexp(np.float32(1), -exponent).astype(np.float32)
+    codes = (blocks * recip[..., None]).astype(ml_dtypes.float8_e4m3fn)
+    return codes.reshape(n.shape[1], -1), (exponent + 127).astype(np.uint8)
+
+
+def test_twin_states_the_spec():
+    x = random_rows(5, (96, 160), jnp.bfloat16)
+    gamma = random_gamma(6, 160, jnp.float32)
+    _, _, y_t, scales_t = jax.jit(
+        lambda x, g: reference.rms_norm_fp8(x, g, recipe="mxfp8", columnwise=True)
+    )(x, gamma)
+    want_y, want_exponents = spec_mxfp8_columnwise(x, gamma)
+    np.testing.assert_array_equal(np.asarray(scales_t).view(np.uint8), want_exponents)
+    np.testing.assert_array_equal(np.asarray(y_t).view(np.uint8), want_y.view(np.uint8))
+
+
+@COLUMNWISE_PLATFORMS
+def test_static_scale_gives_the_rowwise_codes_transposed(platform):
+    _, args = op_and_args(False, (270, 48), jnp.bfloat16)  # 270 rows: no block needed
+    out = run_on(platform, fp8norm.rms_norm_fp8, *args, columnwise=True, **recipe("fp8_static"))
+    y, scales, y_t, scales_t = out
+    np.testing.assert_array_equal(y_t.view(np.uint8), y.view(np.uint8).T)
+    assert scales_t.shape == (48, 1)
+    np.testing.assert_array_equal(scales_t, np.full((48, 1), scales[0, 0]))
+
+
+@COLUMNWISE_PLATFORMS
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
+def test_each_block_depends_on_its_own_rows(platform, name):
+    """A block's codes and scales are the same in a call of its rows alone and in one where
+    the blocks come in another order; a row that is not finite poisons its block only."""
+    x = rows_with_specials(9, (256, 64), jnp.bfloat16)
+    gamma = random_gamma(10, 64, jnp.float32)
+    kw = dict(recipe(name), columnwise=True)
+    block = block_of(name)
+    whole = run_on(platform, fp8norm.rms_norm_fp8, x, gamma, **kw)
+    order = np.random.default_rng(0).permutation(256 // block)
+    permuted = x.reshape(-1, block, 64)[order].reshape(256, 64)
+    shuffled = run_on(platform, fp8norm.rms_norm_fp8, permuted, gamma, **kw)
+    for got, want in zip(shuffled[-2:], whole[-2:], strict=True):
+        got_blocks = got.reshape(got.shape[0], 256 // block, -1)
+        want_blocks = want.reshape(want.shape[0], 256 // block, -1)
+        assert_same_bits([got_blocks], [want_blocks[:, order]])
+    first = run_on(platform, fp8norm.rms_norm_fp8, x[: 2 * block], gamma, **kw)
+    assert_same_bits([first[-1]], [whole[-1][:, :2]])
+    scale_bits = whole[-1].view(np.uint8)  # [columns, blocks]
+    # Row 3 holds a NaN: the first block's scales are NaN in every column, the next not.
+    nan_code = 0xFF if name == "mxfp8" else 0x7F
+    assert np.all(scale_bits[:, 0] == nan_code) and not np.any(scale_bits[:, 1] == nan_code)
+
+
+def test_vmap_gives_each_element_its_own_blocks():
+    x = random_rows(11, (3, 64, 96), jnp.bfloat16)
+    gamma = random_gamma(12, 96, jnp.float32)
+    fn = lambda x: fp8norm.rms_norm_fp8(x, gamma, recipe="mxfp8", columnwise=True)  # noqa: E731
+    batched = jax.jit(jax.vmap(fn))(x)
+    assert batched[2].shape == (3, 96, 64)
+    for i in range(3):
+        assert_same_bits([b[i] for b in batched], jax.jit(fn)(x[i]))
+
+
+@COLUMNWISE_PLATFORMS
+@pytest.mark.parametrize("shape", [(0, 64), (64, 0), (2, 0, 32)])
+@pytest.mark.parametrize("name", ["mxfp8", "fp8_static"])
+def test_empty_shapes(platform, shape, name):
+    x = np.zeros(shape, jnp.bfloat16)
+    gamma = np.ones(shape[-1], np.float32)
+    kw = dict(recipe(name), columnwise=True)
+    out = run_on(platform, fp8norm.rms_norm_fp8, x, gamma, **kw)
+    ref = reference_on_cpu(reference.rms_norm_fp8, x, gamma, **kw)
+    assert_same_bits(out, ref)
+
+
+@pytest.mark.parametrize(
+    "kw, error, words",
+    [
+        ({}, ValueError, "a dynamic per-row scale has no columnwise form"),
+        ({"recipe": "fp8_row"}, ValueError, "a dynamic per-row scale has no columnwise form"),
+        ({"recipe": "mxfp8", "rows": 48}, ValueError, "must be a multiple of it"),
+        ({"recipe": "fp8_group128", "rows": 64}, ValueError, "group_size=128 rows"),
+        ({"recipe": "mxfp8", "columnwise": 1}, TypeError, "columnwise must be a bool"),
+    ],
+)
+def test_columnwise_refuses_what_has_no_columnwise_form(kw, error, words):
+    kw = dict(kw)
+    rows = kw.pop("rows", 64)
+    columnwise = kw.pop("columnwise", True)
+    x = jnp.ones((rows, 128), jnp.bfloat16)
+    gamma = jnp.ones(128, jnp.float32)
+    for fn in (fp8norm.rms_norm_fp8, reference.rms_norm_fp8, fp8norm.rms_norm_fp8_training):
+        with pytest.raises(error, match=words):
+            fn(x, gamma, columnwise=columnwise, **kw)
+    with pytest.raises(error, match=words):
+        fp8norm.add_rms_norm_fp8(x, x, gamma, columnwise=columnwise, **kw)
