@@ -1,13 +1,16 @@
-"""The training forms and the fused backward against XLA, calls interleaved.
+"""The training forms, the columnwise outputs and the fused backward against XLA, calls
+interleaved.
 
 Times, on one shape and with calls interleaved (each round calls every entry once; the
 report gives each entry's minimum and median wall time per call, dispatch included;
 each comparison is a group timed on its own):
 the fused backward (``rms_norm_backward``, ``add_rms_norm_backward``) against XLA's
 autodiff of the plain float32 formula (``jax.vjp`` of ``h * rsqrt(mean(h^2) + eps) *
-gamma``, the residual add included for the add variant), and the training form of the
-forward against the plain op. On a GPU it adds the time the bytes would take at the
-device's peak bandwidth (``--peak-tbps``, H200: 4.8), a floor that no kernel beats.
+gamma``, the residual add included for the add variant), the training form of the
+forward against the plain op, and MXFP8's two layouts (``columnwise=True``) against the
+rowwise op alone and against the textbook formula quantising ``n`` and its transpose.
+On a GPU it adds the time the bytes would take at the device's peak bandwidth
+(``--peak-tbps``, H200: 4.8), a floor that no kernel beats.
 
     python -m jax_fp8norm.bench.backward [--rows 4096] [--hidden 4096] [--dtype bfloat16]
                                           [--rounds 20]
@@ -24,6 +27,7 @@ import jax.numpy as jnp
 
 import jax_fp8norm as fp8norm
 from jax_fp8norm._dtypes import DTYPE_BY_NAME
+from jax_fp8norm.bench.implementations import formula_quantize
 from jax_fp8norm.bench.timing import blocking, interleaved_seconds
 
 
@@ -99,6 +103,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             "forward: training form": blocking(jax.jit(fp8norm.rms_norm_fp8_training), x, gamma),
         },
     ]
+    mxfp8 = dict(recipe="mxfp8")
+    xla_both = jax.jit(
+        lambda x, gamma: (
+            formula_quantize(n := _formula(x, gamma), 32, jnp.float8_e4m3fn, jnp.float8_e8m0fnu),
+            formula_quantize(n.T, 32, jnp.float8_e4m3fn, jnp.float8_e8m0fnu),
+        )
+    )
+    groups.append(
+        {
+            "mxfp8: rowwise": blocking(
+                jax.jit(lambda x, g: fp8norm.rms_norm_fp8(x, g, **mxfp8)), x, gamma
+            ),
+            "mxfp8: rowwise + columnwise": blocking(
+                jax.jit(lambda x, g: fp8norm.rms_norm_fp8(x, g, columnwise=True, **mxfp8)),
+                x,
+                gamma,
+            ),
+            "mxfp8: XLA formula, both": blocking(xla_both, x, gamma),
+        }
+    )
     times = {}
     for calls in groups:
         times.update(interleaved_seconds(calls, args.rounds)[1])
@@ -116,6 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  {op}: XLA autodiff / kernel = {ratio:.2f}x")
     training = min(times["forward: training form"]) / min(times["forward: plain"])
     print(f"  forward: training form / plain = {training:.2f}x")
+    both = min(times["mxfp8: rowwise + columnwise"])
+    print(f"  mxfp8: rowwise + columnwise / rowwise = {both / min(times['mxfp8: rowwise']):.2f}x")
+    xla = min(times["mxfp8: XLA formula, both"])
+    print(f"  mxfp8: XLA formula, both / kernel, both = {xla / both:.2f}x")
     if device.platform == "gpu":
         for add in (False, True):
             moved = backward_bytes(args.rows, args.hidden, dtype, add)

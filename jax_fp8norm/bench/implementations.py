@@ -66,16 +66,22 @@ def formula_rms_norm_fp8(
     normed = h * r * gamma.astype(jnp.float32)
     if global_scale is not None:
         normed = normed / global_scale
-    n = x.shape[-1]
+    return formula_quantize(normed, group_size, out_dtype, scale_dtype, power_of_two_scales)
+
+
+def formula_quantize(normed, group_size, out_dtype, scale_dtype, power_of_two_scales=False):
+    """The textbook quantisation of float32 ``normed`` [..., N] in groups of ``group_size``
+    along its last axis (None: the whole axis): (y, scales)."""
+    n = normed.shape[-1]
     group = group_size or n
-    grouped = normed.reshape(x.shape[:-1] + (n // group, group))
+    grouped = normed.reshape(normed.shape[:-1] + (n // group, group))
     out_max = OUT_MAX[np.dtype(out_dtype)]
     scale = jnp.max(jnp.abs(grouped), axis=-1, keepdims=True) / out_max
     if power_of_two_scales or np.dtype(scale_dtype) == np.dtype(jnp.float8_e8m0fnu):
         scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
     scale = scale.astype(scale_dtype)
     y = jnp.clip(grouped / scale.astype(jnp.float32), -out_max, out_max).astype(out_dtype)
-    return y.reshape(x.shape), scale[..., 0]
+    return y.reshape(normed.shape), scale[..., 0]
 
 
 def formula_add_rms_norm_fp8(x, residual, gamma, eps=reference.DEFAULT_EPS):
