@@ -53,7 +53,7 @@ PEER_OPS = ("allreduce_rms_norm_fp8",)
 # The backward kernels (docs/spec.md, "Training: the backward pass").
 BACKWARD_OPS = ("rms_norm_backward", "add_rms_norm_backward")
 # The training ops: the backward and the columnwise outputs.
-TRAINING_OPS = BACKWARD_OPS + ("columnwise", "add_columnwise")
+TRAINING_OPS = BACKWARD_OPS + ("rms_norm_fp8_columnwise", "add_rms_norm_fp8_columnwise")
 TARGETS = {op: f"fp8norm_{op}" for op in OPS + PEER_OPS + TRAINING_OPS}
 EMULATED_TARGETS = {op: f"fp8norm_simt_{op}" for op in OPS + PEER_OPS + TRAINING_OPS}
 

@@ -33,8 +33,10 @@ class NormParams:
     power_of_two_scales: bool = False  # also set for float8_e8m0fnu scales
     has_static_scale: bool = False  # a calibrated scale operand follows gamma
     has_global_scale: bool = False  # NVFP4's global scale operand follows gamma
-    # The training form: each row's r (float32 [..., 1]) is returned last, for the backward.
+    # The training form: each row's r (float32 [..., 1]) is returned next, for the backward.
     with_inverse_rms: bool = False
+    # The columnwise form (with with_inverse_rms): y_t [N, rows] and scales_t follow r.
+    columnwise: bool = False
 
     @property
     def out_max(self) -> float:

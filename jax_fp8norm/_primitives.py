@@ -7,6 +7,7 @@ reference twins (jax_fp8norm._fallback)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 
@@ -63,17 +64,26 @@ def norm_attributes(params: dict, platform: str) -> dict:
 
 
 def _ffi_lowering(target: str, platform: str):
-    """The op's target, or its training form's ("<target>_training"), which also returns
-    each row's r."""
-    rules = {False: jax.ffi.ffi_lowering(target), True: jax.ffi.ffi_lowering(f"{target}_training")}
+    """The op's target, its training form's ("<target>_training"), which also returns each
+    row's r, or its columnwise form's ("<target>_columnwise"), r and the columnwise
+    outputs."""
+    rules = {
+        suffix: jax.ffi.ffi_lowering(target + suffix) for suffix in ("", "_training", "_columnwise")
+    }
 
     def lowering(ctx, *args, **params):
         if _empty_rows_are_constant(ctx):
             return _lower_empty_rows(ctx, args, params)
-        rule = rules[bool(params["with_inverse_rms"])]
+        rule = rules[_form_suffix(params)]
         return rule(ctx, *args, **norm_attributes(params, platform))
 
     return lowering
+
+
+def _form_suffix(params: dict) -> str:
+    if params["columnwise"]:
+        return "_columnwise"
+    return "_training" if params["with_inverse_rms"] else ""
 
 
 def _empty_rows_are_constant(ctx) -> bool:
@@ -105,6 +115,8 @@ def _lower_empty_rows(ctx, args, params: dict):
 
     def outputs(*operands):
         y, scales, *rest = ctx.avals_out
+        # The columnwise outputs of rows of no elements are empty ([0, rows] and [0, k]).
+        columns = [rest.pop(), rest.pop()][::-1] if params["columnwise"] else []
         inverse_rms = rest.pop() if params["with_inverse_rms"] else None
         scale = _empty_row_scale(params, operands[-1])
         outs = [
@@ -115,7 +127,7 @@ def _lower_empty_rows(ctx, args, params: dict):
         if inverse_rms is not None:
             empty = reference.inverse_rms(jnp.zeros((1, 0), jnp.float32), params["eps"])
             outs.append(jnp.broadcast_to(empty.reshape(()), inverse_rms.shape))
-        return outs
+        return outs + [jnp.zeros(c.shape, c.dtype) for c in columns]
 
     return mlir.lower_fun(outputs, multiple_results=True)(ctx, *args)
 
@@ -139,7 +151,10 @@ def _twin(*operands, **params):
         outs = reference.add_quantize(operands[0], operands[1], gamma, NormCall(p, scale_operand))
         h = operands[0].astype(jnp.float32) + operands[1].astype(jnp.float32)
     if p.with_inverse_rms:
-        outs = (*outs, reference.inverse_rms(h, p.eps))
+        r = reference.inverse_rms(h, p.eps)
+        outs = (*outs, r)
+    if p.columnwise:
+        outs = (*outs, *reference.quantize_columns(h, gamma, r, p, scale_operand))
     return outs
 
 
@@ -249,6 +264,19 @@ def _norm_abstract_eval(*avals, reduced_axes: tuple = (), **params):
         outs.append(x.update(shape=x.shape, dtype=avals[1].dtype, **types))
     if params["with_inverse_rms"]:
         outs.append(x.update(shape=x.shape[:-1] + (1,), dtype=np.dtype(np.float32), **types))
+    if params["columnwise"]:
+        # [N, rows] and [N, blocks]: replicated where x's rows are sharded (the kernel runs
+        # on all of them; see _partitioned_lowering).
+        if "sharding" in types and getattr(x.sharding, "spec", None) is not None:
+            spec = x.sharding.spec.update(
+                partitions=(None, None), unreduced=frozenset(), reduced=frozenset()
+            )
+            types = dict(types, sharding=x.sharding.update(spec=spec))
+        p = NormParams(**params)
+        rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+        blocks = 1 if p.has_static_scale else rows // p.group_size
+        outs.append(x.update(shape=(n, rows), dtype=np.dtype(params["out_dtype"]), **types))
+        outs.append(x.update(shape=(n, blocks), dtype=np.dtype(params["scale_dtype"]), **types))
     return outs
 
 
@@ -285,8 +313,9 @@ def _to_front(value, dim, size):
 def _norm_batching_rule(prim: Primitive):
     """vmap. Every leading axis of x is a row axis to the kernel, so a batch of x (and
     residual) with one shared gamma (and calibrated scale) is one kernel call over more
-    rows. A batch of gammas or of calibrated scales becomes a compiled loop (lax.map), one
-    kernel call per batch element."""
+    rows. A batch of gammas or of calibrated scales, or the columnwise form (whose blocks
+    must not span two elements), becomes a compiled loop (lax.map), one kernel call per
+    batch element."""
 
     def rule(args, dims, **params):
         size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
@@ -295,7 +324,8 @@ def _norm_batching_rule(prim: Primitive):
             _to_front(a, d, size) for a, d in zip(args[:num_rows], dims[:num_rows], strict=True)
         ]
         shared, shared_dims = args[num_rows:], dims[num_rows:]
-        if all(d is None for d in shared_dims):
+        # The columnwise form's blocks must not mix batch elements: one call per element.
+        if all(d is None for d in shared_dims) and not params["columnwise"]:
             outs = prim.bind(*rows, *shared, **params)
         else:
             batched = [_to_front(a, d, size) for a, d in zip(shared, shared_dims, strict=True)]
@@ -382,7 +412,8 @@ def _partitioned_lowering(kernel: Primitive):
         )
         lowering_parameters = getattr(ctx.module_context, "lowering_parameters", None)
         for_export = getattr(lowering_parameters, "for_export", False)
-        if num_devices == 1 or unassigned or for_export:
+        # The columnwise form's blocks span rows of every device: one call over all rows.
+        if num_devices == 1 or unassigned or for_export or params["columnwise"]:
             call = functools.partial(kernel.bind, **params)
         else:
             call = _partitioned(kernel, tuple(sorted(params.items())), len(args))
@@ -432,6 +463,22 @@ def _make_norm_primitive(op: str) -> Primitive:
 
 rms_norm_fp8_p = _make_norm_primitive("rms_norm_fp8")
 add_rms_norm_fp8_p = _make_norm_primitive("add_rms_norm_fp8")
+
+
+def bind_norm(
+    prim: Primitive, call: NormCall, rows: tuple, gamma, *, training: bool, columnwise: bool
+) -> tuple:
+    """The outputs of an op's call (``prim``: the norm's primitive; ``rows``: x, or x and
+    residual): (y, scales[, residual_out][, inverse_rms][, y_t, scales_t]). The columnwise
+    form computes each row's r whether or not the caller keeps it."""
+    params = dataclasses.replace(
+        call.params, with_inverse_rms=training or columnwise, columnwise=columnwise
+    )
+    outs = tuple(prim.bind(*call.operands(*rows, gamma), **params.as_dict()))
+    if columnwise and not training:
+        return (*outs[:-3], *outs[-2:])
+    return outs
+
 
 # The all-reduce op: x is this device's partial, inside shard_map over the manual axes
 # `axes`. Its lowering runs the method _allreduce.select decides: "xla" (XLA's all-reduce,

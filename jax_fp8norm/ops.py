@@ -24,12 +24,12 @@ from jax_fp8norm._checks import (
     check_static_scale,
     validate,
 )
-from jax_fp8norm._columnwise import bind_norm
 from jax_fp8norm._dtypes import FLOAT_DTYPES, OUT_DTYPES
 from jax_fp8norm._params import AllReduceKeywords, NormKeywords
 from jax_fp8norm._primitives import (
     add_rms_norm_fp8_p,
     allreduce_rms_norm_fp8_p,
+    bind_norm,
     rms_norm_fp8_p,
     round_p,
 )

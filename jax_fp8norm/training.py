@@ -21,9 +21,8 @@ import jax
 
 from jax_fp8norm._backward import add_rms_norm_backward_p, rms_norm_backward_p
 from jax_fp8norm._checks import check_backward, check_columnwise, validate
-from jax_fp8norm._columnwise import bind_norm
 from jax_fp8norm._params import NormKeywords, as_operand
-from jax_fp8norm._primitives import add_rms_norm_fp8_p, rms_norm_fp8_p
+from jax_fp8norm._primitives import add_rms_norm_fp8_p, bind_norm, rms_norm_fp8_p
 from jax_fp8norm._signatures import norm_keywords
 
 __all__ = [

@@ -14,9 +14,28 @@ namespace fp8norm {
 // The norm's arguments read the columnwise way: y is y_t [hidden, rows] (FP4 packed along
 // the rows when y_packed), scales is scales_t [hidden, rows / group_size] ([hidden, 1] for
 // a static scale), group_size the rows of a block (0 with a static scale, which has
-// none), inverse_rms each row's r as the training form saved it (read here, never
+// none), inverse_rms each row's r as the rowwise pass saved it (read here, never
 // written), residual_out null.
 struct ColumnwiseArgs : RmsNormFp8Args {};
+
+// A call's columnwise outputs as ColumnwiseArgs.
+FP8NORM_HD ColumnwiseArgs ColumnwiseView(const RmsNormFp8Args& a) {
+  ColumnwiseArgs c;
+  static_cast<RmsNormFp8Args&>(c) = a;
+  c.y = a.columns.y_t;
+  c.scales = a.columns.scales_t;
+  c.group_size = a.columns.block;
+  c.residual_out = nullptr;
+  c.columns = ColumnOutputs{};
+  return c;
+}
+
+// Rows a columnwise block of the call spans: the recipe's block, or with a static scale
+// (no block) kStaticColumnRows, the tile both kernels take.
+constexpr int64_t kStaticColumnRows = 32;
+FP8NORM_HD int64_t ColumnBlockRows(const ColumnwiseArgs& a) {
+  return a.static_scale != nullptr ? kStaticColumnRows : a.group_size;
+}
 
 // Blocks per column: scales_t's second dimension.
 FP8NORM_HD int64_t ColumnBlocks(const ColumnwiseArgs& a) {
@@ -75,9 +94,5 @@ FP8NORM_HD uint8_t ColumnCode(const ColumnwiseArgs& a, const ColumnScale& s, flo
       return QuantizeFp4Element(normed, s.fp4);
   }
 }
-
-// False when host memory for the pass's tiles could not be had; the outputs are then
-// incomplete.
-bool ColumnwiseCpu(const ColumnwiseArgs& args, const ParallelFor& parallel_for);
 
 }  // namespace fp8norm

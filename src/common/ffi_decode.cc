@@ -214,20 +214,18 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
                         false, args);
 }
 
-ffi::Error DecodeColumnwise(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
-                            const ffi::AnyBuffer& gamma, const ffi::AnyBuffer& inverse_rms,
-                            const std::optional<ffi::AnyBuffer>& scale_operand,
-                            ffi::Result<ffi::AnyBuffer>& y_t, ffi::Result<ffi::AnyBuffer>& scales_t,
-                            const NormAttributes& attributes, ColumnwiseArgs* args) {
+ffi::Error DecodeColumnOutputs(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
+                               const ffi::AnyBuffer& gamma,
+                               const std::optional<ffi::AnyBuffer>& scale_operand,
+                               ffi::Result<ffi::AnyBuffer>& y_t,
+                               ffi::Result<ffi::AnyBuffer>& scales_t,
+                               const NormAttributes& attributes, RmsNormFp8Args* args) {
+  if (args->inverse_rms == nullptr) return Invalid("columnwise outputs need inverse_rms");
+  RmsNormFp8Args view;
   ffi::Error status = DecodeNormCall(x, residual, gamma, scale_operand, y_t, scales_t, nullptr,
-                                     attributes, true, args);
+                                     attributes, true, &view);
   if (status.failure()) return status;
-  if (inverse_rms.element_type() != ffi::DataType::F32 ||
-      static_cast<int64_t>(inverse_rms.element_count()) != args->rows) {
-    return Invalid("inverse_rms must be float32 with one element per row");
-  }
-  // Read only: the pass takes the r the training form wrote.
-  args->inverse_rms = static_cast<float*>(const_cast<void*>(inverse_rms.untyped_data()));
+  args->columns = ColumnOutputs{view.y, view.scales, view.group_size};
   return ffi::Error::Success();
 }
 

@@ -52,14 +52,15 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
                             ffi::Result<ffi::AnyBuffer>* residual_out,
                             const NormAttributes& attributes, RmsNormFp8Args* args);
 
-// The columnwise pass (docs/spec.md, "Columnwise outputs"): x, [residual,] gamma, each
-// row's saved r and the scale operand; y_t and scales_t; the norm's attributes, whose
-// group_size is the block of rows (0: a static scale).
-ffi::Error DecodeColumnwise(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
-                            const ffi::AnyBuffer& gamma, const ffi::AnyBuffer& inverse_rms,
-                            const std::optional<ffi::AnyBuffer>& scale_operand,
-                            ffi::Result<ffi::AnyBuffer>& y_t, ffi::Result<ffi::AnyBuffer>& scales_t,
-                            const NormAttributes& attributes, ColumnwiseArgs* args);
+// The columnwise form's extra results (after DecodeInverseRms): y_t [hidden, rows] and
+// scales_t [hidden, rows / group_size] ([hidden, 1] for a static scale), group_size a
+// block of rows; the other arguments as DecodeRmsNormFp8's.
+ffi::Error DecodeColumnOutputs(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
+                               const ffi::AnyBuffer& gamma,
+                               const std::optional<ffi::AnyBuffer>& scale_operand,
+                               ffi::Result<ffi::AnyBuffer>& y_t,
+                               ffi::Result<ffi::AnyBuffer>& scales_t,
+                               const NormAttributes& attributes, RmsNormFp8Args* args);
 
 // The training form's extra result: each row's r, float32 of shape x.shape[:-1] + (1,).
 ffi::Error DecodeInverseRms(ffi::Result<ffi::AnyBuffer>& inverse_rms, RmsNormFp8Args* args);
@@ -76,43 +77,48 @@ ffi::Error DecodeRmsNormBackward(const ffi::AnyBuffer& dn, const ffi::AnyBuffer*
 // The signatures of the two norm targets, the same on every platform but for the
 // context (Ctx: the CPU's thread pool, the GPU's stream and device): x, [residual,]
 // gamma, an optional scale operand; y, scales[, residual_out]; the attributes.
-// The training forms (kTraining) return each row's r last.
-template <typename Ctx, bool kTraining = false>
-auto RmsNormFp8Binding() {
-  auto binding = ffi::Ffi::Bind()
-                     .Ctx<Ctx>()
-                     .template Arg<ffi::AnyBuffer>()          // x
-                     .template Arg<ffi::AnyBuffer>()          // gamma
-                     .template OptionalArg<ffi::AnyBuffer>()  // static_scale or global_scale
-                     .template Ret<ffi::AnyBuffer>()          // y
-                     .template Ret<ffi::AnyBuffer>();         // scales
-  if constexpr (kTraining) {
+// The training forms return each row's r next; the columnwise forms then y_t, scales_t.
+enum class NormForm { kPlain, kTraining, kColumnwise };
+
+template <NormForm kForm, typename Binding>
+auto WithFormResults(Binding binding) {
+  if constexpr (kForm == NormForm::kPlain) {
+    return std::move(binding).template Attrs<NormAttributes>();
+  } else if constexpr (kForm == NormForm::kTraining) {
     return std::move(binding)
         .template Ret<ffi::AnyBuffer>()  // inverse_rms
         .template Attrs<NormAttributes>();
   } else {
-    return std::move(binding).template Attrs<NormAttributes>();
+    return std::move(binding)
+        .template Ret<ffi::AnyBuffer>()  // inverse_rms
+        .template Ret<ffi::AnyBuffer>()  // y_t
+        .template Ret<ffi::AnyBuffer>()  // scales_t
+        .template Attrs<NormAttributes>();
   }
 }
 
-template <typename Ctx, bool kTraining = false>
+template <typename Ctx, NormForm kForm = NormForm::kPlain>
+auto RmsNormFp8Binding() {
+  return WithFormResults<kForm>(ffi::Ffi::Bind()
+                                    .Ctx<Ctx>()
+                                    .template Arg<ffi::AnyBuffer>()          // x
+                                    .template Arg<ffi::AnyBuffer>()          // gamma
+                                    .template OptionalArg<ffi::AnyBuffer>()  // a scale operand
+                                    .template Ret<ffi::AnyBuffer>()          // y
+                                    .template Ret<ffi::AnyBuffer>());        // scales
+}
+
+template <typename Ctx, NormForm kForm = NormForm::kPlain>
 auto AddRmsNormFp8Binding() {
-  auto binding = ffi::Ffi::Bind()
-                     .Ctx<Ctx>()
-                     .template Arg<ffi::AnyBuffer>()          // x
-                     .template Arg<ffi::AnyBuffer>()          // residual
-                     .template Arg<ffi::AnyBuffer>()          // gamma
-                     .template OptionalArg<ffi::AnyBuffer>()  // static_scale or global_scale
-                     .template Ret<ffi::AnyBuffer>()          // y
-                     .template Ret<ffi::AnyBuffer>()          // scales
-                     .template Ret<ffi::AnyBuffer>();         // residual_out
-  if constexpr (kTraining) {
-    return std::move(binding)
-        .template Ret<ffi::AnyBuffer>()  // inverse_rms
-        .template Attrs<NormAttributes>();
-  } else {
-    return std::move(binding).template Attrs<NormAttributes>();
-  }
+  return WithFormResults<kForm>(ffi::Ffi::Bind()
+                                    .Ctx<Ctx>()
+                                    .template Arg<ffi::AnyBuffer>()          // x
+                                    .template Arg<ffi::AnyBuffer>()          // residual
+                                    .template Arg<ffi::AnyBuffer>()          // gamma
+                                    .template OptionalArg<ffi::AnyBuffer>()  // a scale operand
+                                    .template Ret<ffi::AnyBuffer>()          // y
+                                    .template Ret<ffi::AnyBuffer>()          // scales
+                                    .template Ret<ffi::AnyBuffer>());        // residual_out
 }
 
 // The backward targets: dn, [d_residual_out,] x, [residual,] gamma, inverse_rms; dx,
@@ -144,35 +150,6 @@ auto AddRmsNormBackwardBinding() {
       .template Ret<ffi::AnyBuffer>()  // dresidual
       .template Ret<ffi::AnyBuffer>()  // dgamma
       .template Attr<float>("weight_offset");
-}
-
-// The columnwise targets: x, [residual,] gamma, inverse_rms, an optional scale operand;
-// y_t, scales_t; the norm's attributes.
-template <typename Ctx>
-auto ColumnwiseBinding() {
-  return ffi::Ffi::Bind()
-      .Ctx<Ctx>()
-      .template Arg<ffi::AnyBuffer>()          // x
-      .template Arg<ffi::AnyBuffer>()          // gamma
-      .template Arg<ffi::AnyBuffer>()          // inverse_rms
-      .template OptionalArg<ffi::AnyBuffer>()  // static_scale or global_scale
-      .template Ret<ffi::AnyBuffer>()          // y_t
-      .template Ret<ffi::AnyBuffer>()          // scales_t
-      .template Attrs<NormAttributes>();
-}
-
-template <typename Ctx>
-auto AddColumnwiseBinding() {
-  return ffi::Ffi::Bind()
-      .Ctx<Ctx>()
-      .template Arg<ffi::AnyBuffer>()          // x
-      .template Arg<ffi::AnyBuffer>()          // residual
-      .template Arg<ffi::AnyBuffer>()          // gamma
-      .template Arg<ffi::AnyBuffer>()          // inverse_rms
-      .template OptionalArg<ffi::AnyBuffer>()  // static_scale or global_scale
-      .template Ret<ffi::AnyBuffer>()          // y_t
-      .template Ret<ffi::AnyBuffer>()          // scales_t
-      .template Attrs<NormAttributes>();
 }
 
 // fp4_layout: as NormAttributes::fp4_layout, for a float4_e2m1fn output.

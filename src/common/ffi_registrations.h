@@ -21,12 +21,12 @@ struct OpHandlers {
   FfiHandler* add_rms_norm_fp8_training;
 };
 
-// The training kernels: the backward and the columnwise outputs.
+// The training kernels: the backward and the columnwise forms.
 struct TrainingHandlers {
   FfiHandler* rms_norm_backward = nullptr;
   FfiHandler* add_rms_norm_backward = nullptr;
-  FfiHandler* columnwise = nullptr;
-  FfiHandler* add_columnwise = nullptr;
+  FfiHandler* rms_norm_fp8_columnwise = nullptr;
+  FfiHandler* add_rms_norm_fp8_columnwise = nullptr;
 };
 
 // A stage before execution ("initialize" or "instantiate") that every op of a platform
@@ -68,8 +68,9 @@ inline nanobind::dict Registrations(const OpHandlers& ops, FirstStage first = {}
   if (training.rms_norm_backward != nullptr) {
     targets["rms_norm_backward"] = entry(first.handler, training.rms_norm_backward);
     targets["add_rms_norm_backward"] = entry(first.handler, training.add_rms_norm_backward);
-    targets["columnwise"] = entry(first.handler, training.columnwise);
-    targets["add_columnwise"] = entry(first.handler, training.add_columnwise);
+    targets["rms_norm_fp8_columnwise"] = entry(first.handler, training.rms_norm_fp8_columnwise);
+    targets["add_rms_norm_fp8_columnwise"] =
+        entry(first.handler, training.add_rms_norm_fp8_columnwise);
   }
   if (peer_ops.allreduce_rms_norm_fp8 != nullptr) {
     targets["allreduce_rms_norm_fp8"] = entry(peer_ops.set_up, peer_ops.allreduce_rms_norm_fp8);

@@ -11,6 +11,14 @@
 
 namespace fp8norm {
 
+// The columnwise outputs of a call (docs/spec.md, "Columnwise outputs"): n quantised
+// along the rows, in blocks of `block` rows (0: a static scale, which has none).
+struct ColumnOutputs {
+  void* y_t = nullptr;       // [hidden, rows] in out_format (FP4 packed along the rows)
+  void* scales_t = nullptr;  // [hidden, rows / block], [hidden, 1] for a static scale
+  int64_t block = 0;
+};
+
 struct RmsNormFp8Args {
   const void* x;         // [rows, hidden], input_type
   const void* residual;  // [rows, hidden], residual_type; null for rms_norm_fp8
@@ -43,6 +51,8 @@ struct RmsNormFp8Args {
   // [rows] float32, each row's r (the training form saves it for the backward); null
   // otherwise.
   float* inverse_rms = nullptr;
+  // The columnwise outputs (columnwise.h), which need inverse_rms; y_t null without them.
+  ColumnOutputs columns;
 };
 
 FP8NORM_HD bool IsFp4(const RmsNormFp8Args& a) { return a.out_format == OutFormat::kE2M1; }

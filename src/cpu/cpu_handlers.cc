@@ -12,7 +12,6 @@
 #include <optional>
 #include <string>
 
-#include "columnwise.h"
 #include "ffi_decode.h"
 #include "handlers.h"
 #include "rms_norm_backward.h"
@@ -181,34 +180,41 @@ ffi::Error AddRmsNormBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer dn,
   return RunBackwardOnPool(args, pool);
 }
 
-ffi::Error RunColumnwiseOnPool(const ColumnwiseArgs& args, ffi::ThreadPool& pool) {
-  if (ColumnwiseCpu(args, PoolParallelFor(pool))) return ffi::Error::Success();
-  return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                    "jax_fp8norm: out of host memory for the columnwise tiles of blocks of " +
-                        std::to_string(args.group_size) + " rows");
+ffi::Error RmsNormFp8ColumnwiseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
+                                    std::optional<ffi::AnyBuffer> scale_operand,
+                                    ffi::Result<ffi::AnyBuffer> y,
+                                    ffi::Result<ffi::AnyBuffer> scales,
+                                    ffi::Result<ffi::AnyBuffer> inverse_rms,
+                                    ffi::Result<ffi::AnyBuffer> y_t,
+                                    ffi::Result<ffi::AnyBuffer> scales_t,
+                                    NormAttributes attributes) {
+  RmsNormFp8Args args;
+  ffi::Error status =
+      DecodeRmsNormFp8(x, nullptr, gamma, scale_operand, y, scales, nullptr, attributes, &args);
+  if (status.success()) status = DecodeInverseRms(inverse_rms, &args);
+  if (status.success()) {
+    status = DecodeColumnOutputs(x, nullptr, gamma, scale_operand, y_t, scales_t, attributes, &args);
+  }
+  if (status.failure()) return status;
+  return RunOnPool(args, pool);
 }
 
-ffi::Error ColumnwiseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
-                          ffi::AnyBuffer inverse_rms, std::optional<ffi::AnyBuffer> scale_operand,
-                          ffi::Result<ffi::AnyBuffer> y_t, ffi::Result<ffi::AnyBuffer> scales_t,
-                          NormAttributes attributes) {
-  ColumnwiseArgs args;
-  ffi::Error status = DecodeColumnwise(x, nullptr, gamma, inverse_rms, scale_operand, y_t,
-                                       scales_t, attributes, &args);
+ffi::Error AddRmsNormFp8ColumnwiseImpl(
+    ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer gamma,
+    std::optional<ffi::AnyBuffer> scale_operand, ffi::Result<ffi::AnyBuffer> y,
+    ffi::Result<ffi::AnyBuffer> scales, ffi::Result<ffi::AnyBuffer> residual_out,
+    ffi::Result<ffi::AnyBuffer> inverse_rms, ffi::Result<ffi::AnyBuffer> y_t,
+    ffi::Result<ffi::AnyBuffer> scales_t, NormAttributes attributes) {
+  RmsNormFp8Args args;
+  ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, scale_operand, y, scales, &residual_out,
+                                       attributes, &args);
+  if (status.success()) status = DecodeInverseRms(inverse_rms, &args);
+  if (status.success()) {
+    status =
+        DecodeColumnOutputs(x, &residual, gamma, scale_operand, y_t, scales_t, attributes, &args);
+  }
   if (status.failure()) return status;
-  return RunColumnwiseOnPool(args, pool);
-}
-
-ffi::Error AddColumnwiseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer residual,
-                             ffi::AnyBuffer gamma, ffi::AnyBuffer inverse_rms,
-                             std::optional<ffi::AnyBuffer> scale_operand,
-                             ffi::Result<ffi::AnyBuffer> y_t, ffi::Result<ffi::AnyBuffer> scales_t,
-                             NormAttributes attributes) {
-  ColumnwiseArgs args;
-  ffi::Error status = DecodeColumnwise(x, &residual, gamma, inverse_rms, scale_operand, y_t,
-                                       scales_t, attributes, &args);
-  if (status.failure()) return status;
-  return RunColumnwiseOnPool(args, pool);
+  return RunOnPool(args, pool);
 }
 
 ffi::Error RoundImpl(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out, int64_t fp4_layout) {
@@ -228,10 +234,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8CpuHandler, AddRmsNormFp8Impl,
                               AddRmsNormFp8Binding<ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8TrainingCpuHandler, RmsNormFp8TrainingImpl,
-                              (RmsNormFp8Binding<ffi::ThreadPool, true>()));
+                              (RmsNormFp8Binding<ffi::ThreadPool, NormForm::kTraining>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8TrainingCpuHandler, AddRmsNormFp8TrainingImpl,
-                              (AddRmsNormFp8Binding<ffi::ThreadPool, true>()));
+                              (AddRmsNormFp8Binding<ffi::ThreadPool, NormForm::kTraining>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormBackwardCpuHandler, RmsNormBackwardImpl,
                               RmsNormBackwardBinding<ffi::ThreadPool>());
@@ -239,11 +245,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormBackwardCpuHandler, RmsNormBackwardImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormBackwardCpuHandler, AddRmsNormBackwardImpl,
                               AddRmsNormBackwardBinding<ffi::ThreadPool>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ColumnwiseCpuHandler, ColumnwiseImpl,
-                              ColumnwiseBinding<ffi::ThreadPool>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8ColumnwiseCpuHandler, RmsNormFp8ColumnwiseImpl,
+                              (RmsNormFp8Binding<ffi::ThreadPool, NormForm::kColumnwise>()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AddColumnwiseCpuHandler, AddColumnwiseImpl,
-                              AddColumnwiseBinding<ffi::ThreadPool>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8ColumnwiseCpuHandler, AddRmsNormFp8ColumnwiseImpl,
+                              (AddRmsNormFp8Binding<ffi::ThreadPool, NormForm::kColumnwise>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     RoundCpuHandler, RoundImpl,

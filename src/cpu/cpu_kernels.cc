@@ -20,6 +20,7 @@
 #include <sys/mman.h>
 #endif
 
+#include "columnwise.h"
 #include "fp8norm_math.h"
 #include "rms_norm_fp8.h"
 
@@ -67,6 +68,35 @@ void FillGammaPlusOffsetOf(const void* gamma, float weight_offset, int64_t n, fl
   for (int64_t j = 0; j < n; ++j) out[j] = GammaPlusOffset(ToFloat(g[j]), weight_offset);
 }
 
+// A thread's scratch for the columnwise outputs of one block of rows, kept between calls
+// (grown, never shrunk): the block's n (rows x hidden floats), its codes (rows x hidden
+// bytes), and per column its abs-max and multiplier (FP8) or scale (FP4).
+struct ColumnScratch {
+  float* tile;
+  uint8_t* codes;
+  uint32_t* amax;
+  float* recips;
+  Fp4Scale* fp4;
+};
+
+// Null members when the memory cannot be had.
+ColumnScratch ThreadColumnScratch(int64_t rows, int64_t hidden) {
+  thread_local std::vector<float> tile, recips;
+  thread_local std::vector<uint8_t> codes;
+  thread_local std::vector<uint32_t> amax;
+  thread_local std::vector<Fp4Scale> fp4;
+  try {
+    if (static_cast<int64_t>(tile.size()) < rows * hidden) tile.resize(rows * hidden);
+    if (static_cast<int64_t>(codes.size()) < rows * hidden) codes.resize(rows * hidden);
+    if (static_cast<int64_t>(amax.size()) < hidden) amax.resize(hidden);
+    if (static_cast<int64_t>(recips.size()) < hidden) recips.resize(hidden);
+    if (static_cast<int64_t>(fp4.size()) < hidden) fp4.resize(hidden);
+  } catch (const std::bad_alloc&) {
+    return ColumnScratch{nullptr, nullptr, nullptr, nullptr, nullptr};
+  }
+  return ColumnScratch{tile.data(), codes.data(), amax.data(), recips.data(), fp4.data()};
+}
+
 // The row loops for the baseline instruction set of the build (SSE2 on x86-64)...
 #define FP8NORM_CPU_ISA baseline
 #define FP8NORM_CPU_AVX2 0
@@ -90,10 +120,14 @@ void FillGammaPlusOffsetOf(const void* gamma, float weight_offset, int64_t n, fl
 #pragma GCC pop_options
 #endif
 
-using ProcessRowsFn = void (*)(const RmsNormFp8Args&, const float*, float*, int64_t, int64_t);
+using ProcessRowsFn = void (*)(const RmsNormFp8Args&, const float*, float*, int64_t, int64_t,
+                               float*);
+using ProcessColumnBlockFn = void (*)(const ColumnwiseArgs&, const float*, int64_t, int64_t,
+                                      ColumnScratch&);
 
 struct CpuVariant {
   ProcessRowsFn process_rows;
+  ProcessColumnBlockFn process_column_block;
   const char* name;
 };
 
@@ -102,16 +136,16 @@ struct CpuVariant {
 CpuVariant SelectVariant() {
   const char* forced = std::getenv("FP8NORM_CPU_ISA");
   if (forced != nullptr && std::strcmp(forced, "baseline") == 0) {
-    return {baseline::ProcessRows, "baseline"};
+    return {baseline::ProcessRows, baseline::ProcessColumnBlock, "baseline"};
   }
 #if defined(FP8NORM_CPU_HAS_AVX2_VARIANT)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c")) {
-    return {avx2::ProcessRows, "avx2"};
+    return {avx2::ProcessRows, avx2::ProcessColumnBlock, "avx2"};
   }
 #endif
-  return {baseline::ProcessRows, "baseline"};
+  return {baseline::ProcessRows, baseline::ProcessColumnBlock, "baseline"};
 }
 
 // Outputs of at least this many bytes are advised onto huge pages.
@@ -168,6 +202,12 @@ const CpuVariant& Variant() {
 }  // namespace
 
 bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
+  if (a.columns.y_t != nullptr && a.static_scale != nullptr) {
+    // The columnwise scales of a static scale: the one scale, for every column, also where
+    // there are no rows.
+    const float scale = RoundTo(a.scale_type, *a.static_scale);
+    for (int64_t j = 0; j < a.hidden; ++j) StoreAs(a.scale_type, a.columns.scales_t, j, scale);
+  }
   if (a.rows == 0) return true;
   if (a.hidden == 0) {
     // Empty rows: no groups, or the scale of a row of zeros.
@@ -195,10 +235,20 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   }
   const int64_t task_elements =
       std::clamp(a.rows * a.hidden / kTasksPerCall, kMinElementsPerTask, kMaxElementsPerTask);
-  const int64_t rows_per_task = std::max<int64_t>(1, task_elements / a.hidden);
+  int64_t rows_per_task = std::max<int64_t>(1, task_elements / a.hidden);
+  // With the columnwise outputs a task takes whole blocks of rows: each block's n stays in
+  // the thread's tile, from the rows' pass to the columns'.
+  const ColumnwiseArgs columns = ColumnwiseView(a);
+  const bool columnwise = a.columns.y_t != nullptr;
+  const int64_t block_rows = columnwise ? ColumnBlockRows(columns) : 1;
+  rows_per_task = std::max(block_rows, rows_per_task / block_rows * block_rows);
   const int64_t num_tasks = (a.rows + rows_per_task - 1) / rows_per_task;
   const float* gw = gamma_plus_offset;
   const ProcessRowsFn process_rows = Variant().process_rows;
+  const ProcessColumnBlockFn process_column_block = Variant().process_column_block;
+  if (columnwise) {
+    AdviseHugePages(a.columns.y_t, static_cast<size_t>(YByte(columns, static_cast<int64_t>(elements))));
+  }
   // A task may run on a pool thread, where an escaping exception would end the process:
   // a failed allocation is reported through this flag instead.
   std::atomic<bool> out_of_memory{false};
@@ -214,7 +264,20 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
     }
     const int64_t begin = task * rows_per_task;
     const int64_t end = std::min(a.rows, begin + rows_per_task);
-    process_rows(a, gw, scratch, begin, end);
+    if (!columnwise) {
+      process_rows(a, gw, scratch, begin, end, nullptr);
+      return;
+    }
+    ColumnScratch column_scratch = ThreadColumnScratch(block_rows, a.hidden);
+    if (column_scratch.tile == nullptr) {
+      out_of_memory.store(true, std::memory_order_relaxed);
+      return;
+    }
+    for (int64_t row0 = begin; row0 < end; row0 += block_rows) {
+      const int64_t rows = std::min(block_rows, end - row0);
+      process_rows(a, gw, scratch, row0, row0 + rows, column_scratch.tile);
+      process_column_block(columns, column_scratch.tile, row0, rows, column_scratch);
+    }
   });
   return !out_of_memory.load();
 }

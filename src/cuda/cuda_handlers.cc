@@ -307,29 +307,49 @@ ffi::Error AllReduceNormImpl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer res
   });
 }
 
-ffi::Error ColumnwiseImpl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
-                          ffi::AnyBuffer inverse_rms, std::optional<ffi::AnyBuffer> scale_operand,
-                          ffi::Result<ffi::AnyBuffer> y_t, ffi::Result<ffi::AnyBuffer> scales_t,
-                          NormAttributes attributes) {
-  ColumnwiseArgs args;
-  ffi::Error status = DecodeColumnwise(x, nullptr, gamma, inverse_rms, scale_operand, y_t,
-                                       scales_t, attributes, &args);
-  if (status.failure()) return status;
-  return RunOnDevice(gpu.device, "columnwise launch",
-                     [&](int) { return LaunchColumnwise(gpu.stream, args); });
+// The rowwise kernel (which writes each row's r), then the columnwise one, which reads it.
+ffi::Error LaunchBothLayouts(const GpuTarget& gpu, const char* what, const RmsNormFp8Args& args) {
+  return RunOnDevice(gpu.device, what, [&](int d) {
+    const cudaError_t err = LaunchRmsNormFp8(gpu.stream, d, args);
+    return err != cudaSuccess ? err : LaunchColumnwise(gpu.stream, ColumnwiseView(args));
+  });
 }
 
-ffi::Error AddColumnwiseImpl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer residual,
-                             ffi::AnyBuffer gamma, ffi::AnyBuffer inverse_rms,
-                             std::optional<ffi::AnyBuffer> scale_operand,
-                             ffi::Result<ffi::AnyBuffer> y_t, ffi::Result<ffi::AnyBuffer> scales_t,
-                             NormAttributes attributes) {
-  ColumnwiseArgs args;
-  ffi::Error status = DecodeColumnwise(x, &residual, gamma, inverse_rms, scale_operand, y_t,
-                                       scales_t, attributes, &args);
+ffi::Error RmsNormFp8ColumnwiseImpl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
+                                    std::optional<ffi::AnyBuffer> scale_operand,
+                                    ffi::Result<ffi::AnyBuffer> y,
+                                    ffi::Result<ffi::AnyBuffer> scales,
+                                    ffi::Result<ffi::AnyBuffer> inverse_rms,
+                                    ffi::Result<ffi::AnyBuffer> y_t,
+                                    ffi::Result<ffi::AnyBuffer> scales_t,
+                                    NormAttributes attributes) {
+  RmsNormFp8Args args;
+  ffi::Error status =
+      DecodeRmsNormFp8(x, nullptr, gamma, scale_operand, y, scales, nullptr, attributes, &args);
+  if (status.success()) status = DecodeInverseRms(inverse_rms, &args);
+  if (status.success()) {
+    status = DecodeColumnOutputs(x, nullptr, gamma, scale_operand, y_t, scales_t, attributes, &args);
+  }
   if (status.failure()) return status;
-  return RunOnDevice(gpu.device, "add_columnwise launch",
-                     [&](int) { return LaunchColumnwise(gpu.stream, args); });
+  return LaunchBothLayouts(gpu, "rms_norm_fp8 columnwise launch", args);
+}
+
+ffi::Error AddRmsNormFp8ColumnwiseImpl(
+    GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer gamma,
+    std::optional<ffi::AnyBuffer> scale_operand, ffi::Result<ffi::AnyBuffer> y,
+    ffi::Result<ffi::AnyBuffer> scales, ffi::Result<ffi::AnyBuffer> residual_out,
+    ffi::Result<ffi::AnyBuffer> inverse_rms, ffi::Result<ffi::AnyBuffer> y_t,
+    ffi::Result<ffi::AnyBuffer> scales_t, NormAttributes attributes) {
+  RmsNormFp8Args args;
+  ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, scale_operand, y, scales, &residual_out,
+                                       attributes, &args);
+  if (status.success()) status = DecodeInverseRms(inverse_rms, &args);
+  if (status.success()) {
+    status =
+        DecodeColumnOutputs(x, &residual, gamma, scale_operand, y_t, scales_t, attributes, &args);
+  }
+  if (status.failure()) return status;
+  return LaunchBothLayouts(gpu, "add_rms_norm_fp8 columnwise launch", args);
 }
 
 }  // namespace
@@ -342,11 +362,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8CudaHandler, AddRmsNormFp8Impl,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8TrainingCudaHandler, RmsNormFp8TrainingImpl,
-                              (RmsNormFp8Binding<CallGpu, true>()),
+                              (RmsNormFp8Binding<CallGpu, NormForm::kTraining>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8TrainingCudaHandler, AddRmsNormFp8TrainingImpl,
-                              (AddRmsNormFp8Binding<CallGpu, true>()),
+                              (AddRmsNormFp8Binding<CallGpu, NormForm::kTraining>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormBackwardCudaHandler, RmsNormBackwardImpl,
@@ -357,11 +377,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormBackwardCudaHandler, AddRmsNormBackwardI
                               AddRmsNormBackwardBinding<CallGpu>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ColumnwiseCudaHandler, ColumnwiseImpl,
-                              ColumnwiseBinding<CallGpu>(), {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8ColumnwiseCudaHandler, RmsNormFp8ColumnwiseImpl,
+                              (RmsNormFp8Binding<CallGpu, NormForm::kColumnwise>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AddColumnwiseCudaHandler, AddColumnwiseImpl,
-                              AddColumnwiseBinding<CallGpu>(),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8ColumnwiseCudaHandler, AddRmsNormFp8ColumnwiseImpl,
+                              (AddRmsNormFp8Binding<CallGpu, NormForm::kColumnwise>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

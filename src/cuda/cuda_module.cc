@@ -17,7 +17,7 @@ NB_MODULE(_fp8norm_cuda, m) {
         {fp8norm::kPrepareStage, fp8norm::PrepareCudaHandler},
         {fp8norm::AllReduceNormCudaHandler, fp8norm::SetUpAllReduceCudaHandler},
         {fp8norm::RmsNormBackwardCudaHandler, fp8norm::AddRmsNormBackwardCudaHandler,
-         fp8norm::ColumnwiseCudaHandler, fp8norm::AddColumnwiseCudaHandler});
+         fp8norm::RmsNormFp8ColumnwiseCudaHandler, fp8norm::AddRmsNormFp8ColumnwiseCudaHandler});
   });
   fp8norm::AddCudaModuleBindings(m);
 }

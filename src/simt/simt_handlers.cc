@@ -98,14 +98,15 @@ XLA_FFI_Error* SimtAddRmsNormBackwardHandler(XLA_FFI_CallFrame* frame) {
                      {"dn", "d_residual_out", "x", "residual", "gamma", "inverse_rms"},
                      {"dx", "dresidual", "dgamma"});
 }
-XLA_FFI_Error* SimtColumnwiseHandler(XLA_FFI_CallFrame* frame) {
-  return WithBuffers(frame, fp8norm::ColumnwiseCudaHandler,
-                     {"x", "gamma", "inverse_rms", "scale_operand"}, {"y_t", "scales_t"});
+XLA_FFI_Error* SimtRmsNormFp8ColumnwiseHandler(XLA_FFI_CallFrame* frame) {
+  return WithBuffers(frame, fp8norm::RmsNormFp8ColumnwiseCudaHandler,
+                     {"x", "gamma", "scale_operand"},
+                     {"y", "scales", "inverse_rms", "y_t", "scales_t"});
 }
-XLA_FFI_Error* SimtAddColumnwiseHandler(XLA_FFI_CallFrame* frame) {
-  return WithBuffers(frame, fp8norm::AddColumnwiseCudaHandler,
-                     {"x", "residual", "gamma", "inverse_rms", "scale_operand"},
-                     {"y_t", "scales_t"});
+XLA_FFI_Error* SimtAddRmsNormFp8ColumnwiseHandler(XLA_FFI_CallFrame* frame) {
+  return WithBuffers(frame, fp8norm::AddRmsNormFp8ColumnwiseCudaHandler,
+                     {"x", "residual", "gamma", "scale_operand"},
+                     {"y", "scales", "residual_out", "inverse_rms", "y_t", "scales_t"});
 }
 XLA_FFI_Error* SimtAllReduceNormHandler(XLA_FFI_CallFrame* frame) {
   return WithBuffers(frame, fp8norm::AllReduceNormCudaHandler,

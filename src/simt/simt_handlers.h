@@ -15,8 +15,8 @@ XLA_FFI_Error* SimtRmsNormFp8TrainingHandler(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* SimtAddRmsNormFp8TrainingHandler(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* SimtRmsNormBackwardHandler(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* SimtAddRmsNormBackwardHandler(XLA_FFI_CallFrame* frame);
-XLA_FFI_Error* SimtColumnwiseHandler(XLA_FFI_CallFrame* frame);
-XLA_FFI_Error* SimtAddColumnwiseHandler(XLA_FFI_CallFrame* frame);
+XLA_FFI_Error* SimtRmsNormFp8ColumnwiseHandler(XLA_FFI_CallFrame* frame);
+XLA_FFI_Error* SimtAddRmsNormFp8ColumnwiseHandler(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* SimtAllReduceNormHandler(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* SimtSetUpAllReduceHandler(XLA_FFI_CallFrame* frame);
 

@@ -26,7 +26,7 @@ NB_MODULE(_fp8norm_simt, m) {
         {fp8norm::kPrepareStage, fp8norm::SimtPrepareHandler},
         {fp8norm::SimtAllReduceNormHandler, fp8norm::SimtSetUpAllReduceHandler},
         {fp8norm::SimtRmsNormBackwardHandler, fp8norm::SimtAddRmsNormBackwardHandler,
-         fp8norm::SimtColumnwiseHandler, fp8norm::SimtAddColumnwiseHandler});
+         fp8norm::SimtRmsNormFp8ColumnwiseHandler, fp8norm::SimtAddRmsNormFp8ColumnwiseHandler});
   });
   fp8norm::AddCudaModuleBindings(m);
   fp8norm::AddCudaHostLogic(m);
