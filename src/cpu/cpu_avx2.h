@@ -192,6 +192,18 @@ inline void Quantize32(const float* normed, __m256 recip, uint8_t* y) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), bytes);
 }
 
+// y[0, 32) = QuantizeElement<kFormat>(normed[k], recips[k]): a multiplier per element (per
+// column of the columnwise outputs).
+template <OutFormat kFormat, bool kMayBeNan>
+inline void Quantize32Each(const float* normed, const float* recips, uint8_t* y) {
+  const auto product = [&](int k) {
+    return _mm256_mul_ps(_mm256_loadu_ps(normed + k), _mm256_loadu_ps(recips + k));
+  };
+  const __m256i bytes =
+      Fp8Bytes<kFormat, kMayBeNan>(product(0), product(8), product(16), product(24));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), bytes);
+}
+
 // ---------------------------------------------------------------------------------
 // FP4: Fp4Code of 8 lanes, two codes per byte, and NVFP4's quotient (n / gs) / s.
 // ---------------------------------------------------------------------------------

@@ -19,6 +19,9 @@
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "columnwise.h"
 #include "fp8norm_math.h"
@@ -70,7 +73,7 @@ void FillGammaPlusOffsetOf(const void* gamma, float weight_offset, int64_t n, fl
 
 // A thread's scratch for the columnwise outputs of one block of rows, kept between calls
 // (grown, never shrunk): the block's n (rows x hidden floats), its codes (rows x hidden
-// bytes), and per column its abs-max and multiplier (FP8) or scale (FP4).
+// bytes), and per column its abs-max (ordered bits), its multiplier (FP8) or scale (FP4).
 struct ColumnScratch {
   float* tile;
   uint8_t* codes;
@@ -79,15 +82,21 @@ struct ColumnScratch {
   Fp4Scale* fp4;
 };
 
-// Null members when the memory cannot be had.
-ColumnScratch ThreadColumnScratch(int64_t rows, int64_t hidden) {
+// Rows whose columnwise codes go to y_t together: a column's 128 bytes (FP8) are two
+// whole cache lines of y_t, written while they are in cache, and one page's TLB entry
+// serves 128 rows' codes instead of a block's (docs/performance.md, "Columnwise").
+constexpr int64_t kColumnSpanRows = 128;
+
+// Null members when the memory cannot be had: the tile of a block's rows, the codes of a
+// span's.
+ColumnScratch ThreadColumnScratch(int64_t rows, int64_t span_rows, int64_t hidden) {
   thread_local std::vector<float> tile, recips;
   thread_local std::vector<uint8_t> codes;
   thread_local std::vector<uint32_t> amax;
   thread_local std::vector<Fp4Scale> fp4;
   try {
     if (static_cast<int64_t>(tile.size()) < rows * hidden) tile.resize(rows * hidden);
-    if (static_cast<int64_t>(codes.size()) < rows * hidden) codes.resize(rows * hidden);
+    if (static_cast<int64_t>(codes.size()) < span_rows * hidden) codes.resize(span_rows * hidden);
     if (static_cast<int64_t>(amax.size()) < hidden) amax.resize(hidden);
     if (static_cast<int64_t>(recips.size()) < hidden) recips.resize(hidden);
     if (static_cast<int64_t>(fp4.size()) < hidden) fp4.resize(hidden);
@@ -121,13 +130,15 @@ ColumnScratch ThreadColumnScratch(int64_t rows, int64_t hidden) {
 #endif
 
 using ProcessRowsFn = void (*)(const RmsNormFp8Args&, const float*, float*, int64_t, int64_t,
-                               float*);
-using ProcessColumnBlockFn = void (*)(const ColumnwiseArgs&, const float*, int64_t, int64_t,
-                                      ColumnScratch&);
+                               ColumnScratch*);
+using ProcessColumnBlockFn = void (*)(const ColumnwiseArgs&, int64_t, int64_t, ColumnScratch&,
+                                      uint8_t*);
+using WriteColumnCodesFn = void (*)(const ColumnwiseArgs&, const uint8_t*, int64_t, int64_t);
 
 struct CpuVariant {
   ProcessRowsFn process_rows;
   ProcessColumnBlockFn process_column_block;
+  WriteColumnCodesFn write_column_codes;
   const char* name;
 };
 
@@ -136,16 +147,18 @@ struct CpuVariant {
 CpuVariant SelectVariant() {
   const char* forced = std::getenv("FP8NORM_CPU_ISA");
   if (forced != nullptr && std::strcmp(forced, "baseline") == 0) {
-    return {baseline::ProcessRows, baseline::ProcessColumnBlock, "baseline"};
+    return {baseline::ProcessRows, baseline::ProcessColumnBlock, baseline::WriteColumnCodes,
+            "baseline"};
   }
 #if defined(FP8NORM_CPU_HAS_AVX2_VARIANT)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c")) {
-    return {avx2::ProcessRows, avx2::ProcessColumnBlock, "avx2"};
+    return {avx2::ProcessRows, avx2::ProcessColumnBlock, avx2::WriteColumnCodes, "avx2"};
   }
 #endif
-  return {baseline::ProcessRows, baseline::ProcessColumnBlock, "baseline"};
+  return {baseline::ProcessRows, baseline::ProcessColumnBlock, baseline::WriteColumnCodes,
+            "baseline"};
 }
 
 // Outputs of at least this many bytes are advised onto huge pages.
@@ -236,16 +249,19 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   const int64_t task_elements =
       std::clamp(a.rows * a.hidden / kTasksPerCall, kMinElementsPerTask, kMaxElementsPerTask);
   int64_t rows_per_task = std::max<int64_t>(1, task_elements / a.hidden);
-  // With the columnwise outputs a task takes whole blocks of rows: each block's n stays in
-  // the thread's tile, from the rows' pass to the columns'.
+  // With the columnwise outputs a task takes whole spans of blocks of rows: each block's n
+  // stays in the thread's tile, from the rows' pass to the columns', and a span's codes
+  // go to y_t together (kColumnSpanRows).
   const ColumnwiseArgs columns = ColumnwiseView(a);
   const bool columnwise = a.columns.y_t != nullptr;
   const int64_t block_rows = columnwise ? ColumnBlockRows(columns) : 1;
-  rows_per_task = std::max(block_rows, rows_per_task / block_rows * block_rows);
+  const int64_t span_rows = std::max(block_rows, kColumnSpanRows / block_rows * block_rows);
+  if (columnwise) rows_per_task = std::max(span_rows, rows_per_task / span_rows * span_rows);
   const int64_t num_tasks = (a.rows + rows_per_task - 1) / rows_per_task;
   const float* gw = gamma_plus_offset;
   const ProcessRowsFn process_rows = Variant().process_rows;
   const ProcessColumnBlockFn process_column_block = Variant().process_column_block;
+  const WriteColumnCodesFn write_column_codes = Variant().write_column_codes;
   if (columnwise) {
     AdviseHugePages(a.columns.y_t, static_cast<size_t>(YByte(columns, static_cast<int64_t>(elements))));
   }
@@ -268,15 +284,20 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
       process_rows(a, gw, scratch, begin, end, nullptr);
       return;
     }
-    ColumnScratch column_scratch = ThreadColumnScratch(block_rows, a.hidden);
+    ColumnScratch column_scratch = ThreadColumnScratch(block_rows, span_rows, a.hidden);
     if (column_scratch.tile == nullptr) {
       out_of_memory.store(true, std::memory_order_relaxed);
       return;
     }
-    for (int64_t row0 = begin; row0 < end; row0 += block_rows) {
-      const int64_t rows = std::min(block_rows, end - row0);
-      process_rows(a, gw, scratch, row0, row0 + rows, column_scratch.tile);
-      process_column_block(columns, column_scratch.tile, row0, rows, column_scratch);
+    for (int64_t span0 = begin; span0 < end; span0 += span_rows) {
+      const int64_t span_end = std::min(end, span0 + span_rows);
+      for (int64_t row0 = span0; row0 < span_end; row0 += block_rows) {
+        const int64_t rows = std::min(block_rows, span_end - row0);
+        process_rows(a, gw, scratch, row0, row0 + rows, &column_scratch);
+        process_column_block(columns, row0, rows, column_scratch,
+                             column_scratch.codes + (row0 - span0) * a.hidden);
+      }
+      write_column_codes(columns, column_scratch.codes, span0, span_end - span0);
     }
   });
   return !out_of_memory.load();
