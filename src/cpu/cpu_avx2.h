@@ -375,6 +375,28 @@ inline __m256i NormalizeEightGroups(float* __restrict h, const float* __restrict
                           _mm256_permute2x128_si256(low, high, 0x31));
 }
 
+// out[0, 32) = the FP4 codes (one a byte) of n[0, 32), element k under its own column's
+// scale: NVFP4 with scales[k] and multipliers[k] = fl(1 / scales[k]) (gs8, rg8: the
+// global scale and fl(1 / gs), normal), MXFP4 with multipliers[k] = 1 / scale; a NaN
+// multiplier marks a column block of zero codes.
+inline void Fp4Codes32Each(const float* n, const float* scales, const float* multipliers,
+                           bool nvfp4, __m256 gs8, __m256 rg8, uint8_t* out) {
+  __m256i c[4];
+  for (int k = 0; k < 4; ++k) {
+    const __m256 v = _mm256_loadu_ps(n + 8 * k);
+    const __m256 m = _mm256_loadu_ps(multipliers + 8 * k);
+    const __m256i codes =
+        nvfp4 ? Nvfp4Codes(v, gs8, _mm256_loadu_ps(scales + 8 * k), rg8, m)
+              : Fp4Codes(_mm256_mul_ps(v, m));
+    const __m256i zero = _mm256_castps_si256(_mm256_cmp_ps(m, m, _CMP_UNORD_Q));
+    c[k] = _mm256_andnot_si256(zero, codes);
+  }
+  const __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bytes);
+}
+
 }  // namespace avx2_lanes
 }  // namespace
 }  // namespace fp8norm

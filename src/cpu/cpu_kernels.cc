@@ -73,12 +73,13 @@ void FillGammaPlusOffsetOf(const void* gamma, float weight_offset, int64_t n, fl
 
 // A thread's scratch for the columnwise outputs of one block of rows, kept between calls
 // (grown, never shrunk): the block's n (rows x hidden floats), its codes (rows x hidden
-// bytes), and per column its abs-max (ordered bits), its multiplier (FP8) or scale (FP4).
+// bytes), and per column its abs-max (ordered bits), multiplier and (FP4) scale.
 struct ColumnScratch {
   float* tile;
   uint8_t* codes;
   uint32_t* amax;
   float* recips;
+  float* scales;
   Fp4Scale* fp4;
 };
 
@@ -90,7 +91,7 @@ constexpr int64_t kColumnSpanRows = 128;
 // Null members when the memory cannot be had: the tile of a block's rows, the codes of a
 // span's.
 ColumnScratch ThreadColumnScratch(int64_t rows, int64_t span_rows, int64_t hidden) {
-  thread_local std::vector<float> tile, recips;
+  thread_local std::vector<float> tile, recips, scales;
   thread_local std::vector<uint8_t> codes;
   thread_local std::vector<uint32_t> amax;
   thread_local std::vector<Fp4Scale> fp4;
@@ -99,11 +100,13 @@ ColumnScratch ThreadColumnScratch(int64_t rows, int64_t span_rows, int64_t hidde
     if (static_cast<int64_t>(codes.size()) < span_rows * hidden) codes.resize(span_rows * hidden);
     if (static_cast<int64_t>(amax.size()) < hidden) amax.resize(hidden);
     if (static_cast<int64_t>(recips.size()) < hidden) recips.resize(hidden);
+    if (static_cast<int64_t>(scales.size()) < hidden) scales.resize(hidden);
     if (static_cast<int64_t>(fp4.size()) < hidden) fp4.resize(hidden);
   } catch (const std::bad_alloc&) {
-    return ColumnScratch{nullptr, nullptr, nullptr, nullptr, nullptr};
+    return ColumnScratch{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
   }
-  return ColumnScratch{tile.data(), codes.data(), amax.data(), recips.data(), fp4.data()};
+  return ColumnScratch{tile.data(),   codes.data(),  amax.data(),
+                       recips.data(), scales.data(), fp4.data()};
 }
 
 // The row loops for the baseline instruction set of the build (SSE2 on x86-64)...
