@@ -72,8 +72,9 @@ void FillGammaPlusOffsetOf(const void* gamma, float weight_offset, int64_t n, fl
 }
 
 // A thread's scratch for the columnwise outputs of one block of rows, kept between calls
-// (grown, never shrunk): the block's n (rows x hidden floats), its codes (rows x hidden
-// bytes), and per column its abs-max (ordered bits), multiplier and (FP4) scale.
+// (grown, never shrunk): the block's n (rows x hidden floats, the rows normalised in
+// place there), a span's codes (rows x hidden bytes), and per column its abs-max
+// (ordered bits), multiplier and (FP4) scale.
 struct ColumnScratch {
   float* tile;
   uint8_t* codes;
@@ -96,7 +97,9 @@ ColumnScratch ThreadColumnScratch(int64_t rows, int64_t span_rows, int64_t hidde
   thread_local std::vector<uint32_t> amax;
   thread_local std::vector<Fp4Scale> fp4;
   try {
-    if (static_cast<int64_t>(tile.size()) < rows * hidden) tile.resize(rows * hidden);
+    // The last row's group scratch (2 floats per group, at most 2 x hidden) after the tile.
+    const int64_t tile_floats = (rows + 2) * hidden;
+    if (static_cast<int64_t>(tile.size()) < tile_floats) tile.resize(tile_floats);
     if (static_cast<int64_t>(codes.size()) < span_rows * hidden) codes.resize(span_rows * hidden);
     if (static_cast<int64_t>(amax.size()) < hidden) amax.resize(hidden);
     if (static_cast<int64_t>(recips.size()) < hidden) recips.resize(hidden);
