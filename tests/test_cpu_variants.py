@@ -107,6 +107,23 @@ SCRIPT = textwrap.dedent(
             outs_bwd += fp8norm.rms_norm_backward(dn.astype(dtype), x, gamma, r, weight_offset=1.0)
             for k, v in enumerate(outs_bwd):
                 outs[f"backward-{hidden}-{dtype}-{k}"] = np.asarray(v).view(np.uint8)
+    # The columnwise outputs: codes with a multiplier per column on the AVX2 lanes, a first
+    # block of rows that are not finite and blocks that are.
+    for hidden in (384, 4096):
+        x, residual, gamma = inputs(hidden, "bfloat16", hidden * 11)
+        rest = np.random.default_rng(hidden).standard_normal((244, hidden)).astype(x.dtype)
+        x = np.concatenate([x, rest])
+        for kw in (
+            dict(recipe="mxfp8"),
+            dict(recipe="nvfp4", global_scale=0.0037),
+            dict(recipe="mxfp4"),
+            dict(recipe="fp8_group128", out_dtype=jnp.float8_e4m3fnuz),
+            dict(recipe="fp8_static", static_scale=0.03),
+        ):
+            key = f"columnwise-{hidden}-" + "-".join(f"{k}={v}" for k, v in kw.items())
+            outs_cw = fp8norm.rms_norm_fp8(x, gamma.astype(np.float32), columnwise=True, **kw)
+            for k, v in enumerate(outs_cw):
+                outs[f"{key}-{k}"] = np.asarray(v).view(np.uint8)
     outs["variant"] = np.frombuffer(fp8norm.cpu_kernel_variant().encode(), np.uint8)
     np.savez(sys.argv[1], **outs)
     """
