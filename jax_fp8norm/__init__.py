@@ -35,8 +35,10 @@ from jax_fp8norm.recipes import RECIPES, dequantize
 from jax_fp8norm.training import (
     add_rms_norm_backward,
     add_rms_norm_fp8_training,
+    add_rms_norm_fp8_vjp,
     rms_norm_backward,
     rms_norm_fp8_training,
+    rms_norm_fp8_vjp,
 )
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "add_rms_norm_fp8",
     "add_rms_norm_fp8_dequantized",
     "add_rms_norm_fp8_training",
+    "add_rms_norm_fp8_vjp",
     "allreduce_residual_rms_norm_fp8",
     "built_with_cuda",
     "cpu_kernel_variant",
@@ -61,6 +64,7 @@ __all__ = [
     "rms_norm_fp8",
     "rms_norm_fp8_dequantized",
     "rms_norm_fp8_training",
+    "rms_norm_fp8_vjp",
     "sharded_allreduce_residual_rms_norm_fp8",
     "simt",
     "testing",

@@ -1,9 +1,17 @@
-"""The ops' training forms and their fused backward (docs/spec.md, "Training: the backward
-pass"): the building blocks of a custom_vjp around an FP8 / FP4 matmul.
+"""The ops' training forms and their fused backward (docs/spec.md, "Training: the training
+forms, the backward pass and columnwise outputs"): the building blocks of a custom_vjp
+around an FP8 / FP4 matmul.
 
     y, scales, inverse_rms = fp8norm.rms_norm_fp8_training(x, gamma)
     ...                                  # the matmul's backward gives dn, the cotangent of n
     dx, dgamma = fp8norm.rms_norm_backward(dn, x, gamma, inverse_rms)
+
+or, as jax.vjp gives them, the codes and a backward function (a pytree, to keep as a
+custom_vjp's residual):
+
+    (y, scales, y_t, scales_t), backward = fp8norm.rms_norm_fp8_vjp(
+        x, gamma, recipe="mxfp8", columnwise=True)
+    dx, dgamma = backward(dn)
 
 The quantisation passes the gradient straight through: ``dn`` is the cotangent of the
 normalised ``n = (h * r) * (gamma + weight_offset)`` (that of the dequantised output).
@@ -15,9 +23,11 @@ the batch, the split of the rows among threads, or the kernel. ``dgamma`` across
 
 from __future__ import annotations
 
+import functools
 from typing import Unpack
 
 import jax
+from jax.tree_util import Partial
 
 from jax_fp8norm._backward import add_rms_norm_backward_p, rms_norm_backward_p
 from jax_fp8norm._checks import check_backward, check_columnwise, validate
@@ -28,8 +38,10 @@ from jax_fp8norm._signatures import norm_keywords
 __all__ = [
     "add_rms_norm_backward",
     "add_rms_norm_fp8_training",
+    "add_rms_norm_fp8_vjp",
     "rms_norm_backward",
     "rms_norm_fp8_training",
+    "rms_norm_fp8_vjp",
 ]
 
 
@@ -138,3 +150,92 @@ def add_rms_norm_backward(
     operands = (as_operand(a) for a in (dn, d_residual_out, x, residual, gamma, inverse_rms))
     dx, dresidual, dgamma = add_rms_norm_backward_p.bind(*operands, weight_offset=wo, add=True)
     return dx, dresidual, dgamma
+
+
+@norm_keywords
+def rms_norm_fp8_vjp(
+    x: jax.Array,
+    gamma: jax.Array,
+    *,
+    columnwise: bool = False,
+    **keywords: Unpack[NormKeywords],
+) -> tuple[tuple[jax.Array, ...], Partial]:
+    """:func:`jax_fp8norm.rms_norm_fp8` for a following FP8 / FP4 matmul, with its backward
+    as :func:`jax.vjp` gives one: the codes go to the matmul, the straight-through cotangent
+    of ``n`` comes back.
+
+    Args:
+      x, gamma, columnwise: as for :func:`jax_fp8norm.rms_norm_fp8`.
+      {keywords}
+
+    Returns:
+      ``(outputs, backward)``: ``outputs`` those of :func:`jax_fp8norm.rms_norm_fp8` (``(y,
+      scales)``, then ``y_t, scales_t`` with ``columnwise``), bit for bit; ``backward(dn)``
+      takes the cotangent of ``n`` (the matmul's gradient of its dequantised input, of
+      ``x``'s shape, float32, float16 or bfloat16) to ``(dx, dgamma)`` with the fused
+      backward (:func:`rms_norm_backward`), ``dgamma`` in ``gamma``'s dtype.
+      ``backward`` is a :class:`jax.tree_util.Partial` holding ``x``, ``gamma`` and each
+      row's ``r``: a pytree, which a ``jax.custom_vjp``'s forward can return as its residual.
+    """
+    call = validate(x, gamma, **keywords)
+    columnwise = check_columnwise(columnwise, call.params, x.shape)
+    outs = bind_norm(rms_norm_fp8_p, call, (x,), gamma, training=True, columnwise=columnwise)
+    inverse_rms = outs[2]
+    outputs = (*outs[:2], *outs[3:])
+    backward = Partial(
+        functools.partial(_rms_vjp_backward, weight_offset=call.params.weight_offset),
+        as_operand(x),
+        as_operand(gamma),
+        inverse_rms,
+    )
+    return outputs, backward
+
+
+@norm_keywords
+def add_rms_norm_fp8_vjp(
+    x: jax.Array,
+    residual: jax.Array,
+    gamma: jax.Array,
+    *,
+    columnwise: bool = False,
+    **keywords: Unpack[NormKeywords],
+) -> tuple[tuple[jax.Array, ...], Partial]:
+    """:func:`jax_fp8norm.add_rms_norm_fp8` with its backward, as :func:`rms_norm_fp8_vjp`.
+
+    Args:
+      x, residual, gamma, columnwise: as for :func:`jax_fp8norm.add_rms_norm_fp8`.
+      {keywords}
+
+    Returns:
+      ``(outputs, backward)``: ``outputs`` those of :func:`jax_fp8norm.add_rms_norm_fp8`
+      (``(y, scales, residual_out)``, then ``y_t, scales_t``); ``backward(dn,
+      d_residual_out)`` returns ``(dx, dresidual, dgamma)`` (:func:`add_rms_norm_backward`),
+      ``dgamma`` in ``gamma``'s dtype.
+    """
+    call = validate(x, gamma, residual, **keywords)
+    columnwise = check_columnwise(columnwise, call.params, x.shape)
+    outs = bind_norm(
+        add_rms_norm_fp8_p, call, (x, residual), gamma, training=True, columnwise=columnwise
+    )
+    inverse_rms = outs[3]
+    outputs = (*outs[:3], *outs[4:])
+    backward = Partial(
+        functools.partial(_add_vjp_backward, weight_offset=call.params.weight_offset),
+        as_operand(x),
+        as_operand(residual),
+        as_operand(gamma),
+        inverse_rms,
+    )
+    return outputs, backward
+
+
+def _rms_vjp_backward(x, gamma, inverse_rms, dn, *, weight_offset):
+    dx, dgamma = rms_norm_backward(dn, x, gamma, inverse_rms, weight_offset=weight_offset)
+    return dx, dgamma.astype(gamma.dtype)
+
+
+def _add_vjp_backward(x, residual, gamma, inverse_rms, dn, d_residual_out, *, weight_offset):
+    dx, dresidual, dgamma = add_rms_norm_backward(
+        dn, d_residual_out, x, residual, gamma, inverse_rms, weight_offset=weight_offset
+    )
+    return dx, dresidual, dgamma.astype(gamma.dtype)

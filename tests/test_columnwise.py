@@ -198,3 +198,58 @@ def test_columnwise_refuses_what_has_no_columnwise_form(kw, error, words):
             fn(x, gamma, columnwise=columnwise, **kw)
     with pytest.raises(error, match=words):
         fp8norm.add_rms_norm_fp8(x, x, gamma, columnwise=columnwise, **kw)
+
+
+@pytest.mark.parametrize("add", [False, True], ids=["rms", "add"])
+def test_vjp_form_in_a_custom_vjp_layer(add):
+    """rms_norm_fp8_vjp's codes feed a layer's matmul (y for the forward, y_t for the weight
+    gradient) and its backward, kept as the custom_vjp's residual, gives the same dx and
+    dgamma as jax.grad through the dequantised op, bit for bit."""
+    x = random_rows(21, (64, 128), jnp.bfloat16)
+    residual = random_rows(22, (64, 128), jnp.bfloat16, spread=0.5)
+    gamma = random_gamma(23, 128, jnp.float32)
+    w = jnp.asarray(np.random.default_rng(24).standard_normal((128, 32)), jnp.float32)
+    kw = dict(recipe="mxfp8")
+    rows = (x, residual) if add else (x,)
+
+    def dequantized_t(y_t, scales_t):  # [N, rows]: blocks of 32 rows along the last axis
+        return fp8norm.dequantize(y_t, scales_t).T
+
+    @jax.custom_vjp
+    def layer(rows, gamma, w):
+        return fwd(rows, gamma, w)[0]
+
+    def fwd(rows, gamma, w):
+        op = fp8norm.add_rms_norm_fp8_vjp if add else fp8norm.rms_norm_fp8_vjp
+        outs, backward = op(*rows, gamma, columnwise=True, **kw)
+        n = fp8norm.dequantize(outs[0], outs[1])
+        return n @ w, (backward, outs[-2], outs[-1], w)
+
+    def bwd(saved, g):
+        backward, y_t, scales_t, w = saved
+        dn = g @ w.T
+        grads = backward(dn, jnp.zeros_like(residual)) if add else backward(dn)
+        dw = dequantized_t(y_t, scales_t).T @ g  # dW = n^T g from the columnwise codes
+        return tuple(grads[:-1]), grads[-1], dw
+
+    layer.defvjp(fwd, bwd)
+
+    def twin_layer(rows, gamma, w):
+        if add:
+            n, _ = fp8norm.add_rms_norm_fp8_dequantized(*rows, gamma, **kw)
+        else:
+            n = fp8norm.rms_norm_fp8_dequantized(*rows, gamma, **kw)
+        return n @ w
+
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
+    got = jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2)))(rows, gamma, w)
+    want = jax.jit(jax.grad(loss(twin_layer), argnums=(0, 1, 2)))(rows, gamma, w)
+    assert_same_bits(got[0], want[0])  # dx (and dresidual)
+    assert_same_bits([got[1]], [want[1]])  # dgamma
+    # dW from the columnwise codes is the rowwise one's within MXFP8's precision.
+    np.testing.assert_allclose(got[2], want[2], rtol=0.1, atol=0.05 * float(jnp.abs(want[2]).max()))
+    outputs, backward = fp8norm.rms_norm_fp8_vjp(x, gamma, **kw)
+    assert_same_bits(outputs, fp8norm.rms_norm_fp8(x, gamma, **kw))
+    dn = random_rows(25, (64, 128), jnp.float32)
+    _, _, r = fp8norm.rms_norm_fp8_training(x, gamma, **kw)
+    assert_same_bits(backward(dn), fp8norm.rms_norm_backward(dn, x, gamma, r))
