@@ -55,7 +55,7 @@ def op_and_args(add: bool, shape, dtype, seed: int = 0):
 
 
 @COLUMNWISE_PLATFORMS
-@pytest.mark.sampled(4)
+@pytest.mark.sampled(12)
 @pytest.mark.parametrize("name", [*BLOCK_RECIPES, "fp8_static"])
 @pytest.mark.parametrize("add", [False, True], ids=["rms", "add"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
