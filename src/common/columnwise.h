@@ -63,8 +63,8 @@ FP8NORM_HD ColumnScale ColumnBlockScale(const ColumnwiseArgs& a, bool rows_finit
   if (IsFp4(a)) {
     s.fp4 = Fp4ScaleOf(a, BlockFiniteness(rows_finite), amax, global_scale);
   } else {
-    s.fp8 = ComputeScale(BlockFiniteness(rows_finite), amax, a.out_format, a.scale_type,
-                         a.constants);
+    s.fp8 =
+        ComputeScale(BlockFiniteness(rows_finite), amax, a.out_format, a.scale_type, a.constants);
   }
   return s;
 }

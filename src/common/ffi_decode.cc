@@ -44,8 +44,7 @@ ffi::Error DecodeNormCall(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residua
                           const std::optional<ffi::AnyBuffer>& scale_operand,
                           ffi::Result<ffi::AnyBuffer>& y, ffi::Result<ffi::AnyBuffer>& scales,
                           ffi::Result<ffi::AnyBuffer>* residual_out,
-                          const NormAttributes& attributes, bool columnwise,
-                          RmsNormFp8Args* args) {
+                          const NormAttributes& attributes, bool columnwise, RmsNormFp8Args* args) {
   const float eps = attributes.eps;
   const float weight_offset = attributes.weight_offset;
   const float scale_ub = attributes.scale_ub;
@@ -108,9 +107,10 @@ ffi::Error DecodeNormCall(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residua
   const int64_t blocked = columnwise ? rows : hidden;
   if (attributes.group_size < 0 ||
       (attributes.group_size > 0 && blocked % attributes.group_size != 0)) {
-    return Invalid(columnwise ? "group_size must be 0 (a static scale) or a positive divisor of rows"
-                              : "group_size must be 0 (one scale per row) or a positive divisor "
-                                "of hidden");
+    return Invalid(columnwise
+                       ? "group_size must be 0 (a static scale) or a positive divisor of rows"
+                       : "group_size must be 0 (one scale per row) or a positive divisor "
+                         "of hidden");
   }
   if (fp4 && (attributes.group_size <= 0 || attributes.group_size % 2 != 0)) {
     return Invalid("float4_e2m1fn y needs an even group_size");
@@ -119,8 +119,8 @@ ffi::Error DecodeNormCall(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residua
   // columnwise pass keeps 0 (a static scale).
   const int64_t group_size =
       attributes.group_size > 0 || columnwise ? attributes.group_size : hidden;
-  const int64_t groups = columnwise ? (group_size > 0 ? rows / group_size : 1)
-                                    : GroupsPerRow(hidden, group_size);
+  const int64_t groups =
+      columnwise ? (group_size > 0 ? rows / group_size : 1) : GroupsPerRow(hidden, group_size);
   const bool power_of_two = attributes.power_of_two_scales;
   std::optional<FloatType> scale_type = FloatTypeOf(scales->element_type());
   if (scales->element_type() == ffi::DataType::F8E8M0FNU) scale_type = FloatType::kE8M0;
@@ -145,8 +145,9 @@ ffi::Error DecodeNormCall(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residua
   const auto scale_dims = scales->dimensions();
   if (columnwise) {
     if (scale_dims.size() != 2 || scale_dims[0] != hidden || scale_dims[1] != groups) {
-      return Invalid("scales_t must have shape (hidden, rows / group_size), (hidden, 1) for a "
-                     "static scale");
+      return Invalid(
+          "scales_t must have shape (hidden, rows / group_size), (hidden, 1) for a "
+          "static scale");
     }
   } else {
     bool scale_shape_ok = scale_dims.size() == dims.size() && scale_dims.back() == groups;
@@ -227,6 +228,24 @@ ffi::Error DecodeColumnOutputs(const ffi::AnyBuffer& x, const ffi::AnyBuffer* re
   if (status.failure()) return status;
   args->columns = ColumnOutputs{view.y, view.scales, view.group_size};
   return ffi::Error::Success();
+}
+
+ffi::Error DecodeNormForm(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
+                          const ffi::AnyBuffer& gamma,
+                          const std::optional<ffi::AnyBuffer>& scale_operand,
+                          ffi::Result<ffi::AnyBuffer>& y, ffi::Result<ffi::AnyBuffer>& scales,
+                          ffi::Result<ffi::AnyBuffer>* residual_out, FormResults form,
+                          const NormAttributes& attributes, RmsNormFp8Args* args) {
+  ffi::Error status = DecodeRmsNormFp8(x, residual, gamma, scale_operand, y, scales, residual_out,
+                                       attributes, args);
+  if (status.success() && form.inverse_rms != nullptr) {
+    status = DecodeInverseRms(*form.inverse_rms, args);
+  }
+  if (status.success() && form.y_t != nullptr) {
+    status = DecodeColumnOutputs(x, residual, gamma, scale_operand, *form.y_t, *form.scales_t,
+                                 attributes, args);
+  }
+  return status;
 }
 
 ffi::Error DecodeInverseRms(ffi::Result<ffi::AnyBuffer>& inverse_rms, RmsNormFp8Args* args) {

@@ -62,6 +62,22 @@ ffi::Error DecodeColumnOutputs(const ffi::AnyBuffer& x, const ffi::AnyBuffer* re
                                ffi::Result<ffi::AnyBuffer>& scales_t,
                                const NormAttributes& attributes, RmsNormFp8Args* args);
 
+// The results a form adds to the op's: each row's r (the training and columnwise forms),
+// then y_t and scales_t (the columnwise form); null where the form has none.
+struct FormResults {
+  ffi::Result<ffi::AnyBuffer>* inverse_rms = nullptr;
+  ffi::Result<ffi::AnyBuffer>* y_t = nullptr;
+  ffi::Result<ffi::AnyBuffer>* scales_t = nullptr;
+};
+
+// DecodeRmsNormFp8, then the form's results (DecodeInverseRms, DecodeColumnOutputs).
+ffi::Error DecodeNormForm(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
+                          const ffi::AnyBuffer& gamma,
+                          const std::optional<ffi::AnyBuffer>& scale_operand,
+                          ffi::Result<ffi::AnyBuffer>& y, ffi::Result<ffi::AnyBuffer>& scales,
+                          ffi::Result<ffi::AnyBuffer>* residual_out, FormResults form,
+                          const NormAttributes& attributes, RmsNormFp8Args* args);
+
 // The training form's extra result: each row's r, float32 of shape x.shape[:-1] + (1,).
 ffi::Error DecodeInverseRms(ffi::Result<ffi::AnyBuffer>& inverse_rms, RmsNormFp8Args* args);
 
@@ -160,12 +176,11 @@ ffi::Error DecodeRound(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& ou
 
 // The members of NormAttributes by attribute name, in order: also the first members of
 // the all-reduce's attributes (src/cuda/cuda_handlers.cc), which carry the norm's.
-#define FP8NORM_NORM_ATTRIBUTE_MEMBERS                       \
-  ::xla::ffi::StructMember<float>("eps"),                    \
-      ::xla::ffi::StructMember<float>("weight_offset"),      \
-      ::xla::ffi::StructMember<float>("scale_ub"),           \
-      ::xla::ffi::StructMember<int64_t>("group_size"),       \
-      ::xla::ffi::StructMember<bool>("power_of_two_scales"), \
+#define FP8NORM_NORM_ATTRIBUTE_MEMBERS                                                      \
+  ::xla::ffi::StructMember<float>("eps"), ::xla::ffi::StructMember<float>("weight_offset"), \
+      ::xla::ffi::StructMember<float>("scale_ub"),                                          \
+      ::xla::ffi::StructMember<int64_t>("group_size"),                                      \
+      ::xla::ffi::StructMember<bool>("power_of_two_scales"),                                \
       ::xla::ffi::StructMember<int64_t>("fp4_layout")
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(fp8norm::NormAttributes, FP8NORM_NORM_ATTRIBUTE_MEMBERS);

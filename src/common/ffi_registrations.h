@@ -50,8 +50,7 @@ struct PeerOpHandlers {
 // {op name: the capsule, or {first stage: capsule, "execute": capsule}} as
 // jax.ffi.register_ffi_target takes it.
 inline nanobind::dict Registrations(const OpHandlers& ops, FirstStage first = {},
-                                    PeerOpHandlers peer_ops = {},
-                                    TrainingHandlers training = {}) {
+                                    PeerOpHandlers peer_ops = {}, TrainingHandlers training = {}) {
   const auto entry = [&](FfiHandler* first_stage, FfiHandler* execute) -> nanobind::object {
     if (first_stage == nullptr) return FfiCapsule(execute);
     nanobind::dict stages;

@@ -385,9 +385,8 @@ inline void Fp4Codes32Each(const float* n, const float* scales, const float* mul
   for (int k = 0; k < 4; ++k) {
     const __m256 v = _mm256_loadu_ps(n + 8 * k);
     const __m256 m = _mm256_loadu_ps(multipliers + 8 * k);
-    const __m256i codes =
-        nvfp4 ? Nvfp4Codes(v, gs8, _mm256_loadu_ps(scales + 8 * k), rg8, m)
-              : Fp4Codes(_mm256_mul_ps(v, m));
+    const __m256i codes = nvfp4 ? Nvfp4Codes(v, gs8, _mm256_loadu_ps(scales + 8 * k), rg8, m)
+                                : Fp4Codes(_mm256_mul_ps(v, m));
     const __m256i zero = _mm256_castps_si256(_mm256_cmp_ps(m, m, _CMP_UNORD_Q));
     c[k] = _mm256_andnot_si256(zero, codes);
   }

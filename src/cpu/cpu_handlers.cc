@@ -126,25 +126,20 @@ ffi::Error RmsNormFp8TrainingImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::A
                                   ffi::Result<ffi::AnyBuffer> inverse_rms,
                                   NormAttributes attributes) {
   RmsNormFp8Args args;
-  ffi::Error status =
-      DecodeRmsNormFp8(x, nullptr, gamma, scale_operand, y, scales, nullptr, attributes, &args);
-  if (status.success()) status = DecodeInverseRms(inverse_rms, &args);
+  const ffi::Error status = DecodeNormForm(x, nullptr, gamma, scale_operand, y, scales, nullptr,
+                                           {&inverse_rms}, attributes, &args);
   if (status.failure()) return status;
   return RunOnPool(args, pool);
 }
 
-ffi::Error AddRmsNormFp8TrainingImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
-                                     ffi::AnyBuffer residual, ffi::AnyBuffer gamma,
-                                     std::optional<ffi::AnyBuffer> scale_operand,
-                                     ffi::Result<ffi::AnyBuffer> y,
-                                     ffi::Result<ffi::AnyBuffer> scales,
-                                     ffi::Result<ffi::AnyBuffer> residual_out,
-                                     ffi::Result<ffi::AnyBuffer> inverse_rms,
-                                     NormAttributes attributes) {
+ffi::Error AddRmsNormFp8TrainingImpl(
+    ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer gamma,
+    std::optional<ffi::AnyBuffer> scale_operand, ffi::Result<ffi::AnyBuffer> y,
+    ffi::Result<ffi::AnyBuffer> scales, ffi::Result<ffi::AnyBuffer> residual_out,
+    ffi::Result<ffi::AnyBuffer> inverse_rms, NormAttributes attributes) {
   RmsNormFp8Args args;
-  ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, scale_operand, y, scales, &residual_out,
-                                       attributes, &args);
-  if (status.success()) status = DecodeInverseRms(inverse_rms, &args);
+  const ffi::Error status = DecodeNormForm(x, &residual, gamma, scale_operand, y, scales,
+                                           &residual_out, {&inverse_rms}, attributes, &args);
   if (status.failure()) return status;
   return RunOnPool(args, pool);
 }
@@ -189,12 +184,8 @@ ffi::Error RmsNormFp8ColumnwiseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi:
                                     ffi::Result<ffi::AnyBuffer> scales_t,
                                     NormAttributes attributes) {
   RmsNormFp8Args args;
-  ffi::Error status =
-      DecodeRmsNormFp8(x, nullptr, gamma, scale_operand, y, scales, nullptr, attributes, &args);
-  if (status.success()) status = DecodeInverseRms(inverse_rms, &args);
-  if (status.success()) {
-    status = DecodeColumnOutputs(x, nullptr, gamma, scale_operand, y_t, scales_t, attributes, &args);
-  }
+  const ffi::Error status = DecodeNormForm(x, nullptr, gamma, scale_operand, y, scales, nullptr,
+                                           {&inverse_rms, &y_t, &scales_t}, attributes, &args);
   if (status.failure()) return status;
   return RunOnPool(args, pool);
 }
@@ -206,13 +197,9 @@ ffi::Error AddRmsNormFp8ColumnwiseImpl(
     ffi::Result<ffi::AnyBuffer> inverse_rms, ffi::Result<ffi::AnyBuffer> y_t,
     ffi::Result<ffi::AnyBuffer> scales_t, NormAttributes attributes) {
   RmsNormFp8Args args;
-  ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, scale_operand, y, scales, &residual_out,
-                                       attributes, &args);
-  if (status.success()) status = DecodeInverseRms(inverse_rms, &args);
-  if (status.success()) {
-    status =
-        DecodeColumnOutputs(x, &residual, gamma, scale_operand, y_t, scales_t, attributes, &args);
-  }
+  const ffi::Error status =
+      DecodeNormForm(x, &residual, gamma, scale_operand, y, scales, &residual_out,
+                     {&inverse_rms, &y_t, &scales_t}, attributes, &args);
   if (status.failure()) return status;
   return RunOnPool(args, pool);
 }

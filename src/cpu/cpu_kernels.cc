@@ -164,7 +164,7 @@ CpuVariant SelectVariant() {
   }
 #endif
   return {baseline::ProcessRows, baseline::ProcessColumnBlock, baseline::WriteColumnCodes,
-            "baseline"};
+          "baseline"};
 }
 
 // Outputs of at least this many bytes are advised onto huge pages.
@@ -269,7 +269,8 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   const ProcessColumnBlockFn process_column_block = Variant().process_column_block;
   const WriteColumnCodesFn write_column_codes = Variant().write_column_codes;
   if (columnwise) {
-    AdviseHugePages(a.columns.y_t, static_cast<size_t>(YByte(columns, static_cast<int64_t>(elements))));
+    AdviseHugePages(a.columns.y_t,
+                    static_cast<size_t>(YByte(columns, static_cast<int64_t>(elements))));
   }
   // A task may run on a pool thread, where an escaping exception would end the process:
   // a failed allocation is reported through this flag instead.

@@ -14,7 +14,8 @@ NB_MODULE(_fp8norm_cpu, m) {
     return fp8norm::Registrations(
         {fp8norm::RmsNormFp8CpuHandler, fp8norm::AddRmsNormFp8CpuHandler, fp8norm::RoundCpuHandler,
          fp8norm::RmsNormFp8TrainingCpuHandler, fp8norm::AddRmsNormFp8TrainingCpuHandler},
-        {}, {}, {fp8norm::RmsNormBackwardCpuHandler, fp8norm::AddRmsNormBackwardCpuHandler,
+        {}, {},
+        {fp8norm::RmsNormBackwardCpuHandler, fp8norm::AddRmsNormBackwardCpuHandler,
          fp8norm::RmsNormFp8ColumnwiseCpuHandler, fp8norm::AddRmsNormFp8ColumnwiseCpuHandler});
   });
   m.def("cpu_kernel_variant", []() { return fp8norm::CpuKernelVariant(); });

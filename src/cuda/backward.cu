@@ -63,7 +63,8 @@ __device__ __forceinline__ void MergeParts(BackwardScratch& s, int count, int k)
 }
 
 // grid: any number of blocks (rows are strided over them); block: kBackwardThreads.
-__global__ void __launch_bounds__(kBackwardThreads) BackwardRowsKernel(const RmsNormBackwardArgs a) {
+__global__ void __launch_bounds__(kBackwardThreads)
+    BackwardRowsKernel(const RmsNormBackwardArgs a) {
   BackwardScratch& s = StaticShared<BackwardScratch>();
   const int64_t n = a.hidden;
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
@@ -117,7 +118,8 @@ __global__ void __launch_bounds__(kBackwardThreads) DgammaKernel(const RmsNormBa
   // Each column's row groups, merged by the first warp (one lane a column).
   if (threadIdx.x < kDgammaColumns) {
     ExactSum sum = s.parts[threadIdx.x];
-    for (int g = 1; g < kDgammaRowGroups; ++g) Merge(sum, s.parts[g * kDgammaColumns + threadIdx.x]);
+    for (int g = 1; g < kDgammaRowGroups; ++g)
+      Merge(sum, s.parts[g * kDgammaColumns + threadIdx.x]);
     const int64_t out = int64_t{blockIdx.x} * kDgammaColumns + threadIdx.x;
     if (out < a.hidden) StoreGlobal(a.dgamma + out, Round(sum));
   }
@@ -130,7 +132,8 @@ cudaError_t LoadBackwardKernels() {
   cudaError_t err = LoadKernel(BackwardRowsKernel, "backward_rows", sizeof(BackwardScratch),
                                kBackwardThreads, &attributes);
   if (err == cudaSuccess) {
-    err = LoadKernel(DgammaKernel, "dgamma", sizeof(BackwardScratch), kBackwardThreads, &attributes);
+    err =
+        LoadKernel(DgammaKernel, "dgamma", sizeof(BackwardScratch), kBackwardThreads, &attributes);
   }
   return err;
 }

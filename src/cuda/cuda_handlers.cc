@@ -49,10 +49,9 @@ struct AllReduceAttributes {
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     fp8norm::AllReduceAttributes, FP8NORM_NORM_ATTRIBUTE_MEMBERS,
     ::xla::ffi::StructMember<int64_t>("call_site"),
-    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t> >("devices"),
-    ::xla::ffi::StructMember<int64_t>("group_devices"),
-    ::xla::ffi::StructMember<int64_t>("method"), ::xla::ffi::StructMember<int64_t>("rows"),
-    ::xla::ffi::StructMember<int64_t>("hidden"));
+    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("devices"),
+    ::xla::ffi::StructMember<int64_t>("group_devices"), ::xla::ffi::StructMember<int64_t>("method"),
+    ::xla::ffi::StructMember<int64_t>("rows"), ::xla::ffi::StructMember<int64_t>("hidden"));
 
 namespace fp8norm {
 namespace {
@@ -148,26 +147,21 @@ ffi::Error RmsNormFp8TrainingImpl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffe
                                   ffi::Result<ffi::AnyBuffer> inverse_rms,
                                   NormAttributes attributes) {
   RmsNormFp8Args args;
-  ffi::Error status =
-      DecodeRmsNormFp8(x, nullptr, gamma, scale_operand, y, scales, nullptr, attributes, &args);
-  if (status.success()) status = DecodeInverseRms(inverse_rms, &args);
+  const ffi::Error status = DecodeNormForm(x, nullptr, gamma, scale_operand, y, scales, nullptr,
+                                           {&inverse_rms}, attributes, &args);
   if (status.failure()) return status;
   return RunOnDevice(gpu.device, "rms_norm_fp8 launch",
                      [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
 }
 
-ffi::Error AddRmsNormFp8TrainingImpl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer residual,
-                                     ffi::AnyBuffer gamma,
-                                     std::optional<ffi::AnyBuffer> scale_operand,
-                                     ffi::Result<ffi::AnyBuffer> y,
-                                     ffi::Result<ffi::AnyBuffer> scales,
-                                     ffi::Result<ffi::AnyBuffer> residual_out,
-                                     ffi::Result<ffi::AnyBuffer> inverse_rms,
-                                     NormAttributes attributes) {
+ffi::Error AddRmsNormFp8TrainingImpl(
+    GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer gamma,
+    std::optional<ffi::AnyBuffer> scale_operand, ffi::Result<ffi::AnyBuffer> y,
+    ffi::Result<ffi::AnyBuffer> scales, ffi::Result<ffi::AnyBuffer> residual_out,
+    ffi::Result<ffi::AnyBuffer> inverse_rms, NormAttributes attributes) {
   RmsNormFp8Args args;
-  ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, scale_operand, y, scales, &residual_out,
-                                       attributes, &args);
-  if (status.success()) status = DecodeInverseRms(inverse_rms, &args);
+  const ffi::Error status = DecodeNormForm(x, &residual, gamma, scale_operand, y, scales,
+                                           &residual_out, {&inverse_rms}, attributes, &args);
   if (status.failure()) return status;
   return RunOnDevice(gpu.device, "add_rms_norm_fp8 launch",
                      [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
@@ -262,8 +256,7 @@ ffi::Error SetUpAllReduceImpl(AllReduceAttributes attrs) {
 ffi::Error AllReduceNormImpl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer residual,
                              ffi::AnyBuffer gamma, std::optional<ffi::AnyBuffer> scale_operand,
                              ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
-                             ffi::Result<ffi::AnyBuffer> residual_out,
-                             AllReduceAttributes attrs) {
+                             ffi::Result<ffi::AnyBuffer> residual_out, AllReduceAttributes attrs) {
   AllReduceCall call;
   ffi::Error status = DecodeAllReduceCall(attrs, &call);
   if (status.failure()) return status;
@@ -324,12 +317,8 @@ ffi::Error RmsNormFp8ColumnwiseImpl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuf
                                     ffi::Result<ffi::AnyBuffer> scales_t,
                                     NormAttributes attributes) {
   RmsNormFp8Args args;
-  ffi::Error status =
-      DecodeRmsNormFp8(x, nullptr, gamma, scale_operand, y, scales, nullptr, attributes, &args);
-  if (status.success()) status = DecodeInverseRms(inverse_rms, &args);
-  if (status.success()) {
-    status = DecodeColumnOutputs(x, nullptr, gamma, scale_operand, y_t, scales_t, attributes, &args);
-  }
+  const ffi::Error status = DecodeNormForm(x, nullptr, gamma, scale_operand, y, scales, nullptr,
+                                           {&inverse_rms, &y_t, &scales_t}, attributes, &args);
   if (status.failure()) return status;
   return LaunchBothLayouts(gpu, "rms_norm_fp8 columnwise launch", args);
 }
@@ -341,13 +330,9 @@ ffi::Error AddRmsNormFp8ColumnwiseImpl(
     ffi::Result<ffi::AnyBuffer> inverse_rms, ffi::Result<ffi::AnyBuffer> y_t,
     ffi::Result<ffi::AnyBuffer> scales_t, NormAttributes attributes) {
   RmsNormFp8Args args;
-  ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, scale_operand, y, scales, &residual_out,
-                                       attributes, &args);
-  if (status.success()) status = DecodeInverseRms(inverse_rms, &args);
-  if (status.success()) {
-    status =
-        DecodeColumnOutputs(x, &residual, gamma, scale_operand, y_t, scales_t, attributes, &args);
-  }
+  const ffi::Error status =
+      DecodeNormForm(x, &residual, gamma, scale_operand, y, scales, &residual_out,
+                     {&inverse_rms, &y_t, &scales_t}, attributes, &args);
   if (status.failure()) return status;
   return LaunchBothLayouts(gpu, "add_rms_norm_fp8 columnwise launch", args);
 }
@@ -358,8 +343,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8CudaHandler, RmsNormFp8Impl, RmsNormFp8B
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8CudaHandler, AddRmsNormFp8Impl,
-                              AddRmsNormFp8Binding<CallGpu>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+                              AddRmsNormFp8Binding<CallGpu>(), {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8TrainingCudaHandler, RmsNormFp8TrainingImpl,
                               (RmsNormFp8Binding<CallGpu, NormForm::kTraining>()),

@@ -81,8 +81,8 @@ XLA_FFI_Error* SimtAddRmsNormFp8Handler(XLA_FFI_CallFrame* frame) {
                      {"x", "residual", "gamma", "scale_operand"}, {"y", "scales", "residual_out"});
 }
 XLA_FFI_Error* SimtRmsNormFp8TrainingHandler(XLA_FFI_CallFrame* frame) {
-  return WithBuffers(frame, fp8norm::RmsNormFp8TrainingCudaHandler,
-                     {"x", "gamma", "scale_operand"}, {"y", "scales", "inverse_rms"});
+  return WithBuffers(frame, fp8norm::RmsNormFp8TrainingCudaHandler, {"x", "gamma", "scale_operand"},
+                     {"y", "scales", "inverse_rms"});
 }
 XLA_FFI_Error* SimtAddRmsNormFp8TrainingHandler(XLA_FFI_CallFrame* frame) {
   return WithBuffers(frame, fp8norm::AddRmsNormFp8TrainingCudaHandler,

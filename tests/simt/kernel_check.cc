@@ -440,7 +440,8 @@ int CheckBackward(bool quick) {
         const size_t in_bytes = FloatTypeBytes(input);
         Rng rng{static_cast<uint64_t>(k) * 7919 + 17};
         ExactBuffer x(elements * in_bytes), res(residual ? elements * in_bytes : 0);
-        ExactBuffer dn(elements * FloatTypeBytes(dn_type)), dres(residual ? elements * in_bytes : 0);
+        ExactBuffer dn(elements * FloatTypeBytes(dn_type)),
+            dres(residual ? elements * in_bytes : 0);
         ExactBuffer gamma(static_cast<size_t>(hidden) * sizeof(float));
         ExactBuffer r(static_cast<size_t>(rows) * sizeof(float));
         Fill(x, input, rows, hidden, rng, true, 2.0f);
@@ -449,7 +450,8 @@ int CheckBackward(bool quick) {
         if (residual) Fill(dres, input, rows, hidden, rng, false, 1.0f);
         Fill(gamma, FloatType::kF32, 1, hidden, rng, false, 0.5f);
         for (int64_t i = 0; i < rows; ++i) {
-          const float v = i == 2 ? 0.0f : (i == 4 ? NAN : (i == 6 ? INFINITY : rng.Uniform() + 0.1f));
+          const float v =
+              i == 2 ? 0.0f : (i == 4 ? NAN : (i == 6 ? INFINITY : rng.Uniform() + 0.1f));
           StoreAs(FloatType::kF32, r.data, i, v);
         }
         ExactBuffer dx(elements * in_bytes), dx_cpu(elements * in_bytes);
@@ -502,7 +504,8 @@ int CheckBackward(bool quick) {
           ++failures;
           continue;
         }
-        bool ok = SameBytes(dx, dx_cpu, "dx", name) && SameBytes(dgamma, dgamma_cpu, "dgamma", name);
+        bool ok =
+            SameBytes(dx, dx_cpu, "dx", name) && SameBytes(dgamma, dgamma_cpu, "dgamma", name);
         if (residual) ok = ok && SameBytes(dresidual, dresidual_cpu, "dresidual", name);
         if (!ok) {
           ++failures;
@@ -570,8 +573,8 @@ int CheckColumnwise(bool quick) {
         const int64_t blocks = f.block > 0 ? rows / f.block : 1;
         const size_t y_bytes = f.packed ? elements / 2 : elements;
         const size_t scales_t_bytes = static_cast<size_t>(hidden * blocks) * scale_bytes(f.scale);
-        ExactBuffer y(y_bytes), scales(static_cast<size_t>(rows * (hidden / group)) *
-                                       scale_bytes(f.scale));
+        ExactBuffer y(y_bytes),
+            scales(static_cast<size_t>(rows * (hidden / group)) * scale_bytes(f.scale));
         ExactBuffer residual_out(residual ? elements * in_bytes : 0);
         ExactBuffer y_t(y_bytes), y_t_cpu(y_bytes), scales_t(scales_t_bytes),
             scales_t_cpu(scales_t_bytes);
@@ -762,8 +765,7 @@ int Main(bool quick, bool allreduce, bool rest) {
     cases.push_back(c);
   }
   Coverage coverage;
-  int failures =
-      CheckEmulator() + CheckRound() + CheckBackward(quick) + CheckColumnwise(quick);
+  int failures = CheckEmulator() + CheckRound() + CheckBackward(quick) + CheckColumnwise(quick);
   int runs = 0;
   for (const Case& c : cases) {
     if (stop_at_failure && failures > 0) break;
