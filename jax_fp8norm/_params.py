@@ -138,6 +138,7 @@ class AllReduceKeywords(NormKeywords, total=False):
 
     reduce_dtype: DTypeLike | None
     method: str
+    columnwise: bool
 
 
 def as_operand(value: Any) -> Any:

@@ -223,7 +223,8 @@ def sharded_allreduce_residual_rms_norm_fp8(
         per_device,
         mesh=mesh,
         in_specs=(P(axis_name), P(), P()) + (P(),) * len(extra),
-        out_specs=(P(), P(), P()),
+        # (y, scales, residual_out), then y_t and scales_t with columnwise
+        out_specs=(P(),) * (5 if kwargs.get("columnwise") else 3),
     )
     return fn(
         _place(partials, stacked),

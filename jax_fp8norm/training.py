@@ -183,7 +183,7 @@ def rms_norm_fp8_vjp(
     inverse_rms = outs[2]
     outputs = (*outs[:2], *outs[3:])
     backward = Partial(
-        functools.partial(_rms_vjp_backward, weight_offset=call.params.weight_offset),
+        _backward_function(_rms_vjp_backward, call.params.weight_offset),
         as_operand(x),
         as_operand(gamma),
         inverse_rms,
@@ -220,13 +220,20 @@ def add_rms_norm_fp8_vjp(
     inverse_rms = outs[3]
     outputs = (*outs[:3], *outs[4:])
     backward = Partial(
-        functools.partial(_add_vjp_backward, weight_offset=call.params.weight_offset),
+        _backward_function(_add_vjp_backward, call.params.weight_offset),
         as_operand(x),
         as_operand(residual),
         as_operand(gamma),
         inverse_rms,
     )
     return outputs, backward
+
+
+@functools.cache
+def _backward_function(backward, weight_offset: float):
+    """One function per backward and weight_offset: a Partial's function is part of its
+    tree structure, so the same one keeps a jitted consumer from tracing again."""
+    return functools.partial(backward, weight_offset=weight_offset)
 
 
 def _rms_vjp_backward(x, gamma, inverse_rms, dn, *, weight_offset):

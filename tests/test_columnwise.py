@@ -24,7 +24,8 @@ from jax_fp8norm import reference
 from jax_fp8norm.recipes import recipe_keywords
 from jax_fp8norm.testing import assert_same_bits
 
-# The columnwise kernel has no variants of its own: one emulated platform serves.
+# The columnwise kernel has no variants of its own: one emulated platform serves the tests
+# of the columnwise outputs alone.
 COLUMNWISE_PLATFORMS = pytest.mark.parametrize(
     "platform", ["cpu", "simt-block_shared", "gpu"], indirect=True
 )
@@ -54,8 +55,10 @@ def op_and_args(add: bool, shape, dtype, seed: int = 0):
     return "add_rms_norm_fp8", (x, residual, gamma)
 
 
-@COLUMNWISE_PLATFORMS
+# Every emulated variant: the rowwise outputs of the columnwise form come from the kernel
+# variant in use (the columnwise kernel itself has one plan).
 @pytest.mark.sampled(12)
+@pytest.mark.default_platforms("cpu", "simt-block_shared")
 @pytest.mark.parametrize("name", [*BLOCK_RECIPES, "fp8_static"])
 @pytest.mark.parametrize("add", [False, True], ids=["rms", "add"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
@@ -78,6 +81,23 @@ def test_columnwise_kernels_give_the_twins_bits(platform, name, add, dtype, shap
     kw.pop("columnwise")
     plain = run_on(platform, getattr(fp8norm, op), *args, **kw)
     assert_same_bits(out[:-2], plain)
+
+
+@COLUMNWISE_PLATFORMS
+@pytest.mark.parametrize(
+    "hidden, kw",
+    [(200, dict(group_size=8)), (200, recipe("fp8_static")), (48, recipe("nvfp4"))],
+    ids=["group8", "static", "nvfp4"],
+)
+def test_widths_that_end_in_the_scalar_tails(platform, hidden, kw):
+    """Rows whose codes end past the last 32 columns (the AVX2 lanes' tail) and whose
+    transpose ends past the last 16 (the SSE2 blocks' tail)."""
+    x = rows_with_specials(31, (256, hidden), jnp.bfloat16)
+    gamma = random_gamma(32, hidden, jnp.float32)
+    kw = dict(kw, columnwise=True)
+    out = run_on(platform, fp8norm.rms_norm_fp8, x, gamma, **kw)
+    ref = reference_on_cpu(reference.rms_norm_fp8, x, gamma, **kw)
+    assert_kernel_matches(platform, out[-2:], ref[-2:])
 
 
 @COLUMNWISE_PLATFORMS
@@ -148,7 +168,7 @@ def test_each_block_depends_on_its_own_rows(platform, name):
         want_blocks = want.reshape(want.shape[0], 256 // block, -1)
         assert_same_bits([got_blocks], [want_blocks[:, order]])
     first = run_on(platform, fp8norm.rms_norm_fp8, x[: 2 * block], gamma, **kw)
-    assert_same_bits([first[-1]], [whole[-1][:, :2]])
+    assert_same_bits(first[-2:], [whole[-2][:, : first[-2].shape[1]], whole[-1][:, :2]])
     scale_bits = whole[-1].view(np.uint8)  # [columns, blocks]
     # Row 3 holds a NaN: the first block's scales are NaN in every column, the next not.
     nan_code = 0xFF if name == "mxfp8" else 0x7F

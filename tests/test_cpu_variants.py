@@ -124,6 +124,17 @@ SCRIPT = textwrap.dedent(
             outs_cw = fp8norm.rms_norm_fp8(x, gamma.astype(np.float32), columnwise=True, **kw)
             for k, v in enumerate(outs_cw):
                 outs[f"{key}-{k}"] = np.asarray(v).view(np.uint8)
+    # Widths that end in the scalar tails (codes past the last 32, the transpose past the
+    # last 16 columns).
+    for hidden, kw in ((200, dict(group_size=8)), (200, dict(static_scale=0.03)),
+                       (48, dict(recipe="nvfp4"))):
+        x, residual, gamma = inputs(hidden, "bfloat16", hidden * 13)
+        rest = np.random.default_rng(hidden).standard_normal((244, hidden)).astype(x.dtype)
+        x = np.concatenate([x, rest])
+        key = f"columnwise-{hidden}-" + "-".join(f"{k}={v}" for k, v in kw.items())
+        outs_cw = fp8norm.rms_norm_fp8(x, gamma.astype(np.float32), columnwise=True, **kw)
+        for k, v in enumerate(outs_cw):
+            outs[f"{key}-{k}"] = np.asarray(v).view(np.uint8)
     outs["variant"] = np.frombuffer(fp8norm.cpu_kernel_variant().encode(), np.uint8)
     np.savez(sys.argv[1], **outs)
     """

@@ -169,4 +169,50 @@ def test_the_keyword_types_cover_the_keyword_table():
     from jax_fp8norm._params import NORM_KEYWORDS, AllReduceKeywords, NormKeywords
 
     assert tuple(NormKeywords.__annotations__) == tuple(NORM_KEYWORDS)
-    assert set(AllReduceKeywords.__annotations__) == {*NORM_KEYWORDS, "reduce_dtype", "method"}
+    assert set(AllReduceKeywords.__annotations__) == {
+        *NORM_KEYWORDS,
+        "reduce_dtype",
+        "method",
+        "columnwise",
+    }
+
+
+def _columnwise_outs(y=jnp.float8_e4m3fn, scales=jnp.float32, y_t=None, scales_t=None):
+    """The columnwise form's results for X (4 x 16) in blocks of 2 rows (group_size=2)."""
+    return (
+        sds((4, 16), y),
+        sds((4, 8), scales),
+        sds((4, 1), jnp.float32),
+        y_t or sds((16, 4), y),
+        scales_t or sds((16, 2), scales),
+    )
+
+
+@pytest.mark.parametrize(
+    "outs,kw,match",
+    [
+        (_columnwise_outs(y_t=sds((16, 4), jnp.float8_e4m3fnuz)), {}, "y_t must have the dtype"),
+        (_columnwise_outs(scales_t=sds((16, 2), jnp.bfloat16)), {}, "scales_t must have the dtype"),
+        (_columnwise_outs(y_t=sds((4, 16), jnp.float8_e4m3fn)), {}, "y_t must have shape"),
+        (_columnwise_outs(scales_t=sds((16, 1), jnp.float32)), {}, "scales_t must have shape"),
+        (
+            (sds((4, 16), jnp.float8_e4m3fn), sds((4, 2), jnp.float32), sds((4, 1), jnp.float32))
+            + (sds((16, 4), jnp.float8_e4m3fn), sds((16, 1), jnp.float32)),
+            dict(group_size=8),
+            "positive divisor of rows",
+        ),
+    ],
+    ids=["y_t dtype", "scales_t dtype", "y_t shape", "scales_t shape", "block"],
+)
+@pytest.mark.parametrize("handler", ["cpu", "simt"])
+def test_columnwise_handler_refuses_inconsistent_buffers(handler, outs, kw, match):
+    # A call that bypasses the Python checks: the handler checks y_t and scales_t against
+    # y and scales, whose dtypes the kernels write them in.
+    target = handler_target(handler, "rms_norm_fp8_columnwise")
+    kw = dict(dict(group_size=2), **kw)
+    with jax.default_device(jax.devices("cpu")[0]):
+        good = ffi_call(target, _columnwise_outs(), X, GAMMA, group_size=2)
+        assert good[3].shape == (16, 4)
+        with pytest.raises(Exception, match=match) as info:
+            jax.block_until_ready(ffi_call(target, outs, X, GAMMA, **kw))
+    assert "jax_fp8norm" in str(info.value)

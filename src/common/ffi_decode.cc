@@ -226,6 +226,11 @@ ffi::Error DecodeColumnOutputs(const ffi::AnyBuffer& x, const ffi::AnyBuffer* re
   ffi::Error status = DecodeNormCall(x, residual, gamma, scale_operand, y_t, scales_t, nullptr,
                                      attributes, true, &view);
   if (status.failure()) return status;
+  // The kernels take the format, the scale dtype and the packing from y and scales.
+  if (view.out_format != args->out_format || view.y_packed != args->y_packed) {
+    return Invalid("y_t must have the dtype of y");
+  }
+  if (view.scale_type != args->scale_type) return Invalid("scales_t must have the dtype of scales");
   args->columns = ColumnOutputs{view.y, view.scales, view.group_size};
   return ffi::Error::Success();
 }
