@@ -93,7 +93,7 @@ else:
             for shard in shards[1:]:
                 np.testing.assert_array_equal(shard, shards[0])
 
-    @pytest.mark.sampled(23)
+    @pytest.mark.sampled(46)
     @pytest.mark.parametrize("size", [1, 2, 4, 8])
     @pytest.mark.parametrize("rows", [1, 8, 17, 20, 1024])
     @pytest.mark.parametrize("hidden", [4096, 8192])
@@ -482,7 +482,7 @@ else:
         )
         assert not np.array_equal(in_x_dtype[2].view(np.uint16), in_float32[2].view(np.uint16))
 
-    @pytest.mark.sampled(8)
+    @pytest.mark.sampled(16)
     @pytest.mark.parametrize("method", ONE_KERNEL)
     @pytest.mark.parametrize("size", [2, 4, 8])
     @pytest.mark.parametrize("rows", [1, 7, 33])
@@ -508,6 +508,7 @@ else:
         xla = _fixed_order_reference("xla", mesh, partials, residual, gamma)
         assert not np.array_equal(xla[2].view(np.uint16), ref[2].view(np.uint16))
 
+    @pytest.mark.sampled(3)
     @pytest.mark.parametrize("method", ONE_KERNEL)
     @pytest.mark.parametrize(
         "kw",
@@ -760,12 +761,12 @@ else:
     def test_allreduce_benchmark_runs_and_checks(capsys):
         from jax_fp8norm.bench import allreduce as bench
 
-        argv = ["--rows", "3,17", "--hidden", "256", "--rounds", "1", "--devices", "2"]
+        argv = ["--rows", "17", "--hidden", "256", "--rounds", "1", "--devices", "2"]
         assert bench.main([*argv, "--emulate"]) == 0
         out = capsys.readouterr().out
         assert "2 x cpu (emulated CUDA kernels)" in out
         for name in ("xla all-reduce + jnp formula", "method='xla'", "method='two_shot'"):
-            assert out.count(name) == 2, out
+            assert out.count(name) == 1, out
         assert bench.main(argv) == 0  # without the emulation: the XLA rows only
         assert "method='one_shot'" not in capsys.readouterr().out
 

@@ -24,6 +24,7 @@ def _weights(shape, seed):
 
 
 @pytest.mark.sampled(2)
+@pytest.mark.default_platforms("cpu", "simt-block_shared")
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: d.__name__)
 def test_rms_norm_dequantized_forward_and_gradient(platform, dtype):
     x = random_rows(1, (6, 256), dtype)

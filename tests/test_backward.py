@@ -168,7 +168,7 @@ DTYPE_CASES = [
 ]
 
 
-@pytest.mark.sampled(8)
+@pytest.mark.sampled(16)
 @BACKWARD_PLATFORMS
 @pytest.mark.parametrize("add", [False, True], ids=["rms", "add"])
 @pytest.mark.parametrize("dtypes", DTYPE_CASES, ids=lambda d: "-".join(t.__name__ for t in d))
@@ -199,7 +199,7 @@ def test_backward_kernels_give_the_twins_bits(platform, add, dtypes, shape, weig
 TRAINING_LAYOUTS = ["fp8_row", "fp8_group128", "mxfp8", "nvfp4", "mxfp4", "fp8_static"]
 
 
-@pytest.mark.sampled(3)
+@pytest.mark.sampled(6)
 @pytest.mark.default_platforms("cpu", "simt-block_shared", "simt-warp_rows")
 @pytest.mark.parametrize("name", TRAINING_LAYOUTS)
 @pytest.mark.parametrize("shape", [(5, 256), (3, 4, 1024), (2, 0)], ids=str)

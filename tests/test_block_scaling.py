@@ -49,7 +49,7 @@ GROUP_CASES = [
 ]
 
 
-@pytest.mark.sampled(4)
+@pytest.mark.sampled(8)
 @pytest.mark.parametrize(("hidden", "group"), GROUP_CASES, ids=lambda v: str(v))
 def test_group_sizes(platform, hidden, group):
     rows = 3 if hidden > 4096 else 9
@@ -72,7 +72,7 @@ def test_group_sizes(platform, hidden, group):
     )
 
 
-@pytest.mark.sampled(14)
+@pytest.mark.sampled(28)
 @pytest.mark.parametrize("x_dtype", FLOATS, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize(
     "scale_kw",

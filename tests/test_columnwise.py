@@ -57,7 +57,7 @@ def op_and_args(add: bool, shape, dtype, seed: int = 0):
 
 # Every emulated variant: the rowwise outputs of the columnwise form come from the kernel
 # variant in use (the columnwise kernel itself has one plan).
-@pytest.mark.sampled(12)
+@pytest.mark.sampled(24)
 @pytest.mark.default_platforms("cpu", "simt-block_shared")
 @pytest.mark.parametrize("name", [*BLOCK_RECIPES, "fp8_static"])
 @pytest.mark.parametrize("add", [False, True], ids=["rms", "add"])

@@ -259,7 +259,7 @@ def expected_kernel(variant: str, hidden: int, dtype) -> str:
     return variant if fits else "block_shared"
 
 
-@pytest.mark.sampled(28)
+@pytest.mark.sampled(56)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16], ids=str)
 @pytest.mark.parametrize(("what", "hidden"), BOUNDARIES, ids=[f"{h}" for _, h in BOUNDARIES])
 def test_boundary_sweep_every_variant_launches_and_matches_the_reference(what, hidden, dtype):

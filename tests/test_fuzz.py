@@ -390,10 +390,10 @@ def _checker(examples: int, modes=MODES):
     )(given(case=cases(modes))(_check_case))
 
 
-# The default tier: a few examples of each mode on the CPU kernel, and each mode on one of
+# The default tier: an example of each mode on the CPU kernel, and each mode on one of
 # the emulated variants (they take turns: each is a third of the emulation's cost), so that
 # every keyword reaches both kernels in every run. The full budget draws any mode.
-QUICK_PER_MODE = 2
+QUICK_PER_MODE = 1
 _quick = {mode: _checker(QUICK_PER_MODE, (mode,)) for mode in MODES}
 _full = {
     emulated: _checker(max(1, EXAMPLES // (len(SIMT_PLATFORMS) if emulated else 1)))

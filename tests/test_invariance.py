@@ -51,7 +51,7 @@ def _pool(hidden: int):
     return x, residual, random_gamma(hidden + 2, hidden, jnp.float32)
 
 
-@pytest.mark.sampled(16)
+@pytest.mark.sampled(32)
 @pytest.mark.parametrize("hidden,recipe", CASES, ids=[f"{h}-{r}" for h, r in CASES])
 @pytest.mark.parametrize("op", ["rms_norm_fp8", "add_rms_norm_fp8"])
 @pytest.mark.parametrize("where", PLATFORMS)

@@ -83,7 +83,8 @@ def _dequantized(v, scales, axis):
     return v * scales
 
 
-@pytest.mark.sampled(2)
+@pytest.mark.sampled(4)
+@pytest.mark.default_platforms("cpu", "simt-block_shared")
 @pytest.mark.parametrize(
     "norm_kw",
     [

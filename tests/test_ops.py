@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from exact import nearest_in_dtype, rms_norm_rows
 from helpers import (
+    EXTENDED,
     FLOATS,
     FP8S,
     assert_kernel_matches,
@@ -35,7 +36,7 @@ def check_add(platform, x, residual, gamma, *, jit=True, **kw):
     return check_against_reference(platform, "add_rms_norm_fp8", x, residual, gamma, jit=jit, **kw)
 
 
-@pytest.mark.sampled(24)
+@pytest.mark.sampled(48)
 @pytest.mark.parametrize(
     "x_dtype,gamma_dtype,out_dtype,scale_dtype",
     list(itertools.product(FLOATS, FLOATS, FP8S, FLOATS)),
@@ -64,8 +65,20 @@ def test_ranks(platform, shape):
     check_add(platform, x, random_rows(5, shape, jnp.bfloat16), gamma)
 
 
-@pytest.mark.sampled(6)
-@pytest.mark.parametrize("hidden", [1, 2, 7, 97, 1025, 4096, 5137, 16384, 32768, 65536, 70001])
+# The default tier: a width below a lane block, one past a vector, one of each kernel's
+# row layouts, and one past 65536 (extended: the rest).
+@pytest.mark.sampled(12)
+@pytest.mark.parametrize(
+    "hidden",
+    [
+        1,
+        *(pytest.param(h, marks=EXTENDED) for h in (2, 97, 4096, 16384, 32768, 65536)),
+        7,
+        1025,
+        5137,
+        70001,
+    ],
+)
 @pytest.mark.parametrize("x_dtype", FLOATS, ids=lambda d: jnp.dtype(d).name)
 def test_hidden_sizes(platform, hidden, x_dtype):
     rows = 3 if hidden > 8192 else 9
@@ -195,6 +208,7 @@ def test_zero_row_with_eps_that_rounds_to_zero(platform):
     assert (scales[1:] == 0).all() and scales[0] > 0
 
 
+@pytest.mark.sampled(2)
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("out_dtype", FP8S, ids=lambda d: jnp.dtype(d).name)
 def test_non_finite_rows(platform, bad, out_dtype):
@@ -290,7 +304,8 @@ def test_constants_reach_the_kernel(platform):
     assert (large < small).all()
 
 
-@pytest.mark.sampled(20)
+@pytest.mark.sampled(40)
+@pytest.mark.default_platforms("cpu", "simt-block_shared", "simt-warp_rows")
 @pytest.mark.parametrize("x_dtype", FLOATS, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", [(64, 4096), (33, 1000), (3, 70001), (4096, 2)], ids=str)
 def test_bitwise_equal_to_reference(platform, x_dtype, shape):

@@ -63,7 +63,7 @@ def test_the_table_is_the_documented_one():
         assert f"`{name}`" in readme, f"README does not name the recipe {name}"
 
 
-@pytest.mark.sampled(2)
+@pytest.mark.sampled(4)
 @pytest.mark.parametrize("name", RECIPE_NAMES)
 def test_a_recipe_is_the_keywords_it_sets(platform, name):
     x, gamma = _inputs()

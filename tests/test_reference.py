@@ -61,7 +61,7 @@ def numpy_rms_norm_fp8(
     return tuple(outs)
 
 
-@pytest.mark.sampled(14)
+@pytest.mark.sampled(28)
 @pytest.mark.parametrize(
     "x_dtype,gamma_dtype,out_dtype,scale_dtype",
     list(itertools.product(FLOATS, FLOATS, FP8S, FLOATS)),

@@ -85,7 +85,7 @@ struct ColumnScratch {
 };
 
 // Rows whose columnwise codes go to y_t together: a column's 128 bytes (FP8) are two
-// whole cache lines of y_t, written while they are in cache, and one page's TLB entry
+// whole cache lines of y_t, written whole without being read first, and one page's TLB entry
 // serves 128 rows' codes instead of a block's (docs/performance.md, "Columnwise").
 constexpr int64_t kColumnSpanRows = 128;
 
