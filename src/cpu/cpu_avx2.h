@@ -204,6 +204,46 @@ inline void Quantize32Each(const float* normed, const float* recips, uint8_t* y)
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), bytes);
 }
 
+// The FP8 codes of 32 elements under power-of-two multipliers, from their codes under
+// another power-of-two multiplier (row_codes, under the multiplier with float32 exponent
+// field row_exponent). Scaling by 2^d is exact and FP8's rounding is the same in every
+// normal binade, so the code of n * 2^d * m is the code of n * m with its exponent field
+// moved by d wherever both codes are normal and the first did not come from below the
+// smallest normal (docs/performance.md, "Columnwise"). column_exponents: each element's
+// multiplier's exponent field (0: a multiplier of 0). Returns the lanes (bit k: element k)
+// whose code could not be moved: a code of magnitude at most the smallest normal (0, a
+// subnormal, or the smallest normal, which values below it round up to on a coarser grid
+// than the moved binade's), a moved exponent outside [1, 15], a multiplier of 0; their
+// bytes in out are to be overwritten. The caller rules out saturation (both multipliers
+// bound their block's abs-max by the format's max) and NaN codes (finite blocks, finite
+// multipliers).
+inline uint32_t MovedFp8Codes32(const uint8_t* row_codes, const uint8_t* column_exponents,
+                                uint8_t row_exponent, uint8_t* out) {
+  const __m256i code = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_codes));
+  const __m256i column = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(column_exponents));
+  const __m256i row = _mm256_set1_epi8(static_cast<char>(row_exponent));
+  const __m256i fifteen = _mm256_set1_epi8(0x0f), zero = _mm256_setzero_si256();
+  const __m256i smallest_normal = _mm256_set1_epi8(0x08);
+  const __m256i magnitude = _mm256_and_si256(code, _mm256_set1_epi8(0x7f));
+  // The exponent field (bits 3-6): 16-bit shifts, the neighbour byte's bits masked off.
+  const __m256i exponent = _mm256_and_si256(_mm256_srli_epi16(code, 3), fifteen);
+  // exponent + (column - row) in unsigned saturating steps: 0 or above 15 when out of range.
+  const __m256i moved = _mm256_subs_epu8(_mm256_adds_epu8(exponent, _mm256_subs_epu8(column, row)),
+                                         _mm256_subs_epu8(row, column));
+  __m256i unmoved =
+      _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_min_epu8(magnitude, smallest_normal), magnitude),
+                      _mm256_cmpeq_epi8(moved, zero));
+  unmoved = _mm256_or_si256(unmoved, _mm256_cmpeq_epi8(column, zero));
+  unmoved = _mm256_or_si256(
+      unmoved, _mm256_xor_si256(_mm256_cmpeq_epi8(_mm256_min_epu8(moved, fifteen), moved),
+                                _mm256_set1_epi8(-1)));
+  const __m256i codes =
+      _mm256_or_si256(_mm256_and_si256(code, _mm256_set1_epi8(static_cast<char>(0x87))),
+                      _mm256_and_si256(_mm256_slli_epi16(moved, 3), _mm256_set1_epi8(0x78)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), codes);
+  return static_cast<uint32_t>(_mm256_movemask_epi8(unmoved));
+}
+
 // ---------------------------------------------------------------------------------
 // FP4: Fp4Code of 8 lanes, two codes per byte, and NVFP4's quotient (n / gs) / s.
 // ---------------------------------------------------------------------------------

@@ -73,8 +73,11 @@ void FillGammaPlusOffsetOf(const void* gamma, float weight_offset, int64_t n, fl
 
 // A thread's scratch for the columnwise outputs of one block of rows, kept between calls
 // (grown, never shrunk): the block's n (rows x hidden floats, the rows normalised in
-// place there), a span's codes (rows x hidden bytes), and per column its abs-max
-// (ordered bits), multiplier and (FP4) scale.
+// place there), a span's codes (rows x hidden bytes), per column its abs-max (ordered
+// bits), multiplier, its exponent field and (FP4) scale, the span's scales (hidden x
+// span_blocks, stored together when its last block is done: a column's scales of a span
+// are adjacent in scales_t), and, where the columns' codes are moved from the rows'
+// (MovesRowCodes), each row group's multiplier (rows x groups).
 struct ColumnScratch {
   float* tile;
   uint8_t* codes;
@@ -82,6 +85,11 @@ struct ColumnScratch {
   float* recips;
   float* scales;
   Fp4Scale* fp4;
+  uint8_t* column_exponents;
+  float* row_recips;  // null unless MovesRowCodes
+  float* span_scales;
+  int64_t span_block0;  // the span's first block, and its blocks
+  int64_t span_blocks;
 };
 
 // Rows whose columnwise codes go to y_t together: a column's 128 bytes (FP8) are two
@@ -91,9 +99,10 @@ constexpr int64_t kColumnSpanRows = 128;
 
 // Null members when the memory cannot be had: the tile of a block's rows, the codes of a
 // span's.
-ColumnScratch ThreadColumnScratch(int64_t rows, int64_t span_rows, int64_t hidden) {
-  thread_local std::vector<float> tile, recips, scales;
-  thread_local std::vector<uint8_t> codes;
+ColumnScratch ThreadColumnScratch(int64_t rows, int64_t span_rows, int64_t hidden,
+                                  int64_t row_groups) {
+  thread_local std::vector<float> tile, recips, scales, row_recips, span_scales;
+  thread_local std::vector<uint8_t> codes, column_exponents;
   thread_local std::vector<uint32_t> amax;
   thread_local std::vector<Fp4Scale> fp4;
   try {
@@ -105,11 +114,39 @@ ColumnScratch ThreadColumnScratch(int64_t rows, int64_t span_rows, int64_t hidde
     if (static_cast<int64_t>(recips.size()) < hidden) recips.resize(hidden);
     if (static_cast<int64_t>(scales.size()) < hidden) scales.resize(hidden);
     if (static_cast<int64_t>(fp4.size()) < hidden) fp4.resize(hidden);
+    if (static_cast<int64_t>(column_exponents.size()) < hidden) column_exponents.resize(hidden);
+    if (static_cast<int64_t>(row_recips.size()) < rows * row_groups) {
+      row_recips.resize(rows * row_groups);
+    }
+    if (static_cast<int64_t>(span_scales.size()) < span_rows / rows * hidden) {
+      span_scales.resize(span_rows / rows * hidden);
+    }
   } catch (const std::bad_alloc&) {
-    return ColumnScratch{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+    return ColumnScratch{};
   }
-  return ColumnScratch{tile.data(),   codes.data(),  amax.data(),
-                       recips.data(), scales.data(), fp4.data()};
+  return ColumnScratch{tile.data(),
+                       codes.data(),
+                       amax.data(),
+                       recips.data(),
+                       scales.data(),
+                       fp4.data(),
+                       column_exponents.data(),
+                       row_groups > 0 ? row_recips.data() : nullptr,
+                       span_scales.data(),
+                       0,
+                       0};
+}
+
+// Whether a block's columnwise FP8 codes can be moved from its rowwise codes (AVX2
+// variant, MovedFp8Codes32): power-of-two multipliers on both sides with no bound on the
+// scale (so that neither side saturates), and groups of a size the row loop keeps each
+// group's multiplier for (QuantizeGroups' compile-time sizes, several per row).
+bool MovesRowCodes(const RmsNormFp8Args& a) {
+  const int64_t groups = GroupsPerRow(a);
+  const int64_t group = groups > 0 ? a.hidden / groups : 0;
+  return a.out_format != OutFormat::kE2M1 && a.static_scale == nullptr &&
+         a.constants.power_of_two && !(a.constants.scale_ub < FloatOf(kF32Inf)) && groups > 1 &&
+         (group == 32 || group == 64 || group == 128);
 }
 
 // The row loops for the baseline instruction set of the build (SSE2 on x86-64)...
@@ -138,7 +175,7 @@ ColumnScratch ThreadColumnScratch(int64_t rows, int64_t span_rows, int64_t hidde
 using ProcessRowsFn = void (*)(const RmsNormFp8Args&, const float*, float*, int64_t, int64_t,
                                ColumnScratch*);
 using ProcessColumnBlockFn = void (*)(const ColumnwiseArgs&, int64_t, int64_t, ColumnScratch&,
-                                      uint8_t*);
+                                      const uint8_t*, uint8_t*);
 using WriteColumnCodesFn = void (*)(const ColumnwiseArgs&, const uint8_t*, int64_t, int64_t);
 
 struct CpuVariant {
@@ -146,6 +183,7 @@ struct CpuVariant {
   ProcessColumnBlockFn process_column_block;
   WriteColumnCodesFn write_column_codes;
   const char* name;
+  bool moves_row_codes;  // its process_column_block moves rowwise codes (MovesRowCodes)
 };
 
 // The widest variant this CPU runs; FP8NORM_CPU_ISA=baseline in the environment forces
@@ -154,17 +192,17 @@ CpuVariant SelectVariant() {
   const char* forced = std::getenv("FP8NORM_CPU_ISA");
   if (forced != nullptr && std::strcmp(forced, "baseline") == 0) {
     return {baseline::ProcessRows, baseline::ProcessColumnBlock, baseline::WriteColumnCodes,
-            "baseline"};
+            "baseline", false};
   }
 #if defined(FP8NORM_CPU_HAS_AVX2_VARIANT)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c")) {
-    return {avx2::ProcessRows, avx2::ProcessColumnBlock, avx2::WriteColumnCodes, "avx2"};
+    return {avx2::ProcessRows, avx2::ProcessColumnBlock, avx2::WriteColumnCodes, "avx2", true};
   }
 #endif
   return {baseline::ProcessRows, baseline::ProcessColumnBlock, baseline::WriteColumnCodes,
-          "baseline"};
+          "baseline", false};
 }
 
 // Outputs of at least this many bytes are advised onto huge pages.
@@ -268,6 +306,7 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   const ProcessRowsFn process_rows = Variant().process_rows;
   const ProcessColumnBlockFn process_column_block = Variant().process_column_block;
   const WriteColumnCodesFn write_column_codes = Variant().write_column_codes;
+  const bool moves_row_codes = Variant().moves_row_codes && MovesRowCodes(a);
   if (columnwise) {
     AdviseHugePages(a.columns.y_t,
                     static_cast<size_t>(YByte(columns, static_cast<int64_t>(elements))));
@@ -291,17 +330,31 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
       process_rows(a, gw, scratch, begin, end, nullptr);
       return;
     }
-    ColumnScratch column_scratch = ThreadColumnScratch(block_rows, span_rows, a.hidden);
+    const uint8_t* const row_codes = static_cast<const uint8_t*>(a.y);
+    if (a.static_scale != nullptr) {
+      // A static scale's y_t is the rowwise codes transposed (docs/spec.md).
+      for (int64_t span0 = begin; span0 < end; span0 += span_rows) {
+        const int64_t span_end = std::min(end, span0 + span_rows);
+        process_rows(a, gw, scratch, span0, span_end, nullptr);
+        write_column_codes(columns, row_codes + span0 * a.hidden, span0, span_end - span0);
+      }
+      return;
+    }
+    ColumnScratch column_scratch =
+        ThreadColumnScratch(block_rows, span_rows, a.hidden, moves_row_codes ? groups : 0);
     if (column_scratch.tile == nullptr) {
       out_of_memory.store(true, std::memory_order_relaxed);
       return;
     }
     for (int64_t span0 = begin; span0 < end; span0 += span_rows) {
       const int64_t span_end = std::min(end, span0 + span_rows);
+      column_scratch.span_block0 = span0 / block_rows;
+      column_scratch.span_blocks = (span_end - span0) / block_rows;
       for (int64_t row0 = span0; row0 < span_end; row0 += block_rows) {
         const int64_t rows = std::min(block_rows, span_end - row0);
         process_rows(a, gw, scratch, row0, row0 + rows, &column_scratch);
         process_column_block(columns, row0, rows, column_scratch,
+                             row_codes + YByte(a, row0 * a.hidden),
                              column_scratch.codes + (row0 - span0) * a.hidden);
       }
       write_column_codes(columns, column_scratch.codes, span0, span_end - span0);
