@@ -870,7 +870,9 @@ else:
     # ------------------------------------------------------------ invariance (docs/spec.md)
 
     @pytest.mark.parametrize(
-        "size,dtype", [(2, jnp.bfloat16), (8, jnp.float32)], ids=["2-bfloat16", "8-float32"]
+        "size,dtype",
+        [(2, jnp.bfloat16), pytest.param(8, jnp.float32, marks=EXTENDED)],
+        ids=["2-bfloat16", "8-float32"],
     )
     def test_a_rows_bits_do_not_depend_on_the_rows_around_it(size, dtype):
         # auto picks by size (one_shot for 5 rows; for 300 rows one_shot on 2 devices,

@@ -116,7 +116,8 @@ bool RmsNormBackwardCpu(const RmsNormBackwardArgs& a, const ParallelFor& paralle
   std::atomic<bool> out_of_memory{false};
   const size_t elements = static_cast<size_t>(a.rows) * static_cast<size_t>(n);
   AdviseHugePages(a.dx, elements * FloatTypeBytes(a.input_type));
-  if (a.dresidual != nullptr) AdviseHugePages(a.dresidual, elements * FloatTypeBytes(a.residual_type));
+  if (a.dresidual != nullptr)
+    AdviseHugePages(a.dresidual, elements * FloatTypeBytes(a.residual_type));
 
   // Rows: dx (and dresidual).
   const int64_t rows_per_task =

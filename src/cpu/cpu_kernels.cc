@@ -139,14 +139,15 @@ ColumnScratch ThreadColumnScratch(int64_t rows, int64_t span_rows, int64_t hidde
 
 // Whether a block's columnwise FP8 codes can be moved from its rowwise codes (AVX2
 // variant, MovedFp8Codes32): power-of-two multipliers on both sides with no bound on the
-// scale (so that neither side saturates), and groups of a size the row loop keeps each
-// group's multiplier for (QuantizeGroups' compile-time sizes, several per row).
+// scale (so that neither side saturates), groups of a size the row loop keeps each
+// group's multiplier for (QuantizeGroups' compile-time sizes, several per row), and column
+// blocks of the rows' group size (the column pass finds the rows' multipliers by it).
 bool MovesRowCodes(const RmsNormFp8Args& a) {
   const int64_t groups = GroupsPerRow(a);
   const int64_t group = groups > 0 ? a.hidden / groups : 0;
   return a.out_format != OutFormat::kE2M1 && a.static_scale == nullptr &&
          a.constants.power_of_two && !(a.constants.scale_ub < FloatOf(kF32Inf)) && groups > 1 &&
-         (group == 32 || group == 64 || group == 128);
+         (group == 32 || group == 64 || group == 128) && a.columns.block == a.group_size;
 }
 
 // The row loops for the baseline instruction set of the build (SSE2 on x86-64)...
