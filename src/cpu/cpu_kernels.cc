@@ -337,7 +337,8 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
       for (int64_t span0 = begin; span0 < end; span0 += span_rows) {
         const int64_t span_end = std::min(end, span0 + span_rows);
         process_rows(a, gw, scratch, span0, span_end, nullptr);
-        write_column_codes(columns, row_codes + span0 * a.hidden, span0, span_end - span0);
+        write_column_codes(columns, row_codes + YByte(a, span0 * a.hidden), span0,
+                           span_end - span0);
       }
       return;
     }
