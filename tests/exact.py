@@ -124,6 +124,16 @@ def nearest_in_dtype(value: float, dtype) -> np.float32:
     return np.float32(float(units * ulp) * (1 if exact > 0 else -1))
 
 
+def inverse_rms(row32, eps32: np.float32) -> np.float32:
+    """The spec's ``r`` of a float32 row from the oracle's sum of squares: the quiet NaN
+    0x7FC00000 when the sum is not finite, 0 when ``ss / N + eps`` is 0."""
+    ss = spec_sum_of_squares(row32)
+    if not np.isfinite(ss):
+        return np.float32(np.nan)
+    denom = np.float32(ss / np.float32(row32.size)) + eps32
+    return np.float32(0) if denom == 0 else np.float32(1) / np.sqrt(denom)
+
+
 def rms_norm_rows(
     x, gamma, eps: float = 1e-6, weight_offset: float = 0.0, offset_dtype=None
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -140,13 +150,11 @@ def rms_norm_rows(
     g32 = np.asarray(gamma).astype(np.float32) + wo32
     ys, scales = [], []
     for row in x32:
-        ss = spec_sum_of_squares(row)
-        if not np.isfinite(ss):  # a sum of squares past float32: a NaN row (step 7)
+        r = inverse_rms(row, eps32)
+        if np.isnan(r):  # a sum of squares past float32: a NaN row (step 7)
             ys.append(np.full(row.shape, np.nan, np.float32).astype(ml_dtypes.float8_e4m3fn))
             scales.append(np.float32(np.nan))
             continue
-        denom = np.float32(ss / np.float32(row.size)) + eps32
-        r = np.float32(0) if denom == 0 else np.float32(1) / np.sqrt(denom)
         n = (row * r) * g32
         scale = np.float32(np.max(np.abs(n), initial=np.float32(0)) / FP8_MAX)
         with np.errstate(divide="ignore"):

@@ -450,19 +450,30 @@ OUT_OF_MEMORY_SCRIPT = textwrap.dedent(
     want = float(np.asarray(want)[0, 0])
     with open("/proc/self/statm") as f:
         base = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    for headroom in range(0, 640 << 20, 20 << 20):
-        resource.setrlimit(resource.RLIMIT_AS, (base + headroom, resource.RLIM_INFINITY))
+    def attempt(label, limit):
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
         try:
             y, scales = call(x, gamma)
             scales = np.asarray(scales)
         except Exception as error:
             message = str(error).splitlines()[0]
-            print("ERROR", headroom >> 20, message[:200], flush=True)
-        else:
-            ok = bool((scales == want).all())
-            print("OK" if ok else "WRONG", headroom >> 20, flush=True)
+            print("ERROR", label, message[:200], flush=True)
+            return False
         finally:
             resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY,) * 2)
+        ok = bool((scales == want).all())
+        print("OK" if ok else "WRONG", label, flush=True)
+        return ok
+    # Up in 20 MiB steps until two calls in a row succeed: how much headroom a call needs
+    # beside our buffers depends on the jax release and on how many threads have touched
+    # malloc (each arena reserves address space), so the sweep finds the edge itself.
+    successes = 0
+    for headroom in range(0, 4 << 30, 20 << 20):
+        successes = successes + 1 if attempt(headroom >> 20, base + headroom) else 0
+        if successes == 2:
+            break
+    # After every failure above, a call without a limit gives the right answer.
+    attempt("unlimited", resource.RLIM_INFINITY)
     """
 )
 
@@ -482,6 +493,7 @@ def test_running_out_of_host_memory_raises():
     )
     lines = result.stdout.splitlines()
     assert result.returncode == 0, (lines[-3:], result.stderr[-3000:])
-    assert len(lines) == 32 and not [line for line in lines if line.startswith("WRONG")], lines
+    assert not [line for line in lines if line.startswith("WRONG")], lines
     assert any("jax_fp8norm: out of host memory" in line for line in lines), lines
-    assert lines[-1].startswith("OK"), lines
+    assert lines[-3].startswith("OK") and lines[-2].startswith("OK"), lines
+    assert lines[-1] == "OK unlimited", lines

@@ -12,6 +12,7 @@ import pytest
 from exact import (
     correctly_rounded_sum_of_squares,
     distance_to_tie,
+    inverse_rms,
     rms_norm_rows,
     spec_sum_of_squares,
 )
@@ -20,6 +21,7 @@ from helpers import (
     FLOATS,
     assert_kernel_matches,
     assert_same_bits,
+    is_gpu,
     reference_on_cpu,
     run_on,
 )
@@ -40,9 +42,9 @@ def _reference_sum_of_squares(x) -> np.ndarray:
 _oracle_outputs: dict = {}
 
 
-def _oracle(x, eps: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
-    """The oracle's (y, scales) of rows ``x``, after holding the reference's sum of squares
-    and its (y, scales) to them, bit for bit."""
+def _oracle(x, eps: float = 1e-6) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The oracle's (y, scales, r) of rows ``x``, after holding the reference's sum of
+    squares and its (y, scales) to them, bit for bit."""
     key = (x.dtype.str, x.shape, x.tobytes(), eps)
     if key not in _oracle_outputs:
         gamma = np.ones(x.shape[-1], np.float32)
@@ -52,15 +54,23 @@ def _oracle(x, eps: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
             _reference_sum_of_squares(x)[:, 0].view(np.uint32), want_ss.view(np.uint32)
         )
         assert_same_bits(reference_on_cpu(fp8norm.reference.rms_norm_fp8, x, gamma, eps=eps), want)
-        _oracle_outputs[key] = want
+        eps32 = np.float32(np.asarray(eps, x.dtype))
+        r = np.asarray([[inverse_rms(row, eps32)] for row in x.astype(np.float32)])
+        _oracle_outputs[key] = (*want, r)
     return _oracle_outputs[key]
 
 
 def _check_rows_against_oracle(platform, x, eps: float = 1e-6):
     """The op on ``platform`` against the oracle: bit for bit on cpu and simt, by the
-    accuracy rule on a GPU (and the reference bit for bit, once per input)."""
-    got = run_on(platform, fp8norm.rms_norm_fp8, x, np.ones(x.shape[-1], np.float32), eps=eps)
-    assert_kernel_matches(platform, got, _oracle(x, eps))
+    accuracy rule on a GPU (and the reference bit for bit, once per input). The training
+    form's ``r`` (the kernel's sum of squares, seen where no rounding of y hides it) bit for
+    bit on cpu and simt."""
+    ones = np.ones(x.shape[-1], np.float32)
+    y, scales, r = run_on(platform, fp8norm.rms_norm_fp8_training, x, ones, eps=eps)
+    want_y, want_scales, want_r = _oracle(x, eps)
+    assert_kernel_matches(platform, (y, scales), (want_y, want_scales))
+    if not is_gpu(platform):
+        assert_same_bits([r], [want_r])
 
 
 # Rows of 40000 elements and more are the extended tier's (the default tier's reproducer
@@ -156,7 +166,7 @@ def test_finite_squares_whose_sum_overflows(platform, dtype, length):
     squares = [sum(v * v for v in row) for row in rows]
     overflow = np.asarray(squares) >= 2.0**128 * (1 - 2.0**-25)  # rounds past FLT_MAX
     assert list(overflow) == [False, True, True, False, False, True, True]
-    y, scales = _oracle(x)
+    y, scales, _ = _oracle(x)
     assert np.isnan(scales[overflow]).all() and np.isfinite(scales[~overflow]).all()
     assert (y[overflow].view(np.uint8) == 0x7F).all()
     _check_rows_against_oracle(platform, x)
@@ -180,7 +190,7 @@ def test_squares_at_the_flushing_boundary(platform, length):
         [below] * length,  # every square counts as zero: ss = 0, r = 0
     ]
     x = _rows_with(length, rows, length + 1).astype(np.float32)
-    _, scales = _oracle(x, eps=0.0)
+    _, scales, _ = _oracle(x, eps=0.0)
     # The counted squares show in the scales (a larger sum, a smaller scale); the
     # uncounted ones do not.
     assert scales[0, 0] > scales[1, 0] > scales[2, 0] and scales[0, 0] > scales[4, 0]

@@ -2,9 +2,10 @@
 # The emulated CUDA kernels under the sanitizers, then the mutation check (docs/simt.md):
 #   1. AddressSanitizer + UndefinedBehaviorSanitizer over every launch path
 #      (tests/simt/kernel_check: exact-size buffers, so one element past the end is an error);
-#   2. ThreadSanitizer over the block-level paths (kernel_check --quick: every path at
-#      shorter rows; each emulated thread is a TSan thread of its own);
-#   3. tools/mutants/simt_mutants.py --tsan: planted bugs, each of which must be caught.
+#   2. tools/mutants/simt_mutants.py --tsan: first the unmutated kernels, plain over every
+#      launch path and under ThreadSanitizer over the block-level paths (kernel_check
+#      --quick: every path at shorter rows; each emulated thread is a TSan thread of its
+#      own), then planted bugs, each of which must be caught.
 # Any report or surviving mutant fails the script. Run by .ci/run; needs cmake and a C++
 # compiler with the sanitizers (GCC or Clang), no GPU. BUILD sets the build directory.
 set -euo pipefail
@@ -27,10 +28,6 @@ configure_and_build asan "address,undefined"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
   "$build/asan/kernel_check"
 
-echo "== simt: ThreadSanitizer, block-level paths"
-configure_and_build tsan "thread"
-TSAN_OPTIONS=halt_on_error=1 "$build/tsan/kernel_check" --quick
-
-echo "== simt: mutation check"
+echo "== simt: ThreadSanitizer over the block-level paths, then the mutation check"
 python tools/mutants/simt_mutants.py --build "$build/mutants" --tsan
 echo "== simt: done in ${SECONDS} s"

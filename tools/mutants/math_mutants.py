@@ -9,17 +9,19 @@ to the reference and to the exact oracle, can show such a bug; the SIMT mutants
 
 The tests run with FP8NORM_CPU_ISA=baseline, the CPU variant that computes with the
 header's scalar functions (tools/checks/cpu_check.sh holds the AVX2 variant's vector arithmetic to
-those functions on every float32 input). The unmutated build must pass first. A mutant
-counts as caught only when tests ran and failed: a mutant that does not build, a run that
-collects no test or stops on an error outside a test, or one that hangs, fails the check.
-Exits non-zero unless the baseline passes and every mutant is caught. The baseline and the
-mutants are shared among N workers (one per core, at most 2), each with its own build.
+those functions on every float32 input). A mutant counts as caught only when tests ran and
+one failed that passes on the unmutated header: after the mutants, the unmutated build runs
+every test that caught one (the baseline). A mutant that does not build, a run that collects
+no test or stops on an error outside a test, or one that hangs, fails the check. Exits
+non-zero unless the baseline passes and every mutant is caught. The mutants are shared
+among N workers (one per core, at most 2), each with its own build.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -51,6 +53,13 @@ class Mutant:
     old: str
     new: str
     backward: bool = False  # the backward's arithmetic: BACKWARD_TESTS, not TESTS
+    # The test file run first (the rest follow in TESTS' order): where the mutant's kind of
+    # error shows first, so that `-x` stops early.
+    first: str | None = None
+
+    def tests(self) -> list[str]:
+        tests = BACKWARD_TESTS if self.backward else TESTS
+        return sorted(tests, key=lambda test: test != self.first)
 
 
 MUTANTS = [
@@ -68,6 +77,7 @@ MUTANTS = [
         "NVFP4: one division by the product of the two scales",
         "(normed / s.global_scale) / s.scale",
         "normed / (s.global_scale * s.scale)",
+        first="tests/test_fp4.py",
     ),
     Mutant(
         "sum of squares: each addition's rounding error dropped",
@@ -179,25 +189,27 @@ class CpuModule:
                      self.package / "jax_fp8norm_kernels" / f"_fp8norm_cpu{suffix}")  # fmt: skip
         return None
 
-    def run_tests(self, backward: bool = False) -> tuple[str, str]:
-        """('passed' | 'failed' | 'error', the run's last lines) of TESTS, or of the
-        backward's (BACKWARD_TESTS): pytest's exit code 1 is a failing test; any other
-        non-zero code is no verdict on the mutant."""
+    def run_tests(self, tests: list[str], select: str) -> tuple[str, str, list[str]]:
+        """(verdict, output's tail, the failed tests' ids) of `tests` (files or test ids)
+        narrowed by `select`, with the baseline CPU variant: pytest's exit code 1 is a
+        failing test; any other non-zero code is no verdict on the mutant."""
         env = dict(os.environ, PYTHONPATH=str(self.package), FP8NORM_CPU_ISA="baseline")
-        select, tests = (BACKWARD_SELECT, BACKWARD_TESTS) if backward else (SELECT, TESTS)
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
-               "-k", select, *tests]  # fmt: skip
+        cache = self.build / "pytest-cache"  # where pytest records the failed tests' ids
+        shutil.rmtree(cache, ignore_errors=True)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-o",
+               f"cache_dir={cache}", "-k", select, *tests]  # fmt: skip
         try:
             ran = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                                  timeout=TIMEOUT_S, check=False)  # fmt: skip
         except subprocess.TimeoutExpired:
-            return "error", f"timed out after {TIMEOUT_S} s (a hang)"
+            return "error", f"timed out after {TIMEOUT_S} s (a hang)", []
         tail = (ran.stdout + ran.stderr)[-3000:]
         if ran.returncode == 0 and re.search(r"\b\d+ passed", ran.stdout):
-            return "passed", tail
+            return "passed", tail, []
         if ran.returncode == 1 and re.search(r"\b1 failed", ran.stdout):
-            return "failed", tail
-        return "error", f"pytest exit code {ran.returncode}\n{tail}"
+            failed = json.loads((cache / "v" / "cache" / "lastfailed").read_text())
+            return "failed", tail, list(failed)
+        return "error", f"pytest exit code {ran.returncode}\n{tail}", []
 
 
 def first_failure(output: str) -> str:
@@ -205,24 +217,26 @@ def first_failure(output: str) -> str:
     return found.group(1) if found else output.strip().splitlines()[-1][:200]
 
 
-def check(module: CpuModule, original: str, mutant: Mutant) -> tuple[bool, str]:
-    """(caught, the report's lines) for one mutant, built and tested in `module`."""
+def check(module: CpuModule, original: str, mutant: Mutant) -> tuple[list[str], str]:
+    """(the ids of the tests that caught the mutant, none if none did; the report's lines)
+    for one mutant, built and tested in `module`."""
     start = time.monotonic()
     if original.count(mutant.old) != 1:
-        return False, (
+        return [], (
             f"SETUP ERROR {mutant.name}: the text to mutate occurs "
             f"{original.count(mutant.old)} times"
         )
     module.write_header(original.replace(mutant.old, mutant.new))
     why = module.build_module()
-    verdict, output = (
-        ("error", f"build failed:\n{why}") if why else module.run_tests(mutant.backward)
+    select = BACKWARD_SELECT if mutant.backward else SELECT
+    verdict, output, failed = (
+        ("error", f"build failed:\n{why}", []) if why else module.run_tests(mutant.tests(), select)
     )
     took = f"({time.monotonic() - start:.0f} s)"
     if verdict == "failed":
-        return True, f"caught   {mutant.name}\n         by: {first_failure(output)} {took}"
+        return failed, f"caught   {mutant.name}\n         by: {' '.join(failed)} {took}"
     label = "SURVIVED" if verdict == "passed" else "NO VERDICT"
-    return False, f"{label} {mutant.name} {took}" + (f"\n{output}" if verdict == "error" else "")
+    return [], f"{label} {mutant.name} {took}" + (f"\n{output}" if verdict == "error" else "")
 
 
 def main() -> int:
@@ -233,30 +247,23 @@ def main() -> int:
     original = (ROOT / HEADER).read_text()
     modules = [CpuModule(Path(args.build) / f"worker{i}") for i in range(max(1, args.workers))]
 
-    # The baseline runs beside the first mutants (each job takes a free worker's build);
-    # no mutant counts unless it passes.
-    baseline = Mutant("the unmutated header", "", "")
-
-    def run(module: CpuModule, job: Mutant) -> tuple[bool, str]:
-        if job is not baseline:
-            return check(module, original, job)
-        start = time.monotonic()
-        module.write_header(original)
-        why = module.build_module()
-        verdict, output = ("error", why) if why else module.run_tests()
-        if verdict == "passed":
-            verdict, output = module.run_tests(backward=True)
-        if verdict != "passed":
-            return False, f"BASELINE FAILED: the unmutated header does not pass\n{output}"
-        return True, f"baseline: the unmutated header passes ({time.monotonic() - start:.0f} s)"
-
-    (passed, report), *results = map_on_workers(modules, run, [baseline, *MUTANTS])
-    print(report)
-    if not passed:
+    results = map_on_workers(modules, lambda module, mutant: check(module, original, mutant),
+                             MUTANTS)  # fmt: skip
+    # The baseline: every test that caught a mutant passes on the unmutated header, or its
+    # catch proves nothing.
+    start = time.monotonic()
+    catchers = sorted({test for failed, _ in results for test in failed})
+    modules[0].write_header(original)
+    why = modules[0].build_module()
+    verdict, output, _ = ("error", why, []) if why else modules[0].run_tests(catchers, "cpu")
+    if not catchers or verdict != "passed":
+        print(f"BASELINE FAILED: the tests that caught mutants fail unmutated\n{output}")
         return 1
+    print(f"baseline: the {len(catchers)} tests that caught mutants pass on the unmutated header "
+          f"({time.monotonic() - start:.0f} s)")  # fmt: skip
     failures = 0
-    for caught, report in results:
-        failures += not caught
+    for failed, report in results:
+        failures += not failed
         print(report)
     print(f"{len(MUTANTS)} mutants of {HEADER}, {failures} not caught")
     return 1 if failures else 0
