@@ -331,6 +331,18 @@ def _nearest_scales(amax: jax.Array, p: NormParams) -> tuple[jax.Array, jax.Arra
     return scale32, recip
 
 
+def _to_scale_dtype(scale32: jax.Array, dtype) -> jax.Array:
+    """float32 ``scale32``, each a ``dtype`` value, in ``dtype``, exactly. bfloat16 takes
+    the high half of the bits, as integers up to the end: XLA's CPU backend computes
+    bfloat16 operations in float32 with subnormals flushed to zero (a convert, even a
+    broadcast), and a bfloat16 scale can be subnormal (a static scale of 1e-40). The
+    barrier keeps XLA from moving the bitcast ahead of a broadcast."""
+    if np.dtype(dtype) == np.dtype(jnp.bfloat16):
+        high = (jax.lax.bitcast_convert_type(scale32, jnp.uint32) >> 16).astype(jnp.uint16)
+        return jax.lax.bitcast_convert_type(jax.lax.optimization_barrier(high), jnp.bfloat16)
+    return scale32.astype(dtype)
+
+
 def _static_scales(static_scale: jax.Array, p: NormParams) -> tuple[jax.Array, jax.Array]:
     """The calibrated scale: (scale as float32, recip); recip NaN for a scale that is not
     a positive normal finite float32, 0 where 1 / scale would be subnormal."""
@@ -403,8 +415,8 @@ def quantize_columns(
     normed_t = _normalize(h.reshape(rows, n), r, gamma, p).T  # [N, rows]
     if p.has_static_scale:
         y_t, _ = _quantize_groups(normed_t[..., None], row_finite[None, :], p, scale_operand)
-        scale = _static_scales(scale_operand, p)[0].astype(p.scale_dtype)
-        return y_t.reshape(n, rows), jnp.broadcast_to(scale, (n, 1))
+        scale32 = jnp.broadcast_to(_static_scales(scale_operand, p)[0], (n, 1))
+        return y_t.reshape(n, rows), _to_scale_dtype(scale32, p.scale_dtype)
     block = p.group_size
     grouped = normed_t.reshape(n, rows // block, block)
     block_finite = jnp.all(row_finite.reshape(rows // block, block), axis=-1)
@@ -449,7 +461,7 @@ def _quantize_groups(
         exponent = jnp.where(finite, exponent, jnp.uint32(0xFF)).astype(jnp.uint8)
         scale = jax.lax.bitcast_convert_type(exponent, E8M0)
     else:
-        scale = scale32.astype(p.scale_dtype)  # exact: scale32 is a scale_dtype value
+        scale = _to_scale_dtype(scale32, p.scale_dtype)
         if not p.has_static_scale:
             scale = jnp.where(finite, scale, jnp.asarray(np.nan, p.scale_dtype))
     return _to_fp8(q, p.out_dtype), scale

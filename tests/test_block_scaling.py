@@ -277,6 +277,14 @@ def test_invalid_static_scale_makes_every_y_nan(platform, scale):
         assert s.shape == (5, 1)
         if not math.isnan(scale) and scale != 1e-40:
             assert np.all(s == np.float32(scale))
+    if scale == 1e-40:
+        # scales hold s = f32(bfloat16(1e-40)), a subnormal: 2^-133, the bits 0x0001.
+        (y, scales), _ = check(
+            platform, "rms_norm_fp8", x, gamma, static_scale=jnp.float32(scale),
+            scale_dtype=jnp.bfloat16,
+        )  # fmt: skip
+        assert np.all(np.asarray(y).view(np.uint8) == 0x7F)
+        assert np.all(np.asarray(scales).view(np.uint16) == 0x0001)
 
 
 def test_static_scale_edge_rows(platform):
