@@ -332,7 +332,8 @@ def _nearest_scales(amax: jax.Array, p: NormParams) -> tuple[jax.Array, jax.Arra
 
 
 def _to_scale_dtype(scale32: jax.Array, dtype) -> jax.Array:
-    """float32 ``scale32``, each a ``dtype`` value, in ``dtype``, exactly. bfloat16 takes
+    """float32 ``scale32``, each a ``dtype`` value or NaN, in ``dtype``, exactly (the last
+    step of a scale: no bfloat16 operation may follow it). bfloat16 takes
     the high half of the bits, as integers up to the end: XLA's CPU backend computes
     bfloat16 operations in float32 with subnormals flushed to zero (a convert, even a
     broadcast), and a bfloat16 scale can be subnormal (a static scale of 1e-40). The
@@ -461,9 +462,9 @@ def _quantize_groups(
         exponent = jnp.where(finite, exponent, jnp.uint32(0xFF)).astype(jnp.uint8)
         scale = jax.lax.bitcast_convert_type(exponent, E8M0)
     else:
-        scale = _to_scale_dtype(scale32, p.scale_dtype)
         if not p.has_static_scale:
-            scale = jnp.where(finite, scale, jnp.asarray(np.nan, p.scale_dtype))
+            scale32 = jnp.where(finite, scale32, f32(np.nan))
+        scale = _to_scale_dtype(scale32, p.scale_dtype)
     return _to_fp8(q, p.out_dtype), scale
 
 

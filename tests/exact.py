@@ -124,13 +124,13 @@ def nearest_in_dtype(value: float, dtype) -> np.float32:
     return np.float32(float(units * ulp) * (1 if exact > 0 else -1))
 
 
-def inverse_rms(row32, eps32: np.float32) -> np.float32:
-    """The spec's ``r`` of a float32 row from the oracle's sum of squares: the quiet NaN
-    0x7FC00000 when the sum is not finite, 0 when ``ss / N + eps`` is 0."""
-    ss = spec_sum_of_squares(row32)
+def inverse_rms(ss: np.float32, n: int, eps32: np.float32) -> np.float32:
+    """The spec's ``r`` of a row of ``n`` elements from its sum of squares ``ss`` (the
+    oracle's, spec_sum_of_squares): the quiet NaN 0x7FC00000 when the sum is not finite, 0
+    when ``ss / N + eps`` is 0."""
     if not np.isfinite(ss):
         return np.float32(np.nan)
-    denom = np.float32(ss / np.float32(row32.size)) + eps32
+    denom = np.float32(ss / np.float32(n)) + eps32
     return np.float32(0) if denom == 0 else np.float32(1) / np.sqrt(denom)
 
 
@@ -150,7 +150,7 @@ def rms_norm_rows(
     g32 = np.asarray(gamma).astype(np.float32) + wo32
     ys, scales = [], []
     for row in x32:
-        r = inverse_rms(row, eps32)
+        r = inverse_rms(spec_sum_of_squares(row), row.size, eps32)
         if np.isnan(r):  # a sum of squares past float32: a NaN row (step 7)
             ys.append(np.full(row.shape, np.nan, np.float32).astype(ml_dtypes.float8_e4m3fn))
             scales.append(np.float32(np.nan))
