@@ -20,7 +20,7 @@ from helpers import (
 )
 
 import jax_fp8norm as fp8norm
-from jax_fp8norm import reference
+from jax_fp8norm import reference, simt
 from jax_fp8norm.recipes import recipe_keywords
 from jax_fp8norm.testing import assert_same_bits
 
@@ -81,6 +81,36 @@ def test_columnwise_kernels_give_the_twins_bits(platform, name, add, dtype, shap
     kw.pop("columnwise")
     plain = run_on(platform, getattr(fp8norm, op), *args, **kw)
     assert_same_bits(out[:-2], plain)
+
+
+# warp_rows' plan makes both layouts in one launch (the rows of a block, then their
+# columns); the other variants, and warp_rows where it cannot hold the row, launch the
+# rowwise kernel and then the columnwise one.
+@pytest.mark.parametrize("platform", ["simt-warp_rows", "simt-block_shared"], indirect=True)
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "fp8_group128", "fp8_static"])
+@pytest.mark.parametrize("add", [False, True], ids=["rms", "add"])
+def test_warp_rows_makes_both_layouts_in_one_launch(platform, name, add):
+    op, args = op_and_args(add, (2, 128, 256), jnp.bfloat16, seed=5)
+    kw = dict(recipe(name), columnwise=True)
+    simt.take_launches()
+    out = run_on(platform, getattr(fp8norm, f"{op}_training"), *args, **kw)
+    # The launches that read x (a static scale's scales_t comes from a launch of its own).
+    launches = [
+        launch
+        for launch in simt.take_launches()
+        if launch["buffers"].get("x", {}).get("bytes_read", 0) > 0
+    ]
+    ref = reference_on_cpu(getattr(reference, f"{op}_training"), *args, **kw)
+    assert_kernel_matches(platform, out, ref, **recipe(name))
+    one_launch = platform == "simt-warp_rows"
+    assert len(launches) == (1 if one_launch else 2)
+    written = {
+        buffer_name
+        for launch in launches
+        for buffer_name, buffer in launch["buffers"].items()
+        if buffer["bytes_written"] > 0
+    }
+    assert {"y", "scales", "inverse_rms", "y_t"} <= written
 
 
 @COLUMNWISE_PLATFORMS

@@ -37,6 +37,11 @@ FP8NORM_HD int64_t ColumnBlockRows(const ColumnwiseArgs& a) {
   return a.static_scale != nullptr ? kStaticColumnRows : a.group_size;
 }
 
+// The blocks of rows the kernels take, the last one shorter with a static scale.
+FP8NORM_HD int64_t RowBlocksOf(const ColumnwiseArgs& a) {
+  return (a.rows + ColumnBlockRows(a) - 1) / ColumnBlockRows(a);
+}
+
 // Blocks per column: scales_t's second dimension.
 FP8NORM_HD int64_t ColumnBlocks(const ColumnwiseArgs& a) {
   return a.static_scale != nullptr ? 1 : a.rows / a.group_size;

@@ -1,10 +1,13 @@
 // The columnwise outputs of rms_norm_fp8 / add_rms_norm_fp8 (docs/spec.md, "Columnwise
-// outputs"), after the training form has written each row's r: a thread per column of a
-// block of rows. It reads the block's h of its column twice (the abs-max, then the codes;
-// the second read hits the cache the first filled), and writes the column's codes for the
-// block, contiguous in y_t, as 32-bit words where the block starts on one.
-//   A warp's lanes take 32 consecutive columns, so each row's load is one coalesced access;
-//   the scale of a block needs no reduction across threads, and no barrier is needed.
+// outputs"), a thread per column of a block of rows: the abs-max of the block's h of its
+// column, then its codes (the second read hits the cache the first filled), stored
+// contiguous in y_t, as 32-bit words where the block starts on one. A warp's lanes take 32
+// consecutive columns, so each row's load is one coalesced access; the scale of a block
+// needs no reduction across threads.
+//   Two kernels: ColumnwiseKernel, after any rowwise kernel has saved each row's r; and
+// BothLayoutsKernel, one launch for both layouts, whose block normalises a block of rows
+// as warp_rows does and then makes their columns, re-reading x from the cache its rows'
+// pass just filled instead of from memory (the launch plan says when).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -14,7 +17,7 @@
 #include "cuda_kernels.h"
 #include "kernel_families.h"
 #include "kernel_launch.h"
-#include "row_blocks.cuh"
+#include "register_row.cuh"
 
 namespace fp8norm {
 namespace {
@@ -22,8 +25,6 @@ namespace {
 // 128 columns per block: four warps of coalesced row reads, and enough blocks for a grid
 // that fills the device at 4096 columns by 32-row blocks of a few thousand rows.
 constexpr int kColumnThreads = 128;
-// Rows per block with a static scale, which has no block of its own.
-constexpr int64_t kStaticRows = 32;
 
 // h of element i of the call: x (+ residual), unrounded.
 __device__ __forceinline__ float ColumnH(const ColumnwiseArgs& a, int64_t i) {
@@ -81,44 +82,87 @@ __device__ __forceinline__ CodeWriter WriterFor(const ColumnwiseArgs& a, int64_t
   return CodeWriter{static_cast<uint8_t*>(a.y) + first, words, a.y_packed, 0u, 0, 0, false, 0};
 }
 
+// scales_t of a static scale for column `column`: the scale rounded to its dtype.
+__device__ __forceinline__ void StoreStaticColumnScale(const ColumnwiseArgs& a, int64_t column) {
+  StoreScale(a, column, RoundTo(a.scale_type, LoadGlobal(a.static_scale)));
+}
+
+// Column `column` of block `block` of the call's rows (ColumnBlockRows each), whose r
+// are saved: the block's scale into scales_t (not with a static scale: see
+// StoreStaticColumnScale), then its codes into y_t. global_scale: NVFP4's.
+__device__ __forceinline__ void ColumnOfBlock(const ColumnwiseArgs& a, int64_t block,
+                                              int64_t column, float global_scale) {
+  const int64_t block_rows = ColumnBlockRows(a);
+  const int64_t row0 = block * block_rows;
+  const int64_t rows = block_rows < a.rows - row0 ? block_rows : a.rows - row0;
+  const float g =
+      GammaPlusOffset(LoadElement(a.gamma, a.gamma_type, column), a.constants.weight_offset);
+  CodeWriter writer = WriterFor(a, column, row0, rows);
+  if (a.static_scale != nullptr) {
+    const float static_scale = LoadGlobal(a.static_scale);
+    for (int64_t i = 0; i < rows; ++i) {
+      const float r = LoadGlobal(a.inverse_rms + row0 + i);
+      const ColumnScale s = StaticColumnScale(a, !IsNan(r), static_scale);
+      writer.Code(ColumnCode(a, s, Normalize(ColumnH(a, (row0 + i) * a.hidden + column), r, g)));
+    }
+    return;
+  }
+  uint32_t amax = 0;
+  bool finite = true;
+  for (int64_t i = 0; i < rows; ++i) {
+    const float r = LoadGlobal(a.inverse_rms + row0 + i);
+    finite = finite && !IsNan(r);
+    amax = max(amax, AbsBits(Normalize(ColumnH(a, (row0 + i) * a.hidden + column), r, g)));
+  }
+  const ColumnScale s = ColumnBlockScale(a, finite, amax, global_scale);
+  StoreScale(a, column * ColumnBlocks(a) + block, StoredScale(a, s));
+  for (int64_t i = 0; i < rows; ++i) {
+    const float r = LoadGlobal(a.inverse_rms + row0 + i);
+    writer.Code(ColumnCode(a, s, Normalize(ColumnH(a, (row0 + i) * a.hidden + column), r, g)));
+  }
+}
+
 // grid: any number of blocks, striding over (column tile, row block) pairs; block:
 // kColumnThreads.
 __global__ void __launch_bounds__(kColumnThreads) ColumnwiseKernel(const ColumnwiseArgs a) {
-  const bool is_static = a.static_scale != nullptr;
-  const int64_t block_rows = is_static ? kStaticRows : a.group_size;
-  const int64_t row_blocks = (a.rows + block_rows - 1) / block_rows;
+  const int64_t row_blocks = RowBlocksOf(a);
   const int64_t tiles = (a.hidden + kColumnThreads - 1) / kColumnThreads;
   const float global_scale = a.global_scale != nullptr ? LoadGlobal(a.global_scale) : 0.0f;
   for (int64_t task = blockIdx.x; task < tiles * row_blocks; task += gridDim.x) {
     const int64_t column = (task % tiles) * kColumnThreads + threadIdx.x;
     const int64_t block = task / tiles;
-    if (column >= a.hidden) continue;
+    if (column < a.hidden) ColumnOfBlock(a, block, column, global_scale);
+  }
+}
+
+// Both layouts in one launch. grid: any number of blocks, striding over the call's blocks
+// of rows (ColumnBlockRows each); block: kWarpRowsBlockThreads threads, `threads_per_row`
+// per row, as warp_rows (whose plan it takes). a: the call; c: ColumnwiseView(a).
+template <typename TIn, int kVecs>
+__global__ void __launch_bounds__(kWarpRowsBlockThreads, 2)
+    BothLayoutsKernel(const RmsNormFp8Args a, const ColumnwiseArgs c, const int threads_per_row) {
+  RegisterScratch& scratch = StaticShared<RegisterScratch>();
+  const int rows_per_block = static_cast<int>(blockDim.x) / threads_per_row;
+  const int block_row = static_cast<int>(threadIdx.x) / threads_per_row;
+  const int lane = static_cast<int>(threadIdx.x) % threads_per_row;
+  const int64_t block_rows = ColumnBlockRows(c);
+  const int64_t row_blocks = RowBlocksOf(c);
+  const float global_scale = GlobalScaleOf(a);
+  for (int64_t block = blockIdx.x; block < row_blocks; block += gridDim.x) {
     const int64_t row0 = block * block_rows;
-    const int64_t rows = block_rows < a.rows - row0 ? block_rows : a.rows - row0;
-    const float g =
-        GammaPlusOffset(LoadElement(a.gamma, a.gamma_type, column), a.constants.weight_offset);
-    CodeWriter writer = WriterFor(a, column, row0, rows);
-    if (is_static) {
-      const float static_scale = LoadGlobal(a.static_scale);
-      for (int64_t i = 0; i < rows; ++i) {
-        const float r = LoadGlobal(a.inverse_rms + row0 + i);
-        const ColumnScale s = StaticColumnScale(a, !IsNan(r), static_scale);
-        writer.Code(ColumnCode(a, s, Normalize(ColumnH(a, (row0 + i) * a.hidden + column), r, g)));
-      }
-      continue;
+    const int64_t row_end = block_rows < a.rows - row0 ? row0 + block_rows : a.rows;
+    // The same trip count for every thread of the block (the rows' reductions may meet at
+    // barriers); rows at or past row_end belong to the next block and are skipped.
+    for (int64_t first = row0; first < row_end; first += rows_per_block) {
+      RegisterRow<TIn, kVecs>(a, first + block_row, row_end, lane, threads_per_row, scratch);
     }
-    uint32_t amax = 0;
-    bool finite = true;
-    for (int64_t i = 0; i < rows; ++i) {
-      const float r = LoadGlobal(a.inverse_rms + row0 + i);
-      finite = finite && !IsNan(r);
-      amax = max(amax, AbsBits(Normalize(ColumnH(a, (row0 + i) * a.hidden + column), r, g)));
-    }
-    const ColumnScale s = ColumnBlockScale(a, finite, amax, global_scale);
-    StoreScale(a, column * ColumnBlocks(a) + block, StoredScale(a, s));
-    for (int64_t i = 0; i < rows; ++i) {
-      const float r = LoadGlobal(a.inverse_rms + row0 + i);
-      writer.Code(ColumnCode(a, s, Normalize(ColumnH(a, (row0 + i) * a.hidden + column), r, g)));
+    // Every r of the block, stored by its row's first thread, visible to every column's
+    // thread; and every read of the reductions' slots done before the next block's rows
+    // write them.
+    __syncthreads();
+    for (int64_t column = threadIdx.x; column < c.hidden; column += blockDim.x) {
+      if (block == 0 && c.static_scale != nullptr) StoreStaticColumnScale(c, column);
+      ColumnOfBlock(c, block, column, global_scale);
     }
   }
 }
@@ -127,9 +171,15 @@ __global__ void __launch_bounds__(kColumnThreads) ColumnwiseKernel(const Columnw
 // call of no rows). grid: ceil(hidden / kColumnThreads); block: kColumnThreads.
 __global__ void __launch_bounds__(kColumnThreads) StaticColumnScalesKernel(const ColumnwiseArgs a) {
   const int64_t column = int64_t{blockIdx.x} * kColumnThreads + threadIdx.x;
-  if (column < a.hidden) {
-    StoreScale(a, column, RoundTo(a.scale_type, LoadGlobal(a.static_scale)));
-  }
+  if (column < a.hidden) StoreStaticColumnScale(a, column);
+}
+
+// BothLayoutsKernel for the register arrays of `vectors` vectors (the plan's).
+template <typename TIn>
+auto BothLayoutsKernelFor(int vectors) {
+  return vectors == 1   ? BothLayoutsKernel<TIn, 1>
+         : vectors == 2 ? BothLayoutsKernel<TIn, 2>
+                        : BothLayoutsKernel<TIn, 4>;
 }
 
 }  // namespace
@@ -141,7 +191,30 @@ cudaError_t LoadColumnwiseKernel() {
     err = LoadKernel(StaticColumnScalesKernel, "static_column_scales", 0, kColumnThreads,
                      &attributes);
   }
+  for (const FloatType input : {FloatType::kF32, FloatType::kF16, FloatType::kBF16}) {
+    for (const int vectors : {1, 2, 4}) {
+      if (err != cudaSuccess) return err;
+      err = WithInputType(input, [&](auto type) {
+        return LoadKernel(BothLayoutsKernelFor<typename decltype(type)::Type>(vectors),
+                          "both_layouts", sizeof(RegisterScratch), kWarpRowsBlockThreads,
+                          &attributes);
+      });
+    }
+  }
   return err;
+}
+
+cudaError_t LaunchBothLayoutsKernel(cudaStream_t stream, const RmsNormFp8Args& a,
+                                    const LaunchPlan& p) {
+  const ColumnwiseArgs c = ColumnwiseView(a);
+  const int64_t row_blocks = RowBlocksOf(c);
+  // A block of rows per block: p.blocks bounds the grid as it does warp_rows'.
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(row_blocks, p.blocks));
+  return WithInputType(a.input_type, [&](auto type) {
+    const auto kernel = BothLayoutsKernelFor<typename decltype(type)::Type>(p.vectors_per_thread);
+    DeclareKernel(kernel, "both_layouts", sizeof(RegisterScratch), kWarpRowsBlockThreads);
+    return LaunchKernel(kernel, blocks, p.threads, 0, stream, a, c, p.threads_per_row);
+  });
 }
 
 cudaError_t LaunchColumnwise(cudaStream_t stream, const ColumnwiseArgs& a) {
@@ -155,8 +228,7 @@ cudaError_t LaunchColumnwise(cudaStream_t stream, const ColumnwiseArgs& a) {
     if (err != cudaSuccess || a.rows == 0) return err;
   }
   if (a.rows == 0) return cudaSuccess;
-  const int64_t block_rows = a.static_scale != nullptr ? kStaticRows : a.group_size;
-  const int64_t tasks = tiles * ((a.rows + block_rows - 1) / block_rows);
+  const int64_t tasks = tiles * RowBlocksOf(a);
   // At most 65535 blocks, striding over the rest (a grid that large fills every
   // multiprocessor many times over).
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(tasks, 65535));

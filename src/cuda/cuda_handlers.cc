@@ -300,12 +300,9 @@ ffi::Error AllReduceNormImpl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer res
   });
 }
 
-// The rowwise kernel (which writes each row's r), then the columnwise one, which reads it.
-ffi::Error LaunchBothLayouts(const GpuTarget& gpu, const char* what, const RmsNormFp8Args& args) {
-  return RunOnDevice(gpu.device, what, [&](int d) {
-    const cudaError_t err = LaunchRmsNormFp8(gpu.stream, d, args);
-    return err != cudaSuccess ? err : LaunchColumnwise(gpu.stream, ColumnwiseView(args));
-  });
+ffi::Error RunBothLayouts(const GpuTarget& gpu, const char* what, const RmsNormFp8Args& args) {
+  return RunOnDevice(gpu.device, what,
+                     [&](int d) { return LaunchBothLayouts(gpu.stream, d, args); });
 }
 
 ffi::Error RmsNormFp8ColumnwiseImpl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
@@ -320,7 +317,7 @@ ffi::Error RmsNormFp8ColumnwiseImpl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuf
   const ffi::Error status = DecodeNormForm(x, nullptr, gamma, scale_operand, y, scales, nullptr,
                                            {&inverse_rms, &y_t, &scales_t}, attributes, &args);
   if (status.failure()) return status;
-  return LaunchBothLayouts(gpu, "rms_norm_fp8 columnwise launch", args);
+  return RunBothLayouts(gpu, "rms_norm_fp8 columnwise launch", args);
 }
 
 ffi::Error AddRmsNormFp8ColumnwiseImpl(
@@ -334,7 +331,7 @@ ffi::Error AddRmsNormFp8ColumnwiseImpl(
       DecodeNormForm(x, &residual, gamma, scale_operand, y, scales, &residual_out,
                      {&inverse_rms, &y_t, &scales_t}, attributes, &args);
   if (status.failure()) return status;
-  return LaunchBothLayouts(gpu, "add_rms_norm_fp8 columnwise launch", args);
+  return RunBothLayouts(gpu, "add_rms_norm_fp8 columnwise launch", args);
 }
 
 }  // namespace

@@ -28,6 +28,10 @@ cudaError_t LaunchRmsNormBackward(cudaStream_t stream, const RmsNormBackwardArgs
 // columnwise.cu: the columnwise outputs of both ops, from the rows' saved r.
 cudaError_t LaunchColumnwise(cudaStream_t stream, const ColumnwiseArgs& args);
 
+// Both layouts of a call with columnwise outputs (args.columns): in one launch where the
+// plan allows (OneLaunchForBothLayouts), else LaunchRmsNormFp8 and then LaunchColumnwise.
+cudaError_t LaunchBothLayouts(cudaStream_t stream, int device, const RmsNormFp8Args& args);
+
 // allreduce.cu. Loads the one-kernel all-reduce's kernel on the current device (its set-up,
 // outside graph capture); enqueues one device's share of a call of it on `stream`. Every
 // device of the group must launch it for the call, with the same rows, method and

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "columnwise.h"
 #include "fp8norm_math.h"
 #include "rms_norm_fp8.h"
 
@@ -220,6 +221,20 @@ inline LaunchPlan PlanRmsNormFp8Launch(const RmsNormFp8Args& a, const DeviceLimi
   plan.blocks = static_cast<unsigned>(
       std::min<int64_t>(CeilDiv(a.rows, plan.rows_per_block), limits.max_blocks));
   return plan;
+}
+
+// Whether a call with columnwise outputs makes both layouts in one launch
+// (columnwise.cu's BothLayoutsKernel: a block of threads per block of rows, x read from
+// memory once) rather than its rowwise kernel and then the columnwise one, which reads x
+// again. On warp_rows' plan only, whose blocks hold several rows: asked for by name, or
+// picked by auto when the call has a block of rows for every multiprocessor. With fewer,
+// the one launch would leave multiprocessors idle, where the columnwise kernel spreads the
+// same work over hidden / 128 times as many blocks.
+inline bool OneLaunchForBothLayouts(const RmsNormFp8Args& a, const LaunchPlan& plan,
+                                    const DeviceLimits& limits, KernelVariant requested) {
+  if (a.rows == 0 || a.hidden == 0 || plan.variant != KernelVariant::kWarpRows) return false;
+  return requested == KernelVariant::kWarpRows ||
+         RowBlocksOf(ColumnwiseView(a)) >= limits.multiprocessors;
 }
 
 }  // namespace fp8norm

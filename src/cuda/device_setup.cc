@@ -170,4 +170,17 @@ cudaError_t LaunchRmsNormFp8(cudaStream_t stream, int device, const RmsNormFp8Ar
   return Launch(stream, LimitsFor(*setup, a), a);
 }
 
+cudaError_t LaunchBothLayouts(cudaStream_t stream, int device, const RmsNormFp8Args& a) {
+  const DeviceSetup* setup = nullptr;
+  cudaError_t err = GetDeviceSetup(device, &setup);
+  if (err != cudaSuccess) return err;
+  const KernelVariant variant = RequestedKernelVariant();
+  const LaunchPlan plan = PlanRmsNormFp8Launch(a, LimitsFor(*setup, a), variant);
+  if (OneLaunchForBothLayouts(a, plan, LimitsFor(*setup, a), variant)) {
+    return LaunchBothLayoutsKernel(stream, a, plan);
+  }
+  err = LaunchRmsNormFp8(stream, device, a);
+  return err != cudaSuccess ? err : LaunchColumnwise(stream, ColumnwiseView(a));
+}
+
 }  // namespace fp8norm

@@ -28,7 +28,10 @@ cudaError_t LoadRoundKernel();
 // backward.cu (LaunchRmsNormBackward is in cuda_kernels.h).
 cudaError_t LoadBackwardKernels();
 
-// columnwise.cu (LaunchColumnwise is in cuda_kernels.h).
+// columnwise.cu (LaunchColumnwise is in cuda_kernels.h). LaunchBothLayoutsKernel: both
+// layouts of a call (its rows and hidden not 0) in one launch, on warp_rows' plan `plan`.
 cudaError_t LoadColumnwiseKernel();
+cudaError_t LaunchBothLayoutsKernel(cudaStream_t stream, const RmsNormFp8Args& args,
+                                    const LaunchPlan& plan);
 
 }  // namespace fp8norm

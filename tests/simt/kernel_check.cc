@@ -63,10 +63,9 @@ struct Limits {
 // about 900 float32 are re-read); one that needs the opt-in beyond 2 KiB; a grid of at
 // most 3 blocks, so each block strides over several rows.
 constexpr Limits kLimits[] = {
-    {"hopper", 48 * 1024, 232448, 2147483647},
-    {"optin-4k", 4096, 4096, 2147483647},
-    {"default-2k", 2048, 16384, 2147483647},
-    {"grid-3", 48 * 1024, 232448, 3},
+    {"hopper", 48 * 1024, 232448, 2147483647}, {"optin-4k", 4096, 4096, 2147483647},
+    {"default-2k", 2048, 16384, 2147483647},   {"grid-3", 48 * 1024, 232448, 3},
+    {"grid-1", 48 * 1024, 232448, 1},
 };
 
 struct Case {
@@ -547,6 +546,7 @@ int CheckColumnwise(bool quick) {
     return t == FloatType::kE8M0 || t == FloatType::kE4M3 ? size_t{1} : FloatTypeBytes(t);
   };
   int failures = 0;
+  int one_launch_cases = 0;
   int k = 0;
   for (const Format& f : formats) {
     for (const int64_t hidden : hiddens) {
@@ -631,10 +631,74 @@ int CheckColumnwise(bool quick) {
         const bool ok = SameBytes(y_t, y_t_cpu, "y_t", name) &&
                         SameBytes(scales_t, scales_t_cpu, "scales_t", name);
         if (!ok) ++failures;
+
+        // Both layouts from LaunchBothLayouts with warp_rows asked for: one launch where
+        // its plan holds the rows (every other such case on a grid of one block, which
+        // strides over the blocks of rows), else the two kernels; every output against
+        // the CPU kernel's.
+        ExactBuffer y2(y_bytes), scales2(scales.bytes), residual_out2(residual_out.bytes),
+            r2(r.bytes), y_t2(y_bytes), scales_t2(scales_t_bytes);
+        RmsNormFp8Args both = a;
+        both.y = y2.data;
+        both.scales = scales2.data;
+        both.residual_out = residual ? residual_out2.data : nullptr;
+        both.inverse_rms = reinterpret_cast<float*>(r2.data);
+        both.columns = ColumnOutputs{y_t2.data, scales_t2.data, f.block};
+        SetKernelVariant(KernelVariant::kWarpRows);
+        LaunchPlan plan{};
+        const bool one_launch =
+            PlanLaunch(0, both, &plan) == cudaSuccess && plan.variant == KernelVariant::kWarpRows;
+        if (one_launch && k % 2 == 0) UseDevice(kLimits[4]);
+        simt::TakeLaunches();
+        {
+          simt::ScopedBuffers buffers;
+          buffers.Add("x", x.data, x.bytes);
+          buffers.Add("gamma", gamma.data, gamma.bytes);
+          buffers.Add("scale_operand", operand.data, operand.bytes);
+          buffers.Add("y", y2.data, y2.bytes);
+          buffers.Add("scales", scales2.data, scales2.bytes);
+          buffers.Add("inverse_rms", r2.data, r2.bytes);
+          buffers.Add("y_t", y_t2.data, y_t2.bytes);
+          buffers.Add("scales_t", scales_t2.data, scales_t2.bytes);
+          if (residual) {
+            buffers.Add("residual", res.data, res.bytes);
+            buffers.Add("residual_out", residual_out2.data, residual_out2.bytes);
+          }
+          status = LaunchBothLayouts(nullptr, 0, both);
+        }
+        SetKernelVariant(KernelVariant::kAuto);
+        UseDevice(kLimits[0]);
+        const std::vector<simt::LaunchRecord> launches = simt::TakeLaunches();
+        const size_t expected = one_launch ? 1 : (f.block == 0 ? 3 : 2);
+        const std::string both_name = name + (one_launch ? ", one launch" : ", two kernels");
+        bool launched = status == cudaSuccess && launches.size() == expected;
+        for (const simt::LaunchRecord& launch : launches)
+          launched = launched && launch.error.empty();
+        if (!launched) {
+          std::printf("FAIL %s: status %d, %zu launches (%zu expected)%s%s\n", both_name.c_str(),
+                      static_cast<int>(status), launches.size(), expected,
+                      launches.empty() ? "" : ": ",
+                      launches.empty() ? "" : launches.back().error.c_str());
+          ++failures;
+          continue;
+        }
+        one_launch_cases += one_launch ? 1 : 0;
+        bool same = SameBytes(y2, y, "y", both_name);
+        same = SameBytes(scales2, scales, "scales", both_name) && same;
+        same = SameBytes(r2, r, "inverse_rms", both_name) && same;
+        if (residual)
+          same = SameBytes(residual_out2, residual_out, "residual_out", both_name) && same;
+        same = SameBytes(y_t2, y_t_cpu, "y_t", both_name) && same;
+        same = SameBytes(scales_t2, scales_t_cpu, "scales_t", both_name) && same;
+        if (!same) ++failures;
       }
     }
   }
   simt::TakeLaunches();
+  if (one_launch_cases < (quick ? 8 : 20)) {
+    std::printf("FAIL columnwise: %d cases made both layouts in one launch\n", one_launch_cases);
+    ++failures;
+  }
   return failures;
 }
 

@@ -73,7 +73,7 @@ MUTANTS = [
     ),
     Mutant(
         "register groups, FP4: the group's scale stored from every lane",
-        "cuda/register_rows.cu",
+        "cuda/register_row.cuh",
         "if (index(k) % lanes == 0) StoreScale(a, row * groups + index(k) / lanes, s.scale);\n"
         "        StoreFp4",
         "StoreScale(a, row * groups + index(k) / lanes + index(k) % lanes, s.scale);\n"
@@ -138,40 +138,42 @@ MUTANTS = [
     ),
     Mutant(
         "row reduction: the barrier after the partial writes removed",
-        "cuda/register_rows.cu",
+        "cuda/register_row.cuh",
         "  if (lane == 0) partial[warp] = v;\n  __syncthreads();\n  const int first",
         "  if (lane == 0) partial[warp] = v;\n  const int first",
         race=True,
     ),
     Mutant(
         "row reduction: every row reads the first row's partials",
-        "cuda/register_rows.cu",
+        "cuda/register_row.cuh",
         "const int first = warp - warp % warps_per_row;",
         "const int first = 0;",
     ),
     Mutant(
         "warp_rows: the threads of a row past the last one skip the reductions",
         "cuda/register_rows.cu",
-        "    RegisterRow<TIn, kVecs>(a, first + block_row, lane, threads_per_row, scratch);",
+        "    RegisterRow<TIn, kVecs>(a, first + block_row, a.rows, lane, threads_per_row, "
+        "scratch);",
         "    if (first + block_row < a.rows)\n"
-        "      RegisterRow<TIn, kVecs>(a, first + block_row, lane, threads_per_row, scratch);",
+        "      RegisterRow<TIn, kVecs>(a, first + block_row, a.rows, lane, threads_per_row, "
+        "scratch);",
     ),
     Mutant(
         "register row: one vector past the row held",
-        "cuda/register_rows.cu",
+        "cuda/register_row.cuh",
         "lane + int64_t{k} * threads_per_row < num_vecs",
         "lane + int64_t{k} * threads_per_row <= num_vecs",
     ),
     Mutant(
         "register row: no barrier in place of the abs-max reduction a group scale skips",
-        "cuda/register_rows.cu",
+        "cuda/register_row.cuh",
         "  } else if (warps_per_row > 1) {\n    __syncthreads();\n  }",
         "  }",
         race=True,
     ),
     Mutant(
         "register groups: the shuffle loop stops one step early",
-        "cuda/register_rows.cu",
+        "cuda/register_row.cuh",
         "for (int offset = lanes / 2; offset > 0; offset /= 2)",
         "for (int offset = lanes / 2; offset > 1; offset /= 2)",
     ),
@@ -353,6 +355,19 @@ MUTANTS = [
         "cuda/columnwise.cu",
         "      finite = finite && !IsNan(r);",
         "      finite = true;",
+    ),
+    Mutant(
+        "both layouts: the columns read r before every row of the block has stored it",
+        "cuda/columnwise.cu",
+        "    __syncthreads();\n    for (int64_t column = threadIdx.x;",
+        "    for (int64_t column = threadIdx.x;",
+        race=True,
+    ),
+    Mutant(
+        "both layouts: a block's last row left out of its rows' pass",
+        "cuda/columnwise.cu",
+        "RegisterRow<TIn, kVecs>(a, first + block_row, row_end, lane",
+        "RegisterRow<TIn, kVecs>(a, first + block_row, row_end - 1, lane",
     ),
 ]
 
