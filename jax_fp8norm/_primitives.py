@@ -265,18 +265,27 @@ def _norm_abstract_eval(*avals, reduced_axes: tuple = (), **params):
     if params["with_inverse_rms"]:
         outs.append(x.update(shape=x.shape[:-1] + (1,), dtype=np.dtype(np.float32), **types))
     if params["columnwise"]:
-        # [N, rows] and [N, blocks]: replicated where x's rows are sharded (the kernel runs
-        # on all of them; see _partitioned_lowering).
-        if "sharding" in types and getattr(x.sharding, "spec", None) is not None:
-            spec = x.sharding.spec.update(
-                partitions=(None, None), unreduced=frozenset(), reduced=frozenset()
-            )
-            types = dict(types, sharding=x.sharding.update(spec=spec))
+        # [N, rows] and [N, blocks]: the last axis sharded as _partitioned makes it (where
+        # x's first row dimension alone is sharded by whole blocks), else replicated.
         p = NormParams(**params)
+        y_t_types = scales_t_types = types
+        if "sharding" in types and getattr(x.sharding, "spec", None) is not None:
+            axes = _columnwise_row_axes(x.sharding, x.shape, params)
+
+            def last_axis(axes):
+                spec = x.sharding.spec.update(
+                    partitions=(None, axes), unreduced=frozenset(), reduced=frozenset()
+                )
+                return dict(types, sharding=x.sharding.update(spec=spec))
+
+            y_t_types = last_axis(axes)
+            scales_t_types = last_axis(None if p.has_static_scale else axes)
         rows = int(np.prod(x.shape[:-1], dtype=np.int64))
         blocks = 1 if p.has_static_scale else rows // p.group_size
-        outs.append(x.update(shape=(n, rows), dtype=np.dtype(params["out_dtype"]), **types))
-        outs.append(x.update(shape=(n, blocks), dtype=np.dtype(params["scale_dtype"]), **types))
+        outs.append(x.update(shape=(n, rows), dtype=np.dtype(params["out_dtype"]), **y_t_types))
+        outs.append(
+            x.update(shape=(n, blocks), dtype=np.dtype(params["scale_dtype"]), **scales_t_types)
+        )
     return outs
 
 
@@ -341,51 +350,123 @@ def _row_spec(sharding, rank: int) -> tuple:
     return spec + (None,) * (rank - 1 - len(spec))
 
 
+def _columnwise_row_axes(sharding, shape: tuple, params: dict):
+    """The mesh axes (a name or a tuple of names) the columnwise form keeps x's rows, and
+    y_t's and scales_t's last axis, sharded over; None when the rows must be gathered.
+
+    ``y_t [N, rows]`` flattens the row dimensions in row-major order, so a device's rows
+    are one contiguous run of y_t's columns only when the first row dimension alone is
+    sharded; and a block of ``group_size`` rows must not span two devices. Then each
+    device's call makes its own rows' part of y_t and scales_t, the same bits as one call
+    over all rows (each block depends on its own rows alone)."""
+    rows = _row_spec(sharding, len(shape))
+    if not rows or rows[0] is None or any(axis is not None for axis in rows[1:]):
+        return None
+    mesh = getattr(sharding, "mesh", None)
+    names = rows[0] if isinstance(rows[0], tuple) else (rows[0],)
+    shards = int(np.prod([mesh.shape[name] for name in names])) if mesh is not None else 0
+    if shards < 1 or shape[0] % shards:
+        return None
+    local_rows = shape[0] // shards * int(np.prod(shape[1:-1], dtype=np.int64))
+    group = params["group_size"]
+    if not params["has_static_scale"] and (group is None or local_rows % group):
+        return None
+    return rows[0]
+
+
 def _result_shardings(mesh, rows: tuple, num_results: int):
     # y and residual_out [..., N] and scales [..., 1]: rows as x's, the last axis whole.
     return tuple(NamedSharding(mesh, P(*rows, None)) for _ in range(num_results))
 
 
 @functools.cache
-def _partitioned(kernel: Primitive, params: tuple, num_operands: int):
+def _partitioned(
+    kernel: Primitive, params: tuple, num_operands: int, shape: tuple, num_devices: int
+):
     """kernel.bind wrapped in custom_partitioning: under jit with sharded inputs, XLA runs
     it on each device's rows (no all-gather when rows are sharded: per-group scales
     [..., N // G] keep the rows' sharding too); a hidden axis that is sharded is gathered
-    first, since each row needs all of it. gamma and a calibrated scale are replicated."""
+    first, since each row needs all of it. gamma and a calibrated scale are replicated.
+    The columnwise form keeps x's first row dimension sharded where
+    _columnwise_row_axes allows, with y_t and scales_t sharded along their last axis by the
+    same mesh axes (a calibrated scale's scales_t [N, 1] replicated), and gathers the rows
+    otherwise."""
     kwargs = dict(params)
     num_rows = _num_row_operands(num_operands, _has_scale_operand(kwargs))
     num_shared = num_operands - num_rows
     # rms: (y, scales); add: (y, scales, residual_out); the training forms: then r
     num_results = num_rows + 1 + int(bool(kwargs["with_inverse_rms"]))
+    columnwise = kwargs["columnwise"]
 
     @custom_partitioning
     def call(*args):
         return tuple(kernel.bind(*args, **kwargs))
 
-    def shardings(mesh, arg_shapes):
-        rank = len(arg_shapes[0].shape)
-        rows = _row_spec(arg_shapes[0].sharding, rank)
-        row_operands = [NamedSharding(mesh, P(*rows, None))] * num_rows
-        return rows, (*row_operands, *[NamedSharding(mesh, P(None))] * num_shared)
+    def row_axes(arg_shapes):
+        """The rows' spec (x's row dimensions) and, columnwise, y_t's mesh axes."""
+        x = arg_shapes[0]
+        if not columnwise:
+            return _row_spec(x.sharding, len(shape)), None
+        axes = _columnwise_row_axes(x.sharding, x.shape, kwargs)
+        return (axes,) + (None,) * (len(shape) - 2), axes
+
+    def result_shardings(mesh, rows, columns_axes):
+        outs = _result_shardings(mesh, rows, num_results)
+        if columnwise:
+            blocks = None if kwargs["has_static_scale"] else columns_axes
+            outs += tuple(NamedSharding(mesh, P(None, axes)) for axes in (columns_axes, blocks))
+        return outs
 
     def partition(mesh, arg_shapes, result_shape):
-        rows, arg_shardings = shardings(mesh, arg_shapes)
+        rows, columns_axes = row_axes(arg_shapes)
+        row_operands = [NamedSharding(mesh, P(*rows, None))] * num_rows
+        arg_shardings = (*row_operands, *[NamedSharding(mesh, P(None))] * num_shared)
         lower = lambda *args: tuple(kernel.bind(*args, **kwargs))  # noqa: E731
-        return mesh, lower, _result_shardings(mesh, rows, num_results), arg_shardings
+        return mesh, lower, result_shardings(mesh, rows, columns_axes), arg_shardings
 
     def infer(mesh, arg_shapes, result_shape):
-        rows, _ = shardings(mesh, arg_shapes)
-        return _result_shardings(mesh, rows, num_results)
+        return result_shardings(mesh, *row_axes(arg_shapes))
 
-    rows = "... n, " * num_rows
+    factor_sizes = {}
+    if columnwise:
+        # The row dimensions by name, y_t's last axis their product (row-major). Where the
+        # last row dimension is a multiple of the block, it is (rows of blocks, block
+        # rows), and scales_t's last axis is the product of the rows of blocks; otherwise
+        # a factor of its own, which the rows' sharding does not reach (XLA then gathers
+        # scales_t, 1/32 of y_t's bytes or less).
+        names = [f"r{chr(ord('a') + i)}" for i in range(len(shape) - 1)]
+        group = 1 if kwargs["has_static_scale"] else kwargs["group_size"]
+        dims = list(names)
+        block_names = None
+        # Only where every mesh axis divides the rows of blocks: otherwise the partitioner
+        # may split an axis between the two factors, which custom_partitioning cannot take.
+        if not kwargs["has_static_scale"] and shape[-2] % (group * num_devices) == 0:
+            dims[-1] = f"({names[-1]} g)"
+            factor_sizes["g"] = group
+            if len(names) > 1:  # a factor that appears only in compound dimensions
+                factor_sizes[names[-1]] = shape[-2] // group
+            block_names = names
+        row_dims = " ".join(dims)
+        rows = f"{row_dims} n, " * num_rows
+        results = f"{row_dims} n, {row_dims} k" + (f", {row_dims} n" if num_rows == 2 else "")
+        flat = names + (["g"] if block_names is not None else [])
+        flat_rows = flat[0] if len(flat) == 1 else f"({' '.join(flat)})"
+        if block_names is None:
+            blocks = "blocks"
+        else:
+            blocks = names[0] if len(names) == 1 else f"({' '.join(names)})"
+        results += f", {row_dims} j, n {flat_rows}, n {blocks}"
+    else:
+        rows = "... n, " * num_rows
+        results = "... n, ... k" + (", ... n" if num_rows == 2 else "")
+        results += ", ... j" if kwargs["with_inverse_rms"] else ""
     shared = "n" + (", s" if num_shared == 2 else "")
-    results = "... n, ... k" + (", ... n" if num_rows == 2 else "")
-    results += ", ... j" if kwargs["with_inverse_rms"] else ""
     call.def_partition(
         partition,
         infer_sharding_from_operands=infer,
         sharding_rule=f"{rows}{shared} -> {results}",
         need_replication_factors=("n",),
+        **factor_sizes,
     )
     return call
 
@@ -412,11 +493,14 @@ def _partitioned_lowering(kernel: Primitive):
         )
         lowering_parameters = getattr(ctx.module_context, "lowering_parameters", None)
         for_export = getattr(lowering_parameters, "for_export", False)
-        # The columnwise form's blocks span rows of every device: one call over all rows.
-        if num_devices == 1 or unassigned or for_export or params["columnwise"]:
+        shape = tuple(ctx.avals_in[0].shape)
+        # A columnwise call of one row (x of rank 1) has no row axis to shard.
+        one_row = params["columnwise"] and len(shape) < 2
+        if num_devices == 1 or unassigned or for_export or one_row:
             call = functools.partial(kernel.bind, **params)
         else:
-            call = _partitioned(kernel, tuple(sorted(params.items())), len(args))
+            key = tuple(sorted(params.items()))
+            call = _partitioned(kernel, key, len(args), shape, num_devices)
         return mlir.lower_fun(call, multiple_results=True)(ctx, *args)
 
     return lowering
