@@ -78,9 +78,16 @@ void FillGammaPlusOffsetOf(const void* gamma, float weight_offset, int64_t n, fl
 // span_blocks, stored together when its last block is done: a column's scales of a span
 // are adjacent in scales_t), and, where the columns' codes are moved from the rows'
 // (MovesRowCodes), each row group's multiplier (rows x groups).
+// Bytes between the rows of a span's codes: the row rounded up to a cache line, and one
+// line more, so that a transpose's 16 rows do not all map to one set of L1 (a row of 4096
+// codes 4096 bytes apart would, and evict each other).
+constexpr int64_t ColumnCodesStride(int64_t hidden) { return (hidden + 63) / 64 * 64 + 64; }
+
 struct ColumnScratch {
+  // Each row's n, row-major, for the columns' pass; null where the codes are moved from
+  // the rows' (MovesRowCodes), which recomputes the few n it needs (ColumnNormalized).
   float* tile;
-  uint8_t* codes;
+  uint8_t* codes;  // a span's codes, rows codes_stride bytes apart
   uint32_t* amax;
   float* recips;
   float* scales;
@@ -90,6 +97,8 @@ struct ColumnScratch {
   float* span_scales;
   int64_t span_block0;  // the span's first block, and its blocks
   int64_t span_blocks;
+  const float* gamma_plus_offset;  // the call's, for ColumnNormalized
+  int64_t codes_stride;
 };
 
 // Rows whose columnwise codes go to y_t together: a column's 128 bytes (FP8) are two
@@ -97,8 +106,8 @@ struct ColumnScratch {
 // serves 128 rows' codes instead of a block's (docs/performance.md, "Columnwise").
 constexpr int64_t kColumnSpanRows = 128;
 
-// Null members when the memory cannot be had: the tile of a block's rows, the codes of a
-// span's.
+// Null `codes` when the memory cannot be had. No tile where the codes are moved
+// (row_groups > 0: the rows' group multipliers are kept instead).
 ColumnScratch ThreadColumnScratch(int64_t rows, int64_t span_rows, int64_t hidden,
                                   int64_t row_groups) {
   thread_local std::vector<float> tile, recips, scales, row_recips, span_scales;
@@ -107,9 +116,10 @@ ColumnScratch ThreadColumnScratch(int64_t rows, int64_t span_rows, int64_t hidde
   thread_local std::vector<Fp4Scale> fp4;
   try {
     // The last row's group scratch (2 floats per group, at most 2 x hidden) after the tile.
-    const int64_t tile_floats = (rows + 2) * hidden;
+    const int64_t tile_floats = row_groups > 0 ? 0 : (rows + 2) * hidden;
     if (static_cast<int64_t>(tile.size()) < tile_floats) tile.resize(tile_floats);
-    if (static_cast<int64_t>(codes.size()) < span_rows * hidden) codes.resize(span_rows * hidden);
+    const int64_t codes_bytes = span_rows * ColumnCodesStride(hidden);
+    if (static_cast<int64_t>(codes.size()) < codes_bytes) codes.resize(codes_bytes);
     if (static_cast<int64_t>(amax.size()) < hidden) amax.resize(hidden);
     if (static_cast<int64_t>(recips.size()) < hidden) recips.resize(hidden);
     if (static_cast<int64_t>(scales.size()) < hidden) scales.resize(hidden);
@@ -124,7 +134,7 @@ ColumnScratch ThreadColumnScratch(int64_t rows, int64_t span_rows, int64_t hidde
   } catch (const std::bad_alloc&) {
     return ColumnScratch{};
   }
-  return ColumnScratch{tile.data(),
+  return ColumnScratch{row_groups > 0 ? nullptr : tile.data(),
                        codes.data(),
                        amax.data(),
                        recips.data(),
@@ -134,7 +144,9 @@ ColumnScratch ThreadColumnScratch(int64_t rows, int64_t span_rows, int64_t hidde
                        row_groups > 0 ? row_recips.data() : nullptr,
                        span_scales.data(),
                        0,
-                       0};
+                       0,
+                       nullptr,
+                       ColumnCodesStride(hidden)};
 }
 
 // Whether a block's columnwise FP8 codes can be moved from its rowwise codes (AVX2
@@ -148,6 +160,28 @@ bool MovesRowCodes(const RmsNormFp8Args& a) {
   return a.out_format != OutFormat::kE2M1 && a.static_scale == nullptr &&
          a.constants.power_of_two && !(a.constants.scale_ub < FloatOf(kF32Inf)) && groups > 1 &&
          (group == 32 || group == 64 || group == 128) && a.columns.block == a.group_size;
+}
+
+// Element j of a float array of type `type`.
+inline float ElementAt(const void* p, FloatType type, int64_t j) {
+  switch (type) {
+    case FloatType::kF16:
+      return ToFloat(static_cast<const F16*>(p)[j]);
+    case FloatType::kBF16:
+      return ToFloat(static_cast<const BF16*>(p)[j]);
+    default:
+      return static_cast<const float*>(p)[j];
+  }
+}
+
+// n of element j of row `row` of a finite row, whose saved r is its r: the row loop's
+// Normalize of the same h, so the same bits (for the columns' pass that keeps no tile).
+inline float ColumnNormalized(const ColumnwiseArgs& c, const float* gamma_plus_offset, int64_t row,
+                              int64_t j) {
+  const int64_t i = row * c.hidden + j;
+  float h = ElementAt(c.x, c.input_type, i);
+  if (c.residual != nullptr) h += ElementAt(c.residual, c.residual_type, i);
+  return Normalize(h, c.inverse_rms[row], gamma_plus_offset[j]);
 }
 
 // The row loops for the baseline instruction set of the build (SSE2 on x86-64)...
@@ -177,7 +211,8 @@ using ProcessRowsFn = void (*)(const RmsNormFp8Args&, const float*, float*, int6
                                ColumnScratch*);
 using ProcessColumnBlockFn = void (*)(const ColumnwiseArgs&, int64_t, int64_t, ColumnScratch&,
                                       const uint8_t*, uint8_t*);
-using WriteColumnCodesFn = void (*)(const ColumnwiseArgs&, const uint8_t*, int64_t, int64_t);
+using WriteColumnCodesFn = void (*)(const ColumnwiseArgs&, const uint8_t*, int64_t, int64_t,
+                                    int64_t);
 
 struct CpuVariant {
   ProcessRowsFn process_rows;
@@ -337,17 +372,18 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
       for (int64_t span0 = begin; span0 < end; span0 += span_rows) {
         const int64_t span_end = std::min(end, span0 + span_rows);
         process_rows(a, gw, scratch, span0, span_end, nullptr);
-        write_column_codes(columns, row_codes + YByte(a, span0 * a.hidden), span0,
+        write_column_codes(columns, row_codes + YByte(a, span0 * a.hidden), a.hidden, span0,
                            span_end - span0);
       }
       return;
     }
     ColumnScratch column_scratch =
         ThreadColumnScratch(block_rows, span_rows, a.hidden, moves_row_codes ? groups : 0);
-    if (column_scratch.tile == nullptr) {
+    if (column_scratch.codes == nullptr) {
       out_of_memory.store(true, std::memory_order_relaxed);
       return;
     }
+    column_scratch.gamma_plus_offset = gw;
     for (int64_t span0 = begin; span0 < end; span0 += span_rows) {
       const int64_t span_end = std::min(end, span0 + span_rows);
       column_scratch.span_block0 = span0 / block_rows;
@@ -357,9 +393,10 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
         process_rows(a, gw, scratch, row0, row0 + rows, &column_scratch);
         process_column_block(columns, row0, rows, column_scratch,
                              row_codes + YByte(a, row0 * a.hidden),
-                             column_scratch.codes + (row0 - span0) * a.hidden);
+                             column_scratch.codes + (row0 - span0) * column_scratch.codes_stride);
       }
-      write_column_codes(columns, column_scratch.codes, span0, span_end - span0);
+      write_column_codes(columns, column_scratch.codes, column_scratch.codes_stride, span0,
+                         span_end - span0);
     }
   });
   return !out_of_memory.load();
