@@ -1,10 +1,8 @@
-// CPU kernel of the backward pass (docs/spec.md, "Training: the backward pass"), in two
-// parallel passes over the call:
-//   rows:    each row's c (an exact sum over the row), then dx (and dresidual);
-//   columns: dgamma, an exact sum over every row of each column. Tasks take a block of
-//            columns and a chunk of rows each, with an exact accumulator per column; the
-//            chunks' accumulators are merged exactly at the end, so the bits depend on
-//            neither the split nor the thread count.
+// CPU kernel of the backward pass (docs/spec.md, "Training: the backward pass"): one
+// parallel pass over chunks of rows makes each row's c (an exact sum over the row), then
+// dx (and dresidual), and adds the chunk's dgamma terms into an exact accumulator per
+// column of its own, while the terms are in L2; the chunks' accumulators are merged
+// exactly at the end, so dgamma's bits depend on neither the split nor the thread count.
 // The arithmetic is fp8norm_math.h's, the same functions the CUDA kernels call. Built with
 // -ffp-contract=off, as the forward: a contracted multiply-add would round differently.
 #include <algorithm>
@@ -29,11 +27,14 @@ namespace {
 // late helper still finds work, and the cores finish within a task of each other.
 constexpr int64_t kTasksPerPass = 64;
 constexpr int64_t kMinElementsPerTask = int64_t{1} << 14;
-// Columns per dgamma task: a block's accumulators (88 bytes a column) stay in L1/L2 while
-// its rows stream through.
+// Rows whose dgamma terms are made before they are added: 32 rows of 4096 float32 terms
+// (512 KB) stay in a core's L2 until the exact additions read them.
+constexpr int64_t kFusedRows = 32;
+// Columns added at a time (and merged at a time): a block's accumulators (88 bytes a
+// column) stay in L1 while the block's rows of terms go through.
 constexpr int64_t kColumnBlock = 256;
-// At most this many bytes of dgamma accumulators per call: the number of row chunks
-// gives way first.
+// At most this many bytes of dgamma accumulators per call (one set per task): the number
+// of tasks gives way first.
 constexpr int64_t kMaxAccumulatorBytes = int64_t{64} << 20;
 
 template <typename T>
@@ -67,17 +68,16 @@ void StoreAt(void* p, int64_t i, float v) {
 
 struct BackwardVariant {
   decltype(&baseline::BackwardRows) rows;
-  decltype(&baseline::DgammaColumns) columns;
 };
 
 BackwardVariant SelectBackwardVariant() {
   // The same choice as the forward's (cpu_kernels.cc): its name is the one reported.
 #if defined(FP8NORM_CPU_HAS_AVX2_VARIANT)
   if (std::string_view(CpuKernelVariant()) == "avx2") {
-    return {avx2::BackwardRows, avx2::DgammaColumns};
+    return {avx2::BackwardRows};
   }
 #endif
-  return {baseline::BackwardRows, baseline::DgammaColumns};
+  return {baseline::BackwardRows};
 }
 
 template <typename T>
@@ -119,45 +119,34 @@ bool RmsNormBackwardCpu(const RmsNormBackwardArgs& a, const ParallelFor& paralle
   if (a.dresidual != nullptr)
     AdviseHugePages(a.dresidual, elements * FloatTypeBytes(a.residual_type));
 
-  // Rows: dx (and dresidual).
-  const int64_t rows_per_task =
-      std::max<int64_t>(1, std::max(a.rows * n / kTasksPerPass, kMinElementsPerTask) / n);
-  const int64_t row_tasks = (a.rows + rows_per_task - 1) / rows_per_task;
-  parallel_for(row_tasks, [&](int64_t task) {
-    const int64_t begin = task * rows_per_task;
-    if (!variant.rows(a, g.data(), begin, std::min(a.rows, begin + rows_per_task))) {
-      out_of_memory.store(true, std::memory_order_relaxed);
-    }
-  });
-
-  // Columns: dgamma, in blocks of columns times chunks of rows.
-  const int64_t width = std::min(n, kColumnBlock);
-  const int64_t blocks = (n + width - 1) / width;
+  // Rows: dx (and dresidual), and each task's exact dgamma partials.
   const int64_t accumulator_bytes = n * int64_t{sizeof(ExactSum)};
-  int64_t chunks = std::clamp<int64_t>(kTasksPerPass / blocks, 1, a.rows);
-  chunks = std::min(chunks, std::max<int64_t>(1, kMaxAccumulatorBytes / accumulator_bytes));
-  chunks = std::min(chunks, std::max<int64_t>(1, a.rows * n / kMinElementsPerTask));
-  const int64_t rows_per_chunk = (a.rows + chunks - 1) / chunks;
-  chunks = (a.rows + rows_per_chunk - 1) / rows_per_chunk;
+  int64_t rows_per_task =
+      std::max<int64_t>(1, std::max(a.rows * n / kTasksPerPass, kMinElementsPerTask) / n);
+  const int64_t max_tasks = std::max<int64_t>(1, kMaxAccumulatorBytes / accumulator_bytes);
+  rows_per_task = std::max(rows_per_task, (a.rows + max_tasks - 1) / max_tasks);
+  const int64_t row_tasks = (a.rows + rows_per_task - 1) / rows_per_task;
   std::vector<ExactSum> partials;
   try {
-    partials.resize(static_cast<size_t>(chunks * n));
+    partials.resize(static_cast<size_t>(row_tasks * n));
   } catch (const std::bad_alloc&) {
     return false;
   }
-  parallel_for(blocks * chunks, [&](int64_t task) {
-    const int64_t block = task % blocks, chunk = task / blocks;
-    const int64_t first = block * width, last = std::min(n, first + width);
-    const int64_t begin = chunk * rows_per_chunk;
-    if (!variant.columns(a, begin, std::min(a.rows, begin + rows_per_chunk), first, last,
-                         partials.data() + chunk * n)) {
+  parallel_for(row_tasks, [&](int64_t task) {
+    const int64_t begin = task * rows_per_task;
+    if (!variant.rows(a, g.data(), begin, std::min(a.rows, begin + rows_per_task),
+                      partials.data() + task * n)) {
       out_of_memory.store(true, std::memory_order_relaxed);
     }
   });
+  if (out_of_memory.load()) return false;
+
+  // dgamma: the tasks' partials merged exactly, a block of columns at a time.
+  const int64_t blocks = (n + kColumnBlock - 1) / kColumnBlock;
   parallel_for(blocks, [&](int64_t block) {
-    for (int64_t j = block * width, last = std::min(n, j + width); j < last; ++j) {
+    for (int64_t j = block * kColumnBlock, last = std::min(n, j + kColumnBlock); j < last; ++j) {
       ExactSum total = partials[j];
-      for (int64_t chunk = 1; chunk < chunks; ++chunk) Merge(total, partials[chunk * n + j]);
+      for (int64_t task = 1; task < row_tasks; ++task) Merge(total, partials[task * n + j]);
       a.dgamma[j] = Round(total);
     }
   });

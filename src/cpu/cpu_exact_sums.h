@@ -139,15 +139,15 @@ inline void AddDouble(ExactSum& acc, double v) {
 inline int AccumulateLevels(__m256 terms, __m256i top, __m256d levels[kLevels][2]) {
   const __m256i bits = _mm256_castps_si256(terms);
   const __m256i exponent = _mm256_and_si256(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(0xff));
-  const __m256i normal = _mm256_xor_si256(_mm256_cmpeq_epi32(exponent, _mm256_setzero_si256()),
-                                          _mm256_set1_epi32(-1));
+  const __m256i normal =
+      _mm256_xor_si256(_mm256_cmpeq_epi32(exponent, _mm256_setzero_si256()), _mm256_set1_epi32(-1));
   const __m256i below = _mm256_sub_epi32(top, exponent);
   __m256i covered = _mm256_setzero_si256();
   for (int level = 0; level < kLevels; ++level) {
     const __m256i in_level = _mm256_and_si256(
-        normal, _mm256_and_si256(
-                    _mm256_cmpgt_epi32(below, _mm256_set1_epi32(kLevelBits * level - 1)),
-                    _mm256_cmpgt_epi32(_mm256_set1_epi32(kLevelBits * (level + 1)), below)));
+        normal,
+        _mm256_and_si256(_mm256_cmpgt_epi32(below, _mm256_set1_epi32(kLevelBits * level - 1)),
+                         _mm256_cmpgt_epi32(_mm256_set1_epi32(kLevelBits * (level + 1)), below)));
     covered = _mm256_or_si256(covered, in_level);
     const __m256 masked = _mm256_and_ps(terms, _mm256_castsi256_ps(in_level));
     levels[level][0] =
@@ -223,7 +223,8 @@ inline void AddTermsAvx2(ExactSum& acc, const float* t, int64_t count) {
 }
 
 // AddColumnsPortable, 8 columns at a time, kLaneTerms rows per fold.
-inline void AddColumnsAvx2(ExactSum* acc, const float* t, int64_t rows, int64_t width) {
+inline void AddColumnsAvx2(ExactSum* acc, const float* t, int64_t rows, int64_t width,
+                           int64_t stride) {
   const int64_t vector_width = width / 8 * 8;
   for (int64_t j = 0; j < vector_width; j += 8) {
     for (int64_t begin = 0; begin < rows; begin += kLaneTerms) {
@@ -231,7 +232,7 @@ inline void AddColumnsAvx2(ExactSum* acc, const float* t, int64_t rows, int64_t 
       __m256i top8 = _mm256_setzero_si256();
       for (int64_t i = begin; i < end; ++i) {
         const __m256i bits =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + i * width + j));
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + i * stride + j));
         top8 = _mm256_max_epu32(top8, _mm256_and_si256(bits, _mm256_set1_epi32(int(kF32Inf))));
       }
       top8 = _mm256_srli_epi32(top8, 23);
@@ -242,7 +243,7 @@ inline void AddColumnsAvx2(ExactSum* acc, const float* t, int64_t rows, int64_t 
       __m256d levels[kLevels][2];
       ClearLevels(levels);
       for (int64_t i = begin; i < end; ++i) {
-        const float* row = t + i * width + j;
+        const float* row = t + i * stride + j;
         int left = AccumulateLevels(_mm256_loadu_ps(row), top8, levels);
         while (left != 0) {
           const int lane = __builtin_ctz(left);
@@ -260,7 +261,7 @@ inline void AddColumnsAvx2(ExactSum* acc, const float* t, int64_t rows, int64_t 
     }
   }
   if (vector_width < width) {
-    AddColumnsPortable(acc + vector_width, t + vector_width, rows, width - vector_width, width);
+    AddColumnsPortable(acc + vector_width, t + vector_width, rows, width - vector_width, stride);
   }
 }
 #pragma GCC pop_options
