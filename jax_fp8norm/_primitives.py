@@ -438,9 +438,11 @@ def _partitioned(
         group = 1 if kwargs["has_static_scale"] else kwargs["group_size"]
         dims = list(names)
         block_names = None
-        # Only where every mesh axis divides the rows of blocks: otherwise the partitioner
-        # may split an axis between the two factors, which custom_partitioning cannot take.
-        if not kwargs["has_static_scale"] and shape[-2] % (group * num_devices) == 0:
+        # Only where every mesh axis divides the rows of blocks (the device count unknown,
+        # as inside shard_map: never): otherwise the partitioner may split an axis between
+        # the two factors, which custom_partitioning cannot take.
+        devices = num_devices if isinstance(num_devices, int) else 0
+        if not kwargs["has_static_scale"] and devices and shape[-2] % (group * devices) == 0:
             dims[-1] = f"({names[-1]} g)"
             factor_sizes["g"] = group
             if len(names) > 1:  # a factor that appears only in compound dimensions
