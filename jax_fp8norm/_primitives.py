@@ -380,9 +380,7 @@ def _result_shardings(mesh, rows: tuple, num_results: int):
 
 
 @functools.cache
-def _partitioned(
-    kernel: Primitive, params: tuple, num_operands: int, shape: tuple, num_devices: int
-):
+def _partitioned(kernel: Primitive, params: tuple, num_operands: int, columns: tuple | None):
     """kernel.bind wrapped in custom_partitioning: under jit with sharded inputs, XLA runs
     it on each device's rows (no all-gather when rows are sharded: per-group scales
     [..., N // G] keep the rows' sharding too); a hidden axis that is sharded is gathered
@@ -390,7 +388,8 @@ def _partitioned(
     The columnwise form keeps x's first row dimension sharded where
     _columnwise_row_axes allows, with y_t and scales_t sharded along their last axis by the
     same mesh axes (a calibrated scale's scales_t [N, 1] replicated), and gathers the rows
-    otherwise."""
+    otherwise. ``columns``: the columnwise form's (x's shape, the device count or None),
+    which its sharding rule depends on; None for the other forms, whose rule does not."""
     kwargs = dict(params)
     num_rows = _num_row_operands(num_operands, _has_scale_operand(kwargs))
     num_shared = num_operands - num_rows
@@ -406,9 +405,9 @@ def _partitioned(
         """The rows' spec (x's row dimensions) and, columnwise, y_t's mesh axes."""
         x = arg_shapes[0]
         if not columnwise:
-            return _row_spec(x.sharding, len(shape)), None
+            return _row_spec(x.sharding, len(x.shape)), None
         axes = _columnwise_row_axes(x.sharding, x.shape, kwargs)
-        return (axes,) + (None,) * (len(shape) - 2), axes
+        return (axes,) + (None,) * (len(x.shape) - 2), axes
 
     def result_shardings(mesh, rows, columns_axes):
         outs = _result_shardings(mesh, rows, num_results)
@@ -429,6 +428,7 @@ def _partitioned(
 
     factor_sizes = {}
     if columnwise:
+        shape, num_devices = columns
         # The row dimensions by name, y_t's last axis their product (row-major). Where the
         # last row dimension is a multiple of the block, it is (rows of blocks, block
         # rows), and scales_t's last axis is the product of the rows of blocks; otherwise
@@ -502,7 +502,8 @@ def _partitioned_lowering(kernel: Primitive):
             call = functools.partial(kernel.bind, **params)
         else:
             key = tuple(sorted(params.items()))
-            call = _partitioned(kernel, key, len(args), shape, num_devices)
+            columns = (shape, num_devices) if params["columnwise"] else None
+            call = _partitioned(kernel, key, len(args), columns)
         return mlir.lower_fun(call, multiple_results=True)(ctx, *args)
 
     return lowering

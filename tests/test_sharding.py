@@ -153,21 +153,24 @@ else:
         assert outs[1].shape == (64, 512 // kw["group_size"] if "group_size" in kw else 1)
         assert_same_bits(outs, _single_device(op, x, residual, gamma, *scale))
 
-    # (mesh shape, x's shape, x's spec, recipe, whether the rows stay sharded): the first
-    # row dimension sharded by whole blocks keeps y_t sharded along its rows; a block that
-    # would span two devices, or a sharded row dimension after the first, gathers the rows.
+    # (mesh shape, x's shape, x's spec, recipe, rows): the first row dimension sharded by
+    # whole blocks keeps the rows and y_t sharded ("sharded"; "sharded, scales_t gathered"
+    # where the rule cannot name the blocks: 32 rows of 16 are not a multiple of 16 x 8
+    # devices, so XLA may gather scales_t after the call); a block that would span two
+    # devices, or a sharded row dimension after the first, gathers the rows ("gathered").
     COLUMNWISE_SHARDINGS = {
-        "mxfp8_rows": ((8,), (256, 256), P("a", None), "mxfp8", True),
-        "nvfp4_3d": ((8,), (8, 128, 64), P("a", None, None), "nvfp4", True),
-        "static_2d_mesh": ((2, 4), (64, 256), P(("a", "b"), None), "fp8_static", True),
-        "group128_block_spans_devices": ((8,), (512, 256), P("a", None), "fp8_group128", False),
-        "mxfp8_second_row_dim": ((8,), (4, 64, 128), P(None, "a", None), "mxfp8", False),
+        "mxfp8_rows": ((8,), (256, 256), P("a", None), "mxfp8", "sharded"),
+        "nvfp4_3d": ((8,), (8, 128, 64), P("a", None, None), "nvfp4", "sharded"),
+        "nvfp4_3d_blocks_unnamed": ((8,), (8, 32, 64), P("a", None, None), "nvfp4", "scales"),
+        "static_2d_mesh": ((2, 4), (64, 256), P(("a", "b"), None), "fp8_static", "sharded"),
+        "group128_block_spans_devices": ((8,), (512, 256), P("a", None), "fp8_group128", ""),
+        "mxfp8_second_row_dim": ((8,), (4, 64, 128), P(None, "a", None), "mxfp8", ""),
     }
 
     @pytest.mark.parametrize("case", list(COLUMNWISE_SHARDINGS))
     @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
     def test_columnwise_rows_stay_sharded_by_whole_blocks(axis_type, case):
-        mesh_shape, shape, spec, name, sharded = COLUMNWISE_SHARDINGS[case]
+        mesh_shape, shape, spec, name, rows = COLUMNWISE_SHARDINGS[case]
         mesh = _mesh(mesh_shape, ("a", "b")[: len(mesh_shape)], axis_type)
         x, residual, gamma = _args(fp8norm.add_rms_norm_fp8, shape)
         kw = dict(layout(name), columnwise=True)
@@ -182,19 +185,42 @@ else:
         hlo = fn.lower(*placed, gamma).compile().as_text()
         assert hlo.count('custom_call_target="fp8norm_') == 1
         y_t, scales_t = outs[-2:]
-        if not sharded:  # the rows gathered before the kernel
+        if not rows:  # the rows gathered before the kernel
             assert "all-gather" in collectives_in(hlo)
             return
-        # No collective: each device's copy of y_t holds its own rows' columns.
-        assert not collectives_in(hlo), collectives_in(hlo)
+        # Each device's copy of y_t holds its own rows' columns; no collective but, at
+        # most, a gather of scales_t where the rule cannot name its blocks.
+        allowed = set() if rows == "sharded" else {"all-gather"}
+        assert set(collectives_in(hlo)) <= allowed, collectives_in(hlo)
         for shard in y_t.addressable_shards:
             assert shard.data.shape == (shape[-1], y_t.shape[1] // 8)
         axes = spec[0]
-        blocks = None if name == "fp8_static" else axes
         assert y_t.sharding.is_equivalent_to(NamedSharding(mesh, P(None, axes)), 2)
-        assert scales_t.sharding.is_equivalent_to(NamedSharding(mesh, P(None, blocks)), 2)
+        if rows == "sharded":
+            blocks = None if name == "fp8_static" else axes
+            assert scales_t.sharding.is_equivalent_to(NamedSharding(mesh, P(None, blocks)), 2)
         for out in outs[:-2]:
             assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec), out.ndim)
+
+    @pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
+    def test_columnwise_inside_a_user_shard_map(name):
+        # Each device's rows alone: its y_t is its rows' columns, as one call over them.
+        mesh = _mesh()
+        x, gamma = _args(fp8norm.rms_norm_fp8, (8, 32, 128))
+        kw = dict(layout(name), columnwise=True)
+        fn = jax.shard_map(
+            lambda x, g: fp8norm.rms_norm_fp8(x, g, **kw),
+            mesh=mesh,
+            in_specs=(P("d"), P()),
+            out_specs=(P("d"), P("d"), P(None, "d"), P(None, "d")),
+        )
+        outs = jax.jit(fn)(x, gamma)
+        want = [
+            _single_device(lambda x, g: fp8norm.rms_norm_fp8(x, g, **kw), x[i : i + 1], gamma)
+            for i in range(8)
+        ]
+        for k, axis in enumerate((0, 0, 1, 1)):
+            assert_same_bits(outs[k], np.concatenate([np.asarray(w[k]) for w in want], axis))
 
     def test_explicit_axes_residual_unlike_x_and_vmap_over_a_sharded_axis():
         mesh = _mesh((8,), ("a",), AxisType.Explicit)

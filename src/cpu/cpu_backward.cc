@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <new>
 #include <string_view>
 #include <vector>
@@ -27,9 +28,14 @@ namespace {
 // late helper still finds work, and the cores finish within a task of each other.
 constexpr int64_t kTasksPerPass = 64;
 constexpr int64_t kMinElementsPerTask = int64_t{1} << 14;
-// Rows whose dgamma terms are made before they are added: 32 rows of 4096 float32 terms
-// (512 KB) stay in a core's L2 until the exact additions read them.
+// Rows whose dgamma terms are made before they are added: at most 32, and at most 512 KB
+// of float32 terms (32 rows of 4096), which stay in a core's L2 until the exact additions
+// read them; at least 4, over which each column's additions are shared.
 constexpr int64_t kFusedRows = 32;
+constexpr int64_t kFusedTermBytes = int64_t{512} << 10;
+constexpr int64_t FusedRows(int64_t n) {
+  return std::clamp<int64_t>(kFusedTermBytes / (4 * n), 4, kFusedRows);
+}
 // Columns added at a time (and merged at a time): a block's accumulators (88 bytes a
 // column) stay in L1 while the block's rows of terms go through.
 constexpr int64_t kColumnBlock = 256;
@@ -121,21 +127,21 @@ bool RmsNormBackwardCpu(const RmsNormBackwardArgs& a, const ParallelFor& paralle
 
   // Rows: dx (and dresidual), and each task's exact dgamma partials.
   const int64_t accumulator_bytes = n * int64_t{sizeof(ExactSum)};
-  int64_t rows_per_task =
-      std::max<int64_t>(1, std::max(a.rows * n / kTasksPerPass, kMinElementsPerTask) / n);
+  // A task of at least 2 x kFusedRows rows: its accumulators (88 bytes a column) then cost
+  // at most about a third of what its rows read and write.
+  int64_t rows_per_task = std::max<int64_t>(
+      2 * kFusedRows, std::max(a.rows * n / kTasksPerPass, kMinElementsPerTask) / n);
   const int64_t max_tasks = std::max<int64_t>(1, kMaxAccumulatorBytes / accumulator_bytes);
   rows_per_task = std::max(rows_per_task, (a.rows + max_tasks - 1) / max_tasks);
   const int64_t row_tasks = (a.rows + rows_per_task - 1) / rows_per_task;
-  std::vector<ExactSum> partials;
-  try {
-    partials.resize(static_cast<size_t>(row_tasks * n));
-  } catch (const std::bad_alloc&) {
-    return false;
-  }
+  // Not value-initialised: each task clears its own.
+  std::unique_ptr<ExactSum[]> partials(new (std::nothrow)
+                                           ExactSum[static_cast<size_t>(row_tasks * n)]);
+  if (partials == nullptr) return false;
   parallel_for(row_tasks, [&](int64_t task) {
     const int64_t begin = task * rows_per_task;
     if (!variant.rows(a, g.data(), begin, std::min(a.rows, begin + rows_per_task),
-                      partials.data() + task * n)) {
+                      partials.get() + task * n)) {
       out_of_memory.store(true, std::memory_order_relaxed);
     }
   });

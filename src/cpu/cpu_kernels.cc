@@ -71,18 +71,18 @@ void FillGammaPlusOffsetOf(const void* gamma, float weight_offset, int64_t n, fl
   for (int64_t j = 0; j < n; ++j) out[j] = GammaPlusOffset(ToFloat(g[j]), weight_offset);
 }
 
+// Bytes between the rows of a span's codes: an odd number of cache lines, so that a
+// transpose's 16 rows fall in 16 different sets of L1 (rows of 4096 codes 4096 bytes apart
+// would all share one set, 8 ways deep, and evict each other).
+constexpr int64_t ColumnCodesStride(int64_t hidden) { return ((hidden + 63) / 64 | 1) * 64; }
+
 // A thread's scratch for the columnwise outputs of one block of rows, kept between calls
 // (grown, never shrunk): the block's n (rows x hidden floats, the rows normalised in
-// place there), a span's codes (rows x hidden bytes), per column its abs-max (ordered
-// bits), multiplier, its exponent field and (FP4) scale, the span's scales (hidden x
-// span_blocks, stored together when its last block is done: a column's scales of a span
-// are adjacent in scales_t), and, where the columns' codes are moved from the rows'
-// (MovesRowCodes), each row group's multiplier (rows x groups).
-// Bytes between the rows of a span's codes: the row rounded up to a cache line, and one
-// line more, so that a transpose's 16 rows do not all map to one set of L1 (a row of 4096
-// codes 4096 bytes apart would, and evict each other).
-constexpr int64_t ColumnCodesStride(int64_t hidden) { return (hidden + 63) / 64 * 64 + 64; }
-
+// place there), a span's codes (rows of hidden bytes, ColumnCodesStride apart), per
+// column its abs-max (ordered bits), multiplier, its exponent field and (FP4) scale, the
+// span's scales (hidden x span_blocks, stored together when its last block is done: a
+// column's scales of a span are adjacent in scales_t), and, where the columns' codes are
+// moved from the rows' (MovesRowCodes), each row group's multiplier (rows x groups).
 struct ColumnScratch {
   // Each row's n, row-major, for the columns' pass; null where the codes are moved from
   // the rows' (MovesRowCodes), which recomputes the few n it needs (ColumnNormalized).

@@ -540,8 +540,10 @@ int CheckColumnwise(bool quick) {
       {OutFormat::kE2M1, FloatType::kE4M3, 2, false, true, "nvfp4 group 2 (byte stores)"},
       {OutFormat::kE4M3FN, FloatType::kF32, 0, false, false, "static"},
   };
-  const std::vector<int64_t> hiddens =
-      quick ? std::vector<int64_t>{12, 160} : std::vector<int64_t>{2, 12, 160, 200, 384};
+  // 2048: bfloat16 rows that warp_rows holds in several warps (its reductions' barriers
+  // in the one launch).
+  const std::vector<int64_t> hiddens = quick ? std::vector<int64_t>{12, 160, 2048}
+                                             : std::vector<int64_t>{2, 12, 160, 200, 384, 2048};
   const auto scale_bytes = [](FloatType t) {
     return t == FloatType::kE8M0 || t == FloatType::kE4M3 ? size_t{1} : FloatTypeBytes(t);
   };
@@ -633,7 +635,7 @@ int CheckColumnwise(bool quick) {
         if (!ok) ++failures;
 
         // Both layouts from LaunchBothLayouts with warp_rows asked for: one launch where
-        // its plan holds the rows (every other such case on a grid of one block, which
+        // its plan holds the rows (every other hidden size on a grid of one block, which
         // strides over the blocks of rows), else the two kernels; every output against
         // the CPU kernel's.
         ExactBuffer y2(y_bytes), scales2(scales.bytes), residual_out2(residual_out.bytes),
@@ -648,7 +650,7 @@ int CheckColumnwise(bool quick) {
         LaunchPlan plan{};
         const bool one_launch =
             PlanLaunch(0, both, &plan) == cudaSuccess && plan.variant == KernelVariant::kWarpRows;
-        if (one_launch && k % 2 == 0) UseDevice(kLimits[4]);
+        if (one_launch && (k / 2) % 2 == 0) UseDevice(kLimits[4]);
         simt::TakeLaunches();
         {
           simt::ScopedBuffers buffers;

@@ -346,15 +346,15 @@ MUTANTS = [
     Mutant(
         "columnwise: a block's codes taken from the rows one below its own",
         "cuda/columnwise.cu",
-        "row0 + i);\n      writer.Code(ColumnCode(a, s, Normalize(ColumnH(a, (row0 + i) * a.hidden",
-        "row0 + i);\n      writer.Code(ColumnCode(a, s, Normalize(ColumnH(a, "
+        "row0 + i);\n    writer.Code(ColumnCode(a, s, Normalize(ColumnH(a, (row0 + i) * a.hidden",
+        "row0 + i);\n    writer.Code(ColumnCode(a, s, Normalize(ColumnH(a, "
         "((row0 + i + 1) % a.rows) * a.hidden",
     ),
     Mutant(
         "columnwise: a block's scale blind to a row that is not finite",
         "cuda/columnwise.cu",
-        "      finite = finite && !IsNan(r);",
-        "      finite = true;",
+        "    finite = finite && !IsNan(r);",
+        "    finite = true;",
     ),
     Mutant(
         "both layouts: the columns read r before every row of the block has stored it",
@@ -445,8 +445,10 @@ class Worker:
     def __init__(self, build: Path, tsan: bool):
         self.copy = build / "src"
         shutil.rmtree(self.copy, ignore_errors=True)
+        # Fresh timestamps (shutil.copy, not copy2): a build left by an earlier run holds
+        # objects of its last mutant, newer than the sources' own times.
         for name in COPIED:
-            shutil.copytree(SRC / name, self.copy / name)
+            shutil.copytree(SRC / name, self.copy / name, copy_function=shutil.copy)
         self.plain = Builder(build / "plain", self.copy)
         self.tsan = Builder(build / "tsan", self.copy, "thread") if tsan else None
 
