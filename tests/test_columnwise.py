@@ -130,6 +130,31 @@ def test_widths_that_end_in_the_scalar_tails(platform, hidden, kw):
     assert_kernel_matches(platform, out[-2:], ref[-2:])
 
 
+@pytest.mark.parametrize("platform", ["cpu"], indirect=True)
+@pytest.mark.parametrize(
+    "hidden, kw",
+    [
+        (224, recipe("mxfp8")),
+        (176, recipe("nvfp4")),
+        (256, recipe("fp8_group128")),
+        (120, dict(group_size=8, scale_dtype=jnp.bfloat16)),
+    ],
+    ids=["e8m0-64-blocks", "e4m3-128-blocks", "float32", "bfloat16-256-blocks"],
+)
+def test_scales_t_of_many_blocks_and_each_scale_width(platform, hidden, kw):
+    """2048 rows: 64 blocks and more a column (whole lines of one-byte scales_t, moved with
+    non-temporal stores), scales of 1, 2 and 4 bytes, and widths that end in the
+    transpose's 16-column and scalar strips (176, 120)."""
+    x = random_rows(41, (2048, hidden), jnp.bfloat16)
+    gamma = random_gamma(42, hidden, jnp.float32)
+    kw = dict(kw, columnwise=True)
+    out = run_on(platform, fp8norm.rms_norm_fp8, x, gamma, **kw)
+    ref = reference_on_cpu(reference.rms_norm_fp8, x, gamma, **kw)
+    assert_kernel_matches(platform, out, ref)
+    # Each column's blocks differ: a transpose of the wrong rows or columns shows.
+    assert len(np.unique(np.asarray(out[-1]).view(np.uint8))) > 8
+
+
 @COLUMNWISE_PLATFORMS
 @pytest.mark.parametrize("add", [False, True], ids=["rms", "add"])
 def test_training_forms_return_r_then_the_columnwise_outputs(platform, add):

@@ -65,6 +65,20 @@ float* ThreadBuffer(int64_t size) {
   return buffer.data();
 }
 
+// The calling thread's buffer for a call's staged column scales (RmsNormFp8Cpu), kept
+// between calls; null when the memory cannot be had.
+uint8_t* StagedColumnScales(int64_t bytes) {
+  thread_local std::vector<uint8_t> buffer;
+  if (static_cast<int64_t>(buffer.size()) < bytes) {
+    try {
+      buffer.resize(bytes);
+    } catch (const std::bad_alloc&) {
+      return nullptr;
+    }
+  }
+  return buffer.data();
+}
+
 template <typename TGamma>
 void FillGammaPlusOffsetOf(const void* gamma, float weight_offset, int64_t n, float* out) {
   const TGamma* g = static_cast<const TGamma*>(gamma);
@@ -79,10 +93,9 @@ constexpr int64_t ColumnCodesStride(int64_t hidden) { return ((hidden + 63) / 64
 // A thread's scratch for the columnwise outputs of one block of rows, kept between calls
 // (grown, never shrunk): the block's n (rows x hidden floats, the rows normalised in
 // place there), a span's codes (rows of hidden bytes, ColumnCodesStride apart), per
-// column its abs-max (ordered bits), multiplier, its exponent field and (FP4) scale, the
-// span's scales (hidden x span_blocks, stored together when its last block is done: a
-// column's scales of a span are adjacent in scales_t), and, where the columns' codes are
-// moved from the rows' (MovesRowCodes), each row group's multiplier (rows x groups).
+// column its abs-max (ordered bits), multiplier, its exponent field and (FP4) scale, and,
+// where the columns' codes are moved from the rows' (MovesRowCodes), each row group's
+// multiplier (rows x groups).
 struct ColumnScratch {
   // Each row's n, row-major, for the columns' pass; null where the codes are moved from
   // the rows' (MovesRowCodes), which recomputes the few n it needs (ColumnNormalized).
@@ -94,9 +107,9 @@ struct ColumnScratch {
   Fp4Scale* fp4;
   uint8_t* column_exponents;
   float* row_recips;  // null unless MovesRowCodes
-  float* span_scales;
-  int64_t span_block0;  // the span's first block, and its blocks
-  int64_t span_blocks;
+  // The call's scales_t transposed, [blocks][hidden] in the scale type, shared by every
+  // task (each writes its blocks' rows): WriteColumnScales moves it into scales_t.
+  uint8_t* staged_scales;
   const float* gamma_plus_offset;  // the call's, for ColumnNormalized
   int64_t codes_stride;
 };
@@ -110,7 +123,7 @@ constexpr int64_t kColumnSpanRows = 128;
 // (row_groups > 0: the rows' group multipliers are kept instead).
 ColumnScratch ThreadColumnScratch(int64_t rows, int64_t span_rows, int64_t hidden,
                                   int64_t row_groups) {
-  thread_local std::vector<float> tile, recips, scales, row_recips, span_scales;
+  thread_local std::vector<float> tile, recips, scales, row_recips;
   thread_local std::vector<uint8_t> codes, column_exponents;
   thread_local std::vector<uint32_t> amax;
   thread_local std::vector<Fp4Scale> fp4;
@@ -128,9 +141,6 @@ ColumnScratch ThreadColumnScratch(int64_t rows, int64_t span_rows, int64_t hidde
     if (static_cast<int64_t>(row_recips.size()) < rows * row_groups) {
       row_recips.resize(rows * row_groups);
     }
-    if (static_cast<int64_t>(span_scales.size()) < span_rows / rows * hidden) {
-      span_scales.resize(span_rows / rows * hidden);
-    }
   } catch (const std::bad_alloc&) {
     return ColumnScratch{};
   }
@@ -142,9 +152,7 @@ ColumnScratch ThreadColumnScratch(int64_t rows, int64_t span_rows, int64_t hidde
                        fp4.data(),
                        column_exponents.data(),
                        row_groups > 0 ? row_recips.data() : nullptr,
-                       span_scales.data(),
-                       0,
-                       0,
+                       nullptr,
                        nullptr,
                        ColumnCodesStride(hidden)};
 }
@@ -213,11 +221,13 @@ using ProcessColumnBlockFn = void (*)(const ColumnwiseArgs&, int64_t, int64_t, C
                                       const uint8_t*, uint8_t*);
 using WriteColumnCodesFn = void (*)(const ColumnwiseArgs&, const uint8_t*, int64_t, int64_t,
                                     int64_t);
+using WriteColumnScalesFn = void (*)(const ColumnwiseArgs&, const uint8_t*, int64_t, int64_t);
 
 struct CpuVariant {
   ProcessRowsFn process_rows;
   ProcessColumnBlockFn process_column_block;
   WriteColumnCodesFn write_column_codes;
+  WriteColumnScalesFn write_column_scales;
   const char* name;
   bool moves_row_codes;  // its process_column_block moves rowwise codes (MovesRowCodes)
 };
@@ -227,18 +237,31 @@ struct CpuVariant {
 CpuVariant SelectVariant() {
   const char* forced = std::getenv("FP8NORM_CPU_ISA");
   if (forced != nullptr && std::strcmp(forced, "baseline") == 0) {
-    return {baseline::ProcessRows, baseline::ProcessColumnBlock, baseline::WriteColumnCodes,
-            "baseline", false};
+    return {baseline::ProcessRows,
+            baseline::ProcessColumnBlock,
+            baseline::WriteColumnCodes,
+            baseline::WriteColumnScales,
+            "baseline",
+            false};
   }
 #if defined(FP8NORM_CPU_HAS_AVX2_VARIANT)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c")) {
-    return {avx2::ProcessRows, avx2::ProcessColumnBlock, avx2::WriteColumnCodes, "avx2", true};
+    return {avx2::ProcessRows,
+            avx2::ProcessColumnBlock,
+            avx2::WriteColumnCodes,
+            avx2::WriteColumnScales,
+            "avx2",
+            true};
   }
 #endif
-  return {baseline::ProcessRows, baseline::ProcessColumnBlock, baseline::WriteColumnCodes,
-          "baseline", false};
+  return {baseline::ProcessRows,
+          baseline::ProcessColumnBlock,
+          baseline::WriteColumnCodes,
+          baseline::WriteColumnScales,
+          "baseline",
+          false};
 }
 
 // Outputs of at least this many bytes are advised onto huge pages.
@@ -347,6 +370,16 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
     AdviseHugePages(a.columns.y_t,
                     static_cast<size_t>(YByte(columns, static_cast<int64_t>(elements))));
   }
+  // Block scales are staged block by block ([blocks][hidden]), each task writing whole
+  // rows of it, and moved into scales_t's [hidden][blocks] at the end: written in place,
+  // a column's line of scales_t would be written a few bytes at a time by every task.
+  const bool stages_scales = columnwise && a.static_scale == nullptr;
+  uint8_t* staged_scales = nullptr;
+  if (stages_scales) {
+    staged_scales = StagedColumnScales(ColumnBlocks(columns) * a.hidden *
+                                       static_cast<int64_t>(FloatTypeBytes(a.scale_type)));
+    if (staged_scales == nullptr) return false;
+  }
   // A task may run on a pool thread, where an escaping exception would end the process:
   // a failed allocation is reported through this flag instead.
   std::atomic<bool> out_of_memory{false};
@@ -384,10 +417,9 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
       return;
     }
     column_scratch.gamma_plus_offset = gw;
+    column_scratch.staged_scales = staged_scales;
     for (int64_t span0 = begin; span0 < end; span0 += span_rows) {
       const int64_t span_end = std::min(end, span0 + span_rows);
-      column_scratch.span_block0 = span0 / block_rows;
-      column_scratch.span_blocks = (span_end - span0) / block_rows;
       for (int64_t row0 = span0; row0 < span_end; row0 += block_rows) {
         const int64_t rows = std::min(block_rows, span_end - row0);
         process_rows(a, gw, scratch, row0, row0 + rows, &column_scratch);
@@ -399,7 +431,19 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
                          span_end - span0);
     }
   });
-  return !out_of_memory.load();
+  if (out_of_memory.load()) return false;
+  if (stages_scales) {
+    // Tasks of whole 64-column strips (a line of 64 one-byte scales per block read at a
+    // time) of about kMaxElementsPerTask scales.
+    const int64_t blocks = ColumnBlocks(columns);
+    const int64_t strip = 64 * std::max<int64_t>(1, kMaxElementsPerTask / (64 * blocks));
+    const WriteColumnScalesFn write_column_scales = Variant().write_column_scales;
+    parallel_for((a.hidden + strip - 1) / strip, [&](int64_t task) {
+      const int64_t j0 = task * strip;
+      write_column_scales(columns, staged_scales, j0, std::min(a.hidden, j0 + strip));
+    });
+  }
+  return true;
 }
 
 const char* CpuKernelVariant() { return Variant().name; }
