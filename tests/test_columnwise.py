@@ -155,6 +155,34 @@ def test_scales_t_of_many_blocks_and_each_scale_width(platform, hidden, kw):
     assert len(np.unique(np.asarray(out[-1]).view(np.uint8))) > 8
 
 
+@pytest.mark.parametrize("platform", ["cpu"], indirect=True)
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(recipe="nvfp4", global_scale=0.0037),
+        dict(recipe="nvfp4", global_scale=1e38),  # fl(1 / gs) subnormal
+        dict(recipe="nvfp4", global_scale=1e-39),  # gs subnormal
+        dict(recipe="mxfp4", scale_ub=3.0),
+    ],
+    ids=["nvfp4", "nvfp4-subnormal-reciprocal", "nvfp4-subnormal-gs", "mxfp4-ub"],
+)
+def test_fp4_column_scales_at_their_edges(platform, kw):
+    """FP4 column scales made 8 columns at a time where the lanes can, column by column
+    where they cannot: zero columns (no codes), columns whose n overflows (gamma up to
+    1e30), global scales whose reciprocal or own value is subnormal, a bound on the scale;
+    112 columns (NVFP4: codes of a last 16 past the lanes' 96)."""
+    hidden = 128 if kw["recipe"] == "mxfp4" else 112
+    rng = np.random.default_rng(51)
+    x = rng.standard_normal((64, hidden)) * 10.0 ** rng.uniform(-3, 3, (64, 1))
+    x[:, [0, 9, 101]] = 0
+    gamma = rng.standard_normal(hidden) * 10.0 ** rng.uniform(-2, 30, hidden)
+    x, gamma = jnp.asarray(x, jnp.bfloat16), jnp.asarray(gamma, jnp.float32)
+    kw = dict(kw, columnwise=True)
+    out = run_on(platform, fp8norm.rms_norm_fp8, x, gamma, **kw)
+    ref = reference_on_cpu(reference.rms_norm_fp8, x, gamma, **kw)
+    assert_kernel_matches(platform, out, ref)
+
+
 @COLUMNWISE_PLATFORMS
 @pytest.mark.parametrize("add", [False, True], ids=["rms", "add"])
 def test_training_forms_return_r_then_the_columnwise_outputs(platform, add):
