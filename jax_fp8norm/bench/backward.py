@@ -7,13 +7,16 @@ each comparison is a group timed on its own):
 the fused backward (``rms_norm_backward``, ``add_rms_norm_backward``) against XLA's
 autodiff of the plain float32 formula (``jax.vjp`` of ``h * rsqrt(mean(h^2) + eps) *
 gamma``, the residual add included for the add variant), the training form of the
-forward against the plain op, and MXFP8's two layouts (``columnwise=True``) against the
-rowwise op alone and against the textbook formula quantising ``n`` and its transpose.
+forward against the plain op, each recipe's two layouts (``columnwise=True``) against
+its rowwise op alone (``--recipes``, every block-scaled recipe and the static scale by
+default), and MXFP8's against the textbook formula quantising ``n`` and its transpose.
 On a GPU it adds the time the bytes would take at the device's peak bandwidth
-(``--peak-tbps``, H200: 4.8), a floor that no kernel beats.
+(``--peak-tbps``, H200: 4.8), a floor that no kernel beats, and for each recipe the
+ratio of the two layouts' bytes to the rowwise op's, the floor of their time ratio where
+the op is bound by memory.
 
     python -m jax_fp8norm.bench.backward [--rows 4096] [--hidden 4096] [--dtype bfloat16]
-                                          [--rounds 20]
+                                          [--rounds 20] [--recipes mxfp8,nvfp4,...]
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ import jax_fp8norm as fp8norm
 from jax_fp8norm._dtypes import DTYPE_BY_NAME
 from jax_fp8norm.bench.implementations import formula_quantize
 from jax_fp8norm.bench.timing import blocking, interleaved_seconds
+from jax_fp8norm.recipes import recipe_keywords
+
+COLUMNWISE_RECIPES = ("mxfp8", "nvfp4", "mxfp4", "fp8_group128", "fp8_static")
+# The calibrated scale the static recipe is timed with (any finite value times the same).
+STATIC_SCALE = 0.05
 
 
 def _formula(h: jax.Array, gamma: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -44,6 +52,21 @@ def backward_bytes(rows: int, hidden: int, dtype, add: bool) -> int:
     return rows * per_row + 8 * hidden
 
 
+def forward_bytes(rows: int, hidden: int, dtype, recipe: str, columnwise: bool) -> int:
+    """What the forward reads and writes: x and gamma (float32) read, r (float32) and the
+    codes and scales of the recipe written; with ``columnwise``, y_t and scales_t too."""
+    kw = recipe_keywords(recipe)
+    code_bits = jnp.finfo(kw["out_dtype"]).bits
+    group = kw["group_size"]
+    scale_bytes = jnp.dtype(kw.get("scale_dtype", jnp.float32)).itemsize
+    codes = rows * hidden * code_bits // 8
+    row_scales = rows * (hidden // group if group else 1) * scale_bytes
+    column_scales = hidden * (rows // group if group else 1) * scale_bytes
+    moved = rows * hidden * jnp.dtype(dtype).itemsize + 4 * hidden + 4 * rows
+    moved += codes + row_scales
+    return moved + (codes + column_scales if columnwise else 0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m jax_fp8norm.bench.backward", description=__doc__.split("\n\n")[0]
@@ -53,7 +76,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--peak-tbps", type=float, default=4.8)
+    parser.add_argument(
+        "--recipes",
+        type=lambda text: [name for name in text.split(",") if name],
+        default=list(COLUMNWISE_RECIPES),
+        help="comma-separated; the recipes whose two layouts are timed",
+    )
     args = parser.parse_args(argv)
+    for name in args.recipes:
+        recipe_keywords(name)  # an unknown name fails here, before anything is timed
     dtype = DTYPE_BY_NAME[args.dtype]
     shape = (args.rows, args.hidden)
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
@@ -103,7 +134,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             "forward: training form": blocking(jax.jit(fp8norm.rms_norm_fp8_training), x, gamma),
         },
     ]
-    mxfp8 = dict(recipe="mxfp8")
     xla_both = jax.jit(
         lambda x, gamma: (
             formula_quantize(n := _formula(x, gamma), 32, jnp.float8_e4m3fn, jnp.float8_e8m0fnu),
@@ -112,21 +142,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     # Each alone: their outputs differ in size, and a call that reuses another's freed
     # memory pays none of the page faults that one that maps new memory does.
-    groups += [
-        {
-            "mxfp8: rowwise": blocking(
-                jax.jit(lambda x, g: fp8norm.rms_norm_fp8(x, g, **mxfp8)), x, gamma
+    for name in args.recipes:
+        keywords = {"recipe": name}
+        if recipe_keywords(name)["static_scale"] is not None:
+            keywords["static_scale"] = STATIC_SCALE
+        for columnwise, label in ((False, "rowwise"), (True, "rowwise + columnwise")):
+            op = jax.jit(
+                lambda x, g, keywords=keywords, columnwise=columnwise: fp8norm.rms_norm_fp8(
+                    x, g, columnwise=columnwise, **keywords
+                )
             )
-        },
-        {
-            "mxfp8: rowwise + columnwise": blocking(
-                jax.jit(lambda x, g: fp8norm.rms_norm_fp8(x, g, columnwise=True, **mxfp8)),
-                x,
-                gamma,
-            )
-        },
-        {"mxfp8: XLA formula, both": blocking(xla_both, x, gamma)},
-    ]
+            groups.append({f"{name}: {label}": blocking(op, x, gamma)})
+    if "mxfp8" in args.recipes:
+        groups.append({"mxfp8: XLA formula, both": blocking(xla_both, x, gamma)})
     times = {}
     for calls in groups:
         times.update(interleaved_seconds(calls, args.rounds)[1])
@@ -137,17 +165,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for name, t in times.items():
         print(
-            f"  {name:>28}: min {min(t) * 1e3:8.3f} ms  median {statistics.median(t) * 1e3:8.3f} ms"
+            f"  {name:>36}: min {min(t) * 1e3:8.3f} ms  median {statistics.median(t) * 1e3:8.3f} ms"
         )
     for op, base in (("backward", "backward"), ("add backward", "add backward")):
         ratio = min(times[f"{base}: XLA autodiff"]) / min(times[f"{op}: kernel"])
         print(f"  {op}: XLA autodiff / kernel = {ratio:.2f}x")
     training = min(times["forward: training form"]) / min(times["forward: plain"])
     print(f"  forward: training form / plain = {training:.2f}x")
-    both = min(times["mxfp8: rowwise + columnwise"])
-    print(f"  mxfp8: rowwise + columnwise / rowwise = {both / min(times['mxfp8: rowwise']):.2f}x")
-    xla = min(times["mxfp8: XLA formula, both"])
-    print(f"  mxfp8: XLA formula, both / kernel, both = {xla / both:.2f}x")
+    for name in args.recipes:
+        both = min(times[f"{name}: rowwise + columnwise"])
+        ratio = both / min(times[f"{name}: rowwise"])
+        print(f"  {name}: rowwise + columnwise / rowwise = {ratio:.2f}x")
+    if "mxfp8" in args.recipes:
+        xla = min(times["mxfp8: XLA formula, both"])
+        both = min(times["mxfp8: rowwise + columnwise"])
+        print(f"  mxfp8: XLA formula, both / kernel, both = {xla / both:.2f}x")
     if device.platform == "gpu":
         for add in (False, True):
             moved = backward_bytes(args.rows, args.hidden, dtype, add)
@@ -155,6 +187,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 f"  {'add ' if add else ''}backward bytes {moved / 1e6:.1f} MB: "
                 f"{floor * 1e6:.1f} us at {args.peak_tbps} TB/s"
+            )
+        for name in args.recipes:
+            rowwise, both = (
+                forward_bytes(args.rows, args.hidden, dtype, name, columnwise)
+                for columnwise in (False, True)
+            )
+            print(
+                f"  {name}: bytes {rowwise / 1e6:.1f} MB rowwise, {both / 1e6:.1f} MB both "
+                f"layouts: {both / rowwise:.2f}x"
             )
     return 0
 
