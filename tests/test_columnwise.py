@@ -155,6 +155,25 @@ def test_scales_t_of_many_blocks_and_each_scale_width(platform, hidden, kw):
     assert len(np.unique(np.asarray(out[-1]).view(np.uint8))) > 8
 
 
+@pytest.mark.extended
+def test_a_call_past_the_kept_staging_has_its_halves_bits():
+    """A call whose column scales (float32, one per 8 rows: 17 MB) are staged in memory of
+    its own, past the 16 MB the CPU kernel keeps between calls, gives each half of its
+    rows the bits of a call of that half alone (8.5 MB, staged in the kept buffer)."""
+    rng = np.random.default_rng(61)
+    x = jnp.asarray(rng.standard_normal((4352, 8192), np.float32), jnp.bfloat16)
+    gamma = random_gamma(62, 8192, jnp.float32)
+    kw = dict(group_size=8, scale_dtype=jnp.float32, columnwise=True)
+    op = jax.jit(lambda x: fp8norm.rms_norm_fp8(x, gamma, **kw))
+    y, scales, y_t, scales_t = op(x)
+    for half in (slice(0, 2176), slice(2176, 4352)):
+        y_h, scales_h, y_t_h, scales_t_h = op(x[half])
+        assert_same_bits(y[half], y_h)
+        assert_same_bits(scales[half], scales_h)
+        assert_same_bits(y_t[:, half], y_t_h)
+        assert_same_bits(scales_t[:, half.start // 8 : half.stop // 8], scales_t_h)
+
+
 @pytest.mark.parametrize("platform", ["cpu"], indirect=True)
 @pytest.mark.parametrize(
     "kw",

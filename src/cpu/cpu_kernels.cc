@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <new>
 #include <type_traits>
 #include <vector>
@@ -65,19 +66,35 @@ float* ThreadBuffer(int64_t size) {
   return buffer.data();
 }
 
-// The calling thread's buffer for a call's staged column scales (RmsNormFp8Cpu), kept
-// between calls; null when the memory cannot be had.
-uint8_t* StagedColumnScales(int64_t bytes) {
-  thread_local std::vector<uint8_t> buffer;
-  if (static_cast<int64_t>(buffer.size()) < bytes) {
+// The staged column scales of a call (RmsNormFp8Cpu): in the calling thread's buffer,
+// kept between calls, up to kKeptStagedScalesBytes; a larger call's in memory of its own,
+// freed when the call ends (they are as large as scales_t: kept at the largest call's,
+// they would hold that much for the life of the thread). data() is null when the memory
+// cannot be had.
+constexpr int64_t kKeptStagedScalesBytes = int64_t{16} << 20;
+
+class StagedColumnScales {
+ public:
+  explicit StagedColumnScales(int64_t bytes) {
     try {
-      buffer.resize(bytes);
+      if (bytes > kKeptStagedScalesBytes) {
+        owned_.reset(new uint8_t[static_cast<size_t>(bytes)]);
+        data_ = owned_.get();
+        return;
+      }
+      thread_local std::vector<uint8_t> kept;
+      if (static_cast<int64_t>(kept.size()) < bytes) kept.resize(bytes);
+      data_ = kept.data();
     } catch (const std::bad_alloc&) {
-      return nullptr;
+      data_ = nullptr;
     }
   }
-  return buffer.data();
-}
+  uint8_t* data() const { return data_; }
+
+ private:
+  std::unique_ptr<uint8_t[]> owned_;
+  uint8_t* data_ = nullptr;
+};
 
 template <typename TGamma>
 void FillGammaPlusOffsetOf(const void* gamma, float weight_offset, int64_t n, float* out) {
@@ -374,12 +391,12 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   // rows of it, and moved into scales_t's [hidden][blocks] at the end: written in place,
   // a column's line of scales_t would be written a few bytes at a time by every task.
   const bool stages_scales = columnwise && a.static_scale == nullptr;
-  uint8_t* staged_scales = nullptr;
-  if (stages_scales) {
-    staged_scales = StagedColumnScales(ColumnBlocks(columns) * a.hidden *
-                                       static_cast<int64_t>(FloatTypeBytes(a.scale_type)));
-    if (staged_scales == nullptr) return false;
-  }
+  const StagedColumnScales staging(stages_scales
+                                       ? ColumnBlocks(columns) * a.hidden *
+                                             static_cast<int64_t>(FloatTypeBytes(a.scale_type))
+                                       : 0);
+  uint8_t* const staged_scales = staging.data();
+  if (stages_scales && staged_scales == nullptr) return false;
   // A task may run on a pool thread, where an escaping exception would end the process:
   // a failed allocation is reported through this flag instead.
   std::atomic<bool> out_of_memory{false};
