@@ -9,14 +9,19 @@
 #                                    #    variant beside XLA, torch.compile and the copy
 #   bash tools/gpu_check.sh deep     # 2. (optional) compute-sanitizer's four tools over
 #                                    #    every variant, and Nsight Compute per variant
+#   bash tools/gpu_check.sh training # 3. (optional) the backward against XLA's autodiff
+#                                    #    and each recipe's two layouts against its
+#                                    #    rowwise op: as `auto` picks, then one launch
+#                                    #    (warp_rows) against two kernels (block_shared)
 #
 # Budgets (seconds, each a hard `timeout`; what ran before a timeout is kept): build
 # BUILD_SECONDS=120 (+30 to import it), tests TEST_SECONDS=180 (FUZZ_EXAMPLES=100 per
 # platform), main job 60, all-reduce methods 30, resource usage 30, benchmark
 # BENCH_SECONDS=140: 590 in all;
-# deep: SANITIZE_SECONDS=360, NCU_SECONDS=180. ARCHS overrides the
-# CUDA architectures (default 90a-real). `deep` rebuilds only when the package is not
-# installed. Exits non-zero when any step failed or ran out of time.
+# deep: SANITIZE_SECONDS=360, NCU_SECONDS=180; training: TRAINING_SECONDS=90 for each of
+# its three runs. ARCHS overrides the CUDA architectures (default 90a-real). `deep` and
+# `training` rebuild only when the package is not installed. Exits non-zero when any
+# step failed or ran out of time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-check}
@@ -94,8 +99,14 @@ for rows in (16, 4096):
   else
     echo "ncu not found: no profile"
   fi
+elif [ "$MODE" = training ]; then
+  for kernel in auto warp_rows block_shared; do
+    TAIL=30 step "backward and columnwise, FP8NORM_CUDA_KERNEL=$kernel" \
+      "${TRAINING_SECONDS:-90}" "bench_training_$kernel.log" \
+      env FP8NORM_CUDA_KERNEL=$kernel python3 -m jax_fp8norm.bench.backward --rounds 20
+  done
 else
-  echo "usage: bash tools/gpu_check.sh [check|deep]"
+  echo "usage: bash tools/gpu_check.sh [check|deep|training]"
   exit 2
 fi
 echo "== done in $((SECONDS - start)) s, status $status"
