@@ -249,18 +249,18 @@ struct CpuVariant {
   bool moves_row_codes;  // its process_column_block moves rowwise codes (MovesRowCodes)
 };
 
+constexpr CpuVariant kBaselineVariant{baseline::ProcessRows,
+                                      baseline::ProcessColumnBlock,
+                                      baseline::WriteColumnCodes,
+                                      baseline::WriteColumnScales,
+                                      "baseline",
+                                      false};
+
 // The widest variant this CPU runs; FP8NORM_CPU_ISA=baseline in the environment forces
 // the baseline one (the tests hold the two to the same bits).
 CpuVariant SelectVariant() {
   const char* forced = std::getenv("FP8NORM_CPU_ISA");
-  if (forced != nullptr && std::strcmp(forced, "baseline") == 0) {
-    return {baseline::ProcessRows,
-            baseline::ProcessColumnBlock,
-            baseline::WriteColumnCodes,
-            baseline::WriteColumnScales,
-            "baseline",
-            false};
-  }
+  if (forced != nullptr && std::strcmp(forced, "baseline") == 0) return kBaselineVariant;
 #if defined(FP8NORM_CPU_HAS_AVX2_VARIANT)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -273,12 +273,7 @@ CpuVariant SelectVariant() {
             true};
   }
 #endif
-  return {baseline::ProcessRows,
-          baseline::ProcessColumnBlock,
-          baseline::WriteColumnCodes,
-          baseline::WriteColumnScales,
-          "baseline",
-          false};
+  return kBaselineVariant;
 }
 
 // Outputs of at least this many bytes are advised onto huge pages.
