@@ -13,21 +13,14 @@
 #include <string_view>
 #include <vector>
 
+#include "cpu_config.h"
 #include "cpu_exact_sums.h"
 #include "fp8norm_math.h"
 #include "rms_norm_backward.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define FP8NORM_CPU_HAS_AVX2_VARIANT 1
-#endif
-
 namespace fp8norm {
 namespace {
 
-// About this many tasks per pass, for the reasons of the forward's (cpu_kernels.cc): a
-// late helper still finds work, and the cores finish within a task of each other.
-constexpr int64_t kTasksPerPass = 64;
-constexpr int64_t kMinElementsPerTask = int64_t{1} << 14;
 // Rows whose dgamma terms are made before they are added: at most 32, and at most 512 KB
 // of float32 terms (32 rows of 4096), which stay in a core's L2 until the exact additions
 // read them; at least 4, over which each column's additions are shared.
@@ -130,7 +123,7 @@ bool RmsNormBackwardCpu(const RmsNormBackwardArgs& a, const ParallelFor& paralle
   // A task of at least 2 x kFusedRows rows: its accumulators (88 bytes a column) then cost
   // at most about a third of what its rows read and write.
   int64_t rows_per_task = std::max<int64_t>(
-      2 * kFusedRows, std::max(a.rows * n / kTasksPerPass, kMinElementsPerTask) / n);
+      2 * kFusedRows, std::max(a.rows * n / kTasksPerCall, kMinElementsPerTask) / n);
   const int64_t max_tasks = std::max<int64_t>(1, kMaxAccumulatorBytes / accumulator_bytes);
   rows_per_task = std::max(rows_per_task, (a.rows + max_tasks - 1) / max_tasks);
   const int64_t row_tasks = (a.rows + rows_per_task - 1) / rows_per_task;

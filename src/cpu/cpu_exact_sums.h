@@ -15,9 +15,10 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_config.h"
 #include "fp8norm_math.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(FP8NORM_CPU_HAS_AVX2_VARIANT)
 #include <immintrin.h>
 #endif
 
@@ -112,7 +113,7 @@ inline void AddColumnsPortable(ExactSum* acc, const float* t, int64_t rows, int6
   }
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(FP8NORM_CPU_HAS_AVX2_VARIANT)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 

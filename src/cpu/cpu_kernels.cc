@@ -25,28 +25,16 @@
 #endif
 
 #include "columnwise.h"
+#include "cpu_config.h"
 #include "fp8norm_math.h"
 #include "rms_norm_fp8.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define FP8NORM_CPU_HAS_AVX2_VARIANT 1
+#if defined(FP8NORM_CPU_HAS_AVX2_VARIANT)
 #include "cpu_avx2.h"
 #endif
 
 namespace fp8norm {
 namespace {
-
-// The rows of a call go out as tasks, which the calling thread and the pool's helpers
-// claim one by one (cpu_handlers.cc). About kTasksPerCall of them, so that a helper that
-// starts late still finds work and every core finishes within one task of the others;
-// each at least kMinElementsPerTask elements (work well above the cost of claiming a
-// task), so that a small call (16 x 4096) splits in a few and a one-row call stays on the
-// calling thread; at most kMaxElementsPerTask, which bounds how long one core can wait for
-// another at the end of a large call (docs/performance.md, "Figures behind choices in the
-// source").
-constexpr int64_t kTasksPerCall = 64;
-constexpr int64_t kMinElementsPerTask = int64_t{1} << 14;
-constexpr int64_t kMaxElementsPerTask = int64_t{1} << 17;
 
 // Float32 buffers of this thread, kept between calls (grown to the largest size asked
 // for, never shrunk): null when the memory cannot be had (the call then fails; the

@@ -1,0 +1,28 @@
+// What the CPU kernels (the forward's cpu_kernels.cc, the backward's cpu_backward.cc and
+// cpu_exact_sums.h) share about how they are built and run: whether the build has AVX2
+// variants of the loops, and how a call's rows are split into tasks, which the calling
+// thread and the pool's helpers claim one by one (cpu_handlers.cc).
+#pragma once
+
+#include <cstdint>
+
+// The AVX2 + FMA + F16C variants, chosen at run time: x86-64 with GCC, whose target
+// pragmas build them beside the baseline loops.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FP8NORM_CPU_HAS_AVX2_VARIANT 1
+#endif
+
+namespace fp8norm {
+
+// About kTasksPerCall tasks a call, so that a helper that starts late still finds work
+// and every core finishes within one task of the others; each at least
+// kMinElementsPerTask elements (work well above the cost of claiming a task), so that a
+// small call (16 x 4096) splits in a few and a one-row call stays on the calling thread;
+// the forward's at most kMaxElementsPerTask, which bounds how long one core can wait for
+// another at the end of a large call (docs/performance.md, "Figures behind choices in the
+// source").
+constexpr int64_t kTasksPerCall = 64;
+constexpr int64_t kMinElementsPerTask = int64_t{1} << 14;
+constexpr int64_t kMaxElementsPerTask = int64_t{1} << 17;
+
+}  // namespace fp8norm
