@@ -138,8 +138,9 @@ def test_widths_that_end_in_the_scalar_tails(platform, hidden, kw):
         (176, recipe("nvfp4")),
         (256, recipe("fp8_group128")),
         (120, dict(group_size=8, scale_dtype=jnp.bfloat16)),
+        (120, dict(group_size=8, scale_dtype=jnp.float8_e8m0fnu)),
     ],
-    ids=["e8m0-64-blocks", "e4m3-128-blocks", "float32", "bfloat16-256-blocks"],
+    ids=["e8m0-64-blocks", "e4m3-128-blocks", "float32", "bfloat16-256-blocks", "e8m0-tails"],
 )
 def test_scales_t_of_many_blocks_and_each_scale_width(platform, hidden, kw):
     """2048 rows: 64 blocks and more a column (whole lines of one-byte scales_t, moved with
@@ -153,6 +154,11 @@ def test_scales_t_of_many_blocks_and_each_scale_width(platform, hidden, kw):
     assert_kernel_matches(platform, out, ref)
     # Each column's blocks differ: a transpose of the wrong rows or columns shows.
     assert len(np.unique(np.asarray(out[-1]).view(np.uint8))) > 8
+    if hidden == 224:
+        # What makes the kernel write whole lines of scales_t with non-temporal stores:
+        # XLA's CPU buffers start on 64 bytes.
+        scales_t = jax.jit(lambda x: fp8norm.rms_norm_fp8(x, gamma, **kw)[-1])(x)
+        assert scales_t.unsafe_buffer_pointer() % 64 == 0
 
 
 @pytest.mark.extended
@@ -180,21 +186,30 @@ def test_a_call_past_the_kept_staging_has_its_halves_bits():
     [
         dict(recipe="nvfp4", global_scale=0.0037),
         dict(recipe="nvfp4", global_scale=1e38),  # fl(1 / gs) subnormal
-        dict(recipe="nvfp4", global_scale=1e-39),  # gs subnormal
+        dict(recipe="nvfp4", global_scale=1e-39),  # gs subnormal, fl(1 / gs) infinite
+        dict(recipe="nvfp4", global_scale=5e-39),  # gs subnormal, fl(1 / gs) normal
         dict(recipe="mxfp4", scale_ub=3.0),
     ],
-    ids=["nvfp4", "nvfp4-subnormal-reciprocal", "nvfp4-subnormal-gs", "mxfp4-ub"],
+    ids=[
+        "nvfp4",
+        "nvfp4-subnormal-reciprocal",
+        "nvfp4-subnormal-gs",
+        "nvfp4-subnormal-gs-normal-reciprocal",
+        "mxfp4-ub",
+    ],
 )
 def test_fp4_column_scales_at_their_edges(platform, kw):
     """FP4 column scales made 8 columns at a time where the lanes can, column by column
-    where they cannot: zero columns (no codes), columns whose n overflows (gamma up to
-    1e30), global scales whose reciprocal or own value is subnormal, a bound on the scale;
-    112 columns (NVFP4: codes of a last 16 past the lanes' 96)."""
+    where they cannot: zero columns (no codes), large n (gamma up to 1e30) and a column
+    whose n is infinite in blocks of finite rows (gamma 3e38), global scales whose
+    reciprocal or own value is subnormal, a bound on the scale; 112 columns (NVFP4: codes
+    of a last 16 past the lanes' 96)."""
     hidden = 128 if kw["recipe"] == "mxfp4" else 112
     rng = np.random.default_rng(51)
     x = rng.standard_normal((64, hidden)) * 10.0 ** rng.uniform(-3, 3, (64, 1))
     x[:, [0, 9, 101]] = 0
     gamma = rng.standard_normal(hidden) * 10.0 ** rng.uniform(-2, 30, hidden)
+    gamma[37] = 3e38
     x, gamma = jnp.asarray(x, jnp.bfloat16), jnp.asarray(gamma, jnp.float32)
     kw = dict(kw, columnwise=True)
     out = run_on(platform, fp8norm.rms_norm_fp8, x, gamma, **kw)

@@ -94,7 +94,7 @@ ParallelFor PoolParallelFor(ffi::ThreadPool& pool) {
 ffi::Error RunOnPool(const RmsNormFp8Args& args, ffi::ThreadPool& pool) {
   if (RmsNormFp8Cpu(args, PoolParallelFor(pool))) return ffi::Error::Success();
   return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                    "jax_fp8norm: out of host memory for float32 rows of " +
+                    "jax_fp8norm: out of host memory for the scratch of rows of " +
                         std::to_string(args.hidden) + " elements");
 }
 

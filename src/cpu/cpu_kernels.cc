@@ -112,9 +112,11 @@ struct ColumnScratch {
   Fp4Scale* fp4;
   uint8_t* column_exponents;
   float* row_recips;  // null unless MovesRowCodes
-  // The call's scales_t transposed, [blocks][hidden] in the scale type, shared by every
-  // task (each writes its blocks' rows): WriteColumnScales moves it into scales_t.
+  // The call's scales_t transposed, [blocks][hidden] in the scale type, rows
+  // staged_stride bytes apart, shared by every task (each writes its blocks' rows):
+  // WriteColumnScales moves it into scales_t.
   uint8_t* staged_scales;
+  int64_t staged_stride;
   const float* gamma_plus_offset;  // the call's, for ColumnNormalized
   int64_t codes_stride;
 };
@@ -158,6 +160,7 @@ ColumnScratch ThreadColumnScratch(int64_t rows, int64_t span_rows, int64_t hidde
                        column_exponents.data(),
                        row_groups > 0 ? row_recips.data() : nullptr,
                        nullptr,
+                       0,
                        nullptr,
                        ColumnCodesStride(hidden)};
 }
@@ -226,7 +229,8 @@ using ProcessColumnBlockFn = void (*)(const ColumnwiseArgs&, int64_t, int64_t, C
                                       const uint8_t*, uint8_t*);
 using WriteColumnCodesFn = void (*)(const ColumnwiseArgs&, const uint8_t*, int64_t, int64_t,
                                     int64_t);
-using WriteColumnScalesFn = void (*)(const ColumnwiseArgs&, const uint8_t*, int64_t, int64_t);
+using WriteColumnScalesFn = void (*)(const ColumnwiseArgs&, const uint8_t*, int64_t, int64_t,
+                                     int64_t);
 
 struct CpuVariant {
   ProcessRowsFn process_rows;
@@ -374,10 +378,11 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   // rows of it, and moved into scales_t's [hidden][blocks] at the end: written in place,
   // a column's line of scales_t would be written a few bytes at a time by every task.
   const bool stages_scales = columnwise && a.static_scale == nullptr;
-  const StagedColumnScales staging(stages_scales
-                                       ? ColumnBlocks(columns) * a.hidden *
-                                             static_cast<int64_t>(FloatTypeBytes(a.scale_type))
-                                       : 0);
+  // Rows of staged scales an odd number of lines apart, as a span's codes are
+  // (ColumnCodesStride): the transpose into scales_t loads 16 of them at a time.
+  const int64_t staged_stride =
+      ColumnCodesStride(a.hidden * static_cast<int64_t>(FloatTypeBytes(a.scale_type)));
+  const StagedColumnScales staging(stages_scales ? ColumnBlocks(columns) * staged_stride : 0);
   uint8_t* const staged_scales = staging.data();
   if (stages_scales && staged_scales == nullptr) return false;
   // A task may run on a pool thread, where an escaping exception would end the process:
@@ -418,6 +423,7 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
     }
     column_scratch.gamma_plus_offset = gw;
     column_scratch.staged_scales = staged_scales;
+    column_scratch.staged_stride = staged_stride;
     for (int64_t span0 = begin; span0 < end; span0 += span_rows) {
       const int64_t span_end = std::min(end, span0 + span_rows);
       for (int64_t row0 = span0; row0 < span_end; row0 += block_rows) {
@@ -440,7 +446,8 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
     const WriteColumnScalesFn write_column_scales = Variant().write_column_scales;
     parallel_for((a.hidden + strip - 1) / strip, [&](int64_t task) {
       const int64_t j0 = task * strip;
-      write_column_scales(columns, staged_scales, j0, std::min(a.hidden, j0 + strip));
+      write_column_scales(columns, staged_scales, staged_stride, j0,
+                          std::min(a.hidden, j0 + strip));
     });
   }
   return true;
