@@ -201,7 +201,8 @@ def test_a_call_past_the_kept_staging_has_its_halves_bits():
 def test_fp4_column_scales_at_their_edges(platform, kw):
     """FP4 column scales made 8 columns at a time where the lanes can, column by column
     where they cannot: zero columns (no codes), large n (gamma up to 1e30) and a column
-    whose n is infinite in blocks of finite rows (gamma 3e38), global scales whose
+    whose n is infinite in blocks of finite rows (gamma 3e38), n near 1e38 (gamma 2e38,
+    whose codes a global scale of 1e38 leaves non-zero), global scales whose
     reciprocal or own value is subnormal, a bound on the scale; 112 columns (NVFP4: codes
     of a last 16 past the lanes' 96)."""
     hidden = 128 if kw["recipe"] == "mxfp4" else 112
@@ -210,6 +211,7 @@ def test_fp4_column_scales_at_their_edges(platform, kw):
     x[:, [0, 9, 101]] = 0
     gamma = rng.standard_normal(hidden) * 10.0 ** rng.uniform(-2, 30, hidden)
     gamma[37] = 3e38
+    gamma[40:44] = 2e38  # n near 1e38: codes under a global scale of 1e38 are not all zero
     x, gamma = jnp.asarray(x, jnp.bfloat16), jnp.asarray(gamma, jnp.float32)
     kw = dict(kw, columnwise=True)
     out = run_on(platform, fp8norm.rms_norm_fp8, x, gamma, **kw)
