@@ -385,10 +385,10 @@ def test_backward_report_runs(capsys):
     for name in backward.COLUMNWISE_RECIPES:
         assert f"{name}: rowwise + columnwise / rowwise = " in out
     assert backward.backward_bytes(2, 8, "bfloat16", add=False) == 2 * (8 * 8 + 4) + 64
-    # 64 x 32 bfloat16: x 4096 bytes, gamma 128, r 256; MXFP8 codes 2048 and 64 e8m0
-    # scales a layout; NVFP4 codes 1024 and 128 e4m3 scales a layout.
-    assert backward.forward_bytes(64, 32, "bfloat16", "mxfp8", columnwise=False) == 4480 + 2112
-    assert backward.forward_bytes(64, 32, "bfloat16", "mxfp8", columnwise=True) == 4480 + 4224
-    assert backward.forward_bytes(64, 32, "bfloat16", "nvfp4", columnwise=True) == 4480 + 2304
+    # 64 x 32 bfloat16: x 4096 bytes, gamma 64 (op_bytes counts it in x's dtype); MXFP8
+    # codes 2048 and 64 e8m0 scales a layout; NVFP4 codes 1024 and 128 e4m3 scales a layout.
+    assert backward.forward_bytes(64, 32, "bfloat16", "mxfp8", columnwise=False) == 4160 + 2112
+    assert backward.forward_bytes(64, 32, "bfloat16", "mxfp8", columnwise=True) == 4160 + 4224
+    assert backward.forward_bytes(64, 32, "bfloat16", "nvfp4", columnwise=True) == 4160 + 2304
     with pytest.raises(ValueError, match="recipe"):
         backward.main(["--recipes", "mxfp9"])

@@ -8,8 +8,9 @@ the fused backward (``rms_norm_backward``, ``add_rms_norm_backward``) against XL
 autodiff of the plain float32 formula (``jax.vjp`` of ``h * rsqrt(mean(h^2) + eps) *
 gamma``, the residual add included for the add variant), the training form of the
 forward against the plain op, each recipe's two layouts (``columnwise=True``) against
-its rowwise op alone (``--recipes``, every block-scaled recipe and the static scale by
-default), and MXFP8's against the textbook formula quantising ``n`` and its transpose.
+its rowwise op alone (``--recipes``: by default every recipe of the benchmark's ops with
+block or static scales, with their keywords, ``bench/ops.py``'s ``SCALED_OPS``), and
+MXFP8's against the textbook formula quantising ``n`` and its transpose.
 On a GPU it adds the time the bytes would take at the device's peak bandwidth
 (``--peak-tbps``, H200: 4.8), a floor that no kernel beats, and for each recipe the
 ratio of the two layouts' bytes to the rowwise op's, the floor of their time ratio where
@@ -31,12 +32,13 @@ import jax.numpy as jnp
 import jax_fp8norm as fp8norm
 from jax_fp8norm._dtypes import DTYPE_BY_NAME
 from jax_fp8norm.bench.implementations import formula_quantize
+from jax_fp8norm.bench.ops import SCALED_OPS, op_bytes, op_function
 from jax_fp8norm.bench.timing import blocking, interleaved_seconds
-from jax_fp8norm.recipes import recipe_keywords
+from jax_fp8norm.recipes import apply_recipe
 
-COLUMNWISE_RECIPES = ("mxfp8", "nvfp4", "mxfp4", "fp8_group128", "fp8_static")
-# The calibrated scale the static recipe is timed with (any finite value times the same).
-STATIC_SCALE = 0.05
+# The benchmark's ops with block or static scales, by their recipe: each can be columnwise.
+COLUMNWISE_OPS = {keywords["recipe"]: op for op, (_, keywords) in SCALED_OPS.items()}
+COLUMNWISE_RECIPES = tuple(COLUMNWISE_OPS)
 
 
 def _formula(h: jax.Array, gamma: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -53,18 +55,22 @@ def backward_bytes(rows: int, hidden: int, dtype, add: bool) -> int:
 
 
 def forward_bytes(rows: int, hidden: int, dtype, recipe: str, columnwise: bool) -> int:
-    """What the forward reads and writes: x and gamma (float32) read, r (float32) and the
-    codes and scales of the recipe written; with ``columnwise``, y_t and scales_t too."""
-    kw = recipe_keywords(recipe)
-    code_bits = jnp.finfo(kw["out_dtype"]).bits
-    group = kw["group_size"]
-    scale_bytes = jnp.dtype(kw.get("scale_dtype", jnp.float32)).itemsize
-    codes = rows * hidden * code_bits // 8
-    row_scales = rows * (hidden // group if group else 1) * scale_bytes
-    column_scales = hidden * (rows // group if group else 1) * scale_bytes
-    moved = rows * hidden * jnp.dtype(dtype).itemsize + 4 * hidden + 4 * rows
-    moved += codes + row_scales
-    return moved + (codes + column_scales if columnwise else 0)
+    """What the forward moves: the rowwise op's bytes (``op_bytes``); with ``columnwise``,
+    y_t's codes and scales_t's scales (one per block of rows, or one per column for a
+    static scale) too."""
+    op = COLUMNWISE_OPS[recipe]
+    moved = op_bytes(op, rows, hidden, dtype)
+    if not columnwise:
+        return moved
+    keywords = apply_recipe(SCALED_OPS[op][1])
+    code_bits = jnp.finfo(keywords["out_dtype"]).bits
+    group = keywords.get("group_size")
+    scale_bytes = jnp.dtype(keywords.get("scale_dtype", jnp.float32)).itemsize
+    return (
+        moved
+        + rows * hidden * code_bits // 8
+        + hidden * (rows // group if group else 1) * scale_bytes
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -83,8 +89,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="comma-separated; the recipes whose two layouts are timed",
     )
     args = parser.parse_args(argv)
-    for name in args.recipes:
-        recipe_keywords(name)  # an unknown name fails here, before anything is timed
+    for name in args.recipes:  # an unknown name fails here, before anything is timed
+        if name not in COLUMNWISE_OPS:
+            raise ValueError(f"--recipes: each recipe one of {list(COLUMNWISE_OPS)}, got {name!r}")
     dtype = DTYPE_BY_NAME[args.dtype]
     shape = (args.rows, args.hidden)
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
@@ -143,14 +150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Each alone: their outputs differ in size, and a call that reuses another's freed
     # memory pays none of the page faults that one that maps new memory does.
     for name in args.recipes:
-        keywords = {"recipe": name}
-        if recipe_keywords(name)["static_scale"] is not None:
-            keywords["static_scale"] = STATIC_SCALE
+        norm = op_function(fp8norm, COLUMNWISE_OPS[name])
         for columnwise, label in ((False, "rowwise"), (True, "rowwise + columnwise")):
             op = jax.jit(
-                lambda x, g, keywords=keywords, columnwise=columnwise: fp8norm.rms_norm_fp8(
-                    x, g, columnwise=columnwise, **keywords
-                )
+                lambda x, g, norm=norm, columnwise=columnwise: norm(x, g, columnwise=columnwise)
             )
             groups.append({f"{name}: {label}": blocking(op, x, gamma)})
     if "mxfp8" in args.recipes:
