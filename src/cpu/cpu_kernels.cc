@@ -58,12 +58,13 @@ float* ThreadBuffer(int64_t size) {
 // kept between calls, up to kKeptStagedScalesBytes; a larger call's in memory of its own,
 // freed when the call ends (they are as large as scales_t: kept at the largest call's,
 // they would hold that much for the life of the thread). data() is null when the memory
-// cannot be had.
+// cannot be had, and for no bytes (a call without them touches no buffer).
 constexpr int64_t kKeptStagedScalesBytes = int64_t{16} << 20;
 
 class StagedColumnScales {
  public:
   explicit StagedColumnScales(int64_t bytes) {
+    if (bytes == 0) return;
     try {
       if (bytes > kKeptStagedScalesBytes) {
         owned_.reset(new uint8_t[static_cast<size_t>(bytes)]);
