@@ -230,6 +230,53 @@ def _global_scales(fmt: str, a_global_scale, w_global_scale):
     )
 
 
+# Rows per tile of the float32 product on the CPU. XLA's CPU dot picks its blocking, and
+# with it the order in which each output sums its K products, from the operands' shapes:
+# the same row in a call of another size can get other bits. Every tile is one product of
+# the same shape, so a row's result depends on that row alone (docs/spec.md, "The layer").
+CPU_TILE_ROWS = 64
+
+
+def _dot(a: jax.Array, w: jax.Array) -> jax.Array:
+    """``a [..., K] @ w [K, N]`` accumulated in float32."""
+    return jax.lax.dot_general(
+        a,
+        w,
+        (((a.ndim - 1,), (0,)), ((), ())),
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def _tiled_dot(a: jax.Array, w: jax.Array) -> jax.Array:
+    """:func:`_dot` of float32 operands as products of CPU_TILE_ROWS rows each, the rows
+    padded with zeros to whole tiles."""
+    rows, k = a.shape[:-1], a.shape[-1]
+    flat = a.reshape(-1, k)
+    m = flat.shape[0]
+    tiles = jnp.pad(flat, ((0, -m % CPU_TILE_ROWS), (0, 0))).reshape(-1, CPU_TILE_ROWS, k)
+    out = jax.lax.map(lambda tile: _dot(tile, w), tiles)
+    return out.reshape(-1, w.shape[1])[:m].reshape(*rows, w.shape[1])
+
+
+def _fp8_dot(a: jax.Array, w: jax.Array) -> jax.Array:
+    """The FP8 operands straight to the dot: an FP8 GEMM on GPUs that have one."""
+    return jax.lax.dot_general(
+        a, w, (((a.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+    )
+
+
+def _row_invariant_dot(a: jax.Array, w: jax.Array, native=_dot) -> jax.Array:
+    """``a @ w`` in float32 whose rows do not depend on the number of rows: tiles of
+    float32 on the CPU, ``native`` (by default the plain dot) elsewhere."""
+    return jax.lax.platform_dependent(
+        a,
+        w,
+        cpu=lambda a, w: _tiled_dot(a.astype(jnp.float32), w.astype(jnp.float32)),
+        default=native,
+    )
+
+
 def _dequantize_weights(w: jax.Array, w_scales: jax.Array) -> jax.Array:
     scales = w_scales.astype(jnp.float32)
     if scales.ndim == 2:
@@ -276,7 +323,9 @@ def fp8_matmul(
       operands (e8m0 scales, blocks of 32) and NVFP4 operands go to
       ``jax.nn.scaled_matmul``, cuDNN's block-scaled GEMM, on Blackwell GPUs, with the
       leading dims of ``a`` flattened into its rows and ``w`` transposed to ``[N, K]``;
-      everything else (MXFP4 always) is dequantised to float32 first (any backend).
+      everything else (MXFP4 always) is dequantised to float32 first (any backend). On
+      the CPU the float32 product runs in tiles of :data:`CPU_TILE_ROWS` rows, so that
+      each row of the result has the same bits in a call of any number of rows.
 
     Raises:
       TypeError: an operand neither FP8 nor FP4, FP4 scales neither e4m3 nor e8m0, or a
@@ -289,9 +338,8 @@ def fp8_matmul(
     global_scale = _global_scales(fmt, a_global_scale, w_global_scale)
     path = matmul_path(a, a_scales, w, w_scales)
     if path == "fp8_dot":
-        acc = jax.lax.dot_general(
-            a, w, (((a.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
+        # FP8 codes are exact in float32: the CPU's tiles compute the same products.
+        acc = _row_invariant_dot(a, w, native=_fp8_dot)
         scaled = acc * a_scales.astype(jnp.float32) * w_scales.astype(jnp.float32)
         return scaled.astype(out_dtype)
     if path == "scaled_matmul":
@@ -310,13 +358,7 @@ def fp8_matmul(
         if scales.shape[-1] > 1:
             scales = jnp.repeat(scales, a.shape[-1] // scales.shape[-1], axis=-1)
         a32 = a.astype(jnp.float32) * scales
-        out = jax.lax.dot_general(
-            a32,
-            _dequantize_weights(w, w_scales),
-            (((a.ndim - 1,), (0,)), ((), ())),
-            precision=jax.lax.Precision.HIGHEST,
-            preferred_element_type=jnp.float32,
-        )
+        out = _row_invariant_dot(a32, _dequantize_weights(w, w_scales))
     if global_scale is not None:
         # As jax.nn.scaled_dot_general does for NVFP4: the block-scaled product in
         # float32, times the product of the two global scales, then the output dtype.
