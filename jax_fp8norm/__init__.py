@@ -8,11 +8,13 @@
         x, residual, gamma, axis_name="tp")
     # NVFP4: FP4 codes, e4m3 scales per 16 elements, a global decode scale
     y, scales = fp8norm.rms_norm_fp8(x, gamma, recipe="nvfp4", global_scale=gs)
+    # training: the norm and the linear layer after it, differentiable
+    out = fp8norm.rms_norm_dense(x, gamma, w, recipe="mxfp8")
 
 The contract is docs/spec.md; :mod:`jax_fp8norm.reference` holds the pure-jnp twins.
 """
 
-from jax_fp8norm import interop, recipes, reference, simt, testing, training
+from jax_fp8norm import dense, interop, recipes, reference, simt, testing, training
 from jax_fp8norm._fallback import KernelFallbackWarning
 from jax_fp8norm._ffi import (
     built_with_cuda,
@@ -25,6 +27,7 @@ from jax_fp8norm._primitives import EXPORT_DISABLED_CHECKS
 from jax_fp8norm._primitives import TARGETS as FFI_TARGETS
 from jax_fp8norm._version import __version__ as __version__
 from jax_fp8norm.autodiff import add_rms_norm_fp8_dequantized, rms_norm_fp8_dequantized
+from jax_fp8norm.dense import add_rms_norm_dense, rms_norm_dense
 from jax_fp8norm.ops import (
     add_rms_norm_fp8,
     allreduce_residual_rms_norm_fp8,
@@ -47,6 +50,7 @@ __all__ = [
     "RECIPES",
     "KernelFallbackWarning",
     "add_rms_norm_backward",
+    "add_rms_norm_dense",
     "add_rms_norm_fp8",
     "add_rms_norm_fp8_dequantized",
     "add_rms_norm_fp8_training",
@@ -56,11 +60,13 @@ __all__ = [
     "cpu_kernel_variant",
     "cuda_kernel",
     "cuda_kernel_variants",
+    "dense",
     "dequantize",
     "interop",
     "recipes",
     "reference",
     "rms_norm_backward",
+    "rms_norm_dense",
     "rms_norm_fp8",
     "rms_norm_fp8_dequantized",
     "rms_norm_fp8_training",

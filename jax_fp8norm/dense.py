@@ -260,7 +260,9 @@ def _check_layer(x, w, params: NormParams, result_dtype) -> np.dtype:
     """Checks ``w`` against ``x`` and the recipe; returns the result's dtype."""
     w_dtype = np.dtype(w.dtype) if hasattr(w, "dtype") else np.asarray(w).dtype
     if w_dtype not in FLOAT_DTYPES:
-        raise TypeError(f"w must be float32, bfloat16 or float16 (the master weights), got {w_dtype}")
+        raise TypeError(
+            f"w must be float32, bfloat16 or float16 (the master weights), got {w_dtype}"
+        )
     if np.ndim(w) != 2 or w.shape[0] != x.shape[-1]:
         raise ValueError(
             f"w must have shape (x.shape[-1], F) = ({x.shape[-1]}, F); got {tuple(np.shape(w))}"

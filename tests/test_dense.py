@@ -1,0 +1,266 @@
+"""The layer, rms_norm_dense / add_rms_norm_dense: its value and gradients within a bound
+derived from the formats' precision (against exact float64 math, no quantisation), each
+row's bits independent of the batch, and the transforms a training program applies (jit,
+vmap, remat, scan)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import RECIPE_NAMES, device_of, random_gamma, random_rows, recipe
+
+import jax_fp8norm as fp8norm
+from jax_fp8norm.dense import GRADIENT_FORMATS, gradient_format
+
+# Quantisation error of one element v of a block whose largest magnitude is `amax`:
+# |deq(q(v)) - v| <= rel * |v| + abs * amax, for blocks whose scale is a normal number.
+#   E4M3 (3 mantissa bits): half an ulp, 2^-4 of |v|; below 2^-6 (subnormal) half of the
+#     step 2^-9 of t = v / s, with s < amax / 224 (a power of two >= amax / 448, or
+#     amax / 448 itself).
+#   E5M2 (2 bits): 2^-3; subnormal step 2^-16 of t, s < amax / 28672.
+#   E2M1 (0, 0.5, 1, 1.5, 2, 3, 4, 6): at most 0.25 of t below 2 and 0.2 of |t| above; for
+#     MXFP4 s < amax / 3 (a power of two >= amax / 6); for NVFP4 s is E4M3(amax / 6) (2^-4
+#     from it), so t may reach 6 / (1 - 2^-4) and be clipped by 0.4 s.
+FORMAT_ERRORS = {
+    "e4m3": (2.0**-4, 2.0**-10 / 224),
+    "e5m2": (2.0**-3, 2.0**-17 / 28672),
+    "mxfp4": (0.2, 0.25 / 3),
+    "nvfp4": (0.2, (0.25 + 0.4) * (1 + 2.0**-4) / 6),
+}
+# Float32 arithmetic (the normalisation, the scales' products, the accumulations) adds far
+# less than this share of the magnitudes it works on.
+FLOAT32_SLACK = 2.0**-18
+
+# recipe -> (its codes' format, the gradient's format, the block along each GEMM's
+# contraction axis: None for one scale per row or column)
+LAYOUTS = {
+    "fp8_row": ("e4m3", "e5m2", None),
+    "fp8_static": ("e4m3", "e5m2", None),
+    "fp8_group128": ("e4m3", "e5m2", 128),
+    "fp8_group128_ue8m0": ("e4m3", "e5m2", 128),
+    "mxfp8": ("e4m3", "e4m3", 32),
+    "nvfp4": ("nvfp4", "nvfp4", 16),
+    "mxfp4": ("mxfp4", "mxfp4", 32),
+}
+ROWS, K, F = 256, 256, 384
+
+
+def quantisation_bound(v: np.ndarray, fmt: str, block: int | None, axis: int, amax=None):
+    """The bound above for each element of ``v`` quantised in blocks of ``block`` along
+    ``axis`` (the whole axis for None), or with a given ``amax`` (a calibrated scale)."""
+    rel, absolute = FORMAT_ERRORS[fmt]
+    a = np.abs(v)
+    if amax is None:
+        moved = np.moveaxis(a, axis, -1)
+        size = moved.shape[-1] if block is None else block
+        blocks = moved.reshape(*moved.shape[:-1], -1, size)
+        amax = np.repeat(blocks.max(-1), size, axis=-1).reshape(moved.shape)
+        amax = np.moveaxis(amax, -1, axis)
+    return rel * a + absolute * amax + FLOAT32_SLACK * a
+
+
+def product_bound(a, ea, b, eb):
+    """|a_q @ b_q - a @ b| for |a_q - a| <= ea, |b_q - b| <= eb, float32 accumulation."""
+    a, b = np.abs(a), np.abs(b)
+    return ea @ b + a @ eb + ea @ eb + FLOAT32_SLACK * ((a + ea) @ (b + eb))
+
+
+def _operands(seed=0, rows=ROWS):
+    x = random_rows(seed, (rows, K), np.float32, spread=1.0)
+    gamma = random_gamma(seed, K, np.float32)
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((K, F)) / 16).astype(np.float32)
+    g = rng.standard_normal((rows, F)).astype(np.float32)
+    return x, gamma, w, g
+
+
+def _exact(x, gamma, w, g, eps=1e-6):
+    """The layer in float64 without quantisation: n, r, u, out and the gradients of
+    sum(out * g)."""
+    x, gamma, w, g = (np.asarray(a, np.float64) for a in (x, gamma, w, g))
+    r = 1 / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps)
+    u = x * r
+    n = u * gamma
+    dn = g @ w.T
+    dx = r * (gamma * dn - u * np.mean(u * gamma * dn, -1, keepdims=True))
+    return dict(n=n, r=r, u=u, out=n @ w, dn=dn, dx=dx, dgamma=(u * dn).sum(0), dw=n.T @ g)
+
+
+def _layer_gradients(platform, name, x, gamma, w, g):
+    keywords = recipe(name)
+
+    def loss(x, gamma, w):
+        out = fp8norm.rms_norm_dense(x, gamma, w, result_dtype=jnp.float32, **keywords)
+        return jnp.sum(out * g), out
+
+    device = device_of(platform)
+    args = [jax.device_put(a, device) for a in (x, gamma, w)]
+    grads, out = jax.jit(jax.grad(loss, (0, 1, 2), has_aux=True))(*args)
+    return np.asarray(out), *(np.asarray(d) for d in grads)
+
+
+@pytest.mark.default_platforms("cpu")
+@pytest.mark.parametrize("name", RECIPE_NAMES)
+def test_value_and_gradients_within_the_formats_bound(platform, name):
+    x, gamma, w, g = _operands()
+    out, dx, dgamma, dw = _layer_gradients(platform, name, x, gamma, w, g)
+    e = _exact(x, gamma, w, g)
+    fmt, grad_fmt, block = LAYOUTS[name]
+    static = recipe(name).get("static_scale")
+    amax = None if static is None else np.full(e["n"].shape, 448.0 * static)
+    # Forward: n quantised along K by the norm, w along K.
+    e_n = quantisation_bound(e["n"], fmt, block, axis=1, amax=amax)
+    e_w = quantisation_bound(w, fmt, block, axis=0)
+    bound = product_bound(e["n"], e_n, w, e_w)
+    # dgrad: g quantised along F (by rows), w^T along F.
+    e_g = quantisation_bound(g, grad_fmt, block, axis=1)
+    e_wt = quantisation_bound(w.T, fmt, block, axis=0)
+    e_dn = product_bound(g, e_g, w.T, e_wt)
+    u, r, gamma_abs = np.abs(e["u"]), e["r"], np.abs(gamma)
+    dn_abs = np.abs(e["dn"]) + e_dn
+    e_dx = r * (gamma_abs * e_dn + u * np.mean(u * gamma_abs * e_dn, -1, keepdims=True))
+    c_abs = np.mean(u * gamma_abs * dn_abs, -1, keepdims=True)
+    e_dx += FLOAT32_SLACK * r * (gamma_abs * dn_abs + u * c_abs)
+    e_dgamma = (u * e_dn).sum(0) + FLOAT32_SLACK * (u * dn_abs).sum(0)
+    # wgrad: n quantised along the rows (the columnwise codes), g along the rows; the
+    # per-row recipe keeps its rows' codes y and folds their scales s into g instead:
+    # dw = y^T @ q(s * g), so |error| <= e_n^T |g| + |y|^T e(s * g).
+    if name == "fp8_row":
+        y, s = (np.asarray(a, np.float64) for a in fp8norm.rms_norm_fp8(x, gamma, recipe=name))
+        e_sg = quantisation_bound(s * g, grad_fmt, None, axis=0)
+        y_abs = np.abs(y).T
+        e_dw = e_n.T @ np.abs(g) + y_abs @ e_sg + FLOAT32_SLACK * (y_abs @ np.abs(s * g))
+    else:
+        e_nt = quantisation_bound(e["n"], fmt, block, axis=0, amax=amax)
+        e_gw = quantisation_bound(g, grad_fmt, block, axis=0)
+        e_dw = product_bound(e["n"].T, e_nt.T, g, e_gw)
+    for what, got, want, allowed in (
+        ("out", out, e["out"], bound),
+        ("dx", dx, e["dx"], e_dx),
+        ("dgamma", dgamma, e["dgamma"], e_dgamma),
+        ("dw", dw, e["dw"], e_dw),
+    ):
+        error = np.abs(got - want)
+        assert np.all(np.isfinite(got)), what
+        assert np.all(error <= allowed), (what, float((error / allowed).max()))
+        # The quantisation is there (not a float32 layer that trivially meets the bound).
+        assert error.max() > 1e-4 * np.abs(want).max(), what
+
+
+@pytest.mark.default_platforms("cpu")
+@pytest.mark.parametrize("name", RECIPE_NAMES)
+def test_rows_have_the_same_bits_in_every_batch(platform, name):
+    """A row's output and dx depend on that row alone (the output gradient is quantised row
+    by row, NVFP4's with a global scale per row; the GEMMs' rows are the CPU's tiles)."""
+    x, gamma, w, g = _operands(1)
+    full = _layer_gradients(platform, name, x, gamma, w, g)
+    # Another batch: half of the rows, then other rows after them.
+    half = ROWS // 2
+    x2 = np.concatenate([x[:half], x[:half][::-1] * 3.0])
+    g2 = np.concatenate([g[:half], g[:half] * 100.0])
+    part = _layer_gradients(platform, name, x2, gamma, w, g2)
+    for what, a, b in (("out", full[0], part[0]), ("dx", full[1], part[1])):
+        np.testing.assert_array_equal(a[:half].view(np.uint32), b[:half].view(np.uint32), what)
+
+
+def test_the_plain_cpu_product_depends_on_the_rows():
+    """The invariance test above can fail: XLA's CPU dot, untiled, gives a row other bits
+    in a call of another number of rows for the layer's shapes."""
+    a = random_rows(2, (ROWS, F), np.float32)
+    b = random_rows(3, (F, K), np.float32)
+    dot = jax.jit(lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST))
+    full = np.asarray(dot(a, b))
+    assert any(not np.array_equal(np.asarray(dot(a[:m], b)), full[:m]) for m in (2, 3, 7, 32))
+
+
+def test_the_residual_form_is_the_layer_of_the_sum(platform="cpu"):
+    """add_rms_norm_dense's gradients are rms_norm_dense's of h = x + residual, plus the
+    cotangent of residual_out, bit for bit (float32 rows)."""
+    x, gamma, w, g = _operands(2)
+    residual = random_rows(4, x.shape, np.float32)
+    d_res = random_rows(5, x.shape, np.float32)
+
+    def add_loss(x, residual, gamma, w):
+        out, residual_out = fp8norm.add_rms_norm_dense(x, residual, gamma, w, recipe="mxfp8")
+        return jnp.sum(out.astype(jnp.float32) * g) + jnp.sum(residual_out * d_res)
+
+    def loss(h, gamma, w):
+        return jnp.sum(fp8norm.rms_norm_dense(h, gamma, w, recipe="mxfp8").astype(jnp.float32) * g)
+
+    dx, dres, dgamma, dw = jax.jit(jax.grad(add_loss, (0, 1, 2, 3)))(x, residual, gamma, w)
+    dh, dgamma1, dw1 = jax.jit(jax.grad(loss, (0, 1, 2)))(x + residual, gamma, w)
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(dh + d_res))
+    np.testing.assert_array_equal(np.asarray(dres), np.asarray(dx))
+    np.testing.assert_array_equal(np.asarray(dgamma), np.asarray(dgamma1))
+    np.testing.assert_array_equal(np.asarray(dw), np.asarray(dw1))
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "fp8_row"])
+def test_transforms_keep_the_bits(name):
+    """vmap over a batch axis, remat and scan over layers give the plain call's bits."""
+    keywords = recipe(name)
+    x, gamma, w, g = _operands(3, rows=128)
+    xb, gb = x.reshape(2, 64, K), g.reshape(2, 64, F)
+
+    def loss(x, gamma, w, g):
+        return jnp.sum(fp8norm.rms_norm_dense(x, gamma, w, **keywords).astype(jnp.float32) * g)
+
+    grad = jax.grad(loss, (0, 1, 2))
+    each = [jax.jit(grad)(xb[i], gamma, w, gb[i]) for i in range(2)]
+    mapped = jax.jit(jax.vmap(grad, (0, None, None, 0)))(xb, gamma, w, gb)
+    for i in range(2):
+        for a, b in zip(mapped, each[i], strict=True):
+            np.testing.assert_array_equal(np.asarray(a[i]), np.asarray(b))
+    plain = jax.jit(grad)(x, gamma, w, g)
+    remat = jax.jit(jax.grad(jax.checkpoint(loss), (0, 1, 2)))(x, gamma, w, g)
+    for a, b in zip(remat, plain, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    # Two layers of [K, K] weights, a python loop against lax.scan.
+    ws = jnp.stack([jnp.asarray(w[:, :K]), jnp.asarray(w[:, F - K :][:, ::-1])])
+    gammas = jnp.stack([gamma, gamma[::-1]])
+
+    def stack_loop(x, gammas, ws):
+        for i in range(2):
+            x = x + fp8norm.rms_norm_dense(x, gammas[i], ws[i], **keywords)
+        return jnp.sum(x.astype(jnp.float32) ** 2)
+
+    def stack_scan(x, gammas, ws):
+        def layer(x, p):
+            return x + fp8norm.rms_norm_dense(x, p[0], p[1], **keywords), None
+
+        return jnp.sum(jax.lax.scan(layer, x, (gammas, ws))[0].astype(jnp.float32) ** 2)
+
+    looped = jax.jit(jax.grad(stack_loop, (0, 1, 2)))(x, gammas, ws)
+    scanned = jax.jit(jax.grad(stack_scan, (0, 1, 2)))(x, gammas, ws)
+    for a, b in zip(looped, scanned, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_gradient_formats():
+    assert gradient_format(recipe="fp8_row") == GRADIENT_FORMATS["per_row"]
+    assert gradient_format(recipe="mxfp8").startswith("float8_e4m3fn")
+    assert gradient_format(recipe="fp8_group128").startswith("float8_e5m2")
+    assert gradient_format(recipe="nvfp4").startswith("float4_e2m1fn")
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (dict(w=np.ones((K, F), np.int32)), TypeError, "w must be float32"),
+        (dict(w=np.ones((K + 1, F), np.float32)), ValueError, r"w must have shape \(x.shape"),
+        (dict(w=np.ones((K,), np.float32)), ValueError, "w must have shape"),
+        (dict(w=np.ones((K, 40), np.float32)), ValueError, "output features"),
+        (dict(x=np.ones((48, K), np.float32)), ValueError, "number of rows"),
+        (dict(result_dtype=jnp.int8), TypeError, "result_dtype must be"),
+        (dict(x=np.ones((64, K), np.int32)), TypeError, "x must be"),
+    ],
+)
+def test_bad_input(change, error, match):
+    args = dict(x=np.ones((64, K), np.float32), gamma=np.ones(K, np.float32))
+    args["w"] = np.ones((K, F), np.float32)
+    args.update(change)
+    with pytest.raises(error, match=match):
+        fp8norm.rms_norm_dense(**args, recipe="mxfp8")
