@@ -114,3 +114,40 @@ def test_without_a_scale_parameter_and_with_an_initializer():
     assert made.scale[...].dtype == jnp.bfloat16
     assert_same_bits(made(x), fp8norm.rms_norm_fp8(x, made.scale[...]))
     assert not np.all(np.asarray(made.scale[...]) == 1)
+
+
+def test_rms_norm_dense_module_is_the_layer():
+    """RMSNormDense's output and gradients are rms_norm_dense's, bit for bit; fused=False is
+    the unquantised layer."""
+    from jax_fp8norm.nnx import RMSNormDense
+
+    module = RMSNormDense(256, 128, recipe="nvfp4", global_scale=0.0021, rngs=nnx.Rngs(0))
+    module.norm.scale[...] = jnp.linspace(0.5, 1.5, 256)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((64, 256)), jnp.bfloat16)
+    residual = x[::-1]
+    gamma, w = module.norm.scale[...], module.kernel[...]
+    assert w.dtype == jnp.float32 and w.shape == (256, 128)
+
+    def loss(m):
+        out, residual_out = m(x, residual)
+        return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(residual_out.astype(jnp.float32))
+
+    grads = nnx.grad(loss)(module)
+
+    def layer_loss(gamma, w):
+        out, residual_out = fp8norm.add_rms_norm_dense(
+            x, residual, gamma, w, recipe="nvfp4", global_scale=0.0021
+        )
+        return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(residual_out.astype(jnp.float32))
+
+    dgamma, dw = jax.grad(layer_loss, (0, 1))(gamma, w)
+    np.testing.assert_array_equal(np.asarray(grads["norm"]["scale"][...]), np.asarray(dgamma))
+    np.testing.assert_array_equal(np.asarray(grads["kernel"][...]), np.asarray(dw))
+
+    module.fused = False
+    h = x.astype(jnp.float32) + residual.astype(jnp.float32)
+    n = h / jnp.sqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6) * gamma
+    want = n.astype(jnp.bfloat16).astype(jnp.float32) @ w.astype(jnp.bfloat16).astype(jnp.float32)
+    out, residual_out = module(x, residual)
+    assert out.dtype == jnp.bfloat16 and residual_out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=2e-2, atol=2e-2)
