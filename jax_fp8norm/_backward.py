@@ -14,18 +14,42 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_fp8norm import _ffi, reference
 from jax_fp8norm._primitives import eager_impl, twin_lowering
 
 
+def _varying(avals) -> dict:
+    """Inside shard_map: the results vary over every manual axis any operand varies over
+    (dn varies over "tp" when the weight after the norm is split by columns, though x does
+    not)."""
+    x = avals[0]
+    manual = getattr(x, "manual_axis_type", None)
+    if manual is None:
+        return {}
+    varying = frozenset().union(*(a.manual_axis_type.varying for a in avals))
+    return {
+        "manual_axis_type": type(manual)(
+            varying=varying, unreduced=frozenset(), reduced=frozenset()
+        )
+    }
+
+
 def _abstract_eval(*avals, weight_offset, add):
     x = avals[2] if add else avals[1]
-    dx = x.update(shape=x.shape, dtype=x.dtype, weak_type=False)
+    varying = _varying(avals)
+    dx = x.update(shape=x.shape, dtype=x.dtype, weak_type=False, **varying)
     dgamma = jax.core.ShapedArray((x.shape[-1],), np.dtype(np.float32))
+    if varying:  # on the shard_map's mesh, whole on every device
+        replicated = NamedSharding(x.sharding.mesh, PartitionSpec(None))
+        dgamma = x.update(
+            shape=dgamma.shape, dtype=dgamma.dtype, weak_type=False, sharding=replicated, **varying
+        )
     if add:
         residual = avals[3]
-        return [dx, residual.update(shape=x.shape, dtype=residual.dtype, weak_type=False), dgamma]
+        dresidual = residual.update(shape=x.shape, dtype=residual.dtype, weak_type=False, **varying)
+        return [dx, dresidual, dgamma]
     return [dx, dgamma]
 
 

@@ -26,11 +26,13 @@ import numpy as np
 
 from jax_fp8norm._backward import add_rms_norm_backward_p, rms_norm_backward_p
 from jax_fp8norm._checks import check_columnwise, validate
-from jax_fp8norm._dtypes import E8M0, FLOAT_DTYPES
+from jax_fp8norm._dtypes import E8M0, FLOAT_DTYPES, FP4_MAX
+from jax_fp8norm._groups import divide
 from jax_fp8norm._params import NormKeywords, NormParams, as_operand
 from jax_fp8norm._primitives import add_rms_norm_fp8_p, rms_norm_fp8_p
 from jax_fp8norm._signatures import norm_keywords
 from jax_fp8norm.matmul import (
+    E4M3_MAX,
     fp8_matmul,
     quantize_blocks,
     quantize_per_channel,
@@ -116,8 +118,8 @@ def _quantize_rows(v: jax.Array, layout: _Layout, dtype: np.dtype):
     row_scales = None
     if layout.kind == "nvfp4":
         amax = jnp.max(jnp.abs(v), axis=1, keepdims=True)
-        row_scales = jnp.where(amax == 0, jnp.float32(1.0), amax / jnp.float32(448.0 * 6.0))
-        v = v / row_scales
+        row_scales = jnp.where(amax == 0, jnp.float32(1.0), divide(amax, E4M3_MAX * FP4_MAX))
+        v = divide(v, row_scales)
     codes, scales, _ = _quantize_columns(v.T, layout, dtype, global_scale=1.0)
     scales = scales[:, None] if scales.ndim == 1 else scales.T
     return codes.T, scales, row_scales
@@ -183,6 +185,25 @@ def _backward_gemms(p, layout, saved, g):
     return dn, dw.astype(w.dtype)
 
 
+def _varying_axes(v: jax.Array) -> frozenset:
+    """The shard_map axes along which ``v``'s value differs between devices."""
+    aval = jax.typeof(v)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", None) or ())
+
+
+def _summed_over_devices(primal: jax.Array, cotangent: jax.Array) -> jax.Array:
+    """Inside shard_map, ``cotangent`` psummed over the mesh axes along which it varies and
+    ``primal`` does not: ``dn`` of an input replicated over "tp" whose layer's weight is
+    split by columns is the sum of every device's part (summed in float32 before the norm's
+    backward, so that dx is rounded once), and so is dgamma of a gamma replicated over
+    the axis that splits the rows."""
+    axes = tuple(sorted(_varying_axes(cotangent) - _varying_axes(primal)))
+    return jax.lax.psum(cotangent, axes) if axes else cotangent
+
+
 def _kept_codes(layout: _Layout, outs: tuple) -> tuple:
     """What the backward keeps of the norm's outputs: the columnwise codes and scales, or
     the per-row recipe's rowwise ones."""
@@ -207,11 +228,14 @@ def _rms_norm_dense(p: NormParams, result_dtype: np.dtype):
     def bwd(saved, g):
         x, gamma, inverse_rms, gemm_saved = saved
         dn, dw = _backward_gemms(p, layout, gemm_saved, g)
+        dn = _summed_over_devices(x, dn)
         dx, dgamma = rms_norm_backward_p.bind(
             dn.reshape(x.shape), x, gamma, inverse_rms, weight_offset=p.weight_offset, add=False
         )
         zeros = tuple(jnp.zeros_like(s) for s in gemm_saved[1])
-        return (dx, dgamma.astype(gamma.dtype), dw, *zeros)
+        grads = (dx, dgamma.astype(gamma.dtype), dw)
+        primals = (x, gamma, gemm_saved[0])
+        return (*map(_summed_over_devices, primals, grads), *zeros)
 
     fn.defvjp(fwd, bwd)
     return fn
@@ -239,6 +263,7 @@ def _add_rms_norm_dense(p: NormParams, result_dtype: np.dtype):
         x, residual, gamma, inverse_rms, gemm_saved = saved
         g, d_residual_out = cotangents
         dn, dw = _backward_gemms(p, layout, gemm_saved, g)
+        dn = _summed_over_devices(x, dn)
         dx, dresidual, dgamma = add_rms_norm_backward_p.bind(
             dn.reshape(x.shape),
             d_residual_out.astype(residual.dtype),
@@ -250,7 +275,9 @@ def _add_rms_norm_dense(p: NormParams, result_dtype: np.dtype):
             add=True,
         )
         zeros = tuple(jnp.zeros_like(s) for s in gemm_saved[1])
-        return (dx, dresidual, dgamma.astype(gamma.dtype), dw, *zeros)
+        grads = (dx, dresidual, dgamma.astype(gamma.dtype), dw)
+        primals = (x, residual, gamma, gemm_saved[0])
+        return (*map(_summed_over_devices, primals, grads), *zeros)
 
     fn.defvjp(fwd, bwd)
     return fn

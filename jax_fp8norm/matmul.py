@@ -23,11 +23,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_fp8norm import _checks
 from jax_fp8norm._checks import check_scale_operand
 from jax_fp8norm._dtypes import E4M3, E8M0, FP4, FP4_MAX
-from jax_fp8norm._groups import fp4_groups
+from jax_fp8norm._groups import divide, fp4_groups
 from jax_fp8norm._params import NORM_KEYWORDS
 from jax_fp8norm.recipes import recipe_keywords
 
@@ -237,18 +239,63 @@ def _global_scales(fmt: str, a_global_scale, w_global_scale):
 CPU_TILE_ROWS = 64
 
 
-def _dot(a: jax.Array, w: jax.Array) -> jax.Array:
+def _dot(a: jax.Array, w: jax.Array, precision=jax.lax.Precision.HIGHEST) -> jax.Array:
     """``a [..., K] @ w [K, N]`` accumulated in float32."""
     return jax.lax.dot_general(
         a,
         w,
         (((a.ndim - 1,), (0,)), ((), ())),
-        precision=jax.lax.Precision.HIGHEST,
+        precision=precision,
         preferred_element_type=jnp.float32,
+        out_sharding=_summed_out_sharding(a, w),
     )
 
 
+def _summed_out_sharding(a: jax.Array, w: jax.Array):
+    """Where the operands' types shard K over Explicit mesh axes, the product's sharding
+    (a's rows and w's columns as they are, K summed over the devices); else None."""
+    a_spec, w_spec = _explicit_spec(a), _explicit_spec(w)
+    if a_spec is None and w_spec is None:
+        return None
+    a_spec = a_spec or (None,) * a.ndim
+    w_spec = w_spec or (None, None)
+    if a_spec[-1] is None and w_spec[0] is None:
+        return None
+    mesh = (jax.typeof(a) if _explicit_spec(a) else jax.typeof(w)).sharding.mesh
+    return NamedSharding(mesh, P(*a_spec[:-1], w_spec[1]))
+
+
+def _explicit_spec(v: jax.Array) -> tuple | None:
+    """The PartitionSpec of ``v``'s type (sharding in types: Explicit mesh axes), padded
+    to its rank; None when no axis of it is sharded that way."""
+    sharding = getattr(jax.typeof(v), "sharding", None)
+    spec = tuple(getattr(sharding, "spec", ()) or ())
+    if not any(axis is not None for axis in spec):
+        return None
+    return spec + (None,) * (v.ndim - len(spec))
+
+
 def _tiled_dot(a: jax.Array, w: jax.Array) -> jax.Array:
+    """:func:`_local_tiled_dot`; where the operands' types are sharded over Explicit mesh
+    axes (a loop cannot run over a sharded axis there), each device's block of the rows
+    and columns, in a shard_map, unless K is sharded (then XLA's product)."""
+    a_spec, w_spec = _explicit_spec(a), _explicit_spec(w)
+    if a_spec is None and w_spec is None:
+        return _local_tiled_dot(a, w)
+    a_spec = a_spec or (None,) * a.ndim
+    w_spec = w_spec or (None, None)
+    if _summed_out_sharding(a, w) is not None:
+        return _dot(a, w)
+    mesh = (jax.typeof(a) if _explicit_spec(a) else jax.typeof(w)).sharding.mesh
+    return jax.shard_map(
+        _local_tiled_dot,
+        mesh=mesh,
+        in_specs=(P(*a_spec), P(*w_spec)),
+        out_specs=P(*a_spec[:-1], w_spec[1]),
+    )(a, w)
+
+
+def _local_tiled_dot(a: jax.Array, w: jax.Array) -> jax.Array:
     """:func:`_dot` of float32 operands as products of CPU_TILE_ROWS rows each, the rows
     padded with zeros to whole tiles."""
     rows, k = a.shape[:-1], a.shape[-1]
@@ -261,20 +308,20 @@ def _tiled_dot(a: jax.Array, w: jax.Array) -> jax.Array:
 
 def _fp8_dot(a: jax.Array, w: jax.Array) -> jax.Array:
     """The FP8 operands straight to the dot: an FP8 GEMM on GPUs that have one."""
-    return jax.lax.dot_general(
-        a, w, (((a.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-    )
+    return _dot(a, w, precision=None)
 
 
 def _row_invariant_dot(a: jax.Array, w: jax.Array, native=_dot) -> jax.Array:
-    """``a @ w`` in float32 whose rows do not depend on the number of rows: tiles of
-    float32 on the CPU, ``native`` (by default the plain dot) elsewhere."""
-    return jax.lax.platform_dependent(
-        a,
-        w,
-        cpu=lambda a, w: _tiled_dot(a.astype(jnp.float32), w.astype(jnp.float32)),
-        default=native,
-    )
+    """``a @ w`` in float32, its rows independent of the number of rows on the CPU (tiles
+    of float32); ``native`` (by default the plain dot) elsewhere."""
+
+    def tiled(a, w):
+        # The barrier keeps XLA from moving the scales that follow into the product.
+        return jax.lax.optimization_barrier(
+            _tiled_dot(a.astype(jnp.float32), w.astype(jnp.float32))
+        )
+
+    return jax.lax.platform_dependent(a, w, cpu=tiled, default=native)
 
 
 def _dequantize_weights(w: jax.Array, w_scales: jax.Array) -> jax.Array:
@@ -282,6 +329,15 @@ def _dequantize_weights(w: jax.Array, w_scales: jax.Array) -> jax.Array:
     if scales.ndim == 2:
         scales = jnp.repeat(scales, w.shape[0] // scales.shape[0], axis=0)
     return w.astype(jnp.float32) * scales
+
+
+def _dequantized_product(a, a_scales, w, w_scales) -> jax.Array:
+    """``dequantize(a) @ dequantize(w)`` in float32, its rows independent of the call's."""
+    scales = a_scales.astype(jnp.float32)
+    if scales.shape[-1] > 1:
+        scales = jnp.repeat(scales, a.shape[-1] // scales.shape[-1], axis=-1)
+    a32 = a.astype(jnp.float32) * scales
+    return _row_invariant_dot(a32, _dequantize_weights(w, w_scales))
 
 
 def fp8_matmul(
@@ -354,11 +410,7 @@ def fp8_matmul(
         )
         out = out.reshape(*rows, w.shape[1])
     else:
-        scales = a_scales.astype(jnp.float32)
-        if scales.shape[-1] > 1:
-            scales = jnp.repeat(scales, a.shape[-1] // scales.shape[-1], axis=-1)
-        a32 = a.astype(jnp.float32) * scales
-        out = _row_invariant_dot(a32, _dequantize_weights(w, w_scales))
+        out = _dequantized_product(a, a_scales, w, w_scales)
     if global_scale is not None:
         # As jax.nn.scaled_dot_general does for NVFP4: the block-scaled product in
         # float32, times the product of the two global scales, then the output dtype.
@@ -372,8 +424,8 @@ def quantize_per_channel(w: jax.Array, out_dtype=jnp.float8_e4m3fn) -> tuple[jax
     fp8_max = float(jnp.finfo(out_dtype).max)
     w32 = w.astype(jnp.float32)
     amax = jnp.max(jnp.abs(w32), axis=0)
-    scales = jnp.where(amax > 0, amax / fp8_max, 1.0)
-    return (w32 / scales).astype(out_dtype), scales
+    scales = jnp.where(amax > 0, divide(amax, fp8_max), 1.0)
+    return divide(w32, scales).astype(out_dtype), scales
 
 
 def _pow2(exponent: jax.Array) -> jax.Array:
@@ -404,7 +456,7 @@ def quantize_blocks(
     fp8_max = float(jnp.finfo(out_dtype).max)
     blocks = w.astype(jnp.float32).reshape(k // block_size, block_size, m)
     amax = jnp.max(jnp.abs(blocks), axis=1)
-    exponent = _power_of_two_exponent(amax / fp8_max)
+    exponent = _power_of_two_exponent(divide(amax, fp8_max))
     w8 = (blocks * _pow2(-exponent)[:, None, :]).reshape(k, m)
     w8 = w8.astype(out_dtype)
     codes = (exponent + 127).astype(jnp.uint8)
@@ -442,7 +494,7 @@ def quantize_weights_nvfp4(
     if global_scale is None:
         amax = jnp.max(jnp.abs(blocks))
         # A NaN amax stays NaN (and so does every scale), never a silent 1.
-        gs = jnp.where(amax == 0, jnp.float32(1.0), amax / jnp.float32(E4M3_MAX * FP4_MAX))
+        gs = jnp.where(amax == 0, jnp.float32(1.0), divide(amax, E4M3_MAX * FP4_MAX))
     else:
         gs = _global_scale("global_scale", global_scale)
     w4, scales = _fp4_columns(blocks, "nvfp4", gs)

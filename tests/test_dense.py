@@ -156,13 +156,20 @@ def test_rows_have_the_same_bits_in_every_batch(platform, name):
     by row, NVFP4's with a global scale per row; the GEMMs' rows are the CPU's tiles)."""
     x, gamma, w, g = _operands(1)
     full = _layer_gradients(platform, name, x, gamma, w, g)
-    # Another batch: half of the rows, then other rows after them.
     half = ROWS // 2
-    x2 = np.concatenate([x[:half], x[:half][::-1] * 3.0])
-    g2 = np.concatenate([g[:half], g[:half] * 100.0])
-    part = _layer_gradients(platform, name, x2, gamma, w, g2)
-    for what, a, b in (("out", full[0], part[0]), ("dx", full[1], part[1])):
-        np.testing.assert_array_equal(a[:half].view(np.uint32), b[:half].view(np.uint32), what)
+    # Batches of other sizes and other rows: the first half alone; the first half then
+    # other rows; 128 other rows then the first half.
+    others = (x[:half][::-1] * 3.0, g[:half] * 100.0)
+    batches = [
+        (x[:half], g[:half], 0),
+        (np.concatenate([x[:half], others[0]]), np.concatenate([g[:half], others[1]]), 0),
+        (np.concatenate([others[0], x[:half]]), np.concatenate([others[1], g[:half]]), half),
+    ]
+    for xb, gb, start in batches:
+        part = _layer_gradients(platform, name, xb, gamma, w, gb)
+        for what, a, b in (("out", full[0], part[0]), ("dx", full[1], part[1])):
+            got = b[start : start + half].view(np.uint32)
+            np.testing.assert_array_equal(a[:half].view(np.uint32), got, what)
 
 
 def test_the_plain_cpu_product_depends_on_the_rows():
@@ -197,9 +204,19 @@ def test_the_residual_form_is_the_layer_of_the_sum(platform="cpu"):
     np.testing.assert_array_equal(np.asarray(dw), np.asarray(dw1))
 
 
+def _same_but_for_sums(got, want):
+    """Within 2^-16 of the largest value: a reordered float32 sum, where a wrong rule (a
+    missing batch element, a gradient not passed through) is off by far more."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    scale = np.abs(want).max()
+    assert scale > 0 and np.abs(got - want).max() <= 2.0**-16 * scale
+
+
 @pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "fp8_row"])
-def test_transforms_keep_the_bits(name):
-    """vmap over a batch axis, remat and scan over layers give the plain call's bits."""
+def test_transforms(name):
+    """vmap over a batch axis, remat and scan over layers give the plain call's gradients.
+    Equal but for the order of the GEMMs' float32 sums, which XLA may change with the
+    program (docs/spec.md, "The layer")."""
     keywords = recipe(name)
     x, gamma, w, g = _operands(3, rows=128)
     xb, gb = x.reshape(2, 64, K), g.reshape(2, 64, F)
@@ -212,11 +229,11 @@ def test_transforms_keep_the_bits(name):
     mapped = jax.jit(jax.vmap(grad, (0, None, None, 0)))(xb, gamma, w, gb)
     for i in range(2):
         for a, b in zip(mapped, each[i], strict=True):
-            np.testing.assert_array_equal(np.asarray(a[i]), np.asarray(b))
+            _same_but_for_sums(a[i], b)
     plain = jax.jit(grad)(x, gamma, w, g)
     remat = jax.jit(jax.grad(jax.checkpoint(loss), (0, 1, 2)))(x, gamma, w, g)
     for a, b in zip(remat, plain, strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        _same_but_for_sums(a, b)
 
     # Two layers of [K, K] weights, a python loop against lax.scan.
     ws = jnp.stack([jnp.asarray(w[:, :K]), jnp.asarray(w[:, F - K :][:, ::-1])])
@@ -236,7 +253,7 @@ def test_transforms_keep_the_bits(name):
     looped = jax.jit(jax.grad(stack_loop, (0, 1, 2)))(x, gammas, ws)
     scanned = jax.jit(jax.grad(stack_scan, (0, 1, 2)))(x, gammas, ws)
     for a, b in zip(looped, scanned, strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        _same_but_for_sums(a, b)
 
 
 def test_gradient_formats():

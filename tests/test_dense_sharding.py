@@ -1,0 +1,107 @@
+"""The layer (rms_norm_dense) in the programs of data and tensor parallelism, on 8 virtual
+CPU devices: rows sharded under jit (Auto and Explicit axes) and column-parallel weights
+inside shard_map. Everything agrees with the single device's call but for the order of
+float32 sums: the GEMMs are XLA's, whose order of summation may differ between the
+sharded program and the single device's (docs/spec.md, "The layer"), and dgamma, dw and,
+under tensor parallelism, dx are sums over the devices. Like test_sharding, a normal
+session reruns this module in a subprocess with the devices."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import TIERS, random_gamma, random_rows, rerun_with_virtual_cpu_devices
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_fp8norm as fp8norm
+
+NUM_DEVICES = 8
+K, F, ROWS = 256, 512, 512
+
+if len(jax.devices("cpu")) < NUM_DEVICES:
+
+    @pytest.mark.parametrize("tier", TIERS)
+    def test_on_eight_virtual_cpu_devices(tier):
+        rerun_with_virtual_cpu_devices(__file__, NUM_DEVICES, tier)
+
+else:
+
+    def _operands(seed=0):
+        x = random_rows(seed, (ROWS, K), jnp.bfloat16)
+        gamma = random_gamma(seed, K, jnp.float32)
+        rng = np.random.default_rng(seed)
+        w = (rng.standard_normal((K, F)) / 16).astype(np.float32)
+        g = rng.standard_normal((ROWS, F)).astype(np.float32)
+        return x, gamma, w, g
+
+    def _grads(keywords):
+        def loss(x, gamma, w, g):
+            out = fp8norm.rms_norm_dense(x, gamma, w, **keywords)
+            return jnp.sum(out.astype(jnp.float32) * g), out
+
+        return jax.grad(loss, (0, 1, 2), has_aux=True)
+
+    def _single_device(fn, *args):
+        cpu0 = jax.devices("cpu")[0]
+        return jax.jit(fn)(*(jax.device_put(np.asarray(a), cpu0) for a in args))
+
+    def _close(got, want, what):
+        """Equal but for the order of a float32 sum: 2^-16 of the largest value, or an ulp
+        of a bfloat16 result."""
+        rtol = 2.0**-7 if got.dtype == jnp.bfloat16 else 2.0**-16
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.abs(want).max() > 0, what
+        np.testing.assert_allclose(
+            got, want, rtol=rtol, atol=rtol * np.abs(want).max(), err_msg=what
+        )
+
+    @pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "fp8_row"])
+    @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+    def test_data_parallel_rows(axis_type, name):
+        keywords = {"recipe": name, **({"global_scale": 0.0021} if name == "nvfp4" else {})}
+        mesh = jax.make_mesh((NUM_DEVICES,), ("data",), axis_types=(axis_type,))
+        x, gamma, w, g = _operands()
+        rows = NamedSharding(mesh, P("data", None))
+        (dx, dgamma, dw), out = jax.jit(_grads(keywords))(
+            jax.device_put(x, rows), gamma, w, jax.device_put(g, rows)
+        )
+        (dx1, dgamma1, dw1), out1 = _single_device(_grads(keywords), x, gamma, w, g)
+        if axis_type == AxisType.Explicit:  # each device's rows stay there
+            assert out.sharding.spec == P("data", None) and dx.sharding.spec == P("data", None)
+        # Every device's rows, each against the single device's.
+        for shard in out.addressable_shards:
+            _close(shard.data, np.asarray(out1)[shard.index], "out")
+        _close(dx, dx1, "dx")
+        _close(dgamma, dgamma1, "dgamma")
+        _close(dw, dw1, "dw")
+
+    @pytest.mark.parametrize("name", ["mxfp8", "mxfp4"])
+    def test_column_parallel_inside_shard_map(name):
+        """Gate / up projections split over "tp" by columns; x replicated, so its cotangent
+        (and gamma's) is the sum of every device's part."""
+        mesh = jax.make_mesh((NUM_DEVICES,), ("tp",), axis_types=(AxisType.Auto,))
+        x, gamma, w, g = _operands(1)
+
+        def loss(x, gamma, w, g):
+            def local(x, gamma, w, g):
+                out = fp8norm.rms_norm_dense(x, gamma, w, recipe=name)
+                return jax.lax.psum(jnp.sum(out.astype(jnp.float32) * g), "tp")
+
+            return jax.shard_map(
+                local,
+                mesh=mesh,
+                in_specs=(P(), P(), P(None, "tp"), P(None, "tp")),
+                out_specs=P(),
+            )(x, gamma, w, g)
+
+        dx, dgamma, dw = jax.jit(jax.grad(loss, (0, 1, 2)))(x, gamma, w, g)
+        whole = _grads({"recipe": name})
+        (dx1, dgamma1, dw1), _ = _single_device(whole, x, gamma, w, g)
+        # w's columns are quantised per device as on one (blocks along K; w^T's blocks along
+        # F lie within a device's columns); dx is the sum of the devices' parts of dn.
+        _close(dw, dw1, "dw")
+        _close(dx, dx1, "dx")
+        _close(dgamma, dgamma1, "dgamma")
