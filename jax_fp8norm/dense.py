@@ -35,6 +35,7 @@ from jax_fp8norm.matmul import (
     E4M3_MAX,
     fp8_matmul,
     quantize_blocks,
+    quantize_fp4_rows,
     quantize_per_channel,
     quantize_weights_mxfp4,
     quantize_weights_nvfp4,
@@ -115,14 +116,15 @@ def _quantize_rows(v: jax.Array, layout: _Layout, dtype: np.dtype):
     6)`` (1 for a zero row), returned as ``row_scales``, by which the GEMM's rows are
     multiplied; one global scale for the whole gradient would tie a row's bits to the
     batch."""
-    row_scales = None
     if layout.kind == "nvfp4":
         amax = jnp.max(jnp.abs(v), axis=1, keepdims=True)
         row_scales = jnp.where(amax == 0, jnp.float32(1.0), divide(amax, E4M3_MAX * FP4_MAX))
-        v = divide(v, row_scales)
-    codes, scales, _ = _quantize_columns(v.T, layout, dtype, global_scale=1.0)
-    scales = scales[:, None] if scales.ndim == 1 else scales.T
-    return codes.T, scales, row_scales
+        return (*quantize_fp4_rows(divide(v, row_scales), "nvfp4"), row_scales)
+    if layout.kind == "mxfp4":
+        return (*quantize_fp4_rows(v, "mxfp4"), None)
+    if layout.block is None:
+        return (*quantize_per_channel(v, dtype, axis=1), None)
+    return (*quantize_blocks(v, layout.block, dtype, axis=1), None)
 
 
 def _activation_global_scale(p: NormParams, static: tuple):

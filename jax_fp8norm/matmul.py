@@ -418,14 +418,27 @@ def fp8_matmul(
     return out.astype(out_dtype)
 
 
-def quantize_per_channel(w: jax.Array, out_dtype=jnp.float8_e4m3fn) -> tuple[jax.Array, jax.Array]:
+def _check_axis(axis: int) -> int:
+    if axis not in (0, 1, -1):
+        raise ValueError(
+            f"axis must be 0 (along K of [K, M] weights) or 1 (along rows), got {axis}"
+        )
+    return axis % 2
+
+
+def quantize_per_channel(
+    w: jax.Array, out_dtype=jnp.float8_e4m3fn, *, axis: int = 0
+) -> tuple[jax.Array, jax.Array]:
     """``[K, M]`` weights to FP8 with one float32 scale per output channel (column):
-    ``scale = max_k |w[k, m]| / FP8_MAX``; a zero column gets scale 1."""
+    ``scale = max_k |w[k, m]| / FP8_MAX``; a zero column gets scale 1. With ``axis=1``, one
+    scale per row of ``[M, K]`` activations instead (scales ``[M, 1]``)."""
+    axis = _check_axis(axis)
     fp8_max = float(jnp.finfo(out_dtype).max)
     w32 = w.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(w32), axis=0)
+    amax = jnp.max(jnp.abs(w32), axis=axis, keepdims=True)
     scales = jnp.where(amax > 0, divide(amax, fp8_max), 1.0)
-    return divide(w32, scales).astype(out_dtype), scales
+    codes = divide(w32, scales).astype(out_dtype)
+    return codes, (scales[0] if axis == 0 else scales)
 
 
 def _pow2(exponent: jax.Array) -> jax.Array:
@@ -444,22 +457,25 @@ def _power_of_two_exponent(q: jax.Array) -> jax.Array:
 
 
 def quantize_blocks(
-    w: jax.Array, block_size: int = MXFP8_BLOCK, out_dtype=jnp.float8_e4m3fn
+    w: jax.Array, block_size: int = MXFP8_BLOCK, out_dtype=jnp.float8_e4m3fn, *, axis: int = 0
 ) -> tuple[jax.Array, jax.Array]:
     """``[K, M]`` weights to MXFP8-style blocks: one e8m0 (power-of-two) scale per block of
     ``block_size`` rows in each column, the smallest power of two >= ``amax / FP8_MAX``
     (at least 2^-126), so that no weight is clipped. Returns ``(w8 [K, M], scales
-    [K // block_size, M] float8_e8m0fnu)``."""
-    k, m = w.shape
+    [K // block_size, M] float8_e8m0fnu)``. With ``axis=1``, blocks along the rows of
+    ``[M, K]`` activations instead: scales ``[M, K // block_size]``."""
+    axis = _check_axis(axis)
+    k = w.shape[axis]
     if block_size <= 0 or k % block_size:
         raise ValueError(f"block_size must be a positive divisor of K = {k}, got {block_size}")
     fp8_max = float(jnp.finfo(out_dtype).max)
-    blocks = w.astype(jnp.float32).reshape(k // block_size, block_size, m)
-    amax = jnp.max(jnp.abs(blocks), axis=1)
+    shape = list(w.shape)
+    shape[axis : axis + 1] = [k // block_size, block_size]
+    blocks = w.astype(jnp.float32).reshape(shape)
+    amax = jnp.max(jnp.abs(blocks), axis=axis + 1, keepdims=True)
     exponent = _power_of_two_exponent(divide(amax, fp8_max))
-    w8 = (blocks * _pow2(-exponent)[:, None, :]).reshape(k, m)
-    w8 = w8.astype(out_dtype)
-    codes = (exponent + 127).astype(jnp.uint8)
+    w8 = (blocks * _pow2(-exponent)).reshape(w.shape).astype(out_dtype)
+    codes = (jnp.squeeze(exponent, axis + 1) + 127).astype(jnp.uint8)
     return w8, jax.lax.bitcast_convert_type(codes, E8M0)
 
 
@@ -520,10 +536,30 @@ def _fp4_columns(blocks: jax.Array, recipe: str, global_scale=None):
     column's blocks are a row's groups."""
     kb, block, n = blocks.shape
     groups = jnp.transpose(blocks, (2, 0, 1))  # [N, K // block, block]
+    y, scales = _fp4_groups(groups, recipe, global_scale)
+    return jnp.transpose(y, (1, 2, 0)).reshape(kb * block, n), jnp.transpose(scales)
+
+
+def _fp4_groups(groups: jax.Array, recipe: str, global_scale=None):
+    """FP4 codes ``[R, groups, block]`` and scales ``[R, groups]`` of float32 groups."""
     layout = {k: v for k, v in recipe_keywords(recipe).items() if k != "static_scale"}
     params = _checks.make_params(
         np.float32, **{**_RECIPE_DEFAULTS, **layout}, has_global_scale=global_scale is not None
     )
     operand = None if global_scale is None else jnp.reshape(global_scale, (1,))
-    y, scales = fp4_groups(groups, jnp.ones((n, 1), bool), params, operand)
-    return jnp.transpose(y, (1, 2, 0)).reshape(kb * block, n), jnp.transpose(scales)
+    return fp4_groups(groups, jnp.ones((groups.shape[0], 1), bool), params, operand)
+
+
+def quantize_fp4_rows(v: jax.Array, recipe: str, global_scale=None):
+    """``[M, K]`` activations to FP4 along their rows, by the weights' rule (NVFP4 with
+    ``global_scale``, 1.0 when None; or MXFP4): ``(codes [M, K], scales [M, K // block])``,
+    the ``a`` and ``a_scales`` of :func:`fp8_matmul`."""
+    block = NVFP4_BLOCK if recipe == "nvfp4" else MXFP4_BLOCK
+    m, k = v.shape
+    if k % block:
+        raise ValueError(f"{recipe.upper()} rows need K a multiple of {block}; got K = {k}")
+    if recipe == "nvfp4" and global_scale is None:
+        global_scale = jnp.float32(1.0)
+    groups = jnp.asarray(v, jnp.float32).reshape(m, k // block, block)
+    y, scales = _fp4_groups(groups, recipe, global_scale)
+    return y.reshape(m, k), scales

@@ -456,3 +456,33 @@ def test_fp4_matmul_bad_input():
         quantize_weights_mxfp4(np.ones((48, 4), np.float32))
     with pytest.raises(ValueError, match="shape \\(K, N\\)"):
         quantize_weights_mxfp4(np.ones((2, 32, 4), np.float32))
+
+
+@pytest.mark.parametrize("fmt", ["blocks", "per_channel", "nvfp4", "mxfp4"])
+def test_row_quantisers_are_the_weight_rule_transposed(fmt):
+    """axis=1 (blocks along the rows of activations) gives the bits of the weights' rule on
+    the transpose."""
+    from jax_fp8norm.matmul import quantize_fp4_rows
+
+    v = jnp.asarray(np.random.default_rng(5).standard_normal((48, 64)) * 3, jnp.float32)
+    v = v.at[3].set(0.0).at[7, :16].set(1e-30)
+    if fmt == "blocks":
+        rows = quantize_blocks(v, 32, jnp.float8_e5m2, axis=1)
+        cols = quantize_blocks(v.T, 32, jnp.float8_e5m2)
+    elif fmt == "per_channel":
+        rows = quantize_per_channel(v, jnp.float8_e5m2, axis=1)
+        cols = quantize_per_channel(v.T, jnp.float8_e5m2)
+        cols = (cols[0], cols[1][:, None])
+    elif fmt == "nvfp4":
+        rows = quantize_fp4_rows(v, "nvfp4", 0.01)
+        cols = quantize_weights_nvfp4(v.T, 0.01)[:2]
+    else:
+        rows = quantize_fp4_rows(v, "mxfp4")
+        cols = quantize_weights_mxfp4(v.T)
+    codes, scales = (np.asarray(a) for a in rows)
+    assert codes.shape == v.shape
+    np.testing.assert_array_equal(codes.view(np.uint8), np.asarray(cols[0]).T.view(np.uint8))
+    want = np.asarray(cols[1]).T if fmt != "per_channel" else np.asarray(cols[1])
+    np.testing.assert_array_equal(scales.view(np.uint8), want.view(np.uint8))
+    with pytest.raises(ValueError, match="axis must be"):
+        quantize_blocks(v, 32, axis=2)
