@@ -27,7 +27,7 @@ from jax_fp8norm._primitives import EXPORT_DISABLED_CHECKS
 from jax_fp8norm._primitives import TARGETS as FFI_TARGETS
 from jax_fp8norm._version import __version__ as __version__
 from jax_fp8norm.autodiff import add_rms_norm_fp8_dequantized, rms_norm_fp8_dequantized
-from jax_fp8norm.dense import add_rms_norm_dense, rms_norm_dense
+from jax_fp8norm.dense import add_rms_norm_dense, allreduce_add_rms_norm_dense, rms_norm_dense
 from jax_fp8norm.ops import (
     add_rms_norm_fp8,
     allreduce_residual_rms_norm_fp8,
@@ -55,6 +55,7 @@ __all__ = [
     "add_rms_norm_fp8_dequantized",
     "add_rms_norm_fp8_training",
     "add_rms_norm_fp8_vjp",
+    "allreduce_add_rms_norm_dense",
     "allreduce_residual_rms_norm_fp8",
     "built_with_cuda",
     "cpu_kernel_variant",

@@ -24,8 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_fp8norm._allreduce import xla_sum
 from jax_fp8norm._backward import add_rms_norm_backward_p, rms_norm_backward_p
-from jax_fp8norm._checks import check_columnwise, validate
+from jax_fp8norm._checks import (
+    check_axis_name,
+    check_columnwise,
+    check_reduce_dtype,
+    validate,
+)
 from jax_fp8norm._dtypes import E8M0, FLOAT_DTYPES, FP4_MAX
 from jax_fp8norm._groups import divide
 from jax_fp8norm._params import NormKeywords, NormParams, as_operand
@@ -41,7 +47,13 @@ from jax_fp8norm.matmul import (
     quantize_weights_nvfp4,
 )
 
-__all__ = ["GRADIENT_FORMATS", "add_rms_norm_dense", "gradient_format", "rms_norm_dense"]
+__all__ = [
+    "GRADIENT_FORMATS",
+    "add_rms_norm_dense",
+    "allreduce_add_rms_norm_dense",
+    "gradient_format",
+    "rms_norm_dense",
+]
 
 # The format of the output gradient's codes, by the layout of the norm's scales: E5M2 (its
 # range) beside the FP8 recipes' E4M3 activations and weights, as Transformer Engine's
@@ -366,3 +378,46 @@ def add_rms_norm_dense(
     dtype = _check_layer(x, w, call.params, result_dtype)
     operands = call.operands(x, residual, gamma)
     return _add_rms_norm_dense(call.params, dtype)(*operands[:3], as_operand(w), *operands[3:])
+
+
+@norm_keywords
+def allreduce_add_rms_norm_dense(
+    x: jax.Array,
+    residual: jax.Array,
+    gamma: jax.Array,
+    w: jax.Array,
+    *,
+    axis_name,
+    reduce_dtype=None,
+    result_dtype=None,
+    **keywords: Unpack[NormKeywords],
+) -> tuple[jax.Array, jax.Array]:
+    """The tensor-parallel form of :func:`add_rms_norm_dense`, inside ``jax.shard_map``:
+    ``x`` is this device's partial sum (a row-parallel matmul's output), summed over
+    ``axis_name`` by XLA's all-reduce (the ``"xla"`` method of
+    :func:`jax_fp8norm.allreduce_residual_rms_norm_fp8`: the columnwise codes need the
+    sum, which the one-kernel methods keep in registers), then the residual added,
+    normalised, quantised and multiplied by ``w`` (whole, or split by columns over the
+    same axis: column-parallel). Backward: ``x``'s cotangent is the sum's (every device's
+    partial counts once); a column-parallel ``w`` gives each device a part of ``dn``,
+    summed over the axis before the norm's backward.
+
+    Args:
+      x, residual: ``[..., K]``, the partial sum and the residual (the same on every
+        device).
+      gamma, w, result_dtype: as for :func:`rms_norm_dense`.
+      axis_name: the mesh axis (or a tuple of axes) to sum over.
+      reduce_dtype: None to sum in ``x.dtype``, or float32.
+      {keywords}
+
+    Returns:
+      ``(out [..., F], residual_out [..., K])``, ``residual_out`` the same on every device.
+    """
+    call = validate(x, gamma, residual, **keywords)
+    reduce = check_reduce_dtype(reduce_dtype, x.dtype)
+    dtype = _check_layer(x, w, call.params, result_dtype)
+    summed_in = None if reduce == np.dtype(x.dtype) else reduce
+    h = xla_sum(as_operand(x), check_axis_name(axis_name), summed_in)
+    operands = call.operands(x, residual, gamma)
+    layer = _add_rms_norm_dense(call.params, dtype)
+    return layer(h, *operands[1:3], as_operand(w), *operands[3:])
