@@ -12,14 +12,15 @@
 #   bash tools/gpu_check.sh training # 3. (optional) the backward against XLA's autodiff
 #                                    #    and each recipe's two layouts against its
 #                                    #    rowwise op: as `auto` picks, then one launch
-#                                    #    (warp_rows) against two kernels (block_shared)
+#                                    #    (warp_rows) against two kernels (block_shared);
+#                                    #    one layer's training step (bench.layer)
 #
 # Budgets (seconds, each a hard `timeout`; what ran before a timeout is kept): build
 # BUILD_SECONDS=120 (+30 to import it), tests TEST_SECONDS=180 (FUZZ_EXAMPLES=100 per
 # platform), main job 60, all-reduce methods 30, resource usage 30, benchmark
 # BENCH_SECONDS=140: 590 in all;
 # deep: SANITIZE_SECONDS=360, NCU_SECONDS=180; training: TRAINING_SECONDS=90 for each of
-# its three runs. ARCHS overrides the CUDA architectures (default 90a-real). `deep` and
+# its four runs. ARCHS overrides the CUDA architectures (default 90a-real). `deep` and
 # `training` rebuild only when the package is not installed. Exits non-zero when any
 # step failed or ran out of time.
 set -uo pipefail
@@ -105,6 +106,10 @@ elif [ "$MODE" = training ]; then
       "${TRAINING_SECONDS:-90}" "bench_training_$kernel.log" \
       env FP8NORM_CUDA_KERNEL=$kernel python3 -m jax_fp8norm.bench.backward --rounds 20
   done
+  TAIL=30 step "one layer's training step, fused against by hand" \
+    "${TRAINING_SECONDS:-90}" "bench_layer.log" \
+    python3 -m jax_fp8norm.bench.layer --rows 8192 --hidden 4096 --features 4096 --rounds 10 \
+    --recipes fp8_row,fp8_group128,mxfp8,nvfp4,mxfp4
 else
   echo "usage: bash tools/gpu_check.sh [check|deep|training]"
   exit 2
