@@ -6,6 +6,7 @@ help say, and a small run writes its table, JSON and plot. No timing is asserted
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -392,3 +393,36 @@ def test_backward_report_runs(capsys):
     assert backward.forward_bytes(64, 32, "bfloat16", "nvfp4", columnwise=True) == 4160 + 2304
     with pytest.raises(ValueError, match="recipe"):
         backward.main(["--recipes", "mxfp9"])
+
+
+def test_layer_report_runs(capsys):
+    """bench.layer times the fused layer, the hand-written one and bfloat16, and reports
+    the ratio for each recipe; a recipe it cannot write by hand is refused."""
+    from jax_fp8norm.bench import layer
+
+    args = ["--rows", "64", "--hidden", "128", "--features", "128", "--rounds", "2"]
+    assert layer.main([*args, "--recipes", "mxfp8,nvfp4"]) == 0
+    out = capsys.readouterr().out
+    for entry in ("bfloat16", "mxfp8 fused", "mxfp8 by_hand", "nvfp4 fused", "nvfp4 by_hand"):
+        assert re.search(rf"^{entry} +[0-9.]+ +[0-9.]+$", out, re.M), (entry, out)
+    assert re.search(r"^nvfp4: by_hand / fused = [0-9.]+x", out, re.M), out
+    with pytest.raises(SystemExit):
+        layer.main(["--recipes", "fp8_static"])
+    assert "unknown recipes ['fp8_static']" in capsys.readouterr().err
+
+
+def test_the_hand_written_layer_is_the_same_layer():
+    """bench.layer's by-hand layer computes what the fused one does, to the formats'
+    precision (the comparison is between two ways to the same result)."""
+    from jax_fp8norm.bench import layer
+
+    key = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(key[0], (64, 128), jnp.float32)
+    gamma = 1 + 0.1 * jax.random.normal(key[1], (128,))
+    w = jax.random.normal(key[2], (128, 64)) / 11
+    fused = np.asarray(layer.fused_layer("mxfp8")(x, gamma, w))
+    hand = np.asarray(layer.by_hand_layer("mxfp8")(x, gamma, w))
+    exact = np.asarray(layer.bfloat16_layer(x, gamma, w))
+    scale = np.abs(exact).max()
+    assert np.abs(fused - hand).max() <= 0.08 * scale
+    assert 0 < np.abs(hand - exact).max() <= 0.08 * scale
