@@ -101,6 +101,7 @@ def _layer_gradients(platform, name, x, gamma, w, g):
     return np.asarray(out), *(np.asarray(d) for d in grads)
 
 
+@pytest.mark.sampled(2)
 @pytest.mark.default_platforms("cpu")
 @pytest.mark.parametrize("name", RECIPE_NAMES)
 def test_value_and_gradients_within_the_formats_bound(platform, name):
@@ -149,6 +150,7 @@ def test_value_and_gradients_within_the_formats_bound(platform, name):
         assert error.max() > 1e-4 * np.abs(want).max(), what
 
 
+@pytest.mark.sampled(3)
 @pytest.mark.default_platforms("cpu")
 @pytest.mark.parametrize("name", RECIPE_NAMES)
 def test_rows_have_the_same_bits_in_every_batch(platform, name):
@@ -212,6 +214,7 @@ def _same_but_for_sums(got, want):
     assert scale > 0 and np.abs(got - want).max() <= 2.0**-16 * scale
 
 
+@pytest.mark.sampled(2)
 @pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "fp8_row"])
 def test_transforms(name):
     """vmap over a batch axis, remat and scan over layers give the plain call's gradients.

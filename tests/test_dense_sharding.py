@@ -60,6 +60,7 @@ else:
             got, want, rtol=rtol, atol=rtol * np.abs(want).max(), err_msg=what
         )
 
+    @pytest.mark.sampled(2)
     @pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "fp8_row"])
     @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
     def test_data_parallel_rows(axis_type, name):
@@ -80,6 +81,7 @@ else:
         _close(dgamma, dgamma1, "dgamma")
         _close(dw, dw1, "dw")
 
+    @pytest.mark.sampled(2)
     @pytest.mark.parametrize("name", ["mxfp8", "mxfp4"])
     def test_column_parallel_inside_shard_map(name):
         """Gate / up projections split over "tp" by columns; x replicated, so its cotangent
@@ -108,6 +110,7 @@ else:
         _close(dx, dx1, "dx")
         _close(dgamma, dgamma1, "dgamma")
 
+    @pytest.mark.sampled(2)
     @pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
     def test_tensor_parallel_mlp_then_the_next_norm(name):
         """The examples' tensor-parallel layout, differentiated: a column-parallel up

@@ -34,7 +34,7 @@ FOLDERS = (
 )
 # Files a folder holds for its tools, not for a reader of the layout.
 UNNAMED = {"__init__.py", "py.typed", "requirements.txt", "CMakeLists.txt", "README.md"}
-FILE_NAME = re.compile(r"^[\w*./-]+\.(?:py|h|cc|cu|cuh|inc|cmake|sh|md|txt)$")
+FILE_NAME = re.compile(r"^[\w*./-]+\.(?:py|h|cc|cu|cuh|inc|cmake|sh|md|txt|png)$")
 
 
 def layout_section() -> str:

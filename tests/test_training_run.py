@@ -25,7 +25,7 @@ def _check(results, recipes, config):
 
 
 def test_the_run_learns_and_meets_its_margins(tmp_path):
-    config = train.Config(steps=40, batch=8)
+    config = train.Config(steps=30, batch=8, seq=32, warmup=10)
     recipes = ["mxfp8", "nvfp4"]
     results = train.run(config, recipes, out=io.StringIO())
     _check(results, recipes, config)
