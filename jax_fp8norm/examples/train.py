@@ -310,8 +310,11 @@ def main(argv=None) -> int:
     table, ok = report(results, args.recipes, config)
     print(table)
     if args.png:
-        figure(results, args.recipes, args.png)
-        print(f"wrote {args.png}")
+        try:
+            figure(results, args.recipes, args.png)
+            print(f"wrote {args.png}")
+        except ImportError:
+            print("no PNG: matplotlib is not installed (pip install 'jax_fp8norm[bench]')")
     return 0 if ok else 1
 
 
