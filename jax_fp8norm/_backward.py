@@ -21,14 +21,15 @@ from jax_fp8norm._primitives import eager_impl, twin_lowering
 
 
 def _varying(avals) -> dict:
-    """Inside shard_map: the results vary over every manual axis any operand varies over
-    (dn varies over "tp" when the weight after the norm is split by columns, though x does
-    not)."""
-    x = avals[0]
-    manual = getattr(x, "manual_axis_type", None)
-    if manual is None:
+    """The results vary over every shard_map axis any operand varies over (dn varies over
+    "tp" when the weight after the norm is split by columns, though x does not); empty
+    where no operand varies (outside shard_map, or replicated everywhere)."""
+    manual = getattr(avals[0], "manual_axis_type", None)
+    varying = frozenset().union(
+        *(getattr(a, "manual_axis_type", manual).varying for a in avals if manual is not None)
+    )
+    if not varying:
         return {}
-    varying = frozenset().union(*(a.manual_axis_type.varying for a in avals))
     return {
         "manual_axis_type": type(manual)(
             varying=varying, unreduced=frozenset(), reduced=frozenset()
@@ -41,7 +42,7 @@ def _abstract_eval(*avals, weight_offset, add):
     varying = _varying(avals)
     dx = x.update(shape=x.shape, dtype=x.dtype, weak_type=False, **varying)
     dgamma = jax.core.ShapedArray((x.shape[-1],), np.dtype(np.float32))
-    if varying:  # on the shard_map's mesh, whole on every device
+    if varying:  # on the shard_map's mesh, whole on each device
         replicated = NamedSharding(x.sharding.mesh, PartitionSpec(None))
         dgamma = x.update(
             shape=dgamma.shape, dtype=dgamma.dtype, weak_type=False, sharding=replicated, **varying

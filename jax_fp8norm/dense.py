@@ -32,14 +32,14 @@ from jax_fp8norm._checks import (
     check_reduce_dtype,
     validate,
 )
-from jax_fp8norm._dtypes import E8M0, FLOAT_DTYPES, FP4_MAX
+from jax_fp8norm._dtypes import E8M0, FLOAT_DTYPES
 from jax_fp8norm._groups import divide
 from jax_fp8norm._params import NormKeywords, NormParams, as_operand
 from jax_fp8norm._primitives import add_rms_norm_fp8_p, rms_norm_fp8_p
 from jax_fp8norm._signatures import norm_keywords
 from jax_fp8norm.matmul import (
-    E4M3_MAX,
     fp8_matmul,
+    nvfp4_global_scale,
     quantize_blocks,
     quantize_fp4_rows,
     quantize_per_channel,
@@ -53,6 +53,7 @@ __all__ = [
     "allreduce_add_rms_norm_dense",
     "gradient_format",
     "rms_norm_dense",
+    "unquantized_rms_norm_dense",
 ]
 
 # The format of the output gradient's codes, by the layout of the norm's scales: E5M2 (its
@@ -129,8 +130,7 @@ def _quantize_rows(v: jax.Array, layout: _Layout, dtype: np.dtype):
     multiplied; one global scale for the whole gradient would tie a row's bits to the
     batch."""
     if layout.kind == "nvfp4":
-        amax = jnp.max(jnp.abs(v), axis=1, keepdims=True)
-        row_scales = jnp.where(amax == 0, jnp.float32(1.0), divide(amax, E4M3_MAX * FP4_MAX))
+        row_scales = nvfp4_global_scale(jnp.max(jnp.abs(v), axis=1, keepdims=True))
         return (*quantize_fp4_rows(divide(v, row_scales), "nvfp4"), row_scales)
     if layout.kind == "mxfp4":
         return (*quantize_fp4_rows(v, "mxfp4"), None)
@@ -160,11 +160,13 @@ def _forward_gemm(p, layout, y, scales, w, static, result_dtype):
 
 
 def _backward_gemms(p, layout, saved, g):
-    """The cotangent ``g [..., F]`` of the layer's output to ``(dn [..., K] float32, dw [K,
-    F] in w's dtype)``."""
+    """The cotangent ``g [..., F]`` of the layer's output to ``(dn [rows, K], dw [K, F]),
+    both float32``."""
     w, static, codes = saved
     k, f = w.shape
     g = g.reshape(-1, f).astype(jnp.float32)
+    if g.shape[0] == 0:  # no rows: nothing to quantise, nothing summed
+        return jnp.zeros((0, k), jnp.float32), jnp.zeros((k, f), jnp.float32)
     g_codes, g_scales, g_row_scales = _quantize_rows(g, layout, layout.gradient_dtype)
     wt_codes, wt_scales, wt_global = _quantize_columns(w.T, layout, layout.weight_dtype)
     dn = fp8_matmul(
@@ -196,16 +198,13 @@ def _backward_gemms(p, layout, saved, g):
         a_global_scale=_activation_global_scale(p, static),
         w_global_scale=gw_global,
     )
-    return dn, dw.astype(w.dtype)
+    return dn, dw
 
 
 def _varying_axes(v: jax.Array) -> frozenset:
     """The shard_map axes along which ``v``'s value differs between devices."""
-    aval = jax.typeof(v)
-    manual = getattr(aval, "manual_axis_type", None)
-    if manual is not None:
-        return frozenset(manual.varying)
-    return frozenset(getattr(aval, "vma", None) or ())
+    manual = getattr(jax.typeof(v), "manual_axis_type", None)
+    return frozenset(manual.varying) if manual is not None else frozenset()
 
 
 def _summed_over_devices(primal: jax.Array, cotangent: jax.Array) -> jax.Array:
@@ -235,6 +234,7 @@ def _rms_norm_dense(p: NormParams, result_dtype: np.dtype):
         return _forward_gemm(p, layout, y, scales, w, static, result_dtype)
 
     def fwd(x, gamma, w, *static):
+        _check_training(x.shape, w.shape, p)
         outs = rms_norm_fp8_p.bind(x, gamma, *static, **training.as_dict())
         out = _forward_gemm(p, layout, outs[0], outs[1], w, static, result_dtype)
         return out, (x, gamma, outs[2], (w, static, _kept_codes(layout, outs)))
@@ -247,9 +247,11 @@ def _rms_norm_dense(p: NormParams, result_dtype: np.dtype):
             dn.reshape(x.shape), x, gamma, inverse_rms, weight_offset=p.weight_offset, add=False
         )
         zeros = tuple(jnp.zeros_like(s) for s in gemm_saved[1])
-        grads = (dx, dgamma.astype(gamma.dtype), dw)
-        primals = (x, gamma, gemm_saved[0])
-        return (*map(_summed_over_devices, primals, grads), *zeros)
+        w = gemm_saved[0]
+        dgamma, dw = (
+            _summed_over_devices(p, d).astype(p.dtype) for p, d in ((gamma, dgamma), (w, dw))
+        )
+        return (_summed_over_devices(x, dx), dgamma, dw, *zeros)
 
     fn.defvjp(fwd, bwd)
     return fn
@@ -268,6 +270,7 @@ def _add_rms_norm_dense(p: NormParams, result_dtype: np.dtype):
         return _forward_gemm(p, layout, y, scales, w, static, result_dtype), residual_out
 
     def fwd(x, residual, gamma, w, *static):
+        _check_training(x.shape, w.shape, p)
         outs = add_rms_norm_fp8_p.bind(x, residual, gamma, *static, **training.as_dict())
         out = _forward_gemm(p, layout, outs[0], outs[1], w, static, result_dtype)
         saved = (x, residual, gamma, outs[3], (w, static, _kept_codes(layout, outs)))
@@ -289,12 +292,27 @@ def _add_rms_norm_dense(p: NormParams, result_dtype: np.dtype):
             add=True,
         )
         zeros = tuple(jnp.zeros_like(s) for s in gemm_saved[1])
-        grads = (dx, dresidual, dgamma.astype(gamma.dtype), dw)
-        primals = (x, residual, gamma, gemm_saved[0])
-        return (*map(_summed_over_devices, primals, grads), *zeros)
+        w = gemm_saved[0]
+        dgamma, dw = (
+            _summed_over_devices(p, d).astype(p.dtype) for p, d in ((gamma, dgamma), (w, dw))
+        )
+        dx, dresidual = (_summed_over_devices(p, d) for p, d in ((x, dx), (residual, dresidual)))
+        return (dx, dresidual, dgamma, dw, *zeros)
 
     fn.defvjp(fwd, bwd)
     return fn
+
+
+def _check_training(x_shape: tuple, w_shape: tuple, params: NormParams) -> None:
+    """What the backward needs beyond the forward, checked when the layer is differentiated
+    (an inference call takes any number of rows)."""
+    layout = _layout(params)
+    check_columnwise(layout.columnwise, params, x_shape)
+    if layout.block is not None and w_shape[1] % layout.block:
+        raise ValueError(
+            f"w's output features ({w_shape[1]}) must be a multiple of the recipe's block "
+            f"({layout.block}): the gradient's dgrad GEMM is blocked along them"
+        )
 
 
 def _check_layer(x, w, params: NormParams, result_dtype) -> np.dtype:
@@ -308,12 +326,11 @@ def _check_layer(x, w, params: NormParams, result_dtype) -> np.dtype:
         raise ValueError(
             f"w must have shape (x.shape[-1], F) = ({x.shape[-1]}, F); got {tuple(np.shape(w))}"
         )
-    layout = _layout(params)
-    check_columnwise(layout.columnwise, params, x.shape)
-    if layout.block is not None and w.shape[1] % layout.block:
+    if params.fp4 and params.group_size != (16 if params.nvfp4 else 32):
+        fmt, block = ("NVFP4", 16) if params.nvfp4 else ("MXFP4", 32)
         raise ValueError(
-            f"w's output features ({w.shape[1]}) must be a multiple of the recipe's block "
-            f"({layout.block}): the gradient's dgrad GEMM is blocked along them"
+            f"the layer's {fmt} GEMMs take blocks of {block} (the format's); got "
+            f"group_size={params.group_size}"
         )
     dtype = np.dtype(x.dtype if result_dtype is None else result_dtype)
     if dtype not in FLOAT_DTYPES:
@@ -335,9 +352,10 @@ def rms_norm_dense(
     layer").
 
     Args:
-      x: ``[..., K]`` float32, float16 or bfloat16 activations. With block scales the
-        number of rows, ``prod(x.shape[:-1])``, must be a multiple of the block (the
-        weight gradient's GEMM is blocked along the rows).
+      x: ``[..., K]`` float32, float16 or bfloat16 activations. To differentiate with
+        block scales, the number of rows, ``prod(x.shape[:-1])``, must be a multiple of the
+        block (the weight gradient's GEMM is blocked along the rows), and so must F (the
+        dgrad GEMM is blocked along it); a call that is not differentiated takes any.
       gamma: ``[K]``: the norm's weight.
       w: ``[K, F]`` float master weights, quantised on every call: along K for the
         forward GEMM, along F for the gradient's.
@@ -421,3 +439,25 @@ def allreduce_add_rms_norm_dense(
     operands = call.operands(x, residual, gamma)
     layer = _add_rms_norm_dense(call.params, dtype)
     return layer(h, *operands[1:3], as_operand(w), *operands[3:])
+
+
+def unquantized_rms_norm_dense(
+    x: jax.Array,
+    gamma: jax.Array,
+    w: jax.Array,
+    residual: jax.Array | None = None,
+    *,
+    eps: float = 1e-6,
+    weight_offset: float = 0.0,
+):
+    """The layer without quantisation, for comparison (differentiated by jax): ``h = x (+
+    residual)`` and its RMSNorm in float32, the matmul in ``x.dtype`` accumulated in
+    float32 (a plain bfloat16 layer for bfloat16 inputs). Returns ``out`` in ``x.dtype``,
+    and with a residual ``(out, h in the residual's dtype)``."""
+    h = x.astype(jnp.float32)
+    if residual is not None:
+        h = h + residual.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
+    n = (h * r * (gamma.astype(jnp.float32) + weight_offset)).astype(x.dtype)
+    out = jnp.matmul(n, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    return out if residual is None else (out, h.astype(residual.dtype))

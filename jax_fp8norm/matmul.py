@@ -299,8 +299,10 @@ def _local_tiled_dot(a: jax.Array, w: jax.Array) -> jax.Array:
     """:func:`_dot` of float32 operands as products of CPU_TILE_ROWS rows each, the rows
     padded with zeros to whole tiles."""
     rows, k = a.shape[:-1], a.shape[-1]
-    flat = a.reshape(-1, k)
-    m = flat.shape[0]
+    m = int(np.prod(rows, dtype=np.int64))
+    if m == 0 or k == 0:
+        return _dot(a, w)
+    flat = a.reshape(m, k)
     tiles = jnp.pad(flat, ((0, -m % CPU_TILE_ROWS), (0, 0))).reshape(-1, CPU_TILE_ROWS, k)
     out = jax.lax.map(lambda tile: _dot(tile, w), tiles)
     return out.reshape(-1, w.shape[1])[:m].reshape(*rows, w.shape[1])
@@ -326,17 +328,21 @@ def _row_invariant_dot(a: jax.Array, w: jax.Array, native=_dot) -> jax.Array:
 
 def _dequantize_weights(w: jax.Array, w_scales: jax.Array) -> jax.Array:
     scales = w_scales.astype(jnp.float32)
-    if scales.ndim == 2:
-        scales = jnp.repeat(scales, w.shape[0] // scales.shape[0], axis=0)
-    return w.astype(jnp.float32) * scales
+    if scales.ndim == 1:
+        return w.astype(jnp.float32) * scales
+    # Blocks by reshaping rather than jnp.repeat, which refuses an axis sharded over
+    # Explicit mesh axes.
+    blocks, n = scales.shape
+    w32 = w.astype(jnp.float32).reshape(blocks, w.shape[0] // blocks, n)
+    return (w32 * scales[:, None, :]).reshape(w.shape)
 
 
 def _dequantized_product(a, a_scales, w, w_scales) -> jax.Array:
     """``dequantize(a) @ dequantize(w)`` in float32, its rows independent of the call's."""
     scales = a_scales.astype(jnp.float32)
-    if scales.shape[-1] > 1:
-        scales = jnp.repeat(scales, a.shape[-1] // scales.shape[-1], axis=-1)
-    a32 = a.astype(jnp.float32) * scales
+    groups = scales.shape[-1]
+    a32 = a.astype(jnp.float32).reshape(*a.shape[:-1], groups, a.shape[-1] // groups)
+    a32 = (a32 * scales[..., None]).reshape(a.shape)
     return _row_invariant_dot(a32, _dequantize_weights(w, w_scales))
 
 
@@ -430,13 +436,15 @@ def quantize_per_channel(
     w: jax.Array, out_dtype=jnp.float8_e4m3fn, *, axis: int = 0
 ) -> tuple[jax.Array, jax.Array]:
     """``[K, M]`` weights to FP8 with one float32 scale per output channel (column):
-    ``scale = max_k |w[k, m]| / FP8_MAX``; a zero column gets scale 1. With ``axis=1``, one
-    scale per row of ``[M, K]`` activations instead (scales ``[M, 1]``)."""
+    ``scale = max(max_k |w[k, m]| / FP8_MAX, 2^-126)``; a zero column gets scale 1. With
+    ``axis=1``, one scale per row of ``[M, K]`` activations instead (scales ``[M, 1]``)."""
     axis = _check_axis(axis)
     fp8_max = float(jnp.finfo(out_dtype).max)
     w32 = w.astype(jnp.float32)
     amax = jnp.max(jnp.abs(w32), axis=axis, keepdims=True)
-    scales = jnp.where(amax > 0, divide(amax, fp8_max), 1.0)
+    # At least the smallest normal float32: amax / FP8_MAX of a tiny nonzero column would
+    # flush to zero and its codes to Inf.
+    scales = jnp.where(amax > 0, jnp.maximum(divide(amax, fp8_max), SMALLEST_NORMAL), 1.0)
     codes = divide(w32, scales).astype(out_dtype)
     return codes, (scales[0] if axis == 0 else scales)
 
@@ -489,6 +497,18 @@ def _fp4_blocks(w, block: int, name: str) -> jax.Array:
     return jnp.asarray(w, jnp.float32).reshape(k // block, block, n)
 
 
+# The smallest normal float32: the floor of the scales made from an amax.
+SMALLEST_NORMAL = np.float32(2.0**-126)
+
+
+def nvfp4_global_scale(amax: jax.Array) -> jax.Array:
+    """NVFP4's global (decode) scale for values of largest magnitude ``amax``: ``amax /
+    (448 * 6)``, which puts the largest block scale at 448, at least 2^-126 (a tiny amax
+    would flush it to zero), 1 for a zero amax; a NaN amax stays NaN."""
+    scale = jnp.maximum(divide(amax, E4M3_MAX * FP4_MAX), SMALLEST_NORMAL)  # NaN stays NaN
+    return jnp.where(amax == 0, jnp.float32(1.0), scale)
+
+
 def quantize_weights_nvfp4(
     w: jax.Array, global_scale=None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -498,9 +518,10 @@ def quantize_weights_nvfp4(
 
     ``global_scale`` (a decode scale: ``deq = f32(y) * f32(s) * global_scale``; a Python
     float or a float32 array of shape ``()`` or ``(1,)``) defaults to
-    ``max|w| / (448 * 6)``, which puts the largest block scale at 448, and to 1.0 for an
-    all-zero ``w``. A zero block gets scale 0 and zero codes; a block holding NaN or Inf
-    gets a NaN scale and zero codes (so it dequantises to NaN).
+    :func:`nvfp4_global_scale` of ``max|w|``: ``max|w| / (448 * 6)``, which puts the
+    largest block scale at 448, at least 2^-126, and 1.0 for an all-zero ``w``. A zero
+    block gets scale 0 and zero codes; a block holding NaN or Inf gets a NaN scale and zero
+    codes (so it dequantises to NaN).
 
     Returns ``(w4 [K, N] float4_e2m1fn, scales [K // 16, N] float8_e4m3fn, global_scale
     float32 of shape ())``, the operand, ``w_scales`` and ``w_global_scale`` of
@@ -510,7 +531,7 @@ def quantize_weights_nvfp4(
     if global_scale is None:
         amax = jnp.max(jnp.abs(blocks))
         # A NaN amax stays NaN (and so does every scale), never a silent 1.
-        gs = jnp.where(amax == 0, jnp.float32(1.0), divide(amax, E4M3_MAX * FP4_MAX))
+        gs = nvfp4_global_scale(amax)
     else:
         gs = _global_scale("global_scale", global_scale)
     w4, scales = _fp4_columns(blocks, "nvfp4", gs)

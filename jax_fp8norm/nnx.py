@@ -19,7 +19,7 @@ from jax_fp8norm._checks import check_global_scale, check_static_scale, validate
 from jax_fp8norm._params import NORM_KEYWORDS, NormKeywords
 from jax_fp8norm._signatures import norm_keywords
 from jax_fp8norm.autodiff import add_rms_norm_fp8_dequantized, rms_norm_fp8_dequantized
-from jax_fp8norm.dense import add_rms_norm_dense, rms_norm_dense
+from jax_fp8norm.dense import add_rms_norm_dense, rms_norm_dense, unquantized_rms_norm_dense
 from jax_fp8norm.ops import add_rms_norm_fp8, rms_norm_fp8
 
 
@@ -121,6 +121,15 @@ class RMSNormFP8(nnx.Module):
             module.scale[...] = norm.scale[...]
         return module
 
+    def call_keywords(self) -> dict:
+        """The ops' keywords of a call: the static ones and the module's scale arrays."""
+        keywords = dict(self.keywords)
+        if self.static_scale is not None:
+            keywords["static_scale"] = self.static_scale
+        if self.global_scale is not None:
+            keywords["global_scale"] = self.global_scale
+        return keywords
+
     def __call__(self, x: jax.Array, residual: jax.Array | None = None):
         """``x``: ``[..., N]`` (the second argument is a residual, not nnx.RMSNorm's mask,
         which it has none of). Returns ``(y, scales)``, or ``(y, scales, residual_out)``
@@ -130,11 +139,7 @@ class RMSNormFP8(nnx.Module):
         if self.dtype is not None:
             x = jnp.asarray(x).astype(self.dtype)
             residual = None if residual is None else jnp.asarray(residual).astype(self.dtype)
-        keywords = dict(self.keywords)
-        if self.static_scale is not None:
-            keywords["static_scale"] = self.static_scale
-        if self.global_scale is not None:
-            keywords["global_scale"] = self.global_scale
+        keywords = self.call_keywords()
         if residual is None:
             op = rms_norm_fp8_dequantized if self.dequantize else rms_norm_fp8
             out = op(x, gamma, **keywords)
@@ -163,15 +168,16 @@ class RMSNormDense(nnx.Module):
       param_dtype: the master weights' dtype (float32 by default).
       kernel_init: ``init(key, (K, F), param_dtype)``; LeCun normal by default, as
         ``nnx.Linear``.
-      fused: False runs the same layer unquantised, for comparison: the RMSNorm in
-        float32, the matmul in the input's dtype (a plain bfloat16 layer for bfloat16
-        inputs), differentiated by jax.
-      rngs: the key of ``kernel_init``.
+      fused: False runs the same layer unquantised, for comparison:
+        :func:`jax_fp8norm.dense.unquantized_rms_norm_dense` (the RMSNorm in float32, the
+        matmul in the input's dtype), differentiated by jax.
+      rngs: the key of ``kernel_init`` (required, as for ``nnx.Linear``).
       The keywords of :func:`jax_fp8norm.rms_norm_fp8` (the recipe's; a ``static_scale`` or
       ``global_scale`` array is kept as given, data rather than a parameter):
       {keywords}
 
-    Parameters: ``scale`` ([K], the norm's weight, ones) and ``kernel`` ([K, F]).
+    Parameters: ``norm.scale`` ([K], the norm's weight, ones; ``norm`` is an
+    :class:`RMSNormFP8`) and ``kernel`` ([K, F]).
     """
 
     def __init__(
@@ -183,42 +189,27 @@ class RMSNormDense(nnx.Module):
         param_dtype=jnp.float32,
         kernel_init=None,
         fused: bool = True,
-        rngs: nnx.Rngs | None = None,
+        rngs: nnx.Rngs,
         **keywords: Unpack[NormKeywords],
     ):
         self.norm = RMSNormFP8(in_features, epsilon=epsilon, param_dtype=param_dtype, **keywords)
         init = kernel_init or nnx.initializers.lecun_normal()
-        key = rngs.params() if rngs is not None else jax.random.key(0)
-        self.kernel = nnx.Param(jnp.asarray(init(key, (in_features, out_features), param_dtype)))
+        kernel = init(rngs.params(), (in_features, out_features), param_dtype)
+        self.kernel = nnx.Param(jnp.asarray(kernel))
         self.fused = fused
-
-    def _keywords(self) -> dict:
-        keywords = dict(self.norm.keywords)
-        if self.norm.static_scale is not None:
-            keywords["static_scale"] = self.norm.static_scale
-        if self.norm.global_scale is not None:
-            keywords["global_scale"] = self.norm.global_scale
-        return keywords
 
     def __call__(self, x: jax.Array, residual: jax.Array | None = None):
         """``x``: ``[..., K]``. Returns ``[..., F]`` in x's dtype, and with a residual
         ``(out, residual_out)``."""
         gamma, w = self.norm.scale[...], self.kernel[...]
-        keywords = self._keywords()
+        keywords = self.norm.call_keywords()
         if self.fused:
             if residual is None:
                 return rms_norm_dense(x, gamma, w, **keywords)
             return add_rms_norm_dense(x, residual, gamma, w, **keywords)
-        h32 = x.astype(jnp.float32)
-        if residual is not None:
-            h32 = h32 + residual.astype(jnp.float32)
         eps = keywords.get("eps", NORM_KEYWORDS["eps"][0])
         offset = keywords.get("weight_offset", NORM_KEYWORDS["weight_offset"][0])
-        r = jax.lax.rsqrt(jnp.mean(h32 * h32, axis=-1, keepdims=True) + eps)
-        n = (h32 * r * (gamma.astype(jnp.float32) + offset)).astype(x.dtype)
-        out = jnp.matmul(n, w.astype(x.dtype), preferred_element_type=jnp.float32)
-        out = out.astype(x.dtype)
-        return out if residual is None else (out, h32.astype(residual.dtype))
+        return unquantized_rms_norm_dense(x, gamma, w, residual, eps=eps, weight_offset=offset)
 
 
 RMSNormDense = norm_keywords(RMSNormDense)

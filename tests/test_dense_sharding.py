@@ -8,6 +8,7 @@ session reruns this module in a subprocess with the devices."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -68,9 +69,13 @@ else:
         mesh = jax.make_mesh((NUM_DEVICES,), ("data",), axis_types=(axis_type,))
         x, gamma, w, g = _operands()
         rows = NamedSharding(mesh, P("data", None))
-        (dx, dgamma, dw), out = jax.jit(_grads(keywords))(
-            jax.device_put(x, rows), gamma, w, jax.device_put(g, rows)
-        )
+        # Explicit axes as their users set them: the mesh in context too (jnp's ops then
+        # check the sharding of every axis they move).
+        context = jax.set_mesh(mesh) if axis_type == AxisType.Explicit else contextlib.nullcontext()
+        with context:
+            (dx, dgamma, dw), out = jax.jit(_grads(keywords))(
+                jax.device_put(x, rows), gamma, w, jax.device_put(g, rows)
+            )
         (dx1, dgamma1, dw1), out1 = _single_device(_grads(keywords), x, gamma, w, g)
         if axis_type == AxisType.Explicit:  # each device's rows stay there
             assert out.sharding.spec == P("data", None) and dx.sharding.spec == P("data", None)

@@ -73,8 +73,7 @@ def fused_layer(recipe: str):
 
 
 def bfloat16_layer(x, gamma, w):
-    n = _normed(x, gamma).astype(jnp.bfloat16)
-    return jnp.dot(n, w.astype(jnp.bfloat16), preferred_element_type=jnp.float32).astype(x.dtype)
+    return fp8norm.dense.unquantized_rms_norm_dense(x.astype(jnp.bfloat16), gamma, w)
 
 
 def training_step(layer):

@@ -12,10 +12,10 @@ that the loss has structure to learn and a floor the run prints.
 
 Layer (pre-norm, residual stream in bfloat16)::
 
-    qkv = rms_norm_dense(x, g_attn, w_qkv)          # fused norm + FP8/FP4 GEMM
-    x' = x + causal_attention(qkv) @ w_o            # bfloat16
-    up, x'' = add_rms_norm_dense(mlp_in, x', ...)   # the residual add fused as well
-    x''' = x'' + silu(up) @ w_down                  # bfloat16
+    qkv = rms_norm_dense(x, g_attn, w_qkv)                # fused norm + FP8/FP4 GEMM
+    attended = causal_attention(qkv) @ w_o                # bfloat16
+    up, x = add_rms_norm_dense(attended, x, g_mlp, w_up)  # x + attended, fused as well
+    x = x + silu(up) @ w_down                             # bfloat16
     logits = rms_norm_dense(x, g_out, w_head)
 
 The margins (``MARGINS``): the final loss (mean of the last tenth of the steps) of an FP8
@@ -142,13 +142,7 @@ def _norm_dense(recipe: str, x, gamma, w, residual=None):
         if residual is None:
             return fp8norm.rms_norm_dense(x, gamma, w, **keywords)
         return fp8norm.add_rms_norm_dense(x, residual, gamma, w, **keywords)
-    h = x.astype(jnp.float32)
-    if residual is not None:
-        h = h + residual.astype(jnp.float32)
-    n = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6) * gamma
-    out = jnp.matmul(n.astype(x.dtype), w.astype(x.dtype), preferred_element_type=jnp.float32)
-    out = out.astype(x.dtype)
-    return out if residual is None else (out, h.astype(residual.dtype))
+    return fp8norm.dense.unquantized_rms_norm_dense(x, gamma, w, residual)
 
 
 def _attention(config: Config, qkv):
