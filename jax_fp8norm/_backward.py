@@ -118,3 +118,25 @@ def _make_backward_primitive(op: str) -> Primitive:
 
 rms_norm_backward_p = _make_backward_primitive("rms_norm_backward")
 add_rms_norm_backward_p = _make_backward_primitive("add_rms_norm_backward")
+
+
+def rms_backward(dn, x, gamma, inverse_rms, weight_offset: float):
+    """(dx, dgamma float32) of the fused backward, its operands checked by the caller."""
+    return rms_norm_backward_p.bind(
+        dn, x, gamma, inverse_rms, weight_offset=weight_offset, add=False
+    )
+
+
+def add_backward(dn, d_residual_out, x, residual, gamma, inverse_rms, weight_offset: float):
+    """(dx, dresidual, dgamma float32) of the fused backward with the residual add;
+    ``d_residual_out`` in the residual's dtype, as residual_out is."""
+    return add_rms_norm_backward_p.bind(
+        dn,
+        d_residual_out.astype(residual.dtype),
+        x,
+        residual,
+        gamma,
+        inverse_rms,
+        weight_offset=weight_offset,
+        add=True,
+    )

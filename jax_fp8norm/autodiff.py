@@ -24,7 +24,7 @@ from typing import Unpack
 import jax
 import jax.numpy as jnp
 
-from jax_fp8norm._backward import add_rms_norm_backward_p, rms_norm_backward_p
+from jax_fp8norm._backward import add_backward, rms_backward
 from jax_fp8norm._checks import validate
 from jax_fp8norm._params import NormKeywords, NormParams
 from jax_fp8norm._primitives import add_rms_norm_fp8_p, rms_norm_fp8_p
@@ -52,9 +52,7 @@ def _rms_norm_dequantized(p: NormParams):
 
     def bwd(saved, cotangent):
         x, gamma, inverse_rms, static = saved
-        dx, dgamma = rms_norm_backward_p.bind(
-            cotangent, x, gamma, inverse_rms, weight_offset=p.weight_offset, add=False
-        )
+        dx, dgamma = rms_backward(cotangent, x, gamma, inverse_rms, p.weight_offset)
         # The calibrated or global scale is a constant of the straight-through rule.
         return (dx, dgamma.astype(gamma.dtype), *(jnp.zeros_like(s) for s in static))
 
@@ -84,15 +82,8 @@ def _add_rms_norm_dequantized(p: NormParams):
         x, residual, gamma, inverse_rms, static = saved
         ct_normed, ct_residual_out = cotangents
         # residual_out is h rounded to the residual's dtype: straight through as well.
-        dx, dresidual, dgamma = add_rms_norm_backward_p.bind(
-            ct_normed,
-            ct_residual_out.astype(residual.dtype),
-            x,
-            residual,
-            gamma,
-            inverse_rms,
-            weight_offset=p.weight_offset,
-            add=True,
+        dx, dresidual, dgamma = add_backward(
+            ct_normed, ct_residual_out, x, residual, gamma, inverse_rms, p.weight_offset
         )
         zeros = tuple(jnp.zeros_like(s) for s in static)
         return dx, dresidual, dgamma.astype(gamma.dtype), *zeros

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_fp8norm._allreduce import xla_sum
-from jax_fp8norm._backward import add_rms_norm_backward_p, rms_norm_backward_p
+from jax_fp8norm._backward import add_backward, rms_backward
 from jax_fp8norm._checks import (
     check_axis_name,
     check_columnwise,
@@ -243,9 +243,7 @@ def _rms_norm_dense(p: NormParams, result_dtype: np.dtype):
         x, gamma, inverse_rms, gemm_saved = saved
         dn, dw = _backward_gemms(p, layout, gemm_saved, g)
         dn = _summed_over_devices(x, dn)
-        dx, dgamma = rms_norm_backward_p.bind(
-            dn.reshape(x.shape), x, gamma, inverse_rms, weight_offset=p.weight_offset, add=False
-        )
+        dx, dgamma = rms_backward(dn.reshape(x.shape), x, gamma, inverse_rms, p.weight_offset)
         zeros = tuple(jnp.zeros_like(s) for s in gemm_saved[1])
         w = gemm_saved[0]
         dgamma, dw = (
@@ -281,15 +279,8 @@ def _add_rms_norm_dense(p: NormParams, result_dtype: np.dtype):
         g, d_residual_out = cotangents
         dn, dw = _backward_gemms(p, layout, gemm_saved, g)
         dn = _summed_over_devices(x, dn)
-        dx, dresidual, dgamma = add_rms_norm_backward_p.bind(
-            dn.reshape(x.shape),
-            d_residual_out.astype(residual.dtype),
-            x,
-            residual,
-            gamma,
-            inverse_rms,
-            weight_offset=p.weight_offset,
-            add=True,
+        dx, dresidual, dgamma = add_backward(
+            dn.reshape(x.shape), d_residual_out, x, residual, gamma, inverse_rms, p.weight_offset
         )
         zeros = tuple(jnp.zeros_like(s) for s in gemm_saved[1])
         w = gemm_saved[0]
