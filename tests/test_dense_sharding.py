@@ -86,7 +86,7 @@ else:
         _close(dgamma, dgamma1, "dgamma")
         _close(dw, dw1, "dw")
 
-    @pytest.mark.sampled(2)
+    @pytest.mark.extended  # the default tier's tensor-parallel MLP has a column-parallel layer
     @pytest.mark.parametrize("name", ["mxfp8", "mxfp4"])
     def test_column_parallel_inside_shard_map(name):
         """Gate / up projections split over "tp" by columns; x replicated, so its cotangent
