@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import RECIPE_NAMES, device_of, random_gamma, random_rows, recipe
+from helpers import EXTENDED, RECIPE_NAMES, device_of, random_gamma, random_rows, recipe
 
 import jax_fp8norm as fp8norm
 from jax_fp8norm.dense import GRADIENT_FORMATS, gradient_format
@@ -101,9 +101,20 @@ def _layer_gradients(platform, name, x, gamma, w, g):
     return np.asarray(out), *(np.asarray(d) for d in grads)
 
 
-@pytest.mark.sampled(2)
-@pytest.mark.default_platforms("cpu")
-@pytest.mark.parametrize("name", RECIPE_NAMES)
+def _recipes(*default: str) -> list:
+    """Every recipe, those not named in the extended tier only."""
+    return [n if n in default else pytest.param(n, marks=EXTENDED) for n in RECIPE_NAMES]
+
+
+# The CPU kernels, and the CUDA kernels' source emulated, in the variant that runs the
+# columnwise form in one launch with the rows.
+LAYER_PLATFORMS = pytest.mark.parametrize(
+    "platform", ["cpu", pytest.param("simt-warp_rows", marks=EXTENDED), "gpu"], indirect=True
+)
+
+
+@LAYER_PLATFORMS
+@pytest.mark.parametrize("name", _recipes("mxfp8", "nvfp4"))
 def test_value_and_gradients_within_the_formats_bound(platform, name):
     x, gamma, w, g = _operands()
     out, dx, dgamma, dw = _layer_gradients(platform, name, x, gamma, w, g)
@@ -150,9 +161,8 @@ def test_value_and_gradients_within_the_formats_bound(platform, name):
         assert error.max() > 1e-4 * np.abs(want).max(), what
 
 
-@pytest.mark.sampled(3)
-@pytest.mark.default_platforms("cpu")
-@pytest.mark.parametrize("name", RECIPE_NAMES)
+@LAYER_PLATFORMS
+@pytest.mark.parametrize("name", _recipes("fp8_row", "mxfp4"))
 def test_rows_have_the_same_bits_in_every_batch(platform, name):
     """A row's output and dx depend on that row alone (the output gradient is quantised row
     by row, NVFP4's with a global scale per row; the GEMMs' rows are the CPU's tiles)."""
@@ -219,8 +229,10 @@ def _same_but_for_sums(got, want):
     assert scale > 0 and np.abs(got - want).max() <= 2.0**-16 * scale
 
 
-@pytest.mark.sampled(2)
-@pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "fp8_row"])
+@pytest.mark.parametrize(
+    "name",
+    ["nvfp4", pytest.param("mxfp8", marks=EXTENDED), pytest.param("fp8_row", marks=EXTENDED)],
+)
 def test_transforms(name):
     """vmap over a batch axis, remat and scan over layers give the plain call's gradients.
     Equal but for the order of the GEMMs' float32 sums, which XLA may change with the
@@ -289,7 +301,7 @@ def test_bad_input(change, error, match):
         fp8norm.rms_norm_dense(**args, recipe="mxfp8")
 
 
-@pytest.mark.parametrize("name", ["fp8_row", "nvfp4", "mxfp8"])
+@pytest.mark.parametrize("name", ["fp8_row", "nvfp4", pytest.param("mxfp8", marks=EXTENDED)])
 def test_tiny_gradient_rows_stay_finite(name):
     """A row of the output gradient of magnitude 1e-36 (its amax / 57344 or / 2688 below the
     normal range) gets a scale of at least 2^-126, not a zero one and Inf codes."""

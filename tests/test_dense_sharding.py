@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TIERS, random_gamma, random_rows, rerun_with_virtual_cpu_devices
+from helpers import EXTENDED, TIERS, random_gamma, random_rows, rerun_with_virtual_cpu_devices
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -61,9 +61,22 @@ else:
             got, want, rtol=rtol, atol=rtol * np.abs(want).max(), err_msg=what
         )
 
-    @pytest.mark.sampled(2)
-    @pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "fp8_row"])
-    @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+    @pytest.mark.parametrize(
+        ("axis_type", "name"),
+        [
+            (AxisType.Explicit, "nvfp4"),
+            *(
+                pytest.param(axis_type, name, marks=EXTENDED)
+                for axis_type, name in [
+                    (AxisType.Auto, "nvfp4"),
+                    (AxisType.Auto, "mxfp8"),
+                    (AxisType.Explicit, "mxfp8"),
+                    (AxisType.Auto, "fp8_row"),
+                    (AxisType.Explicit, "fp8_row"),
+                ]
+            ),
+        ],
+    )
     def test_data_parallel_rows(axis_type, name):
         keywords = {"recipe": name, **({"global_scale": 0.0021} if name == "nvfp4" else {})}
         mesh = jax.make_mesh((NUM_DEVICES,), ("data",), axis_types=(axis_type,))
