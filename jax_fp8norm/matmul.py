@@ -457,11 +457,16 @@ def _pow2(exponent: jax.Array) -> jax.Array:
 
 
 def _power_of_two_exponent(q: jax.Array) -> jax.Array:
-    """The exponent of the smallest power of two >= q, at least -126 (int32)."""
-    # q = mantissa * 2^e with mantissa in [0.5, 1): the power of two is 2^(e - 1) when q is
-    # one, else 2^e. Exact, where a ceil of log2 may round a power of two up.
-    mantissa, e = jnp.frexp(jnp.maximum(q, 2.0**-126))
-    return jnp.where(mantissa == 0.5, e - 1, e).astype(jnp.int32)
+    """The exponent of the smallest power of two >= q, at least -126 (int32); 0 where q is
+    not finite."""
+    # From the bits of a normal float32: its exponent, plus one unless the mantissa is zero
+    # (q is then a power of two). Exact, where a ceil of log2 may round a power of two up;
+    # and elementwise integer arithmetic, which keeps q's sharding (jnp.frexp's exponent
+    # loses it on Explicit axes).
+    bits = jax.lax.bitcast_convert_type(jnp.maximum(q, 2.0**-126).astype(jnp.float32), jnp.int32)
+    biased = (bits >> 23) & 0xFF
+    exponent = biased - 127 + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
+    return jnp.where(biased == 0xFF, 0, exponent)
 
 
 def quantize_blocks(
