@@ -450,6 +450,7 @@ else:
         "tp_outer-4x2": lambda: Mesh(np.array(_devices("shuffled", 8)).reshape(4, 2), ("tp", "dp")),
     }
 
+    @pytest.mark.sampled(2)
     @pytest.mark.parametrize("mesh_kind", MESHES)
     @pytest.mark.parametrize("method", ["xla", "auto", *ONE_KERNEL])
     def test_every_method_sums_in_the_axis_order(method, mesh_kind):
@@ -462,7 +463,10 @@ else:
         out = _with_method(method, mesh, partials, residual, gamma)
         _assert_every_copy(out, _axis_order_outputs(partials, residual, gamma))
 
-    @pytest.mark.parametrize("method", ONE_KERNEL)
+    # The methods share the wrapper that sets the sum's dtype: one in the default tier.
+    @pytest.mark.parametrize(
+        "method", [ONE_KERNEL[0], *(pytest.param(m, marks=EXTENDED) for m in ONE_KERNEL[1:])]
+    )
     def test_reduce_dtype_changes_nothing_for_the_one_kernel_methods(method):
         # They always sum in float32; XLA's all-reduce rounds a bfloat16 sum first, and on
         # these inputs that shows.

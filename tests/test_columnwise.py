@@ -86,6 +86,7 @@ def test_columnwise_kernels_give_the_twins_bits(platform, name, add, dtype, shap
 # warp_rows' plan makes both layouts in one launch (the rows of a block, then their
 # columns); the other variants, and warp_rows where it cannot hold the row, launch the
 # rowwise kernel and then the columnwise one.
+@pytest.mark.sampled(2)
 @pytest.mark.parametrize("platform", ["simt-warp_rows", "simt-block_shared"], indirect=True)
 @pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "fp8_group128", "fp8_static"])
 @pytest.mark.parametrize("add", [False, True], ids=["rms", "add"])

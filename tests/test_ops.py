@@ -305,7 +305,7 @@ def test_constants_reach_the_kernel(platform):
 
 
 @pytest.mark.sampled(40)
-@pytest.mark.default_platforms("cpu", "simt-block_shared", "simt-warp_rows")
+@pytest.mark.default_platforms("cpu", "simt-warp_rows")
 @pytest.mark.parametrize("x_dtype", FLOATS, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", [(64, 4096), (33, 1000), (3, 70001), (4096, 2)], ids=str)
 def test_bitwise_equal_to_reference(platform, x_dtype, shape):

@@ -105,6 +105,7 @@ def test_more_than_2_to_the_31_elements(platform):
 # ------------------------------------------------------------------ buffers at an offset
 
 
+@pytest.mark.sampled(3)
 @pytest.mark.parametrize("offset", [0, 1, 3, 8, 13])
 def test_inputs_sliced_at_an_offset_inside_jit(platform, offset):
     # A contiguous slice of a larger buffer at an element offset that breaks every vector
