@@ -185,13 +185,25 @@ def _key_of(value):
 _reference_outputs: dict = {}
 
 
+# The twins jitted by function and keywords: a twin traced and compiled once serves every
+# later call with arguments of the same shapes and dtypes.
+_jitted_references: dict = {}
+
+
+def _jitted_reference(fn, kwargs):
+    key = (fn, _key_of(kwargs))
+    if key not in _jitted_references:
+        _jitted_references[key] = jax.jit(lambda *a: fn(*a, **kwargs))
+    return _jitted_references[key]
+
+
 def reference_on_cpu(fn, *args, **kwargs):
     key = (fn.__module__, fn.__qualname__, _key_of(args), _key_of(kwargs))
     if key not in _reference_outputs:
         cpu = jax.devices("cpu")[0]
         placed = [jax.device_put(a, cpu) for a in args]
         with jax.default_device(cpu):
-            outs = jax.jit(lambda *a: fn(*a, **kwargs))(*placed)
+            outs = _jitted_reference(fn, kwargs)(*placed)
         _reference_outputs[key] = tuple(np.asarray(o) for o in outs)
     return tuple(o.copy() for o in _reference_outputs[key])
 
