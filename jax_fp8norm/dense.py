@@ -223,6 +223,15 @@ def _kept_codes(layout: _Layout, outs: tuple) -> tuple:
     return tuple(outs[-2:]) if layout.columnwise else tuple(outs[:2])
 
 
+def _parameter_gradients(gamma, dgamma, w, dw) -> tuple[jax.Array, jax.Array]:
+    """The float32 ``dgamma`` and ``dw`` summed over the devices that share the parameter,
+    then cast to the parameter's dtype."""
+    return (
+        _summed_over_devices(gamma, dgamma).astype(gamma.dtype),
+        _summed_over_devices(w, dw).astype(w.dtype),
+    )
+
+
 @functools.cache
 def _rms_norm_dense(p: NormParams, result_dtype: np.dtype):
     layout = _layout(p)
@@ -245,10 +254,7 @@ def _rms_norm_dense(p: NormParams, result_dtype: np.dtype):
         dn = _summed_over_devices(x, dn)
         dx, dgamma = rms_backward(dn.reshape(x.shape), x, gamma, inverse_rms, p.weight_offset)
         zeros = tuple(jnp.zeros_like(s) for s in gemm_saved[1])
-        w = gemm_saved[0]
-        dgamma, dw = (
-            _summed_over_devices(p, d).astype(p.dtype) for p, d in ((gamma, dgamma), (w, dw))
-        )
+        dgamma, dw = _parameter_gradients(gamma, dgamma, gemm_saved[0], dw)
         return (_summed_over_devices(x, dx), dgamma, dw, *zeros)
 
     fn.defvjp(fwd, bwd)
@@ -283,11 +289,8 @@ def _add_rms_norm_dense(p: NormParams, result_dtype: np.dtype):
             dn.reshape(x.shape), d_residual_out, x, residual, gamma, inverse_rms, p.weight_offset
         )
         zeros = tuple(jnp.zeros_like(s) for s in gemm_saved[1])
-        w = gemm_saved[0]
-        dgamma, dw = (
-            _summed_over_devices(p, d).astype(p.dtype) for p, d in ((gamma, dgamma), (w, dw))
-        )
-        dx, dresidual = (_summed_over_devices(p, d) for p, d in ((x, dx), (residual, dresidual)))
+        dgamma, dw = _parameter_gradients(gamma, dgamma, gemm_saved[0], dw)
+        dx, dresidual = _summed_over_devices(x, dx), _summed_over_devices(residual, dresidual)
         return (dx, dresidual, dgamma, dw, *zeros)
 
     fn.defvjp(fwd, bwd)

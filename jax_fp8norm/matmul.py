@@ -463,7 +463,9 @@ def _power_of_two_exponent(q: jax.Array) -> jax.Array:
     # (q is then a power of two). Exact, where a ceil of log2 may round a power of two up;
     # and elementwise integer arithmetic, which keeps q's sharding (jnp.frexp's exponent
     # loses it on Explicit axes).
-    bits = jax.lax.bitcast_convert_type(jnp.maximum(q, 2.0**-126).astype(jnp.float32), jnp.int32)
+    bits = jax.lax.bitcast_convert_type(
+        jnp.maximum(q, SMALLEST_NORMAL).astype(jnp.float32), jnp.int32
+    )
     biased = (bits >> 23) & 0xFF
     exponent = biased - 127 + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
     return jnp.where(biased == 0xFF, 0, exponent)
