@@ -29,6 +29,30 @@ def test_main_job_checks_every_layout(capsys):
     assert "NVFP4" in out.splitlines()[1] and "MXFP4" in out.splitlines()[1]
 
 
+@pytest.mark.parametrize("emulated, argv, iters", [
+    (False, [], 20),
+    (True, [], 0),  # the emulation's time says nothing of a GPU's
+    (True, ["--iters", "3"], 3),
+    (False, ["--iters", "0"], 0),
+])  # fmt: skip
+def test_emulated_kernels_are_not_timed_by_default(monkeypatch, capsys, emulated, argv, iters):
+    calls = []
+    monkeypatch.setattr(main_job._ffi, "emulating", lambda: emulated)
+    monkeypatch.setattr(main_job, "_run_shape", lambda *args: calls.append(args) or True)
+    assert main_job.main(["--shape", "4x256", *argv]) == 0
+    assert [call[-1] for call in calls] == [iters]
+    assert ("emulated CUDA kernels" in capsys.readouterr().out) == emulated
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="bit for bit on the CPU backend")
+def test_untimed_lines_still_report_the_check(capsys):
+    assert main_job.main(["--shape", "4x256", "--iters", "0"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.endswith(" ok")]
+    assert lines and all("not timed" in line and " us " not in line for line in lines)
+    with pytest.raises(SystemExit):
+        main_job.main(["--iters", "-1"])
+
+
 def test_nvfp4_global_scale_is_a_decode_scale():
     x = jax.random.normal(jax.random.PRNGKey(0), (4, 256))
     gamma = jax.numpy.full((256,), 2.0)
