@@ -31,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "check_options.h"
 #include "cuda_kernels.h"
 #include "peer_allreduce.h"
 #include "peer_workspaces.h"
@@ -38,9 +39,6 @@
 #include "simt.h"
 
 namespace fp8norm {
-
-void NameCase(const std::string& name);  // kernel_check.cc
-extern bool stop_at_failure;             // kernel_check.cc
 
 namespace {
 
@@ -559,8 +557,11 @@ int CheckAllReduce(bool quick) {
   int failures = 0;
   bool order_seen[2] = {false, false};
   bool capped_by_processors = false, capped_by_most = false;
+  int run = 0;
   for (const AllReduceCase& c : cases) {
     if (stop_at_failure && failures > 0) return failures;
+    if (!shard.Takes()) continue;
+    ++run;
     const CaseResult r = RunAllReduceCase(c);
     failures += r.ok ? 0 : 1;
     order_seen[c.method == AllReduceMethod::kTwoShot] |= r.order_seen;
@@ -568,6 +569,11 @@ int CheckAllReduce(bool quick) {
     capped_by_most |= r.capped_by_most;
   }
   simt::SetDeviceLimits(simt::DeviceLimits{});
+  if (shard.count > 1) {
+    std::printf("%d of %zu all-reduce cases (shard %d/%d), %d failed\n", run, cases.size(),
+                shard.index, shard.count, failures);
+    return failures;
+  }
   // Checks of the order and of the grid prove something only where a case can fail them.
   for (const AllReduceMethod m : methods) {
     if (!order_seen[m == AllReduceMethod::kTwoShot]) {

@@ -12,12 +12,16 @@
 // (index_check.cc) in the full run.
 //
 //   kernel_check [--quick] [--only-allreduce | --no-allreduce] [--name-cases] [--stop-at-failure]
+//                [--shard K/N]
 //     --quick: fewer and shorter rows, for ThreadSanitizer; --only-allreduce: the one-kernel
 //     all-reduce's checks alone (allreduce_check.cc), --no-allreduce: everything else (the
 //     mutation check runs each mutant against the part its file reaches); --name-cases:
 //     each case's name on stderr before it runs, so that a sanitizer's report, which ends
 //     the run there, can be told apart by case; --stop-at-failure: no case after the first
-//     that fails (the mutation check needs one failure, not all of them).
+//     that fails (the mutation check needs one failure, not all of them); --shard K/N: the
+//     K-th of N parts of the checks (0 <= K < N), so that N processes share the cores (the
+//     emulation runs on one); the checks that need every case, that each launch path was
+//     reached and that the all-reduce's order and caps were tested, run unsharded only.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -30,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "check_options.h"
 #include "columnwise.h"
 #include "cuda_kernels.h"
 #include "cuda_launch_plan.h"
@@ -45,6 +50,9 @@ int CheckAllReduce(bool quick);  // allreduce_check.cc
 
 bool name_cases = false;
 bool stop_at_failure = false;
+Shard shard;
+
+bool Shard::Takes() { return next++ % count == index; }
 
 void NameCase(const std::string& name) {
   if (name_cases) std::fprintf(stderr, "case: %s\n", name.c_str());
@@ -833,10 +841,17 @@ int Main(bool quick, bool allreduce, bool rest) {
     cases.push_back(c);
   }
   Coverage coverage;
-  int failures = CheckEmulator() + CheckRound() + CheckBackward(quick) + CheckColumnwise(quick);
+  int failures = 0;
+  const std::function<int()> checks[] = {CheckEmulator, CheckRound,
+                                         [quick] { return CheckBackward(quick); },
+                                         [quick] { return CheckColumnwise(quick); }};
+  for (const auto& check : checks) {
+    if (shard.Takes()) failures += check();
+  }
   int runs = 0;
   for (const Case& c : cases) {
     if (stop_at_failure && failures > 0) break;
+    if (!shard.Takes()) continue;
     for (const KernelVariant variant :
          {KernelVariant::kBlockShared, KernelVariant::kWarpRows, KernelVariant::kBlockRegisters}) {
       failures += RunCase(c, variant, coverage, &runs) ? 0 : 1;
@@ -846,7 +861,7 @@ int Main(bool quick, bool allreduce, bool rest) {
   // 64-bit indexing reserves tens of GiB of address space, which ThreadSanitizer's
   // shadow mapping does not take; the quick (ThreadSanitizer) run leaves it out.
   if (stop_at_failure && failures > 0) return 1;
-  if (!quick) failures += CheckIndexing();
+  if (!quick && shard.Takes()) failures += CheckIndexing();
   if (allreduce && !(stop_at_failure && failures > 0)) failures += CheckAllReduce(quick);
 
   const char* required[] = {"block_shared, vectorized cached",
@@ -893,6 +908,11 @@ int Main(bool quick, bool allreduce, bool rest) {
   std::printf("%zu cases, %d launches over the variants, %d failed; launch paths reached:\n",
               cases.size(), runs, failures);
   for (const auto& [path, count] : coverage.paths) std::printf("  %-34s %d\n", path.c_str(), count);
+  if (shard.count > 1) {
+    std::printf("(shard %d/%d: the paths reached are checked by an unsharded run)\n", shard.index,
+                shard.count);
+    return failures == 0 ? 0 : 1;
+  }
   for (const char* path : required) {
     if (quick && std::strstr(path, "more loads than threads") != nullptr) continue;
     if (quick && std::strstr(path, "4 vectors per thread") != nullptr) continue;
@@ -920,6 +940,16 @@ int main(int argc, char** argv) {
       fp8norm::name_cases = true;
     } else if (std::strcmp(argv[i], "--stop-at-failure") == 0) {
       fp8norm::stop_at_failure = true;
+    } else if (std::strcmp(argv[i], "--shard") == 0 && i + 1 < argc) {
+      int index = -1, count = 0, end = 0;
+      ++i;
+      if (std::sscanf(argv[i], "%d/%d%n", &index, &count, &end) != 2 || argv[i][end] != '\0' ||
+          count < 1 || index < 0 || index >= count) {
+        std::fprintf(stderr, "kernel_check: --shard %s: expected K/N with 0 <= K < N\n", argv[i]);
+        return 2;
+      }
+      fp8norm::shard.index = index;
+      fp8norm::shard.count = count;
     } else {
       std::fprintf(stderr, "kernel_check: unknown argument %s\n", argv[i]);
       return 2;

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The emulated CUDA kernels under the sanitizers, then the mutation check (docs/simt.md):
 #   1. AddressSanitizer + UndefinedBehaviorSanitizer over every launch path
-#      (tests/simt/kernel_check: exact-size buffers, so one element past the end is an error);
+#      (tests/simt/kernel_check: exact-size buffers, so one element past the end is an error),
+#      in one shard per core (the unsharded baseline of step 2 checks that every path is
+#      reached);
 #   2. tools/mutants/simt_mutants.py --tsan: first the unmutated kernels, plain over every
 #      launch path and under ThreadSanitizer over the block-level paths (kernel_check
 #      --quick: every path at shorter rows; each emulated thread is a TSan thread of its
@@ -25,8 +27,19 @@ configure_and_build() {  # <dir> <sanitizers>
 mkdir -p "$build"
 echo "== simt: AddressSanitizer + UndefinedBehaviorSanitizer, every launch path"
 configure_and_build asan "address,undefined"
-ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
-  "$build/asan/kernel_check"
+# One shard of the checks per core: the emulation runs a launch on one core.
+pids=()
+for ((k = 0; k < jobs; k++)); do
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
+    "$build/asan/kernel_check" --shard "$k/$jobs" > "$build/asan.shard$k.log" 2>&1 &
+  pids+=($!)
+done
+failed=0
+for ((k = 0; k < jobs; k++)); do
+  wait "${pids[k]}" || failed=1
+  cat "$build/asan.shard$k.log"
+done
+[[ $failed == 0 ]] || { echo "FAILED: a shard of the AddressSanitizer run"; exit 1; }
 
 echo "== simt: ThreadSanitizer over the block-level paths, then the mutation check"
 python tools/mutants/simt_mutants.py --build "$build/mutants" --tsan

@@ -1,0 +1,23 @@
+// kernel_check's options that its parts read (kernel_check.cc sets them from the command line).
+#pragma once
+
+#include <string>
+
+namespace fp8norm {
+
+// --name-cases: NameCase prints each case's name on stderr before the case runs.
+void NameCase(const std::string& name);
+// --stop-at-failure: no case after the first that fails.
+extern bool stop_at_failure;
+
+// --shard K/N: the run takes every N-th unit of work (a case, or a check of its own),
+// starting at the K-th, counting across all the checks in the order they run.
+struct Shard {
+  int index = 0;
+  int count = 1;
+  int next = 0;
+  bool Takes();  // whether the next unit is this shard's
+};
+extern Shard shard;
+
+}  // namespace fp8norm
