@@ -108,6 +108,7 @@ EXPECTED_SKIPS = (
     r"one CPU device here; test_on_eight_virtual_cpu_devices runs this on 8",
     r"no test of the (default|extended) tier in test_\w+\.py",
     r"the emulated device's grid limit",
+    r"another emulated variant's shape",
 )
 
 
