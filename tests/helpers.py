@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import warnings
 
 # The tests compile many small jitted functions, and LLVM's optimisation passes are most of
@@ -186,25 +187,103 @@ def _key_of(value):
 _reference_outputs: dict = {}
 
 
-# The twins jitted by function and keywords: a twin traced and compiled once serves every
-# later call with arguments of the same shapes and dtypes.
-_jitted_references: dict = {}
+# The twins' exact sums (the sum of squares, the backward's sums) are most of what
+# compiling a twin costs, and the tests call many twins on few shapes. reference_on_cpu
+# runs a twin as three kinds of program: the twin up to its sums' operands, each sum on its
+# own (compiled once per shape, whatever the twin and its keywords), then the whole twin
+# with the sums as arguments. Only where XLA's programs begin and end changes: the twin's
+# functions do all the math, and the sums' float32 results pass between the programs
+# unchanged. Each sum's result shape from its operand's: the sum of squares keeps the
+# summed last axis as 1, exact_sum drops it (taking its operand with that axis last).
+_EXACT_SUMS = {
+    "sum_of_squares": lambda shape: (*shape[:-1], 1),
+    "exact_sum": lambda shape: shape[:-1],
+}
+_EXACT_SUM_FUNCTIONS = {name: getattr(jax_fp8norm.reference, name) for name in _EXACT_SUMS}
+_EXACT_SUM_PROGRAMS = {name: jax.jit(fn) for name, fn in _EXACT_SUM_FUNCTIONS.items()}
+_REPLACING = threading.Lock()
 
 
-def _jitted_reference(fn, kwargs):
+@contextlib.contextmanager
+def _replacing_exact_sums(stand_in):
+    """The twins' exact sums replaced, while tracing, by ``stand_in(name, operand)``, the
+    operand float32 with the summed axis last."""
+
+    def replacement(name):
+        def replaced(operand, axis=-1):
+            return stand_in(name, jnp.moveaxis(jnp.asarray(operand, jnp.float32), axis, -1))
+
+        return replaced
+
+    with _REPLACING:
+        try:
+            for name in _EXACT_SUMS:
+                setattr(jax_fp8norm.reference, name, replacement(name))
+            yield
+        finally:
+            for name, fn in _EXACT_SUM_FUNCTIONS.items():
+                setattr(jax_fp8norm.reference, name, fn)
+
+
+def _twin_programs(fn, kwargs):
+    """``fn(*args, **kwargs)`` as (the operands of its exact sums, the twin given their
+    results), each jitted: the second also returns the operands it computed, which must be
+    the first's (no operand depends on an earlier sum's result)."""
+
+    def operands(*args):
+        seen = {name: [] for name in _EXACT_SUMS}
+
+        def record(name, operand):
+            seen[name].append(operand)
+            return jnp.zeros(_EXACT_SUMS[name](operand.shape), jnp.float32)
+
+        with _replacing_exact_sums(record):
+            fn(*args, **kwargs)
+        return seen
+
+    def outputs(args, sums):
+        given = {name: iter(results) for name, results in sums.items()}
+        seen = {name: [] for name in _EXACT_SUMS}
+
+        def take(name, operand):
+            seen[name].append(operand)
+            return next(given[name])
+
+        with _replacing_exact_sums(take):
+            outs = fn(*args, **kwargs)
+        assert all(next(rest, None) is None for rest in given.values()), "a sum left over"
+        return outs, seen
+
+    return jax.jit(operands), jax.jit(outputs)
+
+
+# The twins' programs by function and keywords: traced and compiled once, they serve
+# every later call with arguments of the same shapes and dtypes.
+_twins: dict = {}
+
+
+def _run_twin(fn, kwargs, args):
     key = (fn, _key_of(kwargs))
-    if key not in _jitted_references:
-        _jitted_references[key] = jax.jit(lambda *a: fn(*a, **kwargs))
-    return _jitted_references[key]
+    if key not in _twins:
+        _twins[key] = _twin_programs(fn, kwargs)
+    operands, outputs = _twins[key]
+    seen = operands(*args)
+    sums = {name: [_EXACT_SUM_PROGRAMS[name](o) for o in ops] for name, ops in seen.items()}
+    outs, seen_again = outputs(args, sums)
+    for name, ops in seen.items():
+        assert_same_bits(seen_again[name], ops)
+    return outs
 
 
 def reference_on_cpu(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` (a twin of jax_fp8norm.reference) on the CPU, as NumPy,
+    computed once per function, argument values and keywords."""
     key = (fn.__module__, fn.__qualname__, _key_of(args), _key_of(kwargs))
     if key not in _reference_outputs:
         cpu = jax.devices("cpu")[0]
         placed = [jax.device_put(a, cpu) for a in args]
         with jax.default_device(cpu):
-            outs = _jitted_reference(fn, kwargs)(*placed)
+            outs = _run_twin(fn, kwargs, placed)
         _reference_outputs[key] = tuple(np.asarray(o) for o in outs)
     return tuple(o.copy() for o in _reference_outputs[key])
 

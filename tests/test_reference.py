@@ -12,7 +12,7 @@ import pytest
 from helpers import FLOATS, FP8S, random_gamma, random_rows, reference_on_cpu
 
 import jax_fp8norm as fp8norm
-from jax_fp8norm.testing import assert_matches_reference
+from jax_fp8norm.testing import assert_matches_reference, assert_same_bits
 
 
 def numpy_rms_norm_fp8(
@@ -178,3 +178,30 @@ def test_what_the_optimization_barriers_protect():
     d = np.abs(a) + np.float32(1e-6)
     got = np.asarray(jax.jit(lambda v: divide(jnp.ones_like(v), jnp.sqrt(v)))(d))
     np.testing.assert_array_equal(got.view(np.uint32), (np.float32(1) / np.sqrt(d)).view(np.uint32))
+
+
+@pytest.mark.parametrize(
+    ("op", "kw"),
+    [
+        ("add_rms_norm_fp8_training", dict(recipe="mxfp8", columnwise=True)),
+        ("rms_norm_backward", dict(weight_offset=1.0)),
+    ],
+    ids=["add-training-columnwise", "backward"],
+)
+def test_the_tests_twin_programs_are_the_twin(op, kw):
+    """reference_on_cpu runs a twin with its exact sums compiled apart (helpers.py): the
+    same bits as the twin jitted whole. The forward twin takes each row's sum of squares
+    twice (for y and for r), the backward two exact sums, along each axis."""
+    x = random_rows(40, (2, 32, 96), jnp.bfloat16, spread=30)
+    gamma = random_gamma(41, 96, jnp.float32)
+    fn = getattr(fp8norm.reference, op)
+    if op == "rms_norm_backward":
+        *_, r = fp8norm.reference.rms_norm_fp8_training(x, gamma, **kw)
+        args = (random_rows(42, x.shape, jnp.float32, spread=30), x, gamma, np.asarray(r))
+    else:
+        args = (x, random_rows(43, x.shape, jnp.bfloat16, spread=30), gamma)
+    whole = jax.jit(lambda *a: fn(*a, **kw))(*args)
+    apart = reference_on_cpu(fn, *args, **kw)
+    assert len(apart) == len(whole)
+    for got, want in zip(apart, whole, strict=True):
+        assert_same_bits(got, np.asarray(want))
