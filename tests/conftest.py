@@ -25,30 +25,52 @@ from helpers import (
 import jax_fp8norm.simt
 
 
+def _combination(item) -> tuple:
+    """The item's parameters other than the platform, as sorted (name, repr) pairs."""
+    params = item.callspec.params
+    return tuple(sorted((k, repr(v)) for k, v in params.items() if k != "platform"))
+
+
+def _sampled_combinations(items) -> dict:
+    """Test function -> the combinations of its parameters that the default tier keeps:
+    every n-th (``@pytest.mark.sampled(n)``), then, while some value of some parameter is
+    in none of those, the combination that brings the most such values (the first of
+    equals). Combinations already in the extended tier take no part."""
+    candidates: dict = {}  # function -> (n, {combination: None} in order)
+    for item in items:
+        sampled = item.get_closest_marker("sampled")
+        callspec = getattr(item, "callspec", None)
+        if sampled is None or callspec is None or item.get_closest_marker("extended"):
+            continue
+        n, combinations = candidates.setdefault(item.function, (sampled.args[0], {}))
+        combinations.setdefault(_combination(item))
+    kept: dict = {}
+    for function, (n, combinations) in candidates.items():
+        ordered = list(combinations)
+        chosen = set(ordered[::n])
+        covered = {pair for combination in chosen for pair in combination}
+        wanted = {pair for combination in ordered for pair in combination}
+        while covered != wanted:
+            best = max(ordered, key=lambda c: len(set(c) - covered))
+            chosen.add(best)
+            covered.update(best)
+        kept[function] = chosen
+    return kept
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """The default tier's share of the big tests: the rest of their items are marked
     extended. ``@pytest.mark.sampled(n)`` keeps every n-th combination of a test's
-    parameters, and any combination that brings a value of a parameter no kept one has
-    (so every value of every parameter appears), on all platforms alike, so that they
-    share the reference's outputs. ``@pytest.mark.default_platforms(*names)`` keeps the
-    test's items on those platforms (and "gpu", which skips without a GPU)."""
-    kept: dict = {}  # test function -> ({combination: kept}, {(parameter, value) kept})
+    parameters and as few more as bring every value of every parameter
+    (_sampled_combinations), on all platforms alike, so that they share the reference's
+    outputs. ``@pytest.mark.default_platforms(*names)`` keeps the test's items on those
+    platforms (and "gpu", which skips without a GPU)."""
+    kept = _sampled_combinations(items)
     for item in items:
         callspec = getattr(item, "callspec", None)
-        sampled = item.get_closest_marker("sampled")
-        if sampled is not None and callspec is not None:
-            combination = tuple(
-                sorted((k, repr(v)) for k, v in callspec.params.items() if k != "platform")
-            )
-            decided, covered = kept.setdefault(item.function, ({}, set()))
-            if combination not in decided:
-                first_of_n = len(decided) % sampled.args[0] == 0
-                decided[combination] = first_of_n or not covered.issuperset(combination)
-                if decided[combination]:
-                    covered.update(combination)
-            if not decided[combination]:
-                item.add_marker(EXTENDED)
+        if item.function in kept and _combination(item) not in kept[item.function]:
+            item.add_marker(EXTENDED)
         platforms = item.get_closest_marker("default_platforms")
         if platforms is not None and callspec is not None:
             if callspec.params.get("platform") not in (*platforms.args, "gpu"):

@@ -93,7 +93,7 @@ else:
             for shard in shards[1:]:
                 np.testing.assert_array_equal(shard, shards[0])
 
-    @pytest.mark.sampled(46)
+    @pytest.mark.sampled(80)
     @pytest.mark.parametrize("size", [1, 2, 4, 8])
     @pytest.mark.parametrize("rows", [1, 8, 17, 20, 1024])
     @pytest.mark.parametrize("hidden", [4096, 8192])
@@ -450,7 +450,7 @@ else:
         "tp_outer-4x2": lambda: Mesh(np.array(_devices("shuffled", 8)).reshape(4, 2), ("tp", "dp")),
     }
 
-    @pytest.mark.sampled(2)
+    @pytest.mark.sampled(12)
     @pytest.mark.parametrize("mesh_kind", MESHES)
     @pytest.mark.parametrize("method", ["xla", "auto", *ONE_KERNEL])
     def test_every_method_sums_in_the_axis_order(method, mesh_kind):
@@ -486,7 +486,7 @@ else:
         )
         assert not np.array_equal(in_x_dtype[2].view(np.uint16), in_float32[2].view(np.uint16))
 
-    @pytest.mark.sampled(16)
+    @pytest.mark.sampled(54)
     @pytest.mark.parametrize("method", ONE_KERNEL)
     @pytest.mark.parametrize("size", [2, 4, 8])
     @pytest.mark.parametrize("rows", [1, 7, 33])
@@ -512,7 +512,7 @@ else:
         xla = _fixed_order_reference("xla", mesh, partials, residual, gamma)
         assert not np.array_equal(xla[2].view(np.uint16), ref[2].view(np.uint16))
 
-    @pytest.mark.sampled(3)
+    @pytest.mark.sampled(12)
     @pytest.mark.parametrize("method", ONE_KERNEL)
     @pytest.mark.parametrize(
         "kw",

@@ -1,0 +1,67 @@
+"""The default tier's share of a sampled test (conftest.py): every n-th combination of its
+parameters, and few more, that bring every value of every parameter."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+from conftest import _combination, _sampled_combinations
+
+
+def _item(function, params: dict, n: int, extended: bool = False):
+    markers = {"sampled": SimpleNamespace(args=(n,))}
+    if extended:
+        markers["extended"] = SimpleNamespace(args=())
+    return SimpleNamespace(
+        function=function,
+        callspec=SimpleNamespace(params=params),
+        get_closest_marker=markers.get,
+    )
+
+
+def _grid(function, n: int, platforms=("cpu",), **values):
+    names = list(values)
+    return [
+        _item(function, dict(zip(names, combination, strict=True), platform=platform), n)
+        for combination in itertools.product(*values.values())
+        for platform in platforms
+    ]
+
+
+def _values(combinations) -> set:
+    return {pair for combination in combinations for pair in combination}
+
+
+def test_every_value_of_every_parameter_in_as_few_combinations_as_values():
+    def test_grid():
+        pass
+
+    items = _grid(test_grid, 1000, platforms=("cpu", "simt-a"), a=[1, 2, 3], b="wxyz", c=[0, 1])
+    kept = _sampled_combinations(items)[test_grid]
+    assert _values(kept) == _values(_combination(i) for i in items)
+    # A cover needs at least one combination per value of the parameter with the most.
+    assert len(kept) == 4
+    # The platform is not a parameter of the combination: its items share the choice.
+    assert {_combination(i) for i in items if i.callspec.params["platform"] == "simt-a"} >= kept
+
+
+def test_every_nth_combination_is_kept():
+    def test_grid():
+        pass
+
+    items = _grid(test_grid, 6, a=range(4), b=range(5))
+    kept = _sampled_combinations(items)[test_grid]
+    in_order = [_combination(i) for i in items]
+    # (0, 0), (1, 1), (2, 2), (3, 3), then the first that brings b = 4.
+    assert kept == {*in_order[::6], (("a", "0"), ("b", "4"))}
+
+
+def test_combinations_already_extended_take_no_part():
+    def test_grid():
+        pass
+
+    items = _grid(test_grid, 1000, a=[1, 2])
+    items.append(_item(test_grid, {"a": 3}, 1000, extended=True))
+    kept = _sampled_combinations(items)[test_grid]
+    assert kept == {(("a", "1"),), (("a", "2"),)}
