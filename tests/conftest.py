@@ -35,7 +35,8 @@ def _sampled_combinations(items) -> dict:
     """Test function -> the combinations of its parameters that the default tier keeps:
     every n-th (``@pytest.mark.sampled(n)``), then, while some value of some parameter is
     in none of those, the combination that brings the most such values (the first of
-    equals). Combinations already in the extended tier take no part."""
+    equals). Combinations already in the extended tier take no part: they are not counted
+    for the every n-th, and a value only they have is not sought."""
     candidates: dict = {}  # function -> (n, {combination: None} in order)
     for item in items:
         sampled = item.get_closest_marker("sampled")

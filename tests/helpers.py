@@ -206,11 +206,17 @@ _REPLACING = threading.Lock()
 
 @contextlib.contextmanager
 def _replacing_exact_sums(stand_in):
-    """The twins' exact sums replaced, while tracing, by ``stand_in(name, operand)``, the
-    operand float32 with the summed axis last."""
+    """The twins' exact sums replaced, in this thread while tracing, by ``stand_in(name,
+    operand)``, the operand float32 with the summed axis last. Other threads, and any
+    other caller of the twin meanwhile, get the sums themselves."""
+    owner = threading.get_ident()
 
     def replacement(name):
-        def replaced(operand, axis=-1):
+        def replaced(operand, **keywords):
+            if threading.get_ident() != owner:
+                return _EXACT_SUM_FUNCTIONS[name](operand, **keywords)
+            axis = keywords.pop("axis", -1)
+            assert not keywords, f"{name} given {keywords}"
             return stand_in(name, jnp.moveaxis(jnp.asarray(operand, jnp.float32), axis, -1))
 
         return replaced
@@ -247,7 +253,9 @@ def _twin_programs(fn, kwargs):
 
         def take(name, operand):
             seen[name].append(operand)
-            return next(given[name])
+            result = next(given[name], None)
+            assert result is not None, f"a {name} that the first program did not take"
+            return result
 
         with _replacing_exact_sums(take):
             outs = fn(*args, **kwargs)
