@@ -413,10 +413,11 @@ def test_kernel_matches_reference_on_random_cases(platform):
 
 
 def test_the_fuzz_draws_every_keyword_of_the_table():
-    # A keyword added to the table (NORM_KEYWORDS) fails this until the fuzz draws it.
+    # A keyword added to the table (NORM_KEYWORDS) fails this until the fuzz draws it. The
+    # draws are the same in every run (derandomize), so the verdict cannot change by chance.
     drawn = set()
 
-    @settings(max_examples=400, deadline=None, database=None)
+    @settings(max_examples=400, deadline=None, database=None, derandomize=True)
     @given(case=cases())
     def record(case):
         drawn.update(case["keywords"])
