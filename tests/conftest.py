@@ -59,6 +59,27 @@ def _sampled_combinations(items) -> dict:
     return kept
 
 
+def _rotated_simt_platforms(items) -> dict:
+    """Test function -> {combination: the one emulated variant the default tier runs it
+    on}, for the tests on the ``platform`` fixture with at least one combination per
+    variant in the default tier and no ``default_platforms`` marker: their combinations
+    take the variants in turn, so that each runs on cpu and one variant, and each variant
+    runs each such test."""
+    combinations: dict = {}  # function -> {combination: None} in order
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or "platform" not in callspec.params:
+            continue
+        if item.get_closest_marker("extended") or item.get_closest_marker("default_platforms"):
+            continue
+        combinations.setdefault(item.function, {}).setdefault(_combination(item))
+    return {
+        function: {c: SIMT_PLATFORMS[i % len(SIMT_PLATFORMS)] for i, c in enumerate(ordered)}
+        for function, ordered in combinations.items()
+        if len(ordered) >= len(SIMT_PLATFORMS)
+    }
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """The default tier's share of the big tests: the rest of their items are marked
@@ -66,7 +87,8 @@ def pytest_collection_modifyitems(config, items):
     parameters and as few more as bring every value of every parameter
     (_sampled_combinations), on all platforms alike, so that they share the reference's
     outputs. ``@pytest.mark.default_platforms(*names)`` keeps the test's items on those
-    platforms (and "gpu", which skips without a GPU)."""
+    platforms (and "gpu", which skips without a GPU). Then each combination of the other
+    platform tests keeps one emulated variant, in turn (_rotated_simt_platforms)."""
     kept = _sampled_combinations(items)
     for item in items:
         callspec = getattr(item, "callspec", None)
@@ -76,6 +98,13 @@ def pytest_collection_modifyitems(config, items):
         if platforms is not None and callspec is not None:
             if callspec.params.get("platform") not in (*platforms.args, "gpu"):
                 item.add_marker(EXTENDED)
+    rotation = _rotated_simt_platforms(items)
+    for item in items:
+        if item.function not in rotation or item.get_closest_marker("extended"):
+            continue
+        platform = item.callspec.params["platform"]
+        if is_simt(platform) and platform != rotation[item.function][_combination(item)]:
+            item.add_marker(EXTENDED)
 
 
 @pytest.fixture(params=["cpu", *SIMT_PLATFORMS, "gpu"])

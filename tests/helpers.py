@@ -21,6 +21,13 @@ import warnings
 os.environ["XLA_FLAGS"] = (
     "--xla_backend_optimization_level=0 " + os.environ.get("XLA_FLAGS", "")
 ).strip()
+# The tensor-parallel tests need 8 devices, which the CPU backend makes virtual only when
+# asked before jax starts. The session asks for them, so that those tests run among the
+# others on the workers; every other test still runs on one device. A device count in the
+# caller's XLA_FLAGS wins, and then the modules that need 8 rerun themselves in a
+# subprocess (rerun_with_virtual_cpu_devices).
+if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 # The default tier runs in two worker processes (pyproject.toml): on a GPU each takes the
 # memory it needs, instead of jax's default of most of the GPU for the first one.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -368,7 +375,8 @@ def rerun_with_virtual_cpu_devices(
     """Runs the tests of ``tier`` (TIERS) of the module ``test_file`` again (with
     ``pytest_args``) in a subprocess whose jax has ``num_devices`` virtual CPU devices
     (they must be requested before jax starts), and fails with its output unless every
-    test there passed. A tier with no test there skips."""
+    test there passed. A tier with no test there skips. For sessions with fewer devices:
+    the caller's XLA_FLAGS set their count, or jax started before this module."""
     flags = os.environ.get("XLA_FLAGS", "")
     # The subprocess runs in the tests' folder: it imports jax_fp8norm from where this
     # session did (the source tree, from the repository root), not another copy.

@@ -1,8 +1,8 @@
 """allreduce_residual_rms_norm_fp8 under shard_map, on 8 virtual CPU devices.
 
-The virtual devices must be requested before jax starts, so in a normal test session this
-module only runs itself again in a subprocess with XLA_FLAGS set, leaving the other
-modules' single-device session alone; the subprocess runs the real cases.
+The virtual devices must be requested before jax starts: helpers.py asks for them. In a
+session with fewer (a device count in the caller's XLA_FLAGS), this module only runs itself
+again in a subprocess with 8; the subprocess runs the real cases.
 """
 
 from __future__ import annotations

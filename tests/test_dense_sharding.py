@@ -3,8 +3,8 @@ CPU devices: rows sharded under jit (Auto and Explicit axes) and column-parallel
 inside shard_map. Everything agrees with the single device's call but for the order of
 float32 sums: the GEMMs are XLA's, whose order of summation may differ between the
 sharded program and the single device's (docs/spec.md, "The layer"), and dgamma, dw and,
-under tensor parallelism, dx are sums over the devices. Like test_sharding, a normal
-session reruns this module in a subprocess with the devices."""
+under tensor parallelism, dx are sums over the devices. Like test_sharding, a session
+with fewer devices reruns this module in a subprocess with 8."""
 
 from __future__ import annotations
 

@@ -1,12 +1,14 @@
 """The default tier's share of a sampled test (conftest.py): every n-th combination of its
-parameters, and few more, that bring every value of every parameter."""
+parameters, and few more, that bring every value of every parameter; and the emulated
+variants the platform tests' combinations take in turn."""
 
 from __future__ import annotations
 
 import itertools
 from types import SimpleNamespace
 
-from conftest import _combination, _sampled_combinations
+from conftest import _combination, _rotated_simt_platforms, _sampled_combinations
+from helpers import SIMT_PLATFORMS
 
 
 def _item(function, params: dict, n: int, extended: bool = False):
@@ -66,3 +68,29 @@ def test_combinations_already_extended_take_no_part():
     items.append(_item(test_grid, {"a": 3}, 1000, extended=True))
     kept = _sampled_combinations(items)[test_grid]
     assert kept == {(("a", "1"),), (("a", "2"),)}
+
+
+def test_each_combination_takes_one_variant_and_each_variant_every_test():
+    def test_grid():
+        pass
+
+    def test_few():
+        pass
+
+    def test_marked():
+        pass
+
+    platforms = ("cpu", *SIMT_PLATFORMS, "gpu")
+    grid = _grid(test_grid, 1, platforms=platforms, a=range(len(SIMT_PLATFORMS) + 2))
+    few = _grid(test_few, 1, platforms=platforms, a=range(len(SIMT_PLATFORMS) - 1))
+    marked = _grid(test_marked, 1, platforms=platforms, a=range(5))
+    for item in marked:
+        item.get_closest_marker = {"default_platforms": SimpleNamespace(args=("cpu",))}.get
+    extended = _item(test_grid, {"a": 99, "platform": SIMT_PLATFORMS[0]}, 1, extended=True)
+    rotation = _rotated_simt_platforms([*grid, *few, *marked, extended])
+    # Fewer combinations than variants, or a default_platforms marker: every variant kept.
+    assert set(rotation) == {test_grid}
+    chosen = rotation[test_grid]
+    assert set(chosen) == {_combination(i) for i in grid}  # the extended one takes no part
+    assert set(chosen.values()) == set(SIMT_PLATFORMS)
+    assert len({chosen[_combination(i)] for i in grid[: len(platforms) * 3]}) == 3
