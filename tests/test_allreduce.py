@@ -297,7 +297,10 @@ else:
         assert errors["next_input"] <= llama_tp_block.NEXT_INPUT_TOLERANCE
         assert errors["devices_identical"] == 1.0
 
-    @pytest.mark.parametrize("method", [pytest.param("one_shot", marks=EXTENDED), "two_shot"])
+    # The example's other methods and formats are the extended tier's: the default tier runs
+    # the one-kernel methods and FP4 across the devices in the tests above and below.
+    @pytest.mark.parametrize("method", ["one_shot", "two_shot"])
+    @EXTENDED
     def test_llama_block_example_one_kernel(method):
         from jax_fp8norm.examples import llama_tp_block
 
@@ -307,10 +310,9 @@ else:
         assert errors["residual"] <= llama_tp_block.RESIDUAL_TOLERANCE
         assert errors["next_input"] <= llama_tp_block.NEXT_INPUT_TOLERANCE
         assert errors["devices_identical"] == 1.0
-        with pytest.raises(ValueError, match="allreduce_method must be one of"):
-            llama_tp_block.Config(allreduce_method="nccl")
 
-    @pytest.mark.parametrize("fp4", ["nvfp4", pytest.param("mxfp4", marks=EXTENDED)])
+    @pytest.mark.parametrize("fp4", ["nvfp4", "mxfp4"])
+    @EXTENDED
     def test_llama_block_example_fp4(fp4):
         from jax_fp8norm.examples import llama_tp_block
 
@@ -325,9 +327,11 @@ else:
         assert errors["residual"] > llama_tp_block.RESIDUAL_TOLERANCE
         assert errors["devices_identical"] == 1.0
 
-    def test_llama_block_example_fp4_config():
+    def test_llama_block_example_config_refuses_bad_values():
         from jax_fp8norm.examples import llama_tp_block
 
+        with pytest.raises(ValueError, match="allreduce_method must be one of"):
+            llama_tp_block.Config(allreduce_method="nccl")
         with pytest.raises(ValueError, match="fp4 must be one of"):
             llama_tp_block.Config(fp4="fp4")
         with pytest.raises(ValueError, match="group_size is fixed"):

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import SIMT_VARIANTS, assert_same_bits, random_gamma, random_rows
+from helpers import SIMT_VARIANTS, assert_same_bits, random_gamma, random_rows, reference_on_cpu
 
 import jax_fp8norm as fp8norm
 from jax_fp8norm import simt
@@ -43,9 +43,7 @@ def fresh_device(**limits):
 
 
 def reference(op, *args):
-    fn = getattr(fp8norm.reference, op)
-    with jax.default_device(jax.devices("cpu")[0]):
-        return jax.jit(fn)(*args)
+    return reference_on_cpu(getattr(fp8norm.reference, op), *args)
 
 
 def launches_of_the_op():

@@ -196,7 +196,7 @@ def test_the_tests_twin_programs_are_the_twin(op, kw):
     gamma = random_gamma(41, 96, jnp.float32)
     fn = getattr(fp8norm.reference, op)
     if op == "rms_norm_backward":
-        *_, r = fp8norm.reference.rms_norm_fp8_training(x, gamma, **kw)
+        *_, r = reference_on_cpu(fp8norm.reference.rms_norm_fp8_training, x, gamma, **kw)
         args = (random_rows(42, x.shape, jnp.float32, spread=30), x, gamma, np.asarray(r))
     else:
         args = (x, random_rows(43, x.shape, jnp.bfloat16, spread=30), gamma)
