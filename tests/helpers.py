@@ -196,9 +196,11 @@ _reference_outputs: dict = {}
 
 # The twins' exact sums (the sum of squares, the backward's sums) are most of what
 # compiling a twin costs, and the tests call many twins on few shapes. reference_on_cpu
-# runs a twin as three kinds of program: the twin up to its sums' operands, each sum on its
-# own (compiled once per shape, whatever the twin and its keywords), then the whole twin
-# with the sums as arguments. Only where XLA's programs begin and end changes: the twin's
+# runs a twin as two kinds of program: each sum on its own (compiled once per shape,
+# whatever the twin and its keywords), and the whole twin with the sums as arguments,
+# which also returns the sums' operands. It runs the twin's program twice: with zeros for
+# the sums, for their operands (no operand depends on a sum's result), then with the sums
+# of those operands. Only where XLA's programs begin and end changes: the twin's
 # functions do all the math, and the sums' float32 results pass between the programs
 # unchanged. Each sum's result shape from its operand's: the sum of squares keeps the
 # summed last axis as 1, exact_sum drops it (taking its operand with that axis last).
@@ -240,8 +242,8 @@ def _replacing_exact_sums(stand_in):
 
 def _twin_programs(fn, kwargs):
     """``fn(*args, **kwargs)`` as (the operands of its exact sums, the twin given their
-    results), each jitted: the second also returns the operands it computed, which must be
-    the first's (no operand depends on an earlier sum's result)."""
+    results), each jitted: the first only for the operands' shapes (traced, never
+    compiled); the second also returns the operands it computed."""
 
     def operands(*args):
         seen = {name: [] for name in _EXACT_SUMS}
@@ -282,9 +284,17 @@ def _run_twin(fn, kwargs, args):
     if key not in _twins:
         _twins[key] = _twin_programs(fn, kwargs)
     operands, outputs = _twins[key]
-    seen = operands(*args)
+    shapes = operands.eval_shape(*args)
+    # Placed as the sums will be, or the second run would compile the program again.
+    cpu = jax.devices("cpu")[0]
+    zeros = {
+        name: [jax.device_put(np.zeros(_EXACT_SUMS[name](s.shape), np.float32), cpu) for s in ops]
+        for name, ops in shapes.items()
+    }
+    _, seen = outputs(args, zeros)
     sums = {name: [_EXACT_SUM_PROGRAMS[name](o) for o in ops] for name, ops in seen.items()}
     outs, seen_again = outputs(args, sums)
+    # The same operands whatever the sums: none depends on a sum's result.
     for name, ops in seen.items():
         assert_same_bits(seen_again[name], ops)
     return outs

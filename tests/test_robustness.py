@@ -252,6 +252,7 @@ else:
                 call.result()
 
 
+@pytest.mark.default_platforms("cpu", "simt-block_shared")
 def test_every_gpu_at_once(platform):
     """One thread per GPU, each calling on its own GPU at once, on hidden sizes whose rows
     are cached with opted-in shared memory (14336 bf16, 12189 float32) or too long to
