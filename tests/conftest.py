@@ -61,23 +61,31 @@ def _sampled_combinations(items) -> dict:
 
 def _rotated_simt_platforms(items) -> dict:
     """Test function -> {combination: the one emulated variant the default tier runs it
-    on}, for the tests on the ``platform`` fixture with at least one combination per
-    variant in the default tier and no ``default_platforms`` marker: their combinations
-    take the variants in turn, so that each runs on cpu and one variant, and each variant
-    runs each such test."""
-    combinations: dict = {}  # function -> {combination: None} in order
+    on}, for the tests on the ``platform`` fixture, with no ``default_platforms`` marker,
+    that run on two or more variants and have at least one combination per variant in the
+    default tier: their combinations take the test's variants in turn (a combination
+    without its turn's variant takes the next it has), so that each combination runs on
+    cpu and one variant, and each variant runs each such test."""
+    combinations: dict = {}  # function -> {combination: [its variants]} in order
     for item in items:
         callspec = getattr(item, "callspec", None)
         if callspec is None or "platform" not in callspec.params:
             continue
         if item.get_closest_marker("extended") or item.get_closest_marker("default_platforms"):
             continue
-        combinations.setdefault(item.function, {}).setdefault(_combination(item))
-    return {
-        function: {c: SIMT_PLATFORMS[i % len(SIMT_PLATFORMS)] for i, c in enumerate(ordered)}
-        for function, ordered in combinations.items()
-        if len(ordered) >= len(SIMT_PLATFORMS)
-    }
+        present = combinations.setdefault(item.function, {}).setdefault(_combination(item), [])
+        if is_simt(callspec.params["platform"]):
+            present.append(callspec.params["platform"])
+    rotation = {}
+    for function, ordered in combinations.items():
+        variants = [v for v in SIMT_PLATFORMS if any(v in p for p in ordered.values())]
+        if len(variants) < 2 or len(ordered) < len(variants):
+            continue
+        rotation[function] = {}
+        for i, (combination, present) in enumerate(ordered.items()):
+            turn = variants[i % len(variants) :] + variants[: i % len(variants)]
+            rotation[function][combination] = next((v for v in turn if v in present), None)
+    return rotation
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -102,8 +110,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.function not in rotation or item.get_closest_marker("extended"):
             continue
+        keep = rotation[item.function].get(_combination(item))
         platform = item.callspec.params["platform"]
-        if is_simt(platform) and platform != rotation[item.function][_combination(item)]:
+        if keep is not None and is_simt(platform) and platform != keep:
             item.add_marker(EXTENDED)
 
 

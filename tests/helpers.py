@@ -23,9 +23,9 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 # The tensor-parallel tests need 8 devices, which the CPU backend makes virtual only when
 # asked before jax starts. The session asks for them, so that those tests run among the
-# others on the workers; every other test still runs on one device. A device count in the
-# caller's XLA_FLAGS wins, and then the modules that need 8 rerun themselves in a
-# subprocess (rerun_with_virtual_cpu_devices).
+# others on the workers; the other tests run on one device unless they test several. A
+# device count in the caller's XLA_FLAGS wins, and then the modules that need 8 rerun
+# themselves in a subprocess (rerun_with_virtual_cpu_devices).
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 # The default tier runs in two worker processes (pyproject.toml): on a GPU each takes the

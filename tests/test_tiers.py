@@ -7,7 +7,12 @@ from __future__ import annotations
 import itertools
 from types import SimpleNamespace
 
-from conftest import _combination, _rotated_simt_platforms, _sampled_combinations
+from conftest import (
+    _combination,
+    _rotated_simt_platforms,
+    _sampled_combinations,
+    pytest_collection_modifyitems,
+)
 from helpers import SIMT_PLATFORMS
 
 
@@ -19,6 +24,7 @@ def _item(function, params: dict, n: int, extended: bool = False):
         function=function,
         callspec=SimpleNamespace(params=params),
         get_closest_marker=markers.get,
+        add_marker=lambda mark: markers.setdefault(mark.name, mark),
     )
 
 
@@ -94,3 +100,20 @@ def test_each_combination_takes_one_variant_and_each_variant_every_test():
     assert set(chosen) == {_combination(i) for i in grid}  # the extended one takes no part
     assert set(chosen.values()) == set(SIMT_PLATFORMS)
     assert len({chosen[_combination(i)] for i in grid[: len(platforms) * 3]}) == 3
+
+
+def test_a_test_on_some_variants_keeps_one_of_its_own_per_combination():
+    def test_some():
+        pass
+
+    ours = SIMT_PLATFORMS[1:]
+    items = _grid(test_some, 1, platforms=("cpu", *ours), a=range(5))
+    # One combination lacks a variant: it takes the other in its turn.
+    items = [i for i in items if i.callspec.params != {"a": 2, "platform": ours[0]}]
+    items = [i for i in items if i.callspec.params != {"a": 3, "platform": ours[1]}]
+    pytest_collection_modifyitems(None, items)
+    default = [i for i in items if not i.get_closest_marker("extended")]
+    for a in range(5):
+        platforms = [i.callspec.params["platform"] for i in default if i.callspec.params["a"] == a]
+        assert platforms[0] == "cpu" and len(platforms) == 2 and platforms[1] in ours, platforms
+    assert {i.callspec.params["platform"] for i in default} == {"cpu", *ours}
