@@ -9,6 +9,8 @@ import are in helpers.py.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 # First: helpers sets XLA's flags for the suite before jax starts.
@@ -23,6 +25,23 @@ from helpers import (
 )
 
 import jax_fp8norm.simt
+
+
+def pytest_configure(config):
+    """The suite's compiled programs go to jax's persistent compilation cache, in pytest's
+    cache folder: the two workers of a run share the programs they both compile (the
+    reference twins of a test's platforms), and a later run (the extended tier after the
+    default one) reuses them. Only compiling is skipped: every program still runs, and the
+    kernels it calls are looked up by name in the build that is installed. A cache the
+    caller names (JAX_COMPILATION_CACHE_DIR) wins; ``-p no:cacheprovider`` turns it off."""
+    cache = getattr(config, "cache", None)
+    if cache is None or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    import jax  # after helpers has set XLA's flags: a top-level import would sort above it
+
+    jax.config.update("jax_compilation_cache_dir", str(cache.mkdir("jax-compilation-cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _combination(item) -> tuple:

@@ -117,40 +117,69 @@ bool MemoryAccounting::Record(Scheduler& scheduler, const void* address, size_t 
 }
 
 void MemoryAccounting::CloseRequests(unsigned first_thread, unsigned end_thread) {
-  struct Item {
-    int64_t key;
-    uint32_t occurrence;
-    uintptr_t address;
-    uint32_t bytes;
-    int buffer;
-  };
-  std::vector<Item> items;
-  std::vector<std::pair<int64_t, uint32_t>> counts;
+  // A request is the n-th access with one key of each lane that made one. The lanes'
+  // accesses are bucketed by (key, n) with a counting sort, linear in their number: a
+  // warp can make thousands between two meetings. A bucket holds one access per lane.
+  keys_.clear();
+  occurrences_.clear();
+  size_t total = 0;
   for (unsigned t = first_thread; t < end_thread; ++t) {
-    std::vector<Access>& log = logs_[t];
-    counts.clear();
-    for (const Access& a : log) {
-      auto it = std::find_if(counts.begin(), counts.end(),
-                             [&](const auto& c) { return c.first == a.key; });
-      if (it == counts.end()) it = counts.insert(counts.end(), {a.key, 0u});
-      items.push_back({a.key, it->second++, a.address, a.bytes, a.buffer});
+    counts_.assign(keys_.size(), 0);
+    size_t slot = 0;
+    for (Access& a : logs_[t]) {
+      if (slot >= keys_.size() || keys_[slot] != a.key) {
+        slot = std::find(keys_.begin(), keys_.end(), a.key) - keys_.begin();
+        if (slot == keys_.size()) {
+          keys_.push_back(a.key);
+          occurrences_.push_back(0);
+          counts_.push_back(0);
+        }
+      }
+      const uint32_t occurrence = counts_[slot]++;
+      occurrences_[slot] = std::max(occurrences_[slot], occurrence + 1);
+      a.key = static_cast<int64_t>(slot) << 32 | occurrence;  // the key is no longer needed
     }
-    log.clear();
+    total += logs_[t].size();
   }
-  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
-    if (a.key != b.key) return a.key < b.key;
-    if (a.occurrence != b.occurrence) return a.occurrence < b.occurrence;
-    return a.address < b.address;
-  });
-  for (size_t i = 0; i < items.size();) {
-    size_t j = i;
+  // Bucket (slot, n) is number first_bucket[slot] + n.
+  std::vector<uint32_t>& first_bucket = counts_;
+  first_bucket.assign(keys_.size(), 0);
+  uint32_t buckets = 0;
+  for (size_t k = 0; k < keys_.size(); ++k) {
+    first_bucket[k] = buckets;
+    buckets += occurrences_[k];
+  }
+  const auto bucket_of = [&](const Access& a) {
+    return first_bucket[static_cast<size_t>(a.key >> 32)] + static_cast<uint32_t>(a.key);
+  };
+  bucket_start_.assign(buckets + 1, 0);
+  for (unsigned t = first_thread; t < end_thread; ++t) {
+    for (const Access& a : logs_[t]) ++bucket_start_[bucket_of(a) + 1];
+  }
+  for (uint32_t b = 0; b < buckets; ++b) bucket_start_[b + 1] += bucket_start_[b];
+  sorted_.resize(total);
+  fill_.assign(bucket_start_.begin(), bucket_start_.end() - 1);
+  for (unsigned t = first_thread; t < end_thread; ++t) {
+    for (const Access& a : logs_[t]) sorted_[fill_[bucket_of(a)]++] = a;
+    logs_[t].clear();
+  }
+
+  for (uint32_t b = 0; b < buckets; ++b) {
+    Access* const begin = sorted_.data() + bucket_start_[b];
+    Access* const end = sorted_.data() + bucket_start_[b + 1];
+    if (begin == end) continue;
+    // By address: the lanes come in order, so this is mostly sorted already.
+    for (Access* i = begin + 1; i < end; ++i) {
+      const Access moving = *i;
+      Access* j = i;
+      for (; j > begin && (j - 1)->address > moving.address; --j) *j = *(j - 1);
+      *j = moving;
+    }
     uint64_t sectors = 0, union_bytes = 0;
     uintptr_t covered_end = 0;              // end of the byte union so far
     uintptr_t last_sector = ~uintptr_t{0};  // last sector counted so far
-    for (; j < items.size() && items[j].key == items[i].key &&
-           items[j].occurrence == items[i].occurrence;
-         ++j) {
-      const uintptr_t lo = items[j].address, hi = lo + items[j].bytes;
+    for (const Access* item = begin; item < end; ++item) {
+      const uintptr_t lo = item->address, hi = lo + item->bytes;
       uintptr_t first = lo >> kSectorShift;
       const uintptr_t last = (hi - 1) >> kSectorShift;
       if (last_sector != ~uintptr_t{0} && first <= last_sector) first = last_sector + 1;
@@ -160,14 +189,13 @@ void MemoryAccounting::CloseRequests(unsigned first_thread, unsigned end_thread)
       if (hi > from) union_bytes += hi - from;
       covered_end = std::max(covered_end, hi);
     }
-    if (items[i].buffer >= 0) {
-      BufferStats& stats = stats_[items[i].buffer];
-      const uintptr_t lo = items[i].address;
+    if (begin->buffer >= 0) {
+      BufferStats& stats = stats_[begin->buffer];
+      const uintptr_t lo = begin->address;
       stats.requests += 1;
       stats.sectors += sectors;
       stats.min_sectors += ((lo + union_bytes - 1) >> kSectorShift) - (lo >> kSectorShift) + 1;
     }
-    i = j;
   }
 }
 

@@ -61,7 +61,9 @@ class MemoryAccounting {
   };
 
   struct Access {
-    int64_t key;  // what makes two lanes' accesses one request: see RequestKey
+    // What makes two lanes' accesses one request (see RequestKey); in CloseRequests, the
+    // key's slot and which of the lane's accesses with that key this is.
+    int64_t key;
     uint32_t bytes;
     uintptr_t address;
     int buffer;  // index into the launch's buffers, or -1
@@ -71,6 +73,12 @@ class MemoryAccounting {
   std::vector<BufferStats> stats_;  // of the launch in progress, one per buffer
   // Per thread of the block: its global accesses since its warp last met.
   std::vector<std::vector<Access>> logs_;
+  // CloseRequests' work space, kept between calls so that they do not allocate.
+  std::vector<int64_t> keys_;          // the keys met, one slot each
+  std::vector<uint32_t> occurrences_;  // per slot: the most accesses one lane made
+  std::vector<uint32_t> counts_;       // per slot: one lane's accesses so far
+  std::vector<Access> sorted_;         // the lanes' accesses, bucketed
+  std::vector<uint32_t> bucket_start_, fill_;
 };
 
 }  // namespace simt::internal

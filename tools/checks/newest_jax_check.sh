@@ -60,7 +60,7 @@ python -c "import sys, jax, jax_fp8norm; print('Python', sys.version.split()[0],
 # Every deprecation an error: pytest's filters for the tests, PYTHONWARNINGS for the
 # processes they start.
 export PYTHONWARNINGS="error::DeprecationWarning,error::PendingDeprecationWarning,error::FutureWarning"
-python -m pytest -p no:cacheprovider -W error::DeprecationWarning \
+python -m pytest -W error::DeprecationWarning \
   -W error::PendingDeprecationWarning -W error::FutureWarning
 # The README's tensor-parallel example, on jax's default (Explicit) mesh axes.
 python -m jax_fp8norm --tp 8
