@@ -17,6 +17,7 @@ import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
+from jax.interpreters.mlir import ir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -500,13 +501,34 @@ def _partitioned_lowering(kernel: Primitive):
         one_row = params["columnwise"] and len(shape) < 2
         if num_devices == 1 or unassigned or for_export or one_row:
             call = functools.partial(kernel.bind, **params)
-        else:
-            key = tuple(sorted(params.items()))
-            columns = (shape, num_devices) if params["columnwise"] else None
-            call = _partitioned(kernel, key, len(args), columns)
-        return mlir.lower_fun(call, multiple_results=True)(ctx, *args)
+            return mlir.lower_fun(call, multiple_results=True)(ctx, *args)
+        key = tuple(sorted(params.items()))
+        columns = (shape, num_devices) if params["columnwise"] else None
+        call = _partitioned(kernel, key, len(args), columns)
+        results = mlir.lower_fun(call, multiple_results=True)(ctx, *args)
+        kernels = "emulated" if _ffi.emulating() else "native"
+        _describe_partitioned_call(results, f"{kernel.name} {kernels} {key}")
+        return results
 
     return lowering
+
+
+PARTITIONED_CALL_ATTRIBUTE = "fp8norm_call"
+
+
+def _describe_partitioned_call(results, description: str) -> None:
+    """custom_partitioning's call carries only the address of its Python callbacks, not the
+    op's settings or kernel, so two calls that differ only there lower to the same text.
+    jax's persistent compilation cache keys on that text: once the first call's callbacks
+    are freed and their address reused, it would hand the second the first's program. The
+    settings, as a frontend attribute of the call, make the texts differ."""
+    for result in results:
+        op = result.owner
+        target = op.attributes["call_target_name"] if "call_target_name" in op.attributes else None
+        if target is not None and ir.StringAttr(target).value == "CustomSPMDPartitioning":
+            op.attributes["mhlo.frontend_attributes"] = ir.DictAttr.get(
+                {PARTITIONED_CALL_ATTRIBUTE: ir.StringAttr.get(description)}
+            )
 
 
 def _no_gradient(op: str):

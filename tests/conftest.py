@@ -41,7 +41,6 @@ def pytest_configure(config):
 
     jax.config.update("jax_compilation_cache_dir", str(cache.mkdir("jax-compilation-cache")))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _combination(item) -> tuple:

@@ -7,7 +7,9 @@ Like test_allreduce, a session with fewer devices reruns this module in a subpro
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_fp8norm as fp8norm
+import jax_fp8norm.simt
 
 NUM_DEVICES = 8
 
@@ -302,6 +305,27 @@ else:
             y, scales, _ = _single_device(fp8norm.reference.add_rms_norm_fp8, h, 0 * h, gamma)
             assert_same_bits([np.asarray(o) for o in want][:2], [y, scales])
         assert_same_bits([np.asarray(o) for o in outs], [np.asarray(w) for w in want])
+
+    def test_sharded_calls_that_differ_only_in_settings_or_kernels_lower_apart():
+        # custom_partitioning's call names its Python callbacks by address alone; jax's
+        # persistent compilation cache keys on the program's text, so calls whose settings
+        # or kernels differ must differ in their text without that address, or a reused
+        # address would hand one the other's compiled program.
+        x = jax.device_put(random_rows(1, (16, 256), jnp.bfloat16), NamedSharding(_mesh(), P("d")))
+        gamma = random_gamma(2, 256, jnp.float32)
+
+        def text(emulated=False, **kw):
+            with fp8norm.simt.kernels() if emulated else contextlib.nullcontext():
+                lowered = jax.jit(functools.partial(fp8norm.rms_norm_fp8, **kw)).lower(x, gamma)
+            t = lowered.as_text()
+            assert "CustomSPMDPartitioning" in t
+            return re.sub(r'backend_config = "[0-9]+"', "", t)
+
+        texts = [text(eps=1e-6), text(eps=1e-5), text(**layout("mxfp8"))]
+        if fp8norm.simt.available():
+            texts.append(text(emulated=True, eps=1e-6))
+        assert len(set(texts)) == len(texts)
+        assert text(eps=1e-6) == texts[0]  # the same call: the same text
 
     def test_rows_sharded_and_gamma_sharded():
         mesh = _mesh((2, 4), ("a", "b"))

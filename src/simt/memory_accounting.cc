@@ -121,7 +121,7 @@ void MemoryAccounting::CloseRequests(unsigned first_thread, unsigned end_thread)
   // accesses are bucketed by (key, n) with a counting sort, linear in their number: a
   // warp can make thousands between two meetings. A bucket holds one access per lane.
   keys_.clear();
-  occurrences_.clear();
+  max_occurrences_.clear();
   size_t total = 0;
   for (unsigned t = first_thread; t < end_thread; ++t) {
     counts_.assign(keys_.size(), 0);
@@ -131,26 +131,25 @@ void MemoryAccounting::CloseRequests(unsigned first_thread, unsigned end_thread)
         slot = std::find(keys_.begin(), keys_.end(), a.key) - keys_.begin();
         if (slot == keys_.size()) {
           keys_.push_back(a.key);
-          occurrences_.push_back(0);
+          max_occurrences_.push_back(0);
           counts_.push_back(0);
         }
       }
       const uint32_t occurrence = counts_[slot]++;
-      occurrences_[slot] = std::max(occurrences_[slot], occurrence + 1);
+      max_occurrences_[slot] = std::max(max_occurrences_[slot], occurrence + 1);
       a.key = static_cast<int64_t>(slot) << 32 | occurrence;  // the key is no longer needed
     }
     total += logs_[t].size();
   }
-  // Bucket (slot, n) is number first_bucket[slot] + n.
-  std::vector<uint32_t>& first_bucket = counts_;
-  first_bucket.assign(keys_.size(), 0);
+  // Bucket (slot, n) is number first_bucket_[slot] + n.
+  first_bucket_.assign(keys_.size(), 0);
   uint32_t buckets = 0;
   for (size_t k = 0; k < keys_.size(); ++k) {
-    first_bucket[k] = buckets;
-    buckets += occurrences_[k];
+    first_bucket_[k] = buckets;
+    buckets += max_occurrences_[k];
   }
   const auto bucket_of = [&](const Access& a) {
-    return first_bucket[static_cast<size_t>(a.key >> 32)] + static_cast<uint32_t>(a.key);
+    return first_bucket_[static_cast<size_t>(a.key >> 32)] + static_cast<uint32_t>(a.key);
   };
   bucket_start_.assign(buckets + 1, 0);
   for (unsigned t = first_thread; t < end_thread; ++t) {
@@ -166,8 +165,7 @@ void MemoryAccounting::CloseRequests(unsigned first_thread, unsigned end_thread)
 
   for (uint32_t b = 0; b < buckets; ++b) {
     Access* const begin = sorted_.data() + bucket_start_[b];
-    Access* const end = sorted_.data() + bucket_start_[b + 1];
-    if (begin == end) continue;
+    Access* const end = sorted_.data() + bucket_start_[b + 1];  // never empty
     // By address: the lanes come in order, so this is mostly sorted already.
     for (Access* i = begin + 1; i < end; ++i) {
       const Access moving = *i;

@@ -74,10 +74,11 @@ class MemoryAccounting {
   // Per thread of the block: its global accesses since its warp last met.
   std::vector<std::vector<Access>> logs_;
   // CloseRequests' work space, kept between calls so that they do not allocate.
-  std::vector<int64_t> keys_;          // the keys met, one slot each
-  std::vector<uint32_t> occurrences_;  // per slot: the most accesses one lane made
-  std::vector<uint32_t> counts_;       // per slot: one lane's accesses so far
-  std::vector<Access> sorted_;         // the lanes' accesses, bucketed
+  std::vector<int64_t> keys_;              // the keys met, one slot each
+  std::vector<uint32_t> max_occurrences_;  // per slot: the most accesses one lane made
+  std::vector<uint32_t> counts_;           // per slot: one lane's accesses so far
+  std::vector<uint32_t> first_bucket_;     // per slot: its accesses' first bucket
+  std::vector<Access> sorted_;             // the lanes' accesses, bucketed
   std::vector<uint32_t> bucket_start_, fill_;
 };
 
