@@ -522,13 +522,12 @@ def _describe_partitioned_call(results, description: str) -> None:
     jax's persistent compilation cache keys on that text: once the first call's callbacks
     are freed and their address reused, it would hand the second the first's program. The
     settings, as a frontend attribute of the call, make the texts differ."""
-    for result in results:
-        op = result.owner
-        target = op.attributes["call_target_name"] if "call_target_name" in op.attributes else None
-        if target is not None and ir.StringAttr(target).value == "CustomSPMDPartitioning":
-            op.attributes["mhlo.frontend_attributes"] = ir.DictAttr.get(
-                {PARTITIONED_CALL_ATTRIBUTE: ir.StringAttr.get(description)}
-            )
+    op = results[0].owner  # the call's results are all of one op
+    target = op.attributes["call_target_name"] if "call_target_name" in op.attributes else None
+    if target is not None and ir.StringAttr(target).value == "CustomSPMDPartitioning":
+        op.attributes["mhlo.frontend_attributes"] = ir.DictAttr.get(
+            {PARTITIONED_CALL_ATTRIBUTE: ir.StringAttr.get(description)}
+        )
 
 
 def _no_gradient(op: str):
