@@ -114,7 +114,8 @@ def pytest_collection_modifyitems(config, items):
     (_sampled_combinations), on all platforms alike, so that they share the reference's
     outputs. ``@pytest.mark.default_platforms(*names)`` keeps the test's items on those
     platforms (and "gpu", which skips without a GPU). Then each combination of the other
-    platform tests keeps one emulated variant, in turn (_rotated_simt_platforms)."""
+    platform tests keeps one emulated variant, in turn (_rotated_simt_platforms). Items
+    marked ``long_running`` go first."""
     kept = _sampled_combinations(items)
     for item in items:
         callspec = getattr(item, "callspec", None)
@@ -132,6 +133,9 @@ def pytest_collection_modifyitems(config, items):
         platform = item.callspec.params["platform"]
         if keep is not None and is_simt(platform) and platform != keep:
             item.add_marker(EXTENDED)
+    # Long items first: pytest-xdist hands each worker a share of the items in order, and a
+    # long item among the last would run alone while the other worker waits.
+    items.sort(key=lambda item: item.get_closest_marker("long_running") is None)
 
 
 @pytest.fixture(params=["cpu", *SIMT_PLATFORMS, "gpu"])

@@ -432,5 +432,6 @@ def test_the_default_tier_reaches_every_mode_on_both_kernels():
 
 
 @EXTENDED
+@pytest.mark.long_running
 def test_kernel_matches_reference_on_the_full_budget(platform):
     _full[is_simt(platform)](platform)

@@ -47,6 +47,7 @@ GRID_SHAPES = [(65536, 2), (70001, 8), (131073, 1)]
 
 
 @pytest.mark.default_platforms("cpu")
+@pytest.mark.long_running
 @pytest.mark.parametrize("rows,hidden", GRID_SHAPES)
 def test_more_rows_than_a_grid_dimension(platform, rows, hidden):
     # 65535 is the CUDA limit of a grid's y and z dimensions; rows must not be bound by it.

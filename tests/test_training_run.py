@@ -38,6 +38,7 @@ def test_the_run_learns_and_meets_its_margins(tmp_path):
 
 
 @pytest.mark.extended
+@pytest.mark.long_running
 def test_every_recipe_trains_within_its_margin():
     config = train.Config(steps=120, batch=8)
     recipes = list(train.fp8norm.RECIPES)

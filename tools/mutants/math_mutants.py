@@ -9,9 +9,10 @@ to the reference and to the exact oracle, can show such a bug; the SIMT mutants
 
 The tests run with FP8NORM_CPU_ISA=baseline, the CPU variant that computes with the
 header's scalar functions (tools/checks/cpu_check.sh holds the AVX2 variant's vector arithmetic to
-those functions on every float32 input). A mutant counts as caught only when tests ran and
-one failed that passes on the unmutated header: after the mutants, the unmutated build runs
-every test that caught one (the baseline). A mutant that does not build, a run that collects
+those functions on every float32 input). Each mutant runs first, alone, the test that shows
+its kind of error, and every listed test only should that one pass. A mutant counts as
+caught only when tests ran and one failed that passes on the unmutated header: after the
+mutants, the unmutated build runs every test that caught one (the baseline). A mutant that does not build, a run that collects
 no test or stops on an error outside a test, or one that hangs, fails the check. Exits
 non-zero unless the baseline passes and every mutant is caught. The mutants are shared
 among N workers (one per core, at most 2), each with its own build.
@@ -35,7 +36,8 @@ from worker_pool import map_on_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER = Path("src") / "common" / "fp8norm_math.h"
-# In this order, so that most mutants fail one of the first, quicker files.
+# Every test a mutant may need, should its first test (Mutant.first) pass: in this order, so
+# that most mutants fail one of the first, quicker files.
 TESTS = ["tests/test_sum_of_squares.py", "tests/test_rounding.py", "tests/test_block_scaling.py",
          "tests/test_fp4.py", "tests/test_ops.py"]  # fmt: skip
 # The cpu platform's items of those files (the simt ones build their own module).
@@ -44,6 +46,11 @@ SELECT = "cpu and not virtual"
 # mutants run the backward's exact-sum and twin checks alone.
 BACKWARD_TESTS = ["tests/test_backward.py"]
 BACKWARD_SELECT = "cpu and (kernel_sums or twins_bits or oracle or smallest_normal)"
+# The tests that show each kind of mutant (Mutant.first).
+ROUNDING = "tests/test_rounding.py::test_boundaries_and_ties_match_ml_dtypes"
+EXACT_SUM = "tests/test_sum_of_squares.py::test_constant_rows_match_the_exact_sum"
+GROUP_SIZES = "tests/test_block_scaling.py::test_group_sizes"
+KERNEL_SUMS = "tests/test_backward.py::test_kernel_sums_are_exact"
 TIMEOUT_S = 900
 # Each mutant rebuilds the CPU kernels and then runs small inputs: -O1 compiles them in a
 # third of -O3's time, and under the CMakeLists' float rules (no contraction, no
@@ -56,14 +63,14 @@ class Mutant:
     name: str
     old: str
     new: str
+    # The test run first, alone (a file::function): where the mutant's kind of error shows,
+    # so that most mutants cost one short run. Should it pass, the whole list runs.
+    first: str
     backward: bool = False  # the backward's arithmetic: BACKWARD_TESTS, not TESTS
-    # The test file run first (the rest follow in TESTS' order): where the mutant's kind of
-    # error shows first, so that `-x` stops early.
-    first: str | None = None
 
-    def tests(self) -> list[str]:
-        tests = BACKWARD_TESTS if self.backward else TESTS
-        return sorted(tests, key=lambda test: test != self.first)
+    def runs(self) -> list[list[str]]:
+        """The pytest runs, in order, until one does not pass."""
+        return [[self.first], BACKWARD_TESTS if self.backward else TESTS]
 
 
 MUTANTS = [
@@ -71,75 +78,88 @@ MUTANTS = [
         "FP4 rounding: ties away from zero instead of to even",
         "(22u << 23);\n  const uint32_t steps = BitsOf(FloatOf(capped) + FloatOf(c)) - c;",
         "(22u << 23);\n  const uint32_t steps = BitsOf(FloatOf(capped | 1u) + FloatOf(c)) - c;",
+        first=ROUNDING,
     ),
     Mutant(
         "FP4 packing: element 2k in the high nibble",
         "return uint8_t(even | (odd << 4));",
         "return uint8_t(odd | (even << 4));",
+        first=ROUNDING,
     ),
     Mutant(
         "NVFP4: one division by the product of the two scales",
         "(normed / s.global_scale) / s.scale",
         "normed / (s.global_scale * s.scale)",
-        first="tests/test_fp4.py",
+        first="tests/test_fp4.py::test_nvfp4_ties",
     ),
     Mutant(
         "sum of squares: each addition's rounding error dropped",
         "  lo += sum_error + square_error;",
         "  lo += square_error;",
+        first=EXACT_SUM,
     ),
     Mutant(
         "sum of squares: each square's rounding error dropped",
         "  lo += sum_error + square_error;",
         "  lo += sum_error;",
+        first=EXACT_SUM,
     ),
     Mutant(
         "FP8 rounding: exact ties rounded up instead of to even",
         "(20u << 23);\n  const uint32_t steps = BitsOf(FloatOf(capped) + FloatOf(c)) - c;",
         "(20u << 23);\n  const uint32_t steps = "
         "BitsOf(FloatOf(capped + (capped != 0 ? 1u : 0u)) + FloatOf(c)) - c;",
+        first=ROUNDING,
     ),
     Mutant(
         "scale rule: the abs-max not rounded to the scale dtype before the division",
         "  const float amax = RoundTo(scale_type, FloatOf(amax_bits));",
         "  const float amax = FloatOf(amax_bits);",
+        first="tests/test_block_scaling.py::test_every_dtype_with_groups",
     ),
     Mutant(
         "scale rule: the reciprocal of a zero scale not guarded",
         "(scale == 0.0f || !IsFinite(inverse)) ? 0.0f : inverse;",
         "inverse;",
+        first="tests/test_sum_of_squares.py::test_squares_at_the_flushing_boundary",
     ),
     Mutant(
         "power-of-two rule: q rounded down to a power of two, not up",
         "    exponent += (q & 0x007fffffu) != 0 ? 1u : 0u;",
         "    exponent += 0u;",
+        first=GROUP_SIZES,
     ),
     Mutant(
         "normalise: h * (r * gamma) instead of the spec's (h * r) * gamma",
         "  return (h * r) * gamma_plus_offset;",
         "  return h * (r * gamma_plus_offset);",
+        first=GROUP_SIZES,
     ),
     Mutant(
         "inverse rms: eps added before the mean",
         "  const float denom = (hidden > 0 ? sum_sq / float(hidden) : 0.0f) + eps;",
         "  const float denom = hidden > 0 ? (sum_sq + eps) / float(hidden) : eps;",
+        first=EXACT_SUM,
     ),
     Mutant(
         "backward's exact sum: a rounding tie rounded up instead of to even",
         "if (round_bit && (sticky || (significand & 1u) != 0)) {",
         "if (round_bit) {",
+        first=KERNEL_SUMS,
         backward=True,
     ),
     Mutant(
         "backward's exact sum: a level's top digit dropped when folded in",
         "int64_t((low >> 32) + (high & 0xffffffffu)), int64_t(high >> 32)};",
         "int64_t((low >> 32) + (high & 0xffffffffu)), 0};",
+        first=KERNEL_SUMS,
         backward=True,
     ),
     Mutant(
         "backward's exact sum: the bits below the rounding bit ignored",
         "      sticky = sticky || (digit & ((uint64_t{1} << -at) - 1)) != 0;",
         "",
+        first=KERNEL_SUMS,
         backward=True,
     ),
 ]
@@ -231,9 +251,12 @@ def check(module: CpuModule, original: str, mutant: Mutant) -> tuple[list[str], 
     module.write_header(original.replace(mutant.old, mutant.new))
     why = module.build_module()
     select = BACKWARD_SELECT if mutant.backward else SELECT
-    verdict, output, failed = (
-        ("error", f"build failed:\n{why}", []) if why else module.run_tests(mutant.tests(), select)
-    )
+    verdict, output, failed = "error", f"build failed:\n{why}", []
+    if not why:
+        for tests in mutant.runs():
+            verdict, output, failed = module.run_tests(tests, select)
+            if verdict != "passed":
+                break
     took = f"({time.monotonic() - start:.0f} s)"
     if verdict == "failed":
         return failed, f"caught   {mutant.name}\n         by: {' '.join(failed)} {took}"

@@ -392,12 +392,8 @@ class Builder:
         ]  # fmt: skip
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
-    def run(
-        self, quick: bool = False, scope: tuple[str, ...] = (), stop: bool = False
-    ) -> tuple[str, str]:
-        """('passed' | 'failed' | 'error', output). 'failed': the check ran and reported a
-        failure (its exit code 1, or a sanitizer's report). 'error': no verdict on the
-        code, because it did not build, hung or died some other way."""
+    def make(self) -> str | None:
+        """Brings the build up to date with the sources; None, or why it did not build."""
         built = subprocess.run(
             ["cmake", "--build", str(self.build), "-j", str(os.cpu_count() or 2)],
             capture_output=True,
@@ -405,11 +401,31 @@ class Builder:
             check=False,
         )
         if built.returncode != 0:
-            return "error", "build failed:\n" + built.stdout[-3000:] + built.stderr[-3000:]
+            return "build failed:\n" + built.stdout[-3000:] + built.stderr[-3000:]
+        return None
+
+    def run(
+        self,
+        quick: bool = False,
+        scope: tuple[str, ...] = (),
+        stop: bool = False,
+        shard: str = "",
+        make: bool = True,
+    ) -> tuple[str, str]:
+        """('passed' | 'failed' | 'error', output). 'failed': the check ran and reported a
+        failure (its exit code 1, or a sanitizer's report). 'error': no verdict on the
+        code, because it did not build, hung or died some other way. `shard` ("K/N"): the
+        K-th of N parts of the checks (kernel_check --shard); `make`: build first."""
+        why = self.make() if make else None
+        if why is not None:
+            return "error", why
         env = dict(os.environ, TSAN_OPTIONS="halt_on_error=1", ASAN_OPTIONS="detect_leaks=0")
         cmd = [str(self.build / "kernel_check"), "--name-cases"]
         cmd += (
-            (["--quick"] if quick else []) + (["--stop-at-failure"] if stop else []) + list(scope)
+            (["--quick"] if quick else [])
+            + (["--stop-at-failure"] if stop else [])
+            + (["--shard", shard] if shard else [])
+            + list(scope)
         )
         try:
             ran = subprocess.run(
@@ -465,18 +481,12 @@ class Worker:
                     shutil.copy2(path, copy)
                     os.utime(copy)
 
-    def baseline(self, plain: bool, tsan: bool) -> str | None:
-        """None when the unmutated copy passes the plain check (`plain`, every launch path)
-        and ThreadSanitizer's (`tsan`, the block-level paths), else why not."""
-        self.restore()
-        if plain:
-            verdict, output = self.plain.run()
-            if verdict != "passed":
-                return f"BASELINE FAILED: the unmutated kernels do not pass\n{output[-4000:]}"
-        if tsan and self.tsan is not None:
-            verdict, output = self.tsan.run(quick=True)
-            if verdict != "passed":
-                return f"BASELINE FAILED under ThreadSanitizer\n{output[-4000:]}"
+    def plain_baseline(self) -> str | None:
+        """None when the unmutated copy passes the plain check (every launch path, and each
+        reached), else why not."""
+        verdict, output = self.plain.run()
+        if verdict != "passed":
+            return f"BASELINE FAILED: the unmutated kernels do not pass\n{output[-4000:]}"
         return None
 
     def check(self, mutant: Mutant) -> tuple[bool | None, str]:
@@ -519,6 +529,44 @@ class Worker:
         return caught, report
 
 
+def baseline(workers: list[Worker]) -> str | None:
+    """None when the unmutated sources pass the plain check and, with --tsan,
+    ThreadSanitizer's over the block-level paths; else why not. The workers' copies are
+    the same: the first makes the plain check while the second builds for ThreadSanitizer,
+    then ThreadSanitizer's run is shared among them in shards (each emulated launch runs
+    on one core). Each worker's other build is made by its first mutant."""
+    tsan = next((w.tsan for w in workers[1:] + workers[:1] if w.tsan is not None), None)
+    with ThreadPoolExecutor(2) as pool:
+        for worker in workers:
+            worker.restore()
+        plain = pool.submit(workers[0].plain_baseline)
+        built = pool.submit(tsan.make) if tsan is not None else None
+        why = plain.result() or (built.result() if built is not None else None)
+        if why is not None or tsan is None:
+            return why
+    shards = len(workers)
+    with ThreadPoolExecutor(shards) as pool:
+        runs = list(
+            pool.map(
+                lambda k: tsan.run(quick=True, shard=f"{k}/{shards}", make=False), range(shards)
+            )
+        )
+    for verdict, output in runs:
+        if verdict != "passed":
+            return f"BASELINE FAILED under ThreadSanitizer\n{output[-4000:]}"
+    unseen = unseen_by_every_shard([output for _, output in runs])
+    if unseen:
+        return "BASELINE FAILED under ThreadSanitizer: no shard's cases\n" + "\n".join(unseen)
+    return None
+
+
+def unseen_by_every_shard(outputs: list[str]) -> list[str]:
+    """What every shard of kernel_check says its cases did not show (its "UNSEEN" lines):
+    a launch path none reached, an all-reduce property none tested."""
+    sets = [set(re.findall(r"^UNSEEN (.*)", output, re.M)) for output in outputs]
+    return sorted(set.intersection(*sets))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--build", default=str(ROOT / "build" / "simt-mutants"))
@@ -529,15 +577,10 @@ def main() -> int:
     build = Path(args.build)
     mutants = [m for m in MUTANTS if args.only in m.name]
     workers = [Worker(build / f"worker{i}", args.tsan) for i in range(max(1, args.workers))]
-    # The unmutated sources must pass both checks before any catch counts. The workers'
-    # copies and builds are the same, so the two checks are split between the first two
-    # workers; each worker's other build is made by its first mutant.
-    jobs = [(True, len(workers) == 1), (False, True)][: len(workers)]
-    with ThreadPoolExecutor(len(workers)) as pool:
-        verdicts = pool.map(lambda w, job: w.baseline(*job), workers, jobs)
-        failed = [why for why in verdicts if why is not None]
-    if failed:
-        print(failed[0])
+    # The unmutated sources must pass both checks before any catch counts.
+    why = baseline(workers)
+    if why is not None:
+        print(why)
         return 1
     print("baseline: the unmutated kernels pass" + (" (and under TSan)" if args.tsan else ""))
     survivors = not_run = 0
