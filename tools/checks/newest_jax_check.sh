@@ -6,8 +6,15 @@
 # and runs `pytest` with every deprecation warning an error, in the tests and in the
 # processes they start. Run by .ci/run as root; needs network for debootstrap and pip.
 # ROOT sets the root's folder (kept between runs: made once).
+#
+#   newest_jax_check.sh [--prepare]
+#     --prepare: only the root and a venv there with jax and the test requirements (network
+#     and unpacking, few cores: .ci/run makes them in the background while it builds); a
+#     later run without it reuses that venv if it holds the same jax and requirements.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+mode=run
+[ "${1:-}" = "--prepare" ] && mode=prepare
 src="$PWD"
 root="$(realpath -m "${ROOT:-build/trixie}")"
 jax_version="$(python - <<'EOF'
@@ -37,23 +44,30 @@ cp /etc/resolv.conf "$root/etc/resolv.conf"
 cp /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/ca-certificates.crt"
 
 # The mounts live in a private mount namespace: they end with it.
-unshare -m --propagation private bash -s "$root" "$src" "$jax_version" <<'OUTER'
+unshare -m --propagation private bash -s "$root" "$src" "$jax_version" "$mode" <<'OUTER'
 set -euo pipefail
-root=$1 src=$2 jax_version=$3
+root=$1 src=$2 jax_version=$3 mode=$4
 for dir in proc dev sys; do mount --bind "/$dir" "$root/$dir"; done
 mkdir -p "$root/src"
 mount --bind "$src" "$root/src"
 chroot "$root" env -i HOME=/root PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 \
-  JAX_VERSION="$jax_version" bash -s <<'INNER'
+  JAX_VERSION="$jax_version" MODE="$mode" bash -s <<'INNER'
 set -euo pipefail
 cd /src
 git config --global --add safe.directory /src
 start=$SECONDS
-rm -rf /venv
-python3 -m venv /venv
+# The venv is made again unless it holds this jax and these requirements.
+holds="jax $JAX_VERSION, requirements $(sha256sum tests/requirements.txt | cut -c1-16)"
+if [ "$(cat /venv/.holds 2>/dev/null)" != "$holds" ]; then
+  rm -rf /venv
+  python3 -m venv /venv
+  /venv/bin/python -m pip install -q --upgrade pip
+  /venv/bin/python -m pip install -q "jax==$JAX_VERSION" -r tests/requirements.txt
+  echo "$holds" > /venv/.holds
+  echo "== newest jax: venv with $holds made in $((SECONDS - start)) s"
+fi
+[ "$MODE" = prepare ] && exit 0
 . /venv/bin/activate
-python -m pip install -q --upgrade pip
-python -m pip install -q "jax==$JAX_VERSION" -r tests/requirements.txt
 FP8NORM_CUDA=OFF python -m pip install -q .
 echo "== newest jax: installed in $((SECONDS - start)) s"
 python -c "import sys, jax, jax_fp8norm; print('Python', sys.version.split()[0], '- jax', jax.__version__, '- jax_fp8norm', jax_fp8norm.__version__)"

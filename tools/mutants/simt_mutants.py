@@ -24,10 +24,14 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 from worker_pool import map_on_workers
+
+T = TypeVar("T")
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
@@ -529,35 +533,56 @@ class Worker:
         return caught, report
 
 
-def baseline(workers: list[Worker]) -> str | None:
-    """None when the unmutated sources pass the plain check and, with --tsan,
-    ThreadSanitizer's over the block-level paths; else why not. The workers' copies are
-    the same: the first makes the plain check while the second builds for ThreadSanitizer,
-    then ThreadSanitizer's run is shared among them in shards (each emulated launch runs
-    on one core). Each worker's other build is made by its first mutant."""
+def baseline(workers: list[Worker]) -> tuple[str | None, str]:
+    """(None when the unmutated sources pass the plain check and, with --tsan,
+    ThreadSanitizer's over the block-level paths, else why not; how long each part took).
+    The workers' copies are the same, so one plain build makes the plain check while one
+    ThreadSanitizer build is made, whose run is then cut in shards (each emulated launch runs
+    on one core): two per core, taken in turn by whichever core is free. Each worker's other
+    build is made by its first mutant."""
     tsan = next((w.tsan for w in workers[1:] + workers[:1] if w.tsan is not None), None)
-    with ThreadPoolExecutor(2) as pool:
-        for worker in workers:
-            worker.restore()
-        plain = pool.submit(workers[0].plain_baseline)
-        built = pool.submit(tsan.make) if tsan is not None else None
-        why = plain.result() or (built.result() if built is not None else None)
-        if why is not None or tsan is None:
-            return why
-    shards = len(workers)
-    with ThreadPoolExecutor(shards) as pool:
-        runs = list(
-            pool.map(
-                lambda k: tsan.run(quick=True, shard=f"{k}/{shards}", make=False), range(shards)
-            )
-        )
-    for verdict, output in runs:
-        if verdict != "passed":
-            return f"BASELINE FAILED under ThreadSanitizer\n{output[-4000:]}"
-    unseen = unseen_by_every_shard([output for _, output in runs])
+    took: dict[str, float] = {}
+
+    def timed(name: str, work: Callable[[], T]) -> T:
+        start = time.monotonic()
+        result = work()
+        took[name] = time.monotonic() - start
+        return result
+
+    def report() -> str:
+        return ", ".join(f"{name} {seconds:.0f} s" for name, seconds in took.items())
+
+    for worker in workers:
+        worker.restore()
+    shards = 2 * len(workers)
+    with ThreadPoolExecutor(len(workers)) as pool:
+        plain = pool.submit(timed, "plain build and run", workers[0].plain_baseline)
+        why = timed("TSan build", tsan.make) if tsan is not None else None
+        why = f"BASELINE FAILED: the ThreadSanitizer {why}" if why is not None else None
+        runs = []
+        if why is None and tsan is not None:
+            runs = [
+                pool.submit(
+                    timed,
+                    f"TSan shard {k}/{shards}",
+                    lambda k=k: tsan.run(quick=True, shard=f"{k}/{shards}", make=False),
+                )
+                for k in range(shards)
+            ]
+        why = plain.result() or why
+        if why is not None:
+            return why, report()
+        outputs = []
+        for run in runs:
+            verdict, output = run.result()
+            if verdict != "passed":
+                return f"BASELINE FAILED under ThreadSanitizer\n{output[-4000:]}", report()
+            outputs.append(output)
+    unseen = unseen_by_every_shard(outputs) if outputs else []
     if unseen:
-        return "BASELINE FAILED under ThreadSanitizer: no shard's cases\n" + "\n".join(unseen)
-    return None
+        why = "BASELINE FAILED under ThreadSanitizer: no shard's cases\n" + "\n".join(unseen)
+        return why, report()
+    return None, report()
 
 
 def unseen_by_every_shard(outputs: list[str]) -> list[str]:
@@ -578,11 +603,15 @@ def main() -> int:
     mutants = [m for m in MUTANTS if args.only in m.name]
     workers = [Worker(build / f"worker{i}", args.tsan) for i in range(max(1, args.workers))]
     # The unmutated sources must pass both checks before any catch counts.
-    why = baseline(workers)
+    why, took = baseline(workers)
     if why is not None:
         print(why)
         return 1
-    print("baseline: the unmutated kernels pass" + (" (and under TSan)" if args.tsan else ""))
+    print(
+        "baseline: the unmutated kernels pass"
+        + (" (and under TSan)" if args.tsan else "")
+        + f" ({took})"
+    )
     survivors = not_run = 0
     for caught, report in map_on_workers(workers, Worker.check, mutants):
         survivors += caught is False
