@@ -12,10 +12,11 @@ header's scalar functions (tools/checks/cpu_check.sh holds the AVX2 variant's ve
 those functions on every float32 input). Each mutant runs first, alone, the test that shows
 its kind of error, and every listed test only should that one pass. A mutant counts as
 caught only when tests ran and one failed that passes on the unmutated header: after the
-mutants, the unmutated build runs every test that caught one (the baseline). A mutant that does not build, a run that collects
-no test or stops on an error outside a test, or one that hangs, fails the check. Exits
-non-zero unless the baseline passes and every mutant is caught. The mutants are shared
-among N workers (one per core, at most 2), each with its own build.
+mutants, the unmutated build runs every test that caught one (the baseline). A mutant
+that does not build, a run that collects no test or stops on an error outside a test, or
+one that hangs, fails the check. Exits non-zero unless the baseline passes and every
+mutant is caught. The mutants are shared among N workers (one per core, at most 2), each
+with its own build.
 """
 
 from __future__ import annotations
