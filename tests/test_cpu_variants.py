@@ -150,6 +150,7 @@ def _run(tmp_path, name: str, isa: str, tier: str) -> dict:
     )
 
 
+@pytest.mark.long_running
 @pytest.mark.parametrize("tier", TIERS)
 def test_variants_give_the_same_bits(tmp_path, tier):
     default = _run(tmp_path, "default", "", tier)
@@ -181,6 +182,7 @@ def test_avx2_variant_matches_reference_on_ties():
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.long_running
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 def test_timing_driver_variants_agree(tmp_path):
     # The driver links the kernel's own source: it must build, and its output hash must

@@ -12,6 +12,7 @@ from jax_fp8norm.examples import llama_tp_block
 from jax_fp8norm.recipes import RECIPES
 
 
+@pytest.mark.long_running
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="bit for bit on the CPU backend")
 def test_main_job_checks_every_layout(capsys):
     assert main_job.main(["--shape", "4x256", "--iters", "1"]) == 0

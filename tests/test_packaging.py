@@ -20,6 +20,7 @@ def _run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.long_running
 def test_imports_from_the_source_tree_root():
     # `python -c` from the root puts the root first on sys.path, as `python -m` does: the
     # source package is the one imported, and it must find the installed compiled modules.

@@ -421,6 +421,7 @@ DETERMINISM_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.long_running
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's per-thread CPU clocks")
 def test_same_bits_for_every_cpu_thread_count(tmp_path):
     """The CPU kernel on 1 thread, 2, and every core (FP8NORM_CPU_THREADS): bit-for-bit the

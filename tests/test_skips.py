@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from helpers import EXPECTED_SKIPS, unexpected_skips
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -38,6 +39,7 @@ def _session(tmp_path, reason: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.long_running
 def test_an_unexpected_skip_fails_the_run(tmp_path):
     expected = _session(tmp_path, "no GPU backend available to jax")
     assert expected.returncode == 0, expected.stdout + expected.stderr

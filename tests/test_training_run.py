@@ -24,6 +24,7 @@ def _check(results, recipes, config):
     assert table.count("| yes |") == len(recipes)
 
 
+@pytest.mark.long_running
 def test_the_run_learns_and_meets_its_margins(tmp_path):
     config = train.Config(steps=30, batch=8, seq=32, warmup=10)
     recipes = ["nvfp4"]
