@@ -185,7 +185,10 @@ def backward_sum(terms) -> np.float32:
         return np.float32(np.nan)
     if plus or minus:
         return np.float32(np.inf if plus else -np.inf)
-    total = sum((Fraction(float(t)) for t in terms if abs(t) >= 2.0**-126), Fraction(0))
+    # Every float32 is an integer multiple of 2^-149: the terms on that grid, as integers
+    # (exact in float64, whose exponent reaches 2^277), summed exactly.
+    kept = terms[np.abs(terms) >= np.float32(2.0**-126)].astype(np.float64)
+    total = Fraction(sum(int(v) for v in np.ldexp(kept, 149).tolist()), 2**149)
     if total == 0:
         return np.float32(0)
     magnitude = abs(total)

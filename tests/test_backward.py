@@ -5,9 +5,6 @@ float32 formula, and bad input."""
 
 from __future__ import annotations
 
-import os
-import sys
-import textwrap
 import warnings
 
 import exact
@@ -17,7 +14,6 @@ import numpy as np
 import pytest
 from helpers import (
     check_against_reference,
-    outputs_of_script,
     random_gamma,
     random_rows,
     recipe,
@@ -128,7 +124,7 @@ def test_backward_against_the_oracle(add):
     cancel (dn chosen so that a_j * u_j and dn_j * u_j come in near-opposite pairs)."""
     rows, n = 12, 64
     rng = np.random.default_rng(1)
-    x = random_rows(2, (rows, n), "float32", spread=20)
+    x = random_rows(2, (rows, n), "float32", spread=12)  # squares within float32
     x[3] = 0.0  # a zero row: u = 0, dx = r * a
     x[5, :8] = 1e-39  # float32 subnormals in, flushed
     gamma = random_gamma(3, n, "float32")
@@ -139,6 +135,7 @@ def test_backward_against_the_oracle(add):
     )
     dn = np.nan_to_num(dn, posinf=1.0, neginf=-1.0).astype(np.float32)
     _, _, r = fp8norm.rms_norm_fp8_training(x, gamma)
+    assert np.all(np.isfinite(np.asarray(r)))  # finite arithmetic: no NaN row to hide in
     if add:
         residual = np.zeros_like(x)
         d_residual_out = random_rows(4, (rows, n), "float32")
@@ -156,8 +153,12 @@ def test_backward_against_the_oracle(add):
     else:
         want = (dx, dgamma)
     for g, t, w in zip(got, twin, want, strict=True):
+        assert np.all(np.isfinite(w))
         same_bits(g, w)
         same_bits(t, w)
+    # The cancelling columns: dgamma in float32 in row order misses the exact sums.
+    terms = exact.flushed(exact.flushed(dn) * exact.flushed(exact.flushed(x) * np.asarray(r)))
+    assert np.sum(np.cumsum(terms, axis=0, dtype=np.float32)[-1] != want[-1]) > n // 4
 
 
 SHAPES = [(2, 3, 33), (1, 1), (17, 1000), (0, 8), (3, 0)]
@@ -221,74 +222,6 @@ def test_training_forms_save_r_and_keep_the_ops_bits(platform, name, shape):
         platform, "add_rms_norm_fp8_training", x, residual, gamma, **kw
     )
     assert out[-1].shape == shape[:-1] + (1,) and out[-1].dtype == np.float32
-
-
-def test_backward_is_the_same_in_every_batch():
-    """The same rows in calls of 1, 255, 256 and 4096 rows give the same dx bits; dgamma over
-    the same rows in another order (and split into two calls' halves, merged exactly by the
-    caller's own exact sum) gives the same bits, where a float32 sum in a fixed order of the
-    same terms does not."""
-    n = 96
-    rows = cancelling_terms(30, 4096, n)  # rows whose terms cancel: order shows
-    x = rows.astype(jnp.bfloat16)
-    gamma = random_gamma(31, n, jnp.float32)
-    dn = cancelling_terms(32, 4096, n)
-    backward = jax.jit(fp8norm.rms_norm_backward)
-    _, _, r = fp8norm.rms_norm_fp8_training(x, gamma)
-    full_dx, full_dgamma = backward(dn, x, gamma, r)
-    for size in (1, 255, 256):
-        start = 4096 - size - 7
-        dx, _ = backward(
-            dn[start : start + size], x[start : start + size], gamma, r[start : start + size]
-        )
-        same_bits(dx, np.asarray(full_dx)[start : start + size])
-    order = np.random.default_rng(33).permutation(4096)
-    dx, dgamma = backward(dn[order], x[order], gamma, r[order])
-    same_bits(dx, np.asarray(full_dx)[order])
-    same_bits(dgamma, full_dgamma)
-    # The terms of dgamma in two row orders, summed in float32 one row after the other.
-    u = exact.flushed(np.asarray(x, np.float32) * np.asarray(r))
-    terms = exact.flushed(exact.flushed(dn) * u)
-    in_order = np.add.reduce(terms, axis=0, dtype=np.float32)
-    reordered = np.cumsum(terms[order], axis=0, dtype=np.float32)[-1]
-    assert np.any(in_order != reordered)
-
-
-THREADS_SCRIPT = textwrap.dedent(
-    """
-    import sys
-    import jax
-    import numpy as np
-    from helpers import random_gamma, random_rows
-    import jax_fp8norm as fp8norm
-
-    jax.config.update("jax_platforms", "cpu")
-    outs = {}
-    for rows, n in ((4096, 512), (5, 70001)):
-        x = random_rows(n, (rows, n), "bfloat16")
-        residual = random_rows(n + 1, (rows, n), "bfloat16")
-        dn = random_rows(n + 2, (rows, n), "float32")
-        gamma = random_gamma(n, n, "float32")
-        *_, r = fp8norm.add_rms_norm_fp8_training(x, residual, gamma)
-        outs_here = fp8norm.add_rms_norm_backward(dn, dn.astype("bfloat16"), x, residual, gamma, r)
-        for name, v in zip(("dx", "dresidual", "dgamma"), outs_here):
-            outs[f"{n}-{name}"] = np.asarray(v).view(np.uint8)
-    np.savez(sys.argv[1], **outs)
-    """
-)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="FP8NORM_CPU_THREADS")
-def test_backward_is_the_same_for_every_thread_count(tmp_path):
-    counts = sorted({1, 2, os.cpu_count() or 1})
-    results = [
-        outputs_of_script(THREADS_SCRIPT, tmp_path / f"t{c}.npz", FP8NORM_CPU_THREADS=str(c))
-        for c in counts
-    ]
-    for result in results[1:]:
-        assert result.keys() == results[0].keys()
-        for key in result:
-            np.testing.assert_array_equal(result[key], results[0][key], key)
 
 
 @pytest.mark.parametrize("add", [False, True], ids=["rms", "add"])

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <new>
 #include <string_view>
@@ -35,6 +36,22 @@ constexpr int64_t kColumnBlock = 256;
 // At most this many bytes of dgamma accumulators per call (one set per task): the number
 // of tasks gives way first.
 constexpr int64_t kMaxAccumulatorBytes = int64_t{64} << 20;
+
+// FP8NORM_CPU_BACKWARD_TASK_ROWS=k forces k rows per task (still bounded by the
+// accumulators' memory) in place of the split the shape picks, so that a test can show that
+// dgamma's bits depend on neither the split nor the thread count: the split is otherwise a
+// function of the shape alone, the same for every thread count. 0: unset or not a positive
+// integer. Read once.
+int64_t ForcedRowsPerTask() {
+  static const int64_t forced = [] {
+    const char* text = std::getenv("FP8NORM_CPU_BACKWARD_TASK_ROWS");
+    if (text == nullptr) return int64_t{0};
+    char* end = nullptr;
+    const long long value = std::strtoll(text, &end, 10);
+    return (end != text && *end == '\0' && value > 0) ? static_cast<int64_t>(value) : int64_t{0};
+  }();
+  return forced;
+}
 
 template <typename T>
 float LoadAt(const void* p, int64_t i) {
@@ -124,6 +141,7 @@ bool RmsNormBackwardCpu(const RmsNormBackwardArgs& a, const ParallelFor& paralle
   // at most about a third of what its rows read and write.
   int64_t rows_per_task = std::max<int64_t>(
       2 * kFusedRows, std::max(a.rows * n / kTasksPerCall, kMinElementsPerTask) / n);
+  if (const int64_t forced = ForcedRowsPerTask(); forced > 0) rows_per_task = forced;
   const int64_t max_tasks = std::max<int64_t>(1, kMaxAccumulatorBytes / accumulator_bytes);
   rows_per_task = std::max(rows_per_task, (a.rows + max_tasks - 1) / max_tasks);
   const int64_t row_tasks = (a.rows + rows_per_task - 1) / rows_per_task;
