@@ -108,8 +108,23 @@ SCRIPT = textwrap.dedent(
             *_, r = fp8norm.add_rms_norm_fp8_training(x, residual, gamma)
             outs_bwd = fp8norm.add_rms_norm_backward(dn, dn.astype(dtype), x, residual, gamma, r)
             outs_bwd += fp8norm.rms_norm_backward(dn.astype(dtype), x, gamma, r, weight_offset=1.0)
+            # dgamma again over the finite rows alone (the NaN, Inf and overflowing rows
+            # make every column NaN above).
+            finite = np.isfinite(np.asarray(r)[:, 0]) & np.isfinite(x.astype("float32")).all(-1)
+            assert finite.sum() >= 8
+            outs_bwd += fp8norm.rms_norm_backward(dn[finite], x[finite], gamma, r[finite])
+            assert np.all(np.isfinite(outs_bwd[-1])), "dgamma of the finite rows"
             for k, v in enumerate(outs_bwd):
                 outs[f"backward-{hidden}-{dtype}-{k}"] = np.asarray(v).view(np.uint8)
+    # The backward over many tasks (25 of 170 rows), on finite rows whose sums cancel
+    # (tests/test_backward_invariance.py): dgamma's accumulators merged across tasks.
+    from test_backward_invariance import cancelling_batch
+    x, dn, gamma = cancelling_batch(60, 4096, 96)
+    *_, r = fp8norm.rms_norm_fp8_training(x, gamma)
+    outs_bwd = fp8norm.rms_norm_backward(dn, x, gamma, r, weight_offset=0.5)
+    assert all(np.all(np.isfinite(np.asarray(v, np.float32))) for v in outs_bwd)
+    for k, v in enumerate(outs_bwd):
+        outs[f"backward-4096-{k}"] = np.asarray(v).view(np.uint8)
     # The columnwise outputs: codes with a multiplier per column on the AVX2 lanes, a first
     # block of rows that are not finite and blocks that are.
     for hidden in (384, 4096):
