@@ -362,7 +362,10 @@ def outputs_of_script(script: str, path, **env: str) -> dict[str, np.ndarray]:
     removes the variable) and returns the arrays the script saved to ``path`` with
     ``np.savez``. It runs from tests/, with helpers importable."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    full_env = dict(os.environ, PYTHONPATH=tests_dir)
+    # tests/ ahead of what the caller's path already holds (the mutation checks put their
+    # build of the kernels there).
+    path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH", "")) if p)
+    full_env = dict(os.environ, PYTHONPATH=path)
     for name, value in env.items():
         if value:
             full_env[name] = value

@@ -370,3 +370,53 @@ def test_products_that_round_to_the_smallest_normal_are_zero(platform):
     for g, w in zip(got, exact.backward_rows(dn, x, gamma, r), strict=True):
         same_bits(g, w)
     assert np.all(got[0] == 0)
+
+
+@BACKWARD_PLATFORMS
+@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16", "float16"])
+def test_weight_offset_is_rounded_through_x_dtype(platform, x_dtype):
+    """weight_offset = 0.1, which no 16-bit float holds: the kernels compute with
+    f32(T(0.1)), T being x's dtype (the forward's rounding), and give the oracle's bits;
+    the oracle with the offset unrounded gives other bits (checked), so a kernel that
+    rounds it otherwise fails."""
+    rows, n = 16, 80
+    x = random_rows(70, (rows, n), x_dtype, spread=1)
+    gamma = random_gamma(71, n, "float32")
+    dn = random_rows(72, (rows, n), "float32", spread=3)
+    *_, r = run_on(platform, fp8norm.rms_norm_fp8_training, x, gamma, weight_offset=0.1)
+    dx, dgamma = run_on(platform, fp8norm.rms_norm_backward, dn, x, gamma, r, weight_offset=0.1)
+    assert np.all(np.isfinite(r)) and np.all(np.isfinite(dx.astype(np.float32)))
+    rounded = float(np.asarray(0.1, x_dtype).astype(np.float32))
+    want_dx, want_dgamma = exact.backward_rows(dn, x.astype(np.float32), gamma, r, rounded)
+    same_bits(dx, want_dx.astype(x_dtype))
+    same_bits(dgamma, want_dgamma)
+    if x_dtype != "float32":
+        unrounded_dx, _ = exact.backward_rows(dn, x.astype(np.float32), gamma, r, 0.1)
+        assert np.any(unrounded_dx.astype(x_dtype).view(np.uint16) != dx.view(np.uint16))
+
+
+@BACKWARD_PLATFORMS
+@pytest.mark.parametrize("x_dtype, nan_bits", [("bfloat16", 0x7FC0), ("float16", 0x7E00)])
+def test_16_bit_gradients_write_the_one_quiet_nan(platform, x_dtype, nan_bits):
+    """A NaN in x (and so r) or in dn, and a NaN in a 16-bit d_residual_out: every NaN of
+    dx and dresidual is the format's one quiet NaN, whatever the NaN's sign or payload in."""
+    rows, n = 6, 40
+    x = random_rows(80, (rows, n), x_dtype)
+    residual = random_rows(81, (rows, n), x_dtype)
+    gamma = random_gamma(82, n, "float32")
+    dn = random_rows(83, (rows, n), "float32")
+    x[1, 3] = -np.nan
+    dn[3, 7] = np.float32(np.uint32(0xFFC00123).view(np.float32))  # a negative NaN, payload
+    d_residual_out = random_rows(84, (rows, n), x_dtype)
+    d_residual_out[4, 0] = np.nan
+    *_, r = run_on(platform, fp8norm.add_rms_norm_fp8_training, x, residual, gamma)
+    dx, dresidual, _ = run_on(
+        platform, fp8norm.add_rms_norm_backward, dn, d_residual_out, x, residual, gamma, r
+    )
+    plain_dx, _ = run_on(platform, fp8norm.rms_norm_backward, dn, x, gamma, r)
+    for got in (dx, dresidual, plain_dx):
+        bits = got.view(np.uint16)
+        nan = np.isnan(got.astype(np.float32))
+        assert nan[1].all() and nan[3].all() and np.all(bits[nan] == nan_bits), hex(bits[nan][0])
+        assert np.isfinite(got[[0, 2, 5]].astype(np.float32)).all()
+    assert np.isnan(dx[4, 0].astype(np.float32)) and np.isnan(dresidual[4, 0].astype(np.float32))

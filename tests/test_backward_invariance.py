@@ -184,7 +184,7 @@ SPLITS = ("", "64", "7")
 
 @pytest.mark.long_running
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="FP8NORM_CPU_THREADS")
-def test_dgamma_is_the_same_for_every_split_and_thread_count(tmp_path):
+def test_cpu_dgamma_is_the_same_for_every_split_and_thread_count(tmp_path):
     """The CPU backward on 1 and 2 threads and with the rows split into 25, 64 and 586
     tasks: the same bits, dgamma the oracle's, where merging the 64 tasks' exactly summed
     partials in float32 instead would change dgamma (checked here), so an inexact merge

@@ -1,11 +1,12 @@
-"""The mutation check of the shared arithmetic (src/common/fp8norm_math.h): plants known
-bugs, one at a time, into a copy of the header, rebuilds the CPU kernels' module from that
+"""The mutation check of the shared arithmetic (src/common/fp8norm_math.h) and of the CPU
+backward (src/cpu/cpu_backward.cc, cpu_backward_rows.inc, cpu_exact_sums.h): plants known
+bugs, one at a time, into a copy of the file, rebuilds the CPU kernels' module from that
 copy and shows that the default tier's cpu tests fail on each. The header is also what the
 CUDA kernels and their emulation compute with, so only these tests, which hold the kernels
 to the reference and to the exact oracle, can show such a bug; the SIMT mutants
 (tools/mutants/simt_mutants.py) cover the kernels' own code.
 
-    python tools/mutants/math_mutants.py [--build DIR] [--workers N]
+    python tools/mutants/math_mutants.py [--build DIR] [--workers N] [--only TEXT]
 
 The tests run with FP8NORM_CPU_ISA=baseline, the CPU variant that computes with the
 header's scalar functions (tools/checks/cpu_check.sh holds the AVX2 variant's vector arithmetic to
@@ -45,13 +46,19 @@ TESTS = ["tests/test_sum_of_squares.py", "tests/test_rounding.py", "tests/test_b
 SELECT = "cpu and not virtual"
 # The backward's arithmetic (ExactSum, the flushing rule) reaches only the backward: its
 # mutants run the backward's exact-sum and twin checks alone.
-BACKWARD_TESTS = ["tests/test_backward.py"]
-BACKWARD_SELECT = "cpu and (kernel_sums or twins_bits or oracle or smallest_normal)"
+BACKWARD_TESTS = ["tests/test_backward.py", "tests/test_backward_invariance.py"]
+BACKWARD_SELECT = (
+    "cpu and (kernel_sums or twins_bits or oracle or smallest_normal or weight_offset"
+    " or exact_sum_over or every_batch or every_split)"
+)
 # The tests that show each kind of mutant (Mutant.first).
 ROUNDING = "tests/test_rounding.py::test_boundaries_and_ties_match_ml_dtypes"
 EXACT_SUM = "tests/test_sum_of_squares.py::test_constant_rows_match_the_exact_sum"
 GROUP_SIZES = "tests/test_block_scaling.py::test_group_sizes"
 KERNEL_SUMS = "tests/test_backward.py::test_kernel_sums_are_exact"
+MANY_TASKS = "tests/test_backward_invariance.py::test_dgamma_is_the_exact_sum_over_many_row_groups"
+WEIGHT_OFFSET = "tests/test_backward.py::test_weight_offset_is_rounded_through_x_dtype"
+BACKWARD_CC = "src/cpu/cpu_backward.cc"
 TIMEOUT_S = 900
 # Each mutant rebuilds the CPU kernels and then runs small inputs: -O1 compiles them in a
 # third of -O3's time, and under the CMakeLists' float rules (no contraction, no
@@ -68,6 +75,7 @@ class Mutant:
     # so that most mutants cost one short run. Should it pass, the whole list runs.
     first: str
     backward: bool = False  # the backward's arithmetic: BACKWARD_TESTS, not TESTS
+    file: str = str(HEADER)  # relative to the root
 
     def runs(self) -> list[list[str]]:
         """The pytest runs, in order, until one does not pass."""
@@ -163,6 +171,57 @@ MUTANTS = [
         first=KERNEL_SUMS,
         backward=True,
     ),
+    Mutant(
+        "CPU backward: the tasks' dgamma partials merged in float32",
+        "      a.dgamma[j] = Round(total);",
+        "      float merged = Round(partials[j]);\n"
+        "      for (int64_t task = 1; task < row_tasks; ++task)\n"
+        "        merged += Round(partials[task * n + j]);\n"
+        "      a.dgamma[j] = merged;",
+        first=MANY_TASKS,
+        backward=True,
+        file=BACKWARD_CC,
+    ),
+    Mutant(
+        "CPU backward: dgamma leaves the last task out",
+        "task < row_tasks; ++task) Merge(",
+        "task < row_tasks - 1; ++task) Merge(",
+        first=MANY_TASKS,
+        backward=True,
+        file=BACKWARD_CC,
+    ),
+    Mutant(
+        "CPU backward: dgamma sums the first task twice",
+        "for (int64_t task = 1; task < row_tasks; ++task) Merge(",
+        "for (int64_t task = 0; task < row_tasks; ++task) Merge(",
+        first=MANY_TASKS,
+        backward=True,
+        file=BACKWARD_CC,
+    ),
+    Mutant(
+        "CPU backward: weight_offset rounded again, through bfloat16",
+        "GammaPlusOffset(FlushTiny(LoadAt<T>(gamma, j)), weight_offset)",
+        "GammaPlusOffset(FlushTiny(LoadAt<T>(gamma, j)), ToFloat(FromFloat<BF16>(weight_offset)))",
+        first=WEIGHT_OFFSET,
+        backward=True,
+        file=BACKWARD_CC,
+    ),
+    Mutant(
+        "CPU backward: a row's first term dropped from c",
+        "      AddTerms(c, terms, n);",
+        "      AddTerms(c, terms + 1, n - 1);",
+        first=KERNEL_SUMS,
+        backward=True,
+        file="src/cpu/cpu_backward_rows.inc",
+    ),
+    Mutant(
+        "CPU backward: dgamma's column sums keep only the top level of each block",
+        "      AddScaled(acc[j], levels[level], LevelOffset(top, level));",
+        "      if (level == 0) AddScaled(acc[j], levels[level], LevelOffset(top, level));",
+        first=MANY_TASKS,
+        backward=True,
+        file="src/cpu/cpu_exact_sums.h",
+    ),
 ]
 
 
@@ -196,8 +255,8 @@ class CpuModule:
         shutil.rmtree(self.package, ignore_errors=True)
         shutil.copytree(installed_kernels(), self.package / "jax_fp8norm_kernels")
 
-    def write_header(self, text: str) -> None:
-        path = self.tree / HEADER
+    def write_source(self, file: str, text: str) -> None:
+        path = self.tree / file
         path.write_text(text)
         os.utime(path)  # a fresh timestamp: the build must see every swap of the file
 
@@ -240,16 +299,24 @@ class CpuModule:
         return "error", f"pytest exit code {ran.returncode}\n{tail}", []
 
 
-def check(module: CpuModule, original: str, mutant: Mutant) -> tuple[list[str], str]:
+def check(module: CpuModule, mutant: Mutant) -> tuple[list[str], str]:
     """(the ids of the tests that caught the mutant, none if none did; the report's lines)
-    for one mutant, built and tested in `module`."""
+    for one mutant, built and tested in `module`, whose copy of the file is then restored."""
+    original = (ROOT / mutant.file).read_text()
+    try:
+        return _check(module, original, mutant)
+    finally:
+        module.write_source(mutant.file, original)
+
+
+def _check(module: CpuModule, original: str, mutant: Mutant) -> tuple[list[str], str]:
     start = time.monotonic()
     if original.count(mutant.old) != 1:
         return [], (
             f"SETUP ERROR {mutant.name}: the text to mutate occurs "
             f"{original.count(mutant.old)} times"
         )
-    module.write_header(original.replace(mutant.old, mutant.new))
+    module.write_source(mutant.file, original.replace(mutant.old, mutant.new))
     why = module.build_module()
     select = BACKWARD_SELECT if mutant.backward else SELECT
     verdict, output, failed = "error", f"build failed:\n{why}", []
@@ -269,18 +336,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--build", default=str(ROOT / "build" / "math-mutants"))
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--only", default="", help="run the mutants whose name has this text")
     args = parser.parse_args()
-    original = (ROOT / HEADER).read_text()
+    mutants = [m for m in MUTANTS if args.only in m.name]
     modules = [CpuModule(Path(args.build) / f"worker{i}") for i in range(max(1, args.workers))]
 
-    results = map_on_workers(modules, lambda module, mutant: check(module, original, mutant),
-                             MUTANTS)  # fmt: skip
+    results = map_on_workers(modules, check, mutants)
     # The baseline: every test that caught a mutant passes on the unmutated header, or its
     # catch proves nothing.
     start = time.monotonic()
     catchers = sorted({test for failed, _ in results for test in failed})
     if catchers:
-        modules[0].write_header(original)
         why = modules[0].build_module()
         verdict, output, _ = ("error", why, []) if why else modules[0].run_tests(catchers, "cpu")
         if verdict != "passed":
@@ -292,7 +358,8 @@ def main() -> int:
     for failed, report in results:
         failures += not failed
         print(report)
-    print(f"{len(MUTANTS)} mutants of {HEADER}, {failures} not caught")
+    files = ", ".join(sorted({Path(m.file).name for m in mutants}))
+    print(f"{len(mutants)} mutants of {files}, {failures} not caught")
     return 1 if failures else 0
 
 
