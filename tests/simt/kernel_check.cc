@@ -431,95 +431,125 @@ int CheckRound() {
 }
 
 // The backward's two kernels against the CPU kernel: every input type, dn type and the
-// residual, hidden sizes around the block's 256 threads and the 32 columns of a dgamma
-// block, rows that cancel, zeros, Inf, NaN and r of 0, NaN and Inf.
+// residual (16-bit beside a float32 x too, as the all-reduce layer's float32 sum gives it),
+// hidden sizes around the block's 256 threads and the 32 columns of a dgamma block. One
+// case in three holds zeros, Inf, NaN and r of 0, NaN and Inf; the others are finite rows
+// that cancel, whose dgamma must come out finite, so that they compare numbers rather than
+// NaN with NaN. The full run adds rows past the rows' grid of 65535 blocks.
 int CheckBackward(bool quick) {
   int failures = 0;
   const std::vector<int64_t> hiddens =
       quick ? std::vector<int64_t>{7, 300} : std::vector<int64_t>{1, 7, 33, 300, 1000};
+  struct Case {
+    int64_t rows, hidden;
+    FloatType input;
+    bool residual;
+  };
+  std::vector<Case> cases;
   int k = 0;
   for (const int64_t hidden : hiddens) {
     for (const FloatType input : {FloatType::kBF16, FloatType::kF32, FloatType::kF16}) {
       for (const bool residual : {false, true}) {
         ++k;
-        const int64_t rows = quick ? 3 : 1 + k % 9;
-        const FloatType dn_type = k % 2 == 0 ? FloatType::kF32 : input;
-        const size_t elements = static_cast<size_t>(rows * hidden);
-        const size_t in_bytes = FloatTypeBytes(input);
-        Rng rng{static_cast<uint64_t>(k) * 7919 + 17};
-        ExactBuffer x(elements * in_bytes), res(residual ? elements * in_bytes : 0);
-        ExactBuffer dn(elements * FloatTypeBytes(dn_type)),
-            dres(residual ? elements * in_bytes : 0);
-        ExactBuffer gamma(static_cast<size_t>(hidden) * sizeof(float));
-        ExactBuffer r(static_cast<size_t>(rows) * sizeof(float));
-        Fill(x, input, rows, hidden, rng, true, 2.0f);
-        if (residual) Fill(res, input, rows, hidden, rng, false, 1.0f);
-        Fill(dn, dn_type, rows, hidden, rng, k % 3 == 0, 20.0f);
-        if (residual) Fill(dres, input, rows, hidden, rng, false, 1.0f);
-        Fill(gamma, FloatType::kF32, 1, hidden, rng, false, 0.5f);
-        for (int64_t i = 0; i < rows; ++i) {
-          const float v =
-              i == 2 ? 0.0f : (i == 4 ? NAN : (i == 6 ? INFINITY : rng.Uniform() + 0.1f));
-          StoreAs(FloatType::kF32, r.data, i, v);
-        }
-        ExactBuffer dx(elements * in_bytes), dx_cpu(elements * in_bytes);
-        ExactBuffer dresidual(residual ? elements * in_bytes : 0), dresidual_cpu(dresidual.bytes);
-        ExactBuffer dgamma(static_cast<size_t>(hidden) * sizeof(float)), dgamma_cpu(dgamma.bytes);
-        RmsNormBackwardArgs a{dn.data,
-                              x.data,
-                              residual ? res.data : nullptr,
-                              residual ? dres.data : nullptr,
-                              gamma.data,
-                              reinterpret_cast<const float*>(r.data),
-                              dx.data,
-                              residual ? dresidual.data : nullptr,
-                              reinterpret_cast<float*>(dgamma.data),
-                              rows,
-                              hidden,
-                              dn_type,
-                              input,
-                              input,
-                              FloatType::kF32,
-                              k % 4 == 0 ? 1.0f : 0.0f};
-        const std::string name = "backward " + std::to_string(rows) + "x" + std::to_string(hidden) +
-                                 " " + TypeName(input) + (residual ? " add" : "");
-        if (name_cases) std::fprintf(stderr, "case %s\n", name.c_str());
-        cudaError_t status;
-        {
-          simt::ScopedBuffers buffers;
-          buffers.Add("dn", dn.data, dn.bytes);
-          buffers.Add("x", x.data, x.bytes);
-          buffers.Add("gamma", gamma.data, gamma.bytes);
-          buffers.Add("inverse_rms", r.data, r.bytes);
-          buffers.Add("dx", dx.data, dx.bytes);
-          buffers.Add("dgamma", dgamma.data, dgamma.bytes);
-          if (residual) {
-            buffers.Add("residual", res.data, res.bytes);
-            buffers.Add("d_residual_out", dres.data, dres.bytes);
-            buffers.Add("dresidual", dresidual.data, dresidual.bytes);
-          }
-          status = LaunchRmsNormBackward(nullptr, a);
-        }
-        a.dx = dx_cpu.data;
-        a.dresidual = residual ? dresidual_cpu.data : nullptr;
-        a.dgamma = reinterpret_cast<float*>(dgamma_cpu.data);
-        const ParallelFor serial = [](int64_t n, const std::function<void(int64_t)>& task) {
-          for (int64_t i = 0; i < n; ++i) task(i);
-        };
-        RmsNormBackwardCpu(a, serial);
-        if (status != cudaSuccess) {
-          std::printf("FAIL %s: %s\n", name.c_str(), cudaGetErrorString(status));
-          ++failures;
-          continue;
-        }
-        bool ok =
-            SameBytes(dx, dx_cpu, "dx", name) && SameBytes(dgamma, dgamma_cpu, "dgamma", name);
-        if (residual) ok = ok && SameBytes(dresidual, dresidual_cpu, "dresidual", name);
-        if (!ok) {
-          ++failures;
-          if (stop_at_failure) return failures;
+        cases.push_back({quick ? 3 : 1 + k % 9, hidden, input, residual});
+      }
+    }
+  }
+  if (!quick) cases.push_back({65535 + 6, 3, FloatType::kF32, false});
+  k = 0;
+  for (const Case& c : cases) {
+    ++k;
+    const int64_t rows = c.rows, hidden = c.hidden;
+    const FloatType input = c.input;
+    const bool residual = c.residual;
+    const bool specials = k % 3 == 0;
+    const FloatType dn_type = k % 2 == 0 ? FloatType::kF32 : input;
+    const FloatType residual_type =
+        input == FloatType::kF32 && k % 4 == 1 ? FloatType::kBF16 : input;
+    const size_t elements = static_cast<size_t>(rows * hidden);
+    const size_t in_bytes = FloatTypeBytes(input), res_bytes = FloatTypeBytes(residual_type);
+    Rng rng{static_cast<uint64_t>(k) * 7919 + 17};
+    ExactBuffer x(elements * in_bytes), res(residual ? elements * res_bytes : 0);
+    ExactBuffer dn(elements * FloatTypeBytes(dn_type)), dres(residual ? elements * res_bytes : 0);
+    ExactBuffer gamma(static_cast<size_t>(hidden) * sizeof(float));
+    ExactBuffer r(static_cast<size_t>(rows) * sizeof(float));
+    Fill(x, input, rows, hidden, rng, specials, 2.0f);
+    if (residual) Fill(res, residual_type, rows, hidden, rng, false, 1.0f);
+    Fill(dn, dn_type, rows, hidden, rng, specials, dn_type == FloatType::kF16 ? 4.0f : 20.0f);
+    if (residual) Fill(dres, residual_type, rows, hidden, rng, false, 1.0f);
+    Fill(gamma, FloatType::kF32, 1, hidden, rng, false, 0.5f);
+    for (int64_t i = 0; i < rows; ++i) {
+      float v = rng.Uniform() + 0.1f;
+      if (specials) v = i == 2 ? 0.0f : (i == 4 ? NAN : (i == 6 ? INFINITY : v));
+      StoreAs(FloatType::kF32, r.data, i, v);
+    }
+    ExactBuffer dx(elements * in_bytes), dx_cpu(elements * in_bytes);
+    ExactBuffer dresidual(residual ? elements * res_bytes : 0), dresidual_cpu(dresidual.bytes);
+    ExactBuffer dgamma(static_cast<size_t>(hidden) * sizeof(float)), dgamma_cpu(dgamma.bytes);
+    RmsNormBackwardArgs a{dn.data,
+                          x.data,
+                          residual ? res.data : nullptr,
+                          residual ? dres.data : nullptr,
+                          gamma.data,
+                          reinterpret_cast<const float*>(r.data),
+                          dx.data,
+                          residual ? dresidual.data : nullptr,
+                          reinterpret_cast<float*>(dgamma.data),
+                          rows,
+                          hidden,
+                          dn_type,
+                          input,
+                          residual_type,
+                          FloatType::kF32,
+                          k % 4 == 0 ? 1.0f : 0.0f};
+    const std::string name = "backward " + std::to_string(rows) + "x" + std::to_string(hidden) +
+                             " " + TypeName(input) +
+                             (residual ? std::string(" add ") + TypeName(residual_type) : "") +
+                             (specials ? " specials" : "");
+    if (name_cases) std::fprintf(stderr, "case %s\n", name.c_str());
+    cudaError_t status;
+    {
+      simt::ScopedBuffers buffers;
+      buffers.Add("dn", dn.data, dn.bytes);
+      buffers.Add("x", x.data, x.bytes);
+      buffers.Add("gamma", gamma.data, gamma.bytes);
+      buffers.Add("inverse_rms", r.data, r.bytes);
+      buffers.Add("dx", dx.data, dx.bytes);
+      buffers.Add("dgamma", dgamma.data, dgamma.bytes);
+      if (residual) {
+        buffers.Add("residual", res.data, res.bytes);
+        buffers.Add("d_residual_out", dres.data, dres.bytes);
+        buffers.Add("dresidual", dresidual.data, dresidual.bytes);
+      }
+      status = LaunchRmsNormBackward(nullptr, a);
+    }
+    a.dx = dx_cpu.data;
+    a.dresidual = residual ? dresidual_cpu.data : nullptr;
+    a.dgamma = reinterpret_cast<float*>(dgamma_cpu.data);
+    const ParallelFor serial = [](int64_t n, const std::function<void(int64_t)>& task) {
+      for (int64_t i = 0; i < n; ++i) task(i);
+    };
+    RmsNormBackwardCpu(a, serial);
+    if (status != cudaSuccess) {
+      std::printf("FAIL %s: %s\n", name.c_str(), cudaGetErrorString(status));
+      ++failures;
+      continue;
+    }
+    bool ok = SameBytes(dx, dx_cpu, "dx", name) && SameBytes(dgamma, dgamma_cpu, "dgamma", name);
+    if (residual) ok = ok && SameBytes(dresidual, dresidual_cpu, "dresidual", name);
+    if (ok && !specials) {
+      for (int64_t j = 0; j < hidden; ++j) {
+        if (!std::isfinite(reinterpret_cast<const float*>(dgamma.data)[j])) {
+          std::printf("FAIL %s: dgamma[%lld] is not finite on finite rows\n", name.c_str(),
+                      static_cast<long long>(j));
+          ok = false;
+          break;
         }
       }
+    }
+    if (!ok) {
+      ++failures;
+      if (stop_at_failure) return failures;
     }
   }
   simt::TakeLaunches();

@@ -335,6 +335,18 @@ MUTANTS = [
         "for (int g = 0; g < kDgammaRowGroups; ++g)",
     ),
     Mutant(
+        "backward: dgamma leaves the last row group out",
+        "cuda/backward.cu",
+        "for (int g = 1; g < kDgammaRowGroups; ++g)",
+        "for (int g = 1; g < kDgammaRowGroups - 1; ++g)",
+    ),
+    Mutant(
+        "backward: the rows' grid stops after its 65535 blocks instead of striding on",
+        "cuda/backward.cu",
+        "row < a.rows; row += gridDim.x) {",
+        "row < a.rows; row += a.rows) {",
+    ),
+    Mutant(
         "backward: a row's parts merged without waiting for every thread's",
         "cuda/backward.cu",
         "    __syncthreads();  // every part written before any is merged",
