@@ -558,7 +558,7 @@ def backward(dn, x, gamma, inverse_rms, weight_offset: float):
     rows = (int(np.prod(x.shape[:-1])), x.shape[-1])
     dx, dgamma = backward_rows(
         dn.reshape(rows),
-        x.reshape(rows).astype(jnp.float32),
+        _flushed_sum(x.reshape(rows)),
         gamma,
         inverse_rms.reshape(rows[0], 1),
         weight_offset,

@@ -205,3 +205,49 @@ def test_the_tests_twin_programs_are_the_twin(op, kw):
     apart = reference_on_cpu(fn, *args, **kw)
     for got, want in zip(apart, whole, strict=True):
         assert_same_bits(got, np.asarray(want))
+
+
+def test_the_backward_twins_flush_x_before_their_math(monkeypatch):
+    """docs/spec.md, "Subnormals": every input of the backward, x included, is a zero of
+    its sign where |v| <= 2^-126, in the rms backward as in the add backward. XLA's CPU
+    treats subnormal operands of its arithmetic as zeros itself, so that an unflushed x
+    changes no bit of dx or dgamma here (it would where XLA keeps subnormals, a GPU): the
+    rows each twin hands its math (reference.backward_rows) are checked instead, with the
+    float32 and bfloat16 subnormals, 2^-126 itself and its neighbour above."""
+    tiny = np.float32(2.0**-126)
+    values = [2.0**-130, -(2.0**-133), tiny, -tiny, np.nextafter(tiny, 1), 2.0**-149, 1.0, -0.0]
+    row = np.array(values * 4, np.float32)
+    rows_seen = []
+    backward_rows = fp8norm.reference.backward_rows
+
+    def spy(dn, h, *rest):
+        rows_seen.append(h)
+        return backward_rows(dn, h, *rest)
+
+    monkeypatch.setattr(fp8norm.reference, "backward_rows", spy)
+
+    def twins(dn, gamma, r, *xs):
+        outs = []
+        for x in xs:
+            outs.append(fp8norm.reference.rms_norm_backward(dn, x, gamma, r))
+            outs.append(
+                fp8norm.reference.add_rms_norm_backward(
+                    dn, dn.astype(x.dtype), x, jnp.zeros_like(x), gamma, r
+                )
+            )
+        return outs, rows_seen
+
+    xs = [row[None], row[None].astype(jnp.bfloat16)]
+    dn, gamma, r = (
+        np.ones((1, row.size), np.float32),
+        np.ones(row.size, np.float32),
+        np.ones((1, 1)),
+    )
+    with jax.default_device(jax.devices("cpu")[0]):
+        _, seen = jax.jit(twins)(dn, gamma, r.astype(np.float32), *xs)
+    assert len(seen) == 4
+    for x, h in zip([x for x in xs for _ in range(2)], seen, strict=True):
+        x32 = np.asarray(x, np.float32)
+        want = np.where(np.abs(x32) <= tiny, np.copysign(np.float32(0), x32), x32)
+        assert np.count_nonzero(want != x32) >= 8  # subnormals in x, in both dtypes
+        np.testing.assert_array_equal(np.asarray(h).view(np.uint32), want.view(np.uint32))
