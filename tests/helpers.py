@@ -364,8 +364,8 @@ def outputs_of_script(script: str, path, **env: str) -> dict[str, np.ndarray]:
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     # tests/ ahead of what the caller's path already holds (the mutation checks put their
     # build of the kernels there).
-    path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH", "")) if p)
-    full_env = dict(os.environ, PYTHONPATH=path)
+    python_path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH", "")) if p)
+    full_env = dict(os.environ, PYTHONPATH=python_path)
     for name, value in env.items():
         if value:
             full_env[name] = value
