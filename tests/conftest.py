@@ -154,9 +154,21 @@ def platform(request):
 _skip_reasons: list[str] = []
 
 
-def pytest_runtest_logreport(report):
+def _record_skip(report) -> None:
     if report.skipped and not hasattr(report, "wasxfail") and isinstance(report.longrepr, tuple):
         _skip_reasons.append(report.longrepr[2].removeprefix("Skipped: "))
+
+
+def pytest_runtest_logreport(report):
+    _record_skip(report)
+
+
+def pytest_collectreport(report):
+    """A module skipped while it is collected (a module-level ``pytest.importorskip``,
+    ``pytest.skip(..., allow_module_level=True)``) goes through the same rule as a test's
+    skip: it hides every test of the module. (pytest-xdist's workers send their skipped
+    collections to the controller, which calls this hook too.)"""
+    _record_skip(report)
 
 
 def _unexpected() -> list[str]:
