@@ -1,0 +1,225 @@
+"""A twin of the layer (rms_norm_dense, add_rms_norm_dense), stated from docs/spec.md ("The
+layer: rms_norm_dense") and not from jax_fp8norm/dense.py: the quantisations the layer
+makes itself (the weight along K, w^T along F, the output gradient G along F per row for
+dgrad and along the rows per column for wgrad) are written here in NumPy and ml_dtypes,
+each with the format, block, scale rule and global scale the spec's table gives its
+recipe. The norm's codes (rowwise, columnwise) and its fused backward are the reference
+twins' (jax_fp8norm.reference), and the GEMMs are fp8_matmul's, as the spec says they are.
+
+tests/test_layer_bits.py holds the layer to this twin bit for bit."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import ml_dtypes
+import numpy as np
+from helpers import reference_on_cpu
+
+from jax_fp8norm import reference
+from jax_fp8norm.matmul import fp8_matmul
+
+F32 = np.float32
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+E5M2 = np.dtype(ml_dtypes.float8_e5m2)
+E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+FP4 = np.dtype(ml_dtypes.float4_e2m1fn)
+FP8_MAX = {E4M3: F32(448.0), E5M2: F32(57344.0)}
+FP4_MAX = F32(6.0)
+# Every scale the layer makes from an amax is at least the smallest normal float32.
+SMALLEST_NORMAL = F32(2.0**-126)
+# NVFP4's global scale: amax / (448 * 6), which puts the largest block scale at 448.
+NVFP4_GLOBAL_DIVISOR = F32(448.0 * 6.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """How one operand is quantised along its contraction axis: ``kind`` "channel" (FP8,
+    one float32 scale ``amax / FP8_MAX`` per row or column), "pow2" (FP8 blocks, e8m0
+    scales, the smallest power of two >= ``amax / FP8_MAX``), "nvfp4" or "mxfp4"."""
+
+    kind: str
+    dtype: np.dtype
+    block: int | None
+
+
+def _fp8(dtype, block):
+    return Format("channel" if block is None else "pow2", dtype, block)
+
+
+# The spec's table, by recipe: (the weight's format, forward and dgrad's w^T; the output
+# gradient's, dgrad's and wgrad's), and whether wgrad takes the norm's columnwise codes
+# (the per-row recipe has none: it folds its rows' scales into G).
+SPEC_TABLE = {
+    "fp8_row": (_fp8(E4M3, None), _fp8(E5M2, None), False),
+    "fp8_static": (_fp8(E4M3, None), _fp8(E5M2, None), True),
+    "fp8_group128": (_fp8(E4M3, 128), _fp8(E5M2, 128), True),
+    "fp8_group128_ue8m0": (_fp8(E4M3, 128), _fp8(E5M2, 128), True),
+    "mxfp8": (_fp8(E4M3, 32), _fp8(E4M3, 32), True),
+    "nvfp4": (Format("nvfp4", FP4, 16), Format("nvfp4", FP4, 16), True),
+    "mxfp4": (Format("mxfp4", FP4, 32), Format("mxfp4", FP4, 32), True),
+}
+
+
+def _power_of_two_exponent(q: np.ndarray, a: np.ndarray, fmt_max, floor: int) -> np.ndarray:
+    """The exponent of P(q), the smallest power of two >= q (float32, finite, >= 0), at
+    least 2^floor; below 2^-126 decided from ``a`` (q = a / fmt_max): 2^-126 where ``a >
+    fmt_max * 2^-127``, else the floor."""
+    bits = q.view(np.uint32)
+    biased = (bits >> 23).astype(np.int32)
+    exponent = biased - 127 + ((bits & 0x7FFFFF) != 0)
+    tiny = np.where(a > fmt_max * F32(2.0**-127), -126, -127)
+    return np.maximum(np.where(biased == 0, tiny, exponent), floor)
+
+
+def _pow2(exponent: np.ndarray) -> np.ndarray:
+    return np.ldexp(F32(1.0), exponent).astype(F32)
+
+
+def _e8m0(exponent: np.ndarray) -> np.ndarray:
+    return (exponent + 127).astype(np.uint8).view(E8M0)
+
+
+def nvfp4_global_scale(amax) -> np.ndarray:
+    """``max(amax / 2688, 2^-126)``, 1 for a zero amax (float32)."""
+    amax = np.asarray(amax, F32)
+    return np.where(amax == 0, F32(1.0), np.maximum(amax / NVFP4_GLOBAL_DIVISOR, SMALLEST_NORMAL))
+
+
+def quantize_rows(v: np.ndarray, fmt: Format, global_scale=None):
+    """float32 ``v [R, C]`` quantised along C, each row in blocks of ``fmt.block`` (the
+    whole row for None): ``(codes [R, C], scales [R, C // block])``; NVFP4 divides by
+    ``global_scale`` (a float32 scalar, or one per row ``[R, 1]``) first."""
+    v = np.asarray(v, F32)
+    rows, cols = v.shape
+    block = cols if fmt.block is None else fmt.block
+    groups = v.reshape(rows, cols // block, block)
+    if fmt.kind == "nvfp4":
+        t = groups / np.asarray(global_scale, F32).reshape(-1, 1, 1)
+        scales = np.minimum(np.abs(t).max(-1) / FP4_MAX, F32(448.0)).astype(E4M3)
+        s32 = scales.astype(F32)[..., None]
+        q = np.where(s32 == 0, F32(0.0), t / np.where(s32 == 0, F32(1.0), s32))
+        codes = np.clip(q, -FP4_MAX, FP4_MAX).astype(FP4)
+        return codes.reshape(rows, cols), scales
+    fmt_max = FP4_MAX if fmt.kind == "mxfp4" else FP8_MAX[fmt.dtype]
+    amax = np.abs(groups).max(-1)
+    if fmt.kind == "channel":
+        scales = np.where(amax > 0, np.maximum(amax / fmt_max, SMALLEST_NORMAL), F32(1.0))
+        codes = (groups / scales[..., None]).astype(fmt.dtype)
+        return codes.reshape(rows, cols), scales.astype(F32)
+    # Power-of-two scales: MXFP4's at least 2^-127 (e8m0's code 0), the FP8 blocks' at
+    # least 2^-126 (the layer's floor for every scale it makes).
+    exponent = _power_of_two_exponent(
+        amax / fmt_max, amax, fmt_max, -127 if fmt.kind == "mxfp4" else -126
+    )
+    q = groups * _pow2(-exponent)[..., None]
+    if fmt.kind == "mxfp4":
+        q = np.clip(q, -FP4_MAX, FP4_MAX)
+    return q.astype(fmt.dtype).reshape(rows, cols), _e8m0(exponent)
+
+
+def quantize_columns(v: np.ndarray, fmt: Format, global_scale=None):
+    """float32 ``v [R, C]`` quantised along R in each column, as fp8_matmul takes its
+    ``w``: ``(codes [R, C], scales [C] (one per column) or [R // block, C])``."""
+    codes, scales = quantize_rows(np.asarray(v, F32).T, fmt, global_scale)
+    scales = scales[:, 0] if fmt.block is None else scales.T
+    return codes.T, scales
+
+
+def _nvfp4(fmt: Format) -> bool:
+    return fmt.kind == "nvfp4"
+
+
+@functools.cache
+def _gemm_program(out_dtype, global_scales: bool):
+    if global_scales:
+        return jax.jit(
+            lambda a, s, w, t, ga, gw: fp8_matmul(
+                a, s, w, t, out_dtype=out_dtype, a_global_scale=ga, w_global_scale=gw
+            )
+        )
+    return jax.jit(lambda a, s, w, t: fp8_matmul(a, s, w, t, out_dtype=out_dtype))
+
+
+def _gemm(a, a_scales, w, w_scales, out_dtype, a_global=None, w_global=None):
+    """fp8_matmul on the CPU, float32 products; NVFP4 with both global scales."""
+    operands = [a, a_scales, w, w_scales]
+    if a_global is not None:
+        operands += [np.asarray(a_global, F32), np.asarray(w_global, F32)]
+    cpu = jax.devices("cpu")[0]
+    program = _gemm_program(np.dtype(out_dtype), a_global is not None)
+    return np.asarray(program(*(jax.device_put(np.asarray(v), cpu) for v in operands)))
+
+
+def layer(name, keywords, x, gamma, w, g, residual=None, d_residual_out=None, result_dtype=None):
+    """The layer of recipe ``name`` (``keywords``: the norm's keywords, the recipe's data
+    included) on ``x [M, K]`` (and ``residual``), ``gamma``, ``w [K, F]``, with the
+    cotangent ``g [M, F]`` of ``out`` (and ``d_residual_out`` of ``residual_out``):
+    ``{"out", "dx", "dgamma", "dw"}`` (and ``"residual_out"``, ``"dresidual"``), each
+    in the dtype the layer returns."""
+    weight_fmt, grad_fmt, columnwise = SPEC_TABLE[name]
+    result_dtype = np.dtype(x.dtype if result_dtype is None else result_dtype)
+    norm = dict(keywords, columnwise=columnwise)
+    if residual is None:
+        outs = reference_on_cpu(reference.rms_norm_fp8_training, x, gamma, **norm)
+        y, scales, r = outs[:3]
+    else:
+        outs = reference_on_cpu(reference.add_rms_norm_fp8_training, x, residual, gamma, **norm)
+        y, scales, residual_out, r = outs[:4]
+    nvfp4 = _nvfp4(weight_fmt)
+    # NVFP4's global scales: the norm's, given by the caller (1 unless given); the weight's
+    # from max|w| (w and w^T alike); G's per row (dgrad) and for the whole G (wgrad).
+    w32, g32 = np.asarray(w, F32), np.asarray(g, F32)
+    norm_gs = F32(keywords.get("global_scale", 1.0)) if nvfp4 else None
+    w_gs = nvfp4_global_scale(np.abs(w32).max()) if nvfp4 else None
+
+    # Forward: w quantised along K (its rows' axis) in each column.
+    w_codes, w_scales = quantize_columns(w32, weight_fmt, w_gs)
+    out = _gemm(y, scales, w_codes, w_scales, result_dtype, norm_gs, w_gs)
+
+    # dgrad: G quantised along F in each row, w^T [F, K] along F in each column (w's rows).
+    row_gs = nvfp4_global_scale(np.abs(g32).max(1, keepdims=True)) if nvfp4 else None
+    g_codes, g_scales = quantize_rows(g32, grad_fmt, row_gs)
+    wt_codes, wt_scales = quantize_columns(w32.T, weight_fmt, w_gs)
+    dn = _gemm(g_codes, g_scales, wt_codes, wt_scales, F32, F32(1.0) if nvfp4 else None, w_gs)
+    if nvfp4:  # each row's global scale multiplies its row of dn after the GEMM
+        dn = dn * row_gs
+
+    # wgrad: G quantised along the rows in each column; the columnwise codes of n, or for
+    # the per-row recipe y^T with unit scales and G's rows multiplied by y's scales.
+    if columnwise:
+        n_codes, n_scales = outs[-2:]
+        gw = g32
+    else:
+        n_codes, n_scales = np.asarray(y).T, np.ones((y.shape[1], 1), F32)
+        gw = g32 * np.asarray(scales, F32)
+    gw_gs = nvfp4_global_scale(np.abs(gw).max()) if nvfp4 else None
+    gw_codes, gw_scales = quantize_columns(gw, grad_fmt, gw_gs)
+    dw = _gemm(n_codes, n_scales, gw_codes, gw_scales, F32, norm_gs, gw_gs)
+
+    wo = keywords.get("weight_offset", 0.0)
+    if residual is None:
+        dx, dgamma = reference_on_cpu(
+            reference.rms_norm_backward, dn, x, gamma, r, weight_offset=wo
+        )
+        result = {"dx": dx}
+    else:
+        dx, dresidual, dgamma = reference_on_cpu(
+            reference.add_rms_norm_backward,
+            dn,
+            np.asarray(d_residual_out).astype(residual.dtype),
+            x,
+            residual,
+            gamma,
+            r,
+            weight_offset=wo,
+        )
+        result = {"dx": dx, "dresidual": dresidual, "residual_out": residual_out}
+    return {
+        "out": out,
+        **result,
+        "dgamma": dgamma.astype(gamma.dtype),
+        "dw": dw.astype(w.dtype),
+    }

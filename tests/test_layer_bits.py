@@ -1,0 +1,136 @@
+"""The layer (rms_norm_dense, add_rms_norm_dense) bit for bit against its twin
+(tests/layer_twin.py): out, dx, dgamma, dw (and residual_out, dresidual) for every
+recipe, on the CPU kernels and the emulated CUDA kernels. The twin states from the spec's
+table how the layer quantises the weight, w^T and the output gradient, so that a layer
+that skipped the gradient's quantisation, took E4M3 where the spec says E5M2, or ran an
+FP4 recipe's gradient in another format would fail here, where the float64 bounds of
+tests/test_dense.py have room for all of them."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import layer_twin
+import numpy as np
+import pytest
+from helpers import EXTENDED, RECIPE_NAMES, device_of, random_gamma, random_rows, recipe
+
+import jax_fp8norm as fp8norm
+
+# Rows and output features: a multiple of every recipe's block (128 for the group
+# recipes), K two groups of 128.
+ROWS, K, F = 128, 256, 256
+LAYER_PLATFORMS = pytest.mark.parametrize(
+    "platform",
+    [
+        "cpu",
+        "simt-block_shared",
+        pytest.param("simt-warp_rows", marks=EXTENDED),
+        pytest.param("simt-block_registers", marks=EXTENDED),
+    ],
+    indirect=True,
+)
+# Every recipe in the default tier but the UE8M0 form of group 128 (its layer differs from
+# fp8_group128's in the norm's scales alone, which tests/test_columnwise.py holds).
+RECIPES = [
+    pytest.param(n, marks=EXTENDED) if n == "fp8_group128_ue8m0" else n for n in RECIPE_NAMES
+]
+
+
+def _operands(seed, x_dtype, gamma_dtype, w_dtype):
+    rng = np.random.default_rng(seed)
+    x = random_rows(seed, (ROWS, K), x_dtype, spread=1.0)
+    gamma = random_gamma(seed + 1, K, gamma_dtype)
+    w = (rng.standard_normal((K, F)) / 16).astype(w_dtype)
+    g = rng.standard_normal((ROWS, F)).astype(np.float32)
+    return x, gamma, w, g
+
+
+def _layer_on(platform, fn, primals, cotangents):
+    """``fn``'s outputs and the cotangents of ``primals`` under jit on ``platform``."""
+    device = device_of(platform)
+    placed = [jax.device_put(a, device) for a in (*primals, *cotangents)]
+
+    def value_and_grads(*args):
+        out, vjp = jax.vjp(fn, *args[: len(primals)])
+        return out, vjp(out_cotangent(out, args[len(primals) :]))
+
+    def out_cotangent(out, given):
+        if isinstance(out, tuple):
+            return tuple(c.astype(o.dtype) for o, c in zip(out, given, strict=True))
+        return given[0].astype(out.dtype)
+
+    out, grads = jax.jit(value_and_grads)(*placed)
+    outs = out if isinstance(out, tuple) else (out,)
+    return [np.asarray(o) for o in outs], [np.asarray(d) for d in grads]
+
+
+def _assert_bits(got: dict, want: dict):
+    """Each of ``want``'s outputs finite (the data is) and ``got``'s the same bits."""
+    for what in want:
+        assert np.all(np.isfinite(np.asarray(want[what], np.float32))), what
+        bits = {2: np.uint16, 4: np.uint32}[want[what].dtype.itemsize]
+        a, b = np.asarray(got[what]), np.asarray(want[what])
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), (what, a.dtype, a.shape, b.dtype)
+        differ = np.count_nonzero(a.view(bits) != b.view(bits))
+        assert differ == 0, f"{what}: {differ} of {a.size} elements differ in their bits"
+
+
+@LAYER_PLATFORMS
+@pytest.mark.parametrize("name", RECIPES)
+def test_rms_norm_dense_has_the_twins_bits(platform, name):
+    """float32 x and gamma, bfloat16 master weights (dw rounded to them)."""
+    keywords = recipe(name)
+    x, gamma, w, g = _operands(0, np.float32, np.float32, jnp.bfloat16)
+
+    def fn(x, gamma, w):
+        return fp8norm.rms_norm_dense(x, gamma, w, **keywords)
+
+    (out,), (dx, dgamma, dw) = _layer_on(platform, fn, (x, gamma, w), (g,))
+    # The cotangent as the layer receives it: in out's dtype (float32 here).
+    want = layer_twin.layer(name, keywords, x, gamma, w, g.astype(out.dtype))
+    _assert_bits({"out": out, "dx": dx, "dgamma": dgamma, "dw": dw}, want)
+
+
+def _add_cases() -> list:
+    """Each recipe on the CPU or the emulated kernels in turn in the default tier (the rms
+    layer above takes both; the add layer differs in the norm's ops and the backward's
+    residual), the other platforms in the extended tier."""
+    cases = []
+    default = ("cpu", "simt-block_shared")
+    for i, name in enumerate(RECIPE_NAMES):
+        for platform in (*default, "simt-warp_rows", "simt-block_registers"):
+            chosen = platform == default[i % 2] and name != "fp8_group128_ue8m0"
+            cases.append(pytest.param(platform, name, marks=() if chosen else EXTENDED))
+    return cases
+
+
+@pytest.mark.parametrize(("platform", "name"), _add_cases(), indirect=["platform"])
+def test_add_rms_norm_dense_has_the_twins_bits(platform, name):
+    """bfloat16 x and residual, bfloat16 gamma, float32 weights, a float32 result."""
+    keywords = recipe(name)
+    x, gamma, w, g = _operands(1, jnp.bfloat16, jnp.bfloat16, np.float32)
+    residual = random_rows(2, x.shape, jnp.bfloat16, spread=0.5)
+    d_residual_out = random_rows(3, x.shape, jnp.bfloat16, spread=0.5)
+
+    def fn(x, residual, gamma, w):
+        return fp8norm.add_rms_norm_dense(
+            x, residual, gamma, w, result_dtype=jnp.float32, **keywords
+        )
+
+    (out, residual_out), (dx, dresidual, dgamma, dw) = _layer_on(
+        platform, fn, (x, residual, gamma, w), (g, d_residual_out)
+    )
+    want = layer_twin.layer(
+        name,
+        keywords,
+        x,
+        gamma,
+        w,
+        g,
+        residual=residual,
+        d_residual_out=d_residual_out,
+        result_dtype=jnp.float32,
+    )
+    got = dict(out=out, residual_out=residual_out, dx=dx, dresidual=dresidual, dgamma=dgamma, dw=dw)
+    _assert_bits(got, want)
