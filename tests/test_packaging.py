@@ -158,3 +158,49 @@ def test_a_plain_import_carries_the_emulation_controls():
     result = _run([sys.executable, "-c", script], cwd="/")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["True", "False"]
+
+
+def _wheel_libraries():
+    """tools/checks/wheel_libraries.py, the wheel check's rule on the libraries a compiled
+    module needs."""
+    import importlib.util
+
+    path = os.path.join(REPO_ROOT, "tools", "checks", "wheel_libraries.py")
+    spec = importlib.util.spec_from_file_location("wheel_libraries", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ELF modules (Linux)")
+def test_the_compiled_modules_need_only_glibc_libstdcxx_libgcc_and_libcuda(tmp_path, capsys):
+    """The installed modules pass the wheel check's rule (no CUDA runtime, no libpython, no
+    RUNPATH); a module whose NEEDED names the CUDA runtime, and the lists of one that needs
+    libpython or has a toolkit RUNPATH, do not."""
+    import jax_fp8norm_kernels
+
+    check = _wheel_libraries()
+    folder = os.path.dirname(os.path.abspath(jax_fp8norm_kernels.__file__))
+    modules = check.shared_libraries([folder])
+    assert len(modules) == 2 + jax_fp8norm.built_with_cuda(), modules
+    assert check.main([folder]) == 0, capsys.readouterr()
+    # One of them with its longest NEEDED entry renamed to the CUDA runtime's.
+    needed, _ = check.dynamic_entries(modules[0])
+    name = max(needed, key=len).encode()
+    data = modules[0].read_bytes()
+    fake = tmp_path / "_fp8norm_fake.so"
+    fake.write_bytes(data.replace(name + b"\0", b"libcudart.so".ljust(len(name) + 1, b"\0")))
+    assert "libcudart.so" in check.dynamic_entries(fake)[0]
+    capsys.readouterr()
+    assert check.main([str(fake)]) == 1
+    assert "needs ['libcudart.so']" in capsys.readouterr().err
+    assert check.main([str(tmp_path / "nothing")]) == 2
+    found = check.problems(
+        {
+            "a.so": (["libc.so.6", "libpython3.11.so.1.0", "b.so"], []),
+            "b.so": (["libcuda.so.1", "libstdc++.so.6"], ["/usr/local/cuda/lib64", "$ORIGIN"]),
+        }
+    )
+    assert len(found) == 2, found
+    assert "a.so needs ['libpython3.11.so.1.0']" in found[0]
+    assert "b.so has RPATH / RUNPATH ['/usr/local/cuda/lib64']" in found[1]

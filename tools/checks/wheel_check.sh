@@ -6,9 +6,12 @@
 #      PyPI (backend/fp8norm_build.py); CMake's message names the nvcc it used;
 #   2. the wheel holds the CPU, emulated and CUDA modules, the CUDA one with code for every
 #      architecture of the default list (cuobjdump, from PyPI too);
-#   3. `auditwheel show` names the manylinux policy the wheel meets;
-#   4. it installs and imports in a fresh venv with the C, C++ and CUDA compilers hidden,
-#      and its ops give the reference's bits there.
+#   3. `auditwheel show` names the manylinux policy the wheel meets, and each of its modules
+#      needs only glibc, libstdc++, libgcc_s and the driver's libcuda, with no RUNPATH but
+#      $ORIGIN (tools/checks/wheel_libraries.py, on the unpacked wheel's ELF files);
+#   4. it installs and imports in a fresh venv with the toolkit hidden as in 1 (its folder,
+#      its nvcc, LD_LIBRARY_PATH) and the C and C++ compilers too, and its ops give the
+#      reference's bits there.
 # With --ptxas it also holds the ptxas table (registers, spills, shared memory per kernel,
 # tools/reports/ptxas_report.py) of the PyPI nvcc to the system toolkit's. Run by .ci/run; needs
 # unshare (root), network or a pip cache. OUT sets the output folder.
@@ -74,21 +77,25 @@ print("SASS:", sass, " PTX:", ptxs)
 assert sass == want_sass and ptxs == want_ptx, (sass, want_sass, ptxs, want_ptx)
 EOF
 
-echo "== wheel: auditwheel show"
+echo "== wheel: auditwheel show, and the libraries its modules need"
 python -m pip install -q auditwheel
 python -m auditwheel show "$wheel" | tee "$out/auditwheel.txt"
+python tools/checks/wheel_libraries.py "$out/unpacked"
 
-echo "== wheel: a fresh venv with the compilers hidden"
+echo "== wheel: a fresh venv with the toolkit and the compilers hidden"
 python -m venv "$out/venv"
-"$out/venv/bin/python" -m pip install -q "$wheel"
-compilers=$(for c in gcc g++ cc c++ clang clang++ nvcc; do command -v "$c" || true; done | sort -u)
-unshare -m --propagation private bash -c '
+without_toolkit "$out/venv/bin/python" -m pip install -q "$wheel"
+# The compilers as found inside without_toolkit (the toolkit's nvcc is gone there already).
+compilers=$(without_toolkit bash -c \
+  'for c in gcc g++ cc c++ clang clang++ nvcc; do command -v "$c" || true; done' | sort -u)
+without_toolkit env -u LD_LIBRARY_PATH unshare -m --propagation private bash -c '
   set -euo pipefail
-  venv=$1; shift
+  venv=$1 toolkit=$2; shift 2
   for c in "$@"; do mount --bind /dev/null "$(realpath "$c")"; done
-  for c in gcc g++ cc c++; do
+  for c in gcc g++ cc c++ nvcc; do
     if "$c" --version > /dev/null 2>&1; then echo "$c still runs" >&2; exit 1; fi
   done
+  if [ -n "$(ls -A "$toolkit" 2>/dev/null)" ]; then echo "$toolkit is not hidden" >&2; exit 1; fi
   cd /
   "$venv/bin/python" - <<EOF
 import jax, jax.numpy as jnp, numpy as np
@@ -103,7 +110,7 @@ for recipe in ("fp8_row", "mxfp8", "mxfp4"):
 print("imported from", fp8norm.__file__, "- CUDA kernels built:", fp8norm.built_with_cuda(),
       "- the CPU kernel gives the reference bits")
 EOF
-' bash "$out/venv" $compilers
+' bash "$out/venv" "$toolkit" $compilers
 
 if [ "$ptxas" = 1 ]; then
   echo "== wheel: ptxas tables, PyPI nvcc against the system's"
