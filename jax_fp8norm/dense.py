@@ -209,10 +209,13 @@ def _varying_axes(v: jax.Array) -> frozenset:
 
 def _summed_over_devices(primal: jax.Array, cotangent: jax.Array) -> jax.Array:
     """Inside shard_map, ``cotangent`` psummed over the mesh axes along which it varies and
-    ``primal`` does not: ``dn`` of an input replicated over "tp" whose layer's weight is
-    split by columns is the sum of every device's part (summed in float32 before the norm's
-    backward, so that dx is rounded once), and so is dgamma of a gamma replicated over
-    the axis that splits the rows."""
+    ``primal`` does not: ``dn`` of a norm whose outputs are the same on every device of "tp"
+    (its ``inverse_rms`` does not vary there) and whose layer's weight is split by columns
+    over "tp" is the sum of every device's part (summed in float32 before the norm's
+    backward, so that dx is rounded once), and so is dgamma of a gamma replicated over the
+    axis that splits the rows. Where the norm's outputs vary (x, gamma, the residual or a
+    static or global scale differs between devices), each device's backward is its own,
+    on its own dn, and dx, dresidual and dgamma are summed after it, once."""
     axes = tuple(sorted(_varying_axes(cotangent) - _varying_axes(primal)))
     return jax.lax.psum(cotangent, axes) if axes else cotangent
 
@@ -251,7 +254,7 @@ def _rms_norm_dense(p: NormParams, result_dtype: np.dtype):
     def bwd(saved, g):
         x, gamma, inverse_rms, gemm_saved = saved
         dn, dw = _backward_gemms(p, layout, gemm_saved, g)
-        dn = _summed_over_devices(x, dn)
+        dn = _summed_over_devices(inverse_rms, dn)
         dx, dgamma = rms_backward(dn.reshape(x.shape), x, gamma, inverse_rms, p.weight_offset)
         zeros = tuple(jnp.zeros_like(s) for s in gemm_saved[1])
         dgamma, dw = _parameter_gradients(gamma, dgamma, gemm_saved[0], dw)
@@ -284,7 +287,7 @@ def _add_rms_norm_dense(p: NormParams, result_dtype: np.dtype):
         x, residual, gamma, inverse_rms, gemm_saved = saved
         g, d_residual_out = cotangents
         dn, dw = _backward_gemms(p, layout, gemm_saved, g)
-        dn = _summed_over_devices(x, dn)
+        dn = _summed_over_devices(inverse_rms, dn)
         dx, dresidual, dgamma = add_backward(
             dn.reshape(x.shape), d_residual_out, x, residual, gamma, inverse_rms, p.weight_offset
         )

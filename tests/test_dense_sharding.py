@@ -340,3 +340,53 @@ else:
         _rounded_once(dresidual, dresidual1, "dresidual")
         _summed_over_devices(dgamma, dgamma1, "dgamma")
         _summed_over_devices(dw, dw1, "dw")
+
+    @pytest.mark.parametrize("differs", ["gamma", "static_scale"])
+    def test_a_norm_of_each_device_counts_once(differs):
+        """A gamma, or a calibrated scale, that differs between devices (stacked [devices,
+        ...], split over "tp") beside a replicated x and residual: each device's layer is
+        another function of x, whose backward is its own. x's, the residual's and (for a
+        static scale) gamma's cotangents are the sums of every device's, each counted once:
+        dn is summed only where the norm's outputs are the same on every device (a w split
+        by columns), and here they are not. Against the same sum on one device: bfloat16
+        sums of 8 terms in two orders, a few units in the last place apart, where a
+        gradient counted on every device is 8 times too large."""
+        mesh = jax.make_mesh((NUM_DEVICES,), ("tp",), axis_types=(AxisType.Auto,))
+        rng, x, gamma, w, g = _sum_operands(8)
+        x, g = x[:32], g[:32]
+        residual = jnp.asarray(rng.standard_normal(x.shape), jnp.bfloat16)
+        spread = 1 + 0.1 * rng.standard_normal((NUM_DEVICES, SUM_K if differs == "gamma" else 1))
+        stacked = jnp.asarray(spread * (1.0 if differs == "gamma" else 0.02), jnp.float32)
+
+        def layer(x, residual, gamma, w, g, mine):
+            keywords = {"recipe": "mxfp8"} if differs == "gamma" else {"recipe": "fp8_static"}
+            if differs == "gamma":
+                gamma = mine
+            else:
+                keywords["static_scale"] = mine
+            out, residual_out = fp8norm.add_rms_norm_dense(x, residual, gamma, w, **keywords)
+            return jnp.sum(out.astype(jnp.float32) * g) + jnp.sum(residual_out.astype(jnp.float32))
+
+        def sharded(x, residual, gamma, w, g, stacked):
+            def local(x, residual, gamma, w, g, stacked):
+                return jax.lax.psum(layer(x, residual, gamma, w, g, stacked[0]), "tp")
+
+            replicated = (P(),) * 5
+            return jax.shard_map(local, mesh=mesh, in_specs=(*replicated, P("tp")), out_specs=P())(
+                x, residual, gamma, w, g, stacked
+            )
+
+        def whole(x, residual, gamma, w, g, stacked):
+            return sum(layer(x, residual, gamma, w, g, stacked[i]) for i in range(NUM_DEVICES))
+
+        # The cotangents of x, the residual, gamma (each device's own gamma where they
+        # differ) and w; a static scale's are zeros (the straight-through rule).
+        which = (0, 1, 5 if differs == "gamma" else 2, 3)
+        args = (x, residual, gamma, w, g, stacked)
+        got = jax.jit(jax.grad(sharded, which))(*args)
+        want = _single_device(jax.grad(whole, which), *args)
+        for what, a, b in zip(("dx", "dresidual", "dgamma", "dw"), got, want, strict=True):
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            assert np.abs(b).max() > 0, what
+            error = np.abs(a - b).max() / np.abs(b).max()
+            assert error <= 2.0**-6, (what, error)
