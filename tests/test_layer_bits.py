@@ -4,7 +4,8 @@ recipe, on the CPU kernels and the emulated CUDA kernels. The twin states from t
 table how the layer quantises the weight, w^T and the output gradient, so that a layer
 that skipped the gradient's quantisation, took E4M3 where the spec says E5M2, or ran an
 FP4 recipe's gradient in another format would fail here, where the float64 bounds of
-tests/test_dense.py have room for all of them."""
+tests/test_dense.py have room for all of them (each passes them). Not on a GPU, whose
+GEMMs are cuBLAS's and cuDNN's: their bits are no twin's."""
 
 from __future__ import annotations
 
