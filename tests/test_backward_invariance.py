@@ -121,9 +121,7 @@ def test_backward_is_the_same_in_every_batch(platform):
     *_, r = run_on(platform, fp8norm.rms_norm_fp8_training, x, gamma)
     assert np.all(np.isfinite(r))
     full_dx, full_dgamma = run_on(platform, fp8norm.rms_norm_backward, dn, x, gamma, r)
-    assert np.all(np.isfinite(np.asarray(full_dx, np.float32))) and np.all(
-        np.isfinite(full_dgamma)
-    )
+    assert np.all(np.isfinite(np.asarray(full_dx, np.float32))) and np.all(np.isfinite(full_dgamma))
     for size in (1, 255, 256):
         rows_ = slice(rows - size - 7, rows - 7)
         dx, _ = run_on(platform, fp8norm.rms_norm_backward, dn[rows_], x[rows_], gamma, r[rows_])
@@ -163,6 +161,7 @@ SPLIT_SCRIPT = textwrap.dedent(
     import sys
     import jax
     import numpy as np
+    from jax_fp8norm_kernels import _fp8norm_cpu
     from test_backward_invariance import cancelling_batch
     import jax_fp8norm as fp8norm
 
@@ -173,13 +172,10 @@ SPLIT_SCRIPT = textwrap.dedent(
     dx, dresidual, dgamma = fp8norm.add_rms_norm_backward(
         dn, dn.astype(x.dtype), x, residual, gamma, r)
     np.savez(sys.argv[1], dx=np.asarray(dx).view(np.uint16), dgamma=np.asarray(dgamma),
-             dresidual=np.asarray(dresidual).view(np.uint16), r=np.asarray(r))
+             dresidual=np.asarray(dresidual).view(np.uint16), r=np.asarray(r),
+             rows_per_task=_fp8norm_cpu.cpu_backward_rows_per_task(4096, 96))
     """
 )
-
-# The CPU kernel's splits of 4096 rows of 96 into tasks: the shape's own (25 tasks of 170
-# rows), and forced (FP8NORM_CPU_BACKWARD_TASK_ROWS) to 64 tasks of 64 rows and 586 of 7.
-SPLITS = ("", "64", "7")
 
 
 @pytest.mark.long_running
@@ -198,6 +194,8 @@ def test_cpu_dgamma_is_the_same_for_every_split_and_thread_count(tmp_path):
         )
         for threads, split in (("1", ""), ("2", ""), ("2", "64"), ("1", "7"))
     }
+    for (_, split), result in runs.items():  # the split each run made
+        assert int(result.pop("rows_per_task")) == int(split or 170), split
     first = runs[("1", "")]
     for key, result in runs.items():
         for name in first:

@@ -33,4 +33,9 @@ struct RmsNormBackwardArgs {
 // then incomplete.
 bool RmsNormBackwardCpu(const RmsNormBackwardArgs& args, const ParallelFor& parallel_for);
 
+// How many rows each of the CPU kernel's tasks takes in a call of `rows` x `hidden`: the
+// split of dgamma's exact partials, which the tests force and read to show that its bits
+// do not depend on it.
+int64_t CpuBackwardRowsPerTask(int64_t rows, int64_t hidden);
+
 }  // namespace fp8norm

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <memory>
 #include <new>
 #include <string_view>
@@ -43,13 +42,7 @@ constexpr int64_t kMaxAccumulatorBytes = int64_t{64} << 20;
 // function of the shape alone, the same for every thread count. 0: unset or not a positive
 // integer. Read once.
 int64_t ForcedRowsPerTask() {
-  static const int64_t forced = [] {
-    const char* text = std::getenv("FP8NORM_CPU_BACKWARD_TASK_ROWS");
-    if (text == nullptr) return int64_t{0};
-    char* end = nullptr;
-    const long long value = std::strtoll(text, &end, 10);
-    return (end != text && *end == '\0' && value > 0) ? static_cast<int64_t>(value) : int64_t{0};
-  }();
+  static const int64_t forced = PositiveIntegerFromEnvironment("FP8NORM_CPU_BACKWARD_TASK_ROWS");
   return forced;
 }
 
@@ -105,6 +98,18 @@ void FillGamma(const void* gamma, float weight_offset, int64_t n, float* out) {
 
 }  // namespace
 
+int64_t CpuBackwardRowsPerTask(int64_t rows, int64_t hidden) {
+  if (rows <= 0 || hidden <= 0) return 1;
+  // A task of at least 2 x kFusedRows rows: its accumulators (88 bytes a column) then cost
+  // at most about a third of what its rows read and write.
+  int64_t rows_per_task = std::max<int64_t>(
+      2 * kFusedRows, std::max(rows * hidden / kTasksPerCall, kMinElementsPerTask) / hidden);
+  if (const int64_t forced = ForcedRowsPerTask(); forced > 0) rows_per_task = forced;
+  const int64_t accumulator_bytes = hidden * int64_t{sizeof(ExactSum)};
+  const int64_t max_tasks = std::max<int64_t>(1, kMaxAccumulatorBytes / accumulator_bytes);
+  return std::max(rows_per_task, (rows + max_tasks - 1) / max_tasks);
+}
+
 bool RmsNormBackwardCpu(const RmsNormBackwardArgs& a, const ParallelFor& parallel_for) {
   const int64_t n = a.hidden;
   if (n == 0) return true;
@@ -136,14 +141,7 @@ bool RmsNormBackwardCpu(const RmsNormBackwardArgs& a, const ParallelFor& paralle
     AdviseHugePages(a.dresidual, elements * FloatTypeBytes(a.residual_type));
 
   // Rows: dx (and dresidual), and each task's exact dgamma partials.
-  const int64_t accumulator_bytes = n * int64_t{sizeof(ExactSum)};
-  // A task of at least 2 x kFusedRows rows: its accumulators (88 bytes a column) then cost
-  // at most about a third of what its rows read and write.
-  int64_t rows_per_task = std::max<int64_t>(
-      2 * kFusedRows, std::max(a.rows * n / kTasksPerCall, kMinElementsPerTask) / n);
-  if (const int64_t forced = ForcedRowsPerTask(); forced > 0) rows_per_task = forced;
-  const int64_t max_tasks = std::max<int64_t>(1, kMaxAccumulatorBytes / accumulator_bytes);
-  rows_per_task = std::max(rows_per_task, (a.rows + max_tasks - 1) / max_tasks);
+  const int64_t rows_per_task = CpuBackwardRowsPerTask(a.rows, n);
   const int64_t row_tasks = (a.rows + rows_per_task - 1) / rows_per_task;
   // Not value-initialised: each task clears its own.
   std::unique_ptr<ExactSum[]> partials(new (std::nothrow)

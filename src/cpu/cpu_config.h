@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 
 // The AVX2 + FMA + F16C variants, chosen at run time: x86-64 with GCC, whose target
 // pragmas build them beside the baseline loops.
@@ -24,5 +25,15 @@ namespace fp8norm {
 constexpr int64_t kTasksPerCall = 64;
 constexpr int64_t kMinElementsPerTask = int64_t{1} << 14;
 constexpr int64_t kMaxElementsPerTask = int64_t{1} << 17;
+
+// The environment variable `name` as a positive integer; 0 when it is unset or anything
+// else (the switches that take a count read it once, at first use).
+inline int64_t PositiveIntegerFromEnvironment(const char* name) {
+  const char* text = std::getenv(name);
+  if (text == nullptr) return 0;
+  char* end = nullptr;
+  const long long value = std::strtoll(text, &end, 10);
+  return (end != text && *end == '\0' && value > 0) ? static_cast<int64_t>(value) : 0;
+}
 
 }  // namespace fp8norm

@@ -12,6 +12,7 @@
 #include <optional>
 #include <string>
 
+#include "cpu_config.h"
 #include "ffi_decode.h"
 #include "handlers.h"
 #include "rms_norm_backward.h"
@@ -52,13 +53,7 @@ struct TaskQueue {
 // included), for processes that share the machine's cores; unset or not a positive
 // integer, every thread of XLA's pool may work. Read once.
 int64_t MaxThreadsPerCall() {
-  static const int64_t max_threads = [] {
-    const char* text = std::getenv("FP8NORM_CPU_THREADS");
-    if (text == nullptr) return int64_t{0};
-    char* end = nullptr;
-    const long long value = std::strtoll(text, &end, 10);
-    return (end != text && *end == '\0' && value > 0) ? static_cast<int64_t>(value) : int64_t{0};
-  }();
+  static const int64_t max_threads = PositiveIntegerFromEnvironment("FP8NORM_CPU_THREADS");
   return max_threads;
 }
 

@@ -1,11 +1,13 @@
 // Python module of every build: the FFI targets to register for platform "cpu", the name
-// of the CPU kernel variant this machine runs, and the constants every module exports.
+// of the CPU kernel variant this machine runs, the CPU backward's split of a call's rows
+// (for the tests that force it), and the constants every module exports.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
 #include "constant_bindings.h"
 #include "ffi_registrations.h"
 #include "handlers.h"
+#include "rms_norm_backward.h"
 #include "rms_norm_fp8.h"
 
 NB_MODULE(_fp8norm_cpu, m) {
@@ -19,5 +21,7 @@ NB_MODULE(_fp8norm_cpu, m) {
          fp8norm::RmsNormFp8ColumnwiseCpuHandler, fp8norm::AddRmsNormFp8ColumnwiseCpuHandler});
   });
   m.def("cpu_kernel_variant", []() { return fp8norm::CpuKernelVariant(); });
+  m.def("cpu_backward_rows_per_task", &fp8norm::CpuBackwardRowsPerTask, nanobind::arg("rows"),
+        nanobind::arg("hidden"));
   fp8norm::AddFp4Layouts(m);
 }
