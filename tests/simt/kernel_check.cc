@@ -433,9 +433,10 @@ int CheckRound() {
 // The backward's two kernels against the CPU kernel: every input type, dn type and the
 // residual (16-bit beside a float32 x too, as the all-reduce layer's float32 sum gives it),
 // hidden sizes around the block's 256 threads and the 32 columns of a dgamma block. One
-// case in three holds zeros, Inf, NaN and r of 0, NaN and Inf; the others are finite rows
-// that cancel, whose dgamma must come out finite, so that they compare numbers rather than
-// NaN with NaN. The full run adds rows past the rows' grid of 65535 blocks.
+// case in three holds zeros, Inf, NaN and r of 0, NaN and Inf; the others are finite
+// rows, dn over 40 decades, whose dx and dgamma must come out finite, so that they compare
+// numbers rather than NaN with NaN. The full run adds rows past the rows' grid of 65535
+// blocks.
 int CheckBackward(bool quick) {
   int failures = 0;
   const std::vector<int64_t> hiddens =
@@ -444,6 +445,8 @@ int CheckBackward(bool quick) {
     int64_t rows, hidden;
     FloatType input;
     bool residual;
+    FloatType dn_type, residual_type;
+    float weight_offset;
   };
   std::vector<Case> cases;
   int k = 0;
@@ -451,11 +454,20 @@ int CheckBackward(bool quick) {
     for (const FloatType input : {FloatType::kBF16, FloatType::kF32, FloatType::kF16}) {
       for (const bool residual : {false, true}) {
         ++k;
-        cases.push_back({quick ? 3 : 1 + k % 9, hidden, input, residual});
+        // From k / 2, which the cases with and without a residual share: each gets both.
+        const int m = k / 2;
+        const FloatType residual_type =
+            residual && input == FloatType::kF32 && m % 2 == 1 ? FloatType::kBF16 : input;
+        cases.push_back({quick ? 3 : 1 + k % 9, hidden, input, residual,
+                         m % 2 == 0 ? FloatType::kF32 : input, residual_type,
+                         m % 3 == 0 ? 1.0f : 0.0f});
       }
     }
   }
-  if (!quick) cases.push_back({65535 + 6, 3, FloatType::kF32, false});
+  if (!quick) {
+    cases.push_back({65535 + 6, 3, FloatType::kF32, false, FloatType::kF32, FloatType::kF32, 0.0f});
+  }
+  int mixed = 0;  // cases with a 16-bit residual beside float32 x
   k = 0;
   for (const Case& c : cases) {
     ++k;
@@ -463,9 +475,8 @@ int CheckBackward(bool quick) {
     const FloatType input = c.input;
     const bool residual = c.residual;
     const bool specials = k % 3 == 0;
-    const FloatType dn_type = k % 2 == 0 ? FloatType::kF32 : input;
-    const FloatType residual_type =
-        input == FloatType::kF32 && k % 4 == 1 ? FloatType::kBF16 : input;
+    const FloatType dn_type = c.dn_type, residual_type = c.residual_type;
+    mixed += residual && residual_type != input;
     const size_t elements = static_cast<size_t>(rows * hidden);
     const size_t in_bytes = FloatTypeBytes(input), res_bytes = FloatTypeBytes(residual_type);
     Rng rng{static_cast<uint64_t>(k) * 7919 + 17};
@@ -475,7 +486,9 @@ int CheckBackward(bool quick) {
     ExactBuffer r(static_cast<size_t>(rows) * sizeof(float));
     Fill(x, input, rows, hidden, rng, specials, 2.0f);
     if (residual) Fill(res, residual_type, rows, hidden, rng, false, 1.0f);
-    Fill(dn, dn_type, rows, hidden, rng, specials, dn_type == FloatType::kF16 ? 4.0f : 20.0f);
+    // dx in float16 holds at most 65504.
+    const bool half = dn_type == FloatType::kF16 || input == FloatType::kF16;
+    Fill(dn, dn_type, rows, hidden, rng, specials, half ? 3.0f : 20.0f);
     if (residual) Fill(dres, residual_type, rows, hidden, rng, false, 1.0f);
     Fill(gamma, FloatType::kF32, 1, hidden, rng, false, 0.5f);
     for (int64_t i = 0; i < rows; ++i) {
@@ -501,7 +514,7 @@ int CheckBackward(bool quick) {
                           input,
                           residual_type,
                           FloatType::kF32,
-                          k % 4 == 0 ? 1.0f : 0.0f};
+                          c.weight_offset};
     const std::string name = "backward " + std::to_string(rows) + "x" + std::to_string(hidden) +
                              " " + TypeName(input) +
                              (residual ? std::string(" add ") + TypeName(residual_type) : "") +
@@ -538,19 +551,26 @@ int CheckBackward(bool quick) {
     bool ok = SameBytes(dx, dx_cpu, "dx", name) && SameBytes(dgamma, dgamma_cpu, "dgamma", name);
     if (residual) ok = ok && SameBytes(dresidual, dresidual_cpu, "dresidual", name);
     if (ok && !specials) {
-      for (int64_t j = 0; j < hidden; ++j) {
-        if (!std::isfinite(reinterpret_cast<const float*>(dgamma.data)[j])) {
-          std::printf("FAIL %s: dgamma[%lld] is not finite on finite rows\n", name.c_str(),
-                      static_cast<long long>(j));
-          ok = false;
-          break;
-        }
+      for (int64_t j = 0; j < hidden && ok; ++j) {
+        ok = std::isfinite(reinterpret_cast<const float*>(dgamma.data)[j]);
       }
+      for (int64_t i = 0; i < rows * hidden && ok; ++i) {
+        const float v = input == FloatType::kF16 ? ToFloat(reinterpret_cast<const F16*>(dx.data)[i])
+                        : input == FloatType::kBF16
+                            ? ToFloat(reinterpret_cast<const BF16*>(dx.data)[i])
+                            : reinterpret_cast<const float*>(dx.data)[i];
+        ok = std::isfinite(v);
+      }
+      if (!ok) std::printf("FAIL %s: dx or dgamma is not finite on finite rows\n", name.c_str());
     }
     if (!ok) {
       ++failures;
       if (stop_at_failure) return failures;
     }
+  }
+  if (mixed == 0) {
+    std::printf("FAIL backward: no case has a 16-bit residual beside float32 x\n");
+    ++failures;
   }
   simt::TakeLaunches();
   return failures;
