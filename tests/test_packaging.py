@@ -188,6 +188,8 @@ def test_the_compiled_modules_need_only_glibc_libstdcxx_libgcc_and_libcuda(tmp_p
     needed, _ = check.dynamic_entries(modules[0])
     name = max(needed, key=len).encode()
     data = modules[0].read_bytes()
+    # Renamed in place, the file's length and offsets unchanged: the entry must be as long.
+    assert len(name) >= len(b"libcudart.so") and data.count(name + b"\0") == 1, name
     fake = tmp_path / "_fp8norm_fake.so"
     fake.write_bytes(data.replace(name + b"\0", b"libcudart.so".ljust(len(name) + 1, b"\0")))
     assert "libcudart.so" in check.dynamic_entries(fake)[0]
@@ -197,10 +199,15 @@ def test_the_compiled_modules_need_only_glibc_libstdcxx_libgcc_and_libcuda(tmp_p
     assert check.main([str(tmp_path / "nothing")]) == 2
     found = check.problems(
         {
-            "a.so": (["libc.so.6", "libpython3.11.so.1.0", "b.so"], []),
-            "b.so": (["libcuda.so.1", "libstdc++.so.6"], ["/usr/local/cuda/lib64", "$ORIGIN"]),
+            "_fp8norm_a.so": (["libc.so.6", "libpython3.11.so.1.0", "_fp8norm_b.so"], []),
+            "_fp8norm_b.so": (
+                ["libcuda.so.1", "libstdc++.so.6", "libcudart.so.13"],
+                ["/usr/local/cuda/lib64", "$ORIGIN"],
+            ),
+            "libcudart.so.13": ([], []),  # bundled beside them: not one of the package's own
         }
     )
-    assert len(found) == 2, found
-    assert "a.so needs ['libpython3.11.so.1.0']" in found[0]
-    assert "b.so has RPATH / RUNPATH ['/usr/local/cuda/lib64']" in found[1]
+    assert len(found) == 3, found
+    assert "_fp8norm_a.so needs ['libpython3.11.so.1.0']" in found[0]
+    assert "_fp8norm_b.so needs ['libcudart.so.13']" in found[1]
+    assert "_fp8norm_b.so has RPATH / RUNPATH ['/usr/local/cuda/lib64']" in found[2]
