@@ -210,10 +210,11 @@ def _varying_axes(v: jax.Array) -> frozenset:
 def _summed_over_devices(primal: jax.Array, cotangent: jax.Array) -> jax.Array:
     """Inside shard_map, ``cotangent`` psummed over the mesh axes along which it varies and
     ``primal`` does not: ``dn`` of a norm whose outputs are the same on every device of "tp"
-    (its ``inverse_rms`` does not vary there) and whose layer's weight is split by columns
-    over "tp" is the sum of every device's part (summed in float32 before the norm's
-    backward, so that dx is rounded once), and so is dgamma of a gamma replicated over the
-    axis that splits the rows. Where the norm's outputs vary (x, gamma, the residual or a
+    (the type of its ``inverse_rms``, which varies wherever any of the norm's operands
+    does, does not vary there) and whose layer's weight is split by columns over "tp" is
+    the sum of every device's part (summed in float32 before the norm's backward, so that
+    dx is rounded once), and so is dgamma of a gamma replicated over the axis that splits
+    the rows. Where the norm's outputs vary (x, gamma, the residual or a
     static or global scale differs between devices), each device's backward is its own,
     on its own dn, and dx, dresidual and dgamma are summed after it, once."""
     axes = tuple(sorted(_varying_axes(cotangent) - _varying_axes(primal)))

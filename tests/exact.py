@@ -176,8 +176,8 @@ def flushed(values) -> np.ndarray:
 def backward_sum(terms) -> np.float32:
     """The spec's sum of the backward's float32 ``terms``: the float32 nearest to their exact
     sum (ties to even, the exponent range unbounded), a term below 2^-126 counting as zero,
-    +0 below 2^-126 and for an exact zero; NaN and infinities as the spec says. Fractions
-    only."""
+    +0 below 2^-126 and for an exact zero; NaN and infinities as the spec says. Python
+    integers and fractions only."""
     terms = np.asarray(terms, np.float32).reshape(-1)
     nan = np.isnan(terms).any()
     plus, minus = (terms == np.inf).any(), (terms == -np.inf).any()

@@ -342,6 +342,29 @@ def collectives_in(hlo: str) -> list[str]:
     return [c for c in COLLECTIVES if re.search(rf"\b{c}(?:-start)?\(", hlo)]
 
 
+def same_bits(got, want, what: str = "") -> None:
+    """``got`` has ``want``'s dtype, shape and bits (NaN payloads and signed zeros
+    included); the message names the first elements that differ."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype)
+    view = {1: np.uint8, 2: np.uint16, 4: np.uint32}[got.dtype.itemsize]
+    mismatch = np.flatnonzero(got.view(view) != want.view(view))
+    assert mismatch.size == 0, (
+        what,
+        f"{mismatch.size} of {got.size} differ",
+        mismatch[:8],
+        got.reshape(-1)[mismatch[:8]],
+        want.reshape(-1)[mismatch[:8]],
+    )
+
+
+# The backward's kernels do not depend on the CUDA kernel variant (a plan of their own):
+# one emulated variant is enough.
+BACKWARD_PLATFORMS = pytest.mark.parametrize(
+    "platform", ["cpu", "simt-block_shared", "gpu"], indirect=True
+)
+
+
 def random_rows(seed: int, shape, dtype, *, spread: float = 2.0) -> np.ndarray:
     """Normal values with a per-row magnitude spread over 10^[-spread, spread]."""
     rng = np.random.default_rng(seed)

@@ -13,34 +13,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
+    BACKWARD_PLATFORMS,
     check_against_reference,
     random_gamma,
     random_rows,
     recipe,
     reference_on_cpu,
     run_on,
+    same_bits,
 )
 
 import jax_fp8norm as fp8norm
 from jax_fp8norm import reference
-
-# The backward's kernels do not depend on the CUDA kernel variant (a plan of their own):
-# one emulated variant is enough.
-BACKWARD_PLATFORMS = pytest.mark.parametrize(
-    "platform", ["cpu", "simt-block_shared", "gpu"], indirect=True
-)
-
-
-def same_bits(got, want) -> None:
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype)
-    view = {1: np.uint8, 2: np.uint16, 4: np.uint32}[got.dtype.itemsize]
-    mismatch = np.flatnonzero(got.view(view) != want.view(view))
-    assert mismatch.size == 0, (
-        mismatch[:8],
-        got.reshape(-1)[mismatch[:8]],
-        want.reshape(-1)[mismatch[:8]],
-    )
 
 
 def cancelling_terms(seed: int, rows: int, k: int) -> np.ndarray:

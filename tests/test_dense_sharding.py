@@ -15,7 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import EXTENDED, TIERS, random_gamma, random_rows, rerun_with_virtual_cpu_devices
+from helpers import (
+    EXTENDED,
+    TIERS,
+    random_gamma,
+    random_rows,
+    rerun_with_virtual_cpu_devices,
+    same_bits,
+)
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -205,10 +212,8 @@ else:
         return rng, x, gamma, w, g
 
     def _same_bits(got, want, what):
-        got, want = np.asarray(got), np.asarray(want)
-        assert got.dtype == want.dtype and got.shape == want.shape, what
-        assert np.all(np.isfinite(want.astype(np.float32))), what
-        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), err_msg=what)
+        assert np.all(np.isfinite(np.asarray(want, np.float32))), what
+        same_bits(got, want, what)
 
     def _summed_over_devices(got, want, what):
         """float32 sums over the devices, in XLA's order: within 2^-18 of the largest value
@@ -252,8 +257,9 @@ else:
 
         dx, dgamma, dw, out = jax.jit(sharded)(x, gamma, w, g)
         (dx1, dgamma1, dw1), out1 = _single_device(grads, x, gamma, w, g)
-        _same_bits(out, out1, "out")
-        _same_bits(dx, dx1, "dx")
+        # Row-local, but each a GEMM of another program's: float32 rounding apart at most.
+        _close(out, out1, "out")
+        _close(dx, dx1, "dx")
         _summed_over_devices(dgamma, dgamma1, "dgamma")
         _summed_over_devices(dw, dw1, "dw")
 

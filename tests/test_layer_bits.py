@@ -14,7 +14,15 @@ import jax.numpy as jnp
 import layer_twin
 import numpy as np
 import pytest
-from helpers import EXTENDED, RECIPE_NAMES, device_of, random_gamma, random_rows, recipe
+from helpers import (
+    EXTENDED,
+    RECIPE_NAMES,
+    device_of,
+    random_gamma,
+    random_rows,
+    recipe,
+    same_bits,
+)
 
 import jax_fp8norm as fp8norm
 
@@ -70,11 +78,7 @@ def _assert_bits(got: dict, want: dict):
     """Each of ``want``'s outputs finite (the data is) and ``got``'s the same bits."""
     for what in want:
         assert np.all(np.isfinite(np.asarray(want[what], np.float32))), what
-        bits = {2: np.uint16, 4: np.uint32}[want[what].dtype.itemsize]
-        a, b = np.asarray(got[what]), np.asarray(want[what])
-        assert (a.dtype, a.shape) == (b.dtype, b.shape), (what, a.dtype, a.shape, b.dtype)
-        differ = np.count_nonzero(a.view(bits) != b.view(bits))
-        assert differ == 0, f"{what}: {differ} of {a.size} elements differ in their bits"
+        same_bits(got[what], want[what], what)
 
 
 @LAYER_PLATFORMS

@@ -302,7 +302,7 @@ class CpuModule:
 def check(module: CpuModule, mutant: Mutant) -> tuple[list[str], str]:
     """(the ids of the tests that caught the mutant, none if none did; the report's lines)
     for one mutant, built and tested in `module`, whose copy of the file is then restored."""
-    original = (ROOT / mutant.file).read_text()
+    original = (module.tree / mutant.file).read_text()
     try:
         return _check(module, original, mutant)
     finally:
