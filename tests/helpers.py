@@ -380,6 +380,24 @@ def random_gamma(seed: int, n: int, dtype) -> np.ndarray:
     return rng.uniform(-2.0, 2.0, size=(n,)).astype(jnp.dtype(dtype))
 
 
+def cancelling_batch(seed: int, rows: int, n: int, x_dtype="bfloat16"):
+    """Finite rows whose backward sums cancel, shuffled: ``x`` in pairs of equal rows (equal
+    ``r`` and ``u``) of magnitudes 10^-2 .. 10^2, whose squares stay in range; ``dn`` in
+    near-opposite pairs (t, -t(1 + k 2^-20)) over 2^-40 .. 2^40 element by element, so
+    that dgamma's column sums cancel pairwise down to what the small terms decide, and a
+    row's terms of c, of random signs over 80 binades, cancel too. (x, dn float32, gamma
+    float32)."""
+    assert rows % 2 == 0
+    rng = np.random.default_rng(seed)
+    half = rows // 2
+    x = random_rows(seed, (half, n), x_dtype)
+    base = rng.standard_normal((half, n)) * 2.0 ** rng.integers(-40, 41, (half, n))
+    wobble = 1 + rng.integers(-3, 4, (half, n)) * 2.0**-20
+    dn = np.concatenate([base, -base * wobble]).astype(np.float32)
+    order = rng.permutation(rows)
+    return np.concatenate([x, x])[order], dn[order], random_gamma(seed + 1, n, "float32")
+
+
 def outputs_of_script(script: str, path, **env: str) -> dict[str, np.ndarray]:
     """Runs ``python -c script path`` with ``env`` added to the environment (an empty value
     removes the variable) and returns the arrays the script saved to ``path`` with

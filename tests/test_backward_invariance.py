@@ -17,32 +17,14 @@ import numpy as np
 import pytest
 from helpers import (
     BACKWARD_PLATFORMS,
+    cancelling_batch,
     outputs_of_script,
-    random_gamma,
     random_rows,
     run_on,
     same_bits,
 )
 
 import jax_fp8norm as fp8norm
-
-
-def cancelling_batch(seed: int, rows: int, n: int, x_dtype="bfloat16"):
-    """Finite rows whose backward sums cancel, shuffled: ``x`` in pairs of equal rows (equal
-    ``r`` and ``u``) of magnitudes 10^-2 .. 10^2, whose squares stay in range; ``dn`` in
-    near-opposite pairs (t, -t(1 + k 2^-20)) over 2^-40 .. 2^40 element by element, so
-    that dgamma's column sums cancel pairwise down to what the small terms decide, and a
-    row's terms of c, of random signs over 80 binades, cancel too. (x, dn float32, gamma
-    float32)."""
-    assert rows % 2 == 0
-    rng = np.random.default_rng(seed)
-    half = rows // 2
-    x = random_rows(seed, (half, n), x_dtype)
-    base = rng.standard_normal((half, n)) * 2.0 ** rng.integers(-40, 41, (half, n))
-    wobble = 1 + rng.integers(-3, 4, (half, n)) * 2.0**-20
-    dn = np.concatenate([base, -base * wobble]).astype(np.float32)
-    order = rng.permutation(rows)
-    return np.concatenate([x, x])[order], dn[order], random_gamma(seed + 1, n, "float32")
 
 
 def dgamma_terms(dn, x, r) -> np.ndarray:
@@ -168,7 +150,7 @@ SPLIT_SCRIPT = textwrap.dedent(
     import jax
     import numpy as np
     from jax_fp8norm_kernels import _fp8norm_cpu
-    from test_backward_invariance import cancelling_batch
+    from helpers import cancelling_batch
     import jax_fp8norm as fp8norm
 
     jax.config.update("jax_platforms", "cpu")

@@ -117,8 +117,8 @@ SCRIPT = textwrap.dedent(
             for k, v in enumerate(outs_bwd):
                 outs[f"backward-{hidden}-{dtype}-{k}"] = np.asarray(v).view(np.uint8)
     # The backward over many tasks (25 of 170 rows), on finite rows whose sums cancel
-    # (tests/test_backward_invariance.py): dgamma's accumulators merged across tasks.
-    from test_backward_invariance import cancelling_batch
+    # (helpers.cancelling_batch): dgamma's accumulators merged across tasks.
+    from helpers import cancelling_batch
     x, dn, gamma = cancelling_batch(60, 4096, 96)
     *_, r = fp8norm.rms_norm_fp8_training(x, gamma)
     outs_bwd = fp8norm.rms_norm_backward(dn, x, gamma, r, weight_offset=0.5)
