@@ -1,7 +1,6 @@
 """JAX primitives of the backward pass of rms_norm_fp8 and add_rms_norm_fp8 (docs/spec.md,
 "Training: the backward pass"), with every rule of each in this file: the shape rule, the
-lowering (the CPU and CUDA kernels, the emulated CUDA kernels while the CPU backend
-emulates them; elsewhere the reference twin, as jax_fp8norm._fallback says) and batching.
+lowering and batching, registered through jax_fp8norm._lowering as the norm's are.
 Operands: rms: (dn, x, gamma, inverse_rms); add: (dn, d_residual_out, x, residual, gamma,
 inverse_rms). Results: (dx, dgamma) and (dx, dresidual, dgamma)."""
 
@@ -10,14 +9,13 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+from jax.interpreters import batching
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_fp8norm import _ffi, reference
-from jax_fp8norm._primitives import eager_impl, twin_lowering
+from jax_fp8norm import reference
+from jax_fp8norm._lowering import eager_impl, map_over_batch, register_lowerings, twin_lowering
 
 
 def _varying(avals) -> dict:
@@ -60,7 +58,7 @@ def _twin(*operands, weight_offset, add):
     return reference.backward(*operands, weight_offset)
 
 
-def _ffi_rule(target: str):
+def _ffi_rule(target: str, platform: str):
     rule = jax.ffi.ffi_lowering(target)
 
     def lowering(ctx, *args, weight_offset, add):
@@ -69,50 +67,14 @@ def _ffi_rule(target: str):
     return lowering
 
 
-def _cpu_lowering(op: str):
-    """The CPU kernel, or the emulated CUDA kernel while the FFI layer's switch is on."""
-    rules = {t: _ffi_rule(t) for t in (_ffi.TARGETS[op], _ffi.EMULATED_TARGETS[op])}
-
-    def lowering(ctx, *args, **params):
-        return rules[_ffi.cpu_target(op)](ctx, *args, **params)
-
-    return lowering
-
-
-def _cuda_lowering(op: str):
-    """The CUDA kernels where this build has them, else the twin; decided when lowering."""
-    kernel, twin = _ffi_rule(_ffi.TARGETS[op]), twin_lowering(op, _twin)
-
-    def lowering(ctx, *args, **params):
-        return (kernel if _ffi.built_with_cuda() else twin)(ctx, *args, **params)
-
-    return lowering
-
-
-def _batching_rule(prim: Primitive):
-    """vmap: one call per batch element (lax.map), as each element has a dgamma of its own."""
-
-    def rule(args, dims, **params):
-        size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
-        front = [
-            jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
-            for a, d in zip(args, dims, strict=True)
-        ]
-        outs = jax.lax.map(lambda a: prim.bind(*a, **params), tuple(front))
-        return outs, [0] * len(outs)
-
-    return rule
-
-
 def _make_backward_primitive(op: str) -> Primitive:
     prim = Primitive(f"fp8norm_{op}")
     prim.multiple_results = True
     prim.def_abstract_eval(_abstract_eval)
     prim.def_impl(functools.partial(eager_impl, prim))
-    mlir.register_lowering(prim, _cpu_lowering(op), platform="cpu")
-    mlir.register_lowering(prim, _cuda_lowering(op), platform="cuda")
-    mlir.register_lowering(prim, twin_lowering(op, _twin))
-    batching.primitive_batchers[prim] = _batching_rule(prim)
+    register_lowerings(prim, op, _ffi_rule, twin_lowering(op, _twin))
+    # One call per batch element: each element has a dgamma of its own.
+    batching.primitive_batchers[prim] = functools.partial(map_over_batch, prim)
     return prim
 
 

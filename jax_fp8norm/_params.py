@@ -162,3 +162,14 @@ class NormCall:
         a Keras variable say), then the scale operand if any."""
         extra = () if self.scale_operand is None else (self.scale_operand,)
         return (*(as_operand(a) for a in arrays), *extra)
+
+
+def has_scale_operand(params: dict) -> bool:
+    """Whether a calibrated scale or NVFP4's global scale follows gamma among a norm
+    primitive's operands (``params``: its parameters, NormParams.as_dict())."""
+    return bool(params["has_static_scale"] or params["has_global_scale"])
+
+
+def num_row_operands(num_operands: int, scale_operand: bool) -> int:
+    """x (and residual): a norm primitive's operands before gamma (and the scale operand)."""
+    return num_operands - 1 - int(scale_operand)

@@ -1,7 +1,8 @@
-"""JAX primitives of the ops, with every rule of each in this file: abstract evaluation (the
-shape rule), lowering to the XLA FFI custom calls per platform, partitioning under jit
-(custom_partitioning with a Shardy sharding rule), batching (vmap) and differentiation
-(the FP8 / FP4 outputs refuse a JVP; jax_fp8norm.autodiff holds the differentiable twins).
+"""JAX primitives of the ops: abstract evaluation (the shape rule), lowering to the XLA FFI
+custom calls per platform (through jax_fp8norm._lowering, as the backward's primitives),
+batching (vmap) and differentiation (the FP8 / FP4 outputs refuse a JVP;
+jax_fp8norm.autodiff holds the differentiable twins); partitioning under jit is
+jax_fp8norm._partitioning.
 Where this build has no kernel for a platform, the kernels' primitives lower to their
 reference twins (jax_fp8norm._fallback)."""
 
@@ -14,15 +15,26 @@ import random
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
-from jax.interpreters.mlir import ir
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jax_fp8norm import _allreduce, _fallback, _ffi, reference
-from jax_fp8norm._params import NormCall, NormParams
+from jax_fp8norm._lowering import (
+    batch_size,
+    eager_impl,
+    lowering_platforms,
+    map_over_batch,
+    register_lowerings,
+    to_front,
+    twin_lowering,
+)
+from jax_fp8norm._params import NormCall, NormParams, has_scale_operand, num_row_operands
+from jax_fp8norm._partitioning import (
+    columnwise_row_axes,
+    partitioned_lowering,
+    requires_devices_during_lowering,
+    row_spec,
+)
 from jax_fp8norm.recipes import scales_per_row
 
 # The FFI target names of the native kernels, the same on every platform.
@@ -37,17 +49,6 @@ EXPORT_DISABLED_CHECKS = tuple(
     for targets in (_ffi.TARGETS, _ffi.EMULATED_TARGETS)
     for name in targets.values()
 )
-
-
-@functools.cache
-def _jitted_bind(prim: Primitive, params: tuple, emulating: bool) -> callable:
-    return jax.jit(functools.partial(prim.bind, **dict(params)))
-
-
-def eager_impl(prim: Primitive, *args, **params):
-    """Eager calls compile the primitive once per set of parameters (and shapes), and per
-    kind of kernel the CPU backend runs (native or emulated)."""
-    return _jitted_bind(prim, tuple(sorted(params.items())), _ffi.emulating())(*args)
 
 
 def norm_attributes(params: dict, platform: str) -> dict:
@@ -133,17 +134,11 @@ def _lower_empty_rows(ctx, args, params: dict):
     return mlir.lower_fun(outputs, multiple_results=True)(ctx, *args)
 
 
-def lowering_platforms(ctx) -> tuple[str, ...]:
-    """The platforms a lowering rule lowers for: one, or those sharing this rule when
-    jax.export lowers for several."""
-    return tuple(getattr(ctx, "platforms", None) or ctx.module_context.platforms)
-
-
 def _twin(*operands, **params):
     """The reference twin of a norm kernel's call, from the kernel primitive's operands."""
     p = NormParams(**params)
-    scale_operand = operands[-1] if _has_scale_operand(params) else None
-    num_rows = _num_row_operands(len(operands), scale_operand is not None)
+    scale_operand = operands[-1] if has_scale_operand(params) else None
+    num_rows = num_row_operands(len(operands), scale_operand is not None)
     gamma = operands[num_rows]
     if num_rows == 1:
         h = operands[0].astype(jnp.float32)
@@ -159,44 +154,12 @@ def _twin(*operands, **params):
     return outs
 
 
-def twin_lowering(op: str, twin=None):
-    """Where this build has no kernel for the platform: the op's reference twin (``twin``,
-    a function of the primitive's operands and parameters; the norm's by default)."""
-    lower = mlir.lower_fun(twin or _twin, multiple_results=True)
-
-    def lowering(ctx, *args, **params):
-        _fallback.lower_to_twin(op, lowering_platforms(ctx))
-        return lower(ctx, *args, **params)
-
-    return lowering
-
-
-def _cuda_lowering(kernel_rule, fallback_rule):
-    """The CUDA kernels where this build has them, else the twin; decided when lowering."""
-
-    def lowering(ctx, *args, **params):
-        rule = kernel_rule if _ffi.built_with_cuda() else fallback_rule
-        return rule(ctx, *args, **params)
-
-    return lowering
-
-
 def _unreduced_axes(aval) -> frozenset:
     """The mesh axes over which ``aval`` holds partial sums: in its sharding under explicit
     axes, in its manual axis type inside shard_map."""
     spec_axes = getattr(getattr(aval.sharding, "spec", None), "unreduced", None) or frozenset()
     manual = getattr(aval, "manual_axis_type", None)
     return frozenset(spec_axes) | frozenset(getattr(manual, "unreduced", None) or ())
-
-
-def _has_scale_operand(params: dict) -> bool:
-    """Whether a calibrated scale or NVFP4's global scale follows gamma."""
-    return bool(params["has_static_scale"] or params["has_global_scale"])
-
-
-def _num_row_operands(num_operands: int, scale_operand: bool) -> int:
-    """x (and residual): the operands before gamma (and the scale operand)."""
-    return num_operands - 1 - int(scale_operand)
 
 
 def _output_types(avals, scale_operand: bool, scale_name: str) -> dict:
@@ -208,7 +171,7 @@ def _output_types(avals, scale_operand: bool, scale_name: str) -> dict:
     Under explicit mesh axes these types are checked, so they must say exactly that.
     Inside shard_map: varying over every manual axis any input varies over. Never
     unreduced or reduced: the norm is not linear, so a partial sum is refused."""
-    rows = ("x",) if _num_row_operands(len(avals), scale_operand) == 1 else ("x", "residual")
+    rows = ("x",) if num_row_operands(len(avals), scale_operand) == 1 else ("x", "residual")
     names = (*rows, "gamma", scale_name)
     for name, aval in zip(names, avals, strict=False):
         unreduced = _unreduced_axes(aval)
@@ -226,7 +189,7 @@ def _output_types(avals, scale_operand: bool, scale_name: str) -> dict:
     if spec is None:  # no mesh in sight: nothing to declare
         types["sharding"] = x.sharding
     else:
-        rows = _row_spec(x.sharding, x.ndim) + (None,)
+        rows = row_spec(x.sharding, x.ndim) + (None,)
         types["sharding"] = x.sharding.update(
             spec=spec.update(partitions=rows, unreduced=frozenset(), reduced=frozenset())
         )
@@ -243,7 +206,7 @@ def _norm_abstract_eval(*avals, reduced_axes: tuple = (), **params):
     """The outputs' types; ``reduced_axes``: the manual axes the op all-reduces x over, which
     its outputs vary over only where another operand does."""
     x = avals[0]
-    scale_operand = _has_scale_operand(params)
+    scale_operand = has_scale_operand(params)
     scale_name = "global_scale" if params["has_global_scale"] else "static_scale"
     types = _output_types(avals, scale_operand, scale_name)
     if reduced_axes and "manual_axis_type" in types:
@@ -260,7 +223,7 @@ def _norm_abstract_eval(*avals, reduced_axes: tuple = (), **params):
         x.update(shape=x.shape, dtype=np.dtype(params["out_dtype"]), **types),
         x.update(shape=x.shape[:-1] + (groups,), dtype=np.dtype(params["scale_dtype"]), **types),
     ]
-    if _num_row_operands(len(avals), scale_operand) == 2:
+    if num_row_operands(len(avals), scale_operand) == 2:
         # x, residual, gamma: residual_out has the residual's dtype
         outs.append(x.update(shape=x.shape, dtype=avals[1].dtype, **types))
     if params["with_inverse_rms"]:
@@ -271,7 +234,7 @@ def _norm_abstract_eval(*avals, reduced_axes: tuple = (), **params):
         p = NormParams(**params)
         y_t_types = scales_t_types = types
         if "sharding" in types and getattr(x.sharding, "spec", None) is not None:
-            axes = _columnwise_row_axes(x.sharding, x.shape, params)
+            axes = columnwise_row_axes(x.sharding, x.shape, params)
 
             def last_axis(axes):
                 spec = x.sharding.spec.update(
@@ -290,36 +253,6 @@ def _norm_abstract_eval(*avals, reduced_axes: tuple = (), **params):
     return outs
 
 
-def _cpu_lowering(op: str, make_rule):
-    """The CPU kernels, or the emulated CUDA ones while the FFI layer's switch is on."""
-    rules = {
-        target: make_rule(target, "cpu") for target in (_ffi.TARGETS[op], _ffi.EMULATED_TARGETS[op])
-    }
-
-    def lowering(ctx, *args, **params):
-        return rules[_ffi.cpu_target(op)](ctx, *args, **params)
-
-    return lowering
-
-
-def _register_lowerings(prim: Primitive, op: str, make_rule, twin) -> None:
-    """A native target's name is the same on every platform, only the handler behind it
-    differs; on the CPU the FFI layer's switch may pick the emulated target instead. Every
-    other platform (and CUDA in a build without its kernels) gets ``twin``."""
-    mlir.register_lowering(prim, _cpu_lowering(op, make_rule), platform="cpu")
-    mlir.register_lowering(
-        prim, _cuda_lowering(make_rule(_ffi.TARGETS[op], "cuda"), twin), platform="cuda"
-    )
-    mlir.register_lowering(prim, twin)
-
-
-def _to_front(value, dim, size):
-    """The batch axis first: moved there, or made by broadcasting an unbatched operand."""
-    if dim is None:
-        return jnp.broadcast_to(value, (size, *value.shape))
-    return jnp.moveaxis(value, dim, 0)
-
-
 def _norm_batching_rule(prim: Primitive):
     """vmap. Every leading axis of x is a row axis to the kernel, so a batch of x (and
     residual) with one shared gamma (and calibrated scale) is one kernel call over more
@@ -328,206 +261,16 @@ def _norm_batching_rule(prim: Primitive):
     batch element."""
 
     def rule(args, dims, **params):
-        size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
-        num_rows = _num_row_operands(len(args), _has_scale_operand(params))
-        rows = [
-            _to_front(a, d, size) for a, d in zip(args[:num_rows], dims[:num_rows], strict=True)
-        ]
-        shared, shared_dims = args[num_rows:], dims[num_rows:]
+        num_rows = num_row_operands(len(args), has_scale_operand(params))
         # The columnwise form's blocks must not mix batch elements: one call per element.
-        if all(d is None for d in shared_dims) and not params["columnwise"]:
-            outs = prim.bind(*rows, *shared, **params)
-        else:
-            batched = [_to_front(a, d, size) for a, d in zip(shared, shared_dims, strict=True)]
-            outs = jax.lax.map(lambda a: prim.bind(*a, **params), (*rows, *batched))
+        if any(d is not None for d in dims[num_rows:]) or params["columnwise"]:
+            return map_over_batch(prim, args, dims, **params)
+        size = batch_size(args, dims)
+        rows = [to_front(a, d, size) for a, d in zip(args[:num_rows], dims[:num_rows], strict=True)]
+        outs = prim.bind(*rows, *args[num_rows:], **params)
         return outs, [0] * len(outs)
 
     return rule
-
-
-def _row_spec(sharding, rank: int) -> tuple:
-    """The mesh axes of the row dimensions of a rank-``rank`` operand's sharding."""
-    spec = tuple(getattr(sharding, "spec", ()))[: rank - 1]
-    return spec + (None,) * (rank - 1 - len(spec))
-
-
-def _columnwise_row_axes(sharding, shape: tuple, params: dict):
-    """The mesh axes (a name or a tuple of names) the columnwise form keeps x's rows, and
-    y_t's and scales_t's last axis, sharded over; None when the rows must be gathered.
-
-    ``y_t [N, rows]`` flattens the row dimensions in row-major order, so a device's rows
-    are one contiguous run of y_t's columns only when the first row dimension alone is
-    sharded; and a block of ``group_size`` rows must not span two devices. Then each
-    device's call makes its own rows' part of y_t and scales_t, the same bits as one call
-    over all rows (each block depends on its own rows alone)."""
-    rows = _row_spec(sharding, len(shape))
-    if not rows or rows[0] is None or any(axis is not None for axis in rows[1:]):
-        return None
-    mesh = getattr(sharding, "mesh", None)
-    names = rows[0] if isinstance(rows[0], tuple) else (rows[0],)
-    shards = int(np.prod([mesh.shape[name] for name in names])) if mesh is not None else 0
-    if shards < 1 or shape[0] % shards:
-        return None
-    local_rows = shape[0] // shards * int(np.prod(shape[1:-1], dtype=np.int64))
-    group = params["group_size"]
-    if not params["has_static_scale"] and (group is None or local_rows % group):
-        return None
-    return rows[0]
-
-
-def _result_shardings(mesh, rows: tuple, num_results: int):
-    # y and residual_out [..., N] and scales [..., 1]: rows as x's, the last axis whole.
-    return tuple(NamedSharding(mesh, P(*rows, None)) for _ in range(num_results))
-
-
-@functools.cache
-def _partitioned(kernel: Primitive, params: tuple, num_operands: int, columns: tuple | None):
-    """kernel.bind wrapped in custom_partitioning: under jit with sharded inputs, XLA runs
-    it on each device's rows (no all-gather when rows are sharded: per-group scales
-    [..., N // G] keep the rows' sharding too); a hidden axis that is sharded is gathered
-    first, since each row needs all of it. gamma and a calibrated scale are replicated.
-    The columnwise form keeps x's first row dimension sharded where
-    _columnwise_row_axes allows, with y_t and scales_t sharded along their last axis by the
-    same mesh axes (a calibrated scale's scales_t [N, 1] replicated), and gathers the rows
-    otherwise. ``columns``: the columnwise form's (x's shape, the device count or None),
-    which its sharding rule depends on; None for the other forms, whose rule does not."""
-    kwargs = dict(params)
-    num_rows = _num_row_operands(num_operands, _has_scale_operand(kwargs))
-    num_shared = num_operands - num_rows
-    # rms: (y, scales); add: (y, scales, residual_out); the training forms: then r
-    num_results = num_rows + 1 + int(bool(kwargs["with_inverse_rms"]))
-    columnwise = kwargs["columnwise"]
-
-    @custom_partitioning
-    def call(*args):
-        return tuple(kernel.bind(*args, **kwargs))
-
-    def row_axes(arg_shapes):
-        """The rows' spec (x's row dimensions) and, columnwise, y_t's mesh axes."""
-        x = arg_shapes[0]
-        if not columnwise:
-            return _row_spec(x.sharding, len(x.shape)), None
-        axes = _columnwise_row_axes(x.sharding, x.shape, kwargs)
-        return (axes,) + (None,) * (len(x.shape) - 2), axes
-
-    def result_shardings(mesh, rows, columns_axes):
-        outs = _result_shardings(mesh, rows, num_results)
-        if columnwise:
-            blocks = None if kwargs["has_static_scale"] else columns_axes
-            outs += tuple(NamedSharding(mesh, P(None, axes)) for axes in (columns_axes, blocks))
-        return outs
-
-    def partition(mesh, arg_shapes, result_shape):
-        rows, columns_axes = row_axes(arg_shapes)
-        row_operands = [NamedSharding(mesh, P(*rows, None))] * num_rows
-        arg_shardings = (*row_operands, *[NamedSharding(mesh, P(None))] * num_shared)
-        lower = lambda *args: tuple(kernel.bind(*args, **kwargs))  # noqa: E731
-        return mesh, lower, result_shardings(mesh, rows, columns_axes), arg_shardings
-
-    def infer(mesh, arg_shapes, result_shape):
-        return result_shardings(mesh, *row_axes(arg_shapes))
-
-    factor_sizes = {}
-    if columnwise:
-        shape, num_devices = columns
-        # The row dimensions by name, y_t's last axis their product (row-major). Where the
-        # last row dimension is a multiple of the block, it is (rows of blocks, block
-        # rows), and scales_t's last axis is the product of the rows of blocks; otherwise
-        # a factor of its own, which the rows' sharding does not reach (XLA then gathers
-        # scales_t, 1/32 of y_t's bytes or less).
-        names = [f"r{chr(ord('a') + i)}" for i in range(len(shape) - 1)]
-        group = 1 if kwargs["has_static_scale"] else kwargs["group_size"]
-        dims = list(names)
-        block_names = None
-        # Only where every mesh axis divides the rows of blocks (the device count unknown,
-        # as inside shard_map: never): otherwise the partitioner may split an axis between
-        # the two factors, which custom_partitioning cannot take.
-        devices = num_devices if isinstance(num_devices, int) else 0
-        if not kwargs["has_static_scale"] and devices and shape[-2] % (group * devices) == 0:
-            dims[-1] = f"({names[-1]} g)"
-            factor_sizes["g"] = group
-            if len(names) > 1:  # a factor that appears only in compound dimensions
-                factor_sizes[names[-1]] = shape[-2] // group
-            block_names = names
-        row_dims = " ".join(dims)
-        rows = f"{row_dims} n, " * num_rows
-        results = f"{row_dims} n, {row_dims} k" + (f", {row_dims} n" if num_rows == 2 else "")
-        flat = names + (["g"] if block_names is not None else [])
-        flat_rows = flat[0] if len(flat) == 1 else f"({' '.join(flat)})"
-        if block_names is None:
-            blocks = "blocks"
-        else:
-            blocks = names[0] if len(names) == 1 else f"({' '.join(names)})"
-        results += f", {row_dims} j, n {flat_rows}, n {blocks}"
-    else:
-        rows = "... n, " * num_rows
-        results = "... n, ... k" + (", ... n" if num_rows == 2 else "")
-        results += ", ... j" if kwargs["with_inverse_rms"] else ""
-    shared = "n" + (", s" if num_shared == 2 else "")
-    call.def_partition(
-        partition,
-        infer_sharding_from_operands=infer,
-        sharding_rule=f"{rows}{shared} -> {results}",
-        need_replication_factors=("n",),
-        **factor_sizes,
-    )
-    return call
-
-
-def _requires_devices_during_lowering(prim: Primitive) -> None:
-    try:
-        from jax._src import dispatch
-    except ImportError:  # without it the lowering falls back to the unpartitioned call
-        return
-    registry = getattr(dispatch, "prim_requires_devices_during_lowering", None)
-    if registry is not None:
-        registry.add(prim)
-
-
-def _partitioned_lowering(kernel: Primitive):
-    def lowering(ctx, *args, **params):
-        # One device, devices not yet assigned (custom_partitioning needs them), or
-        # lowering for jax.export (which cannot serialise custom_partitioning's host
-        # callback): the kernel's call alone, which XLA runs unpartitioned.
-        axis_context = ctx.module_context.axis_context
-        num_devices = getattr(axis_context, "num_devices", None)
-        unassigned = hasattr(axis_context, "device_assignment") and (
-            axis_context.device_assignment is None
-        )
-        lowering_parameters = getattr(ctx.module_context, "lowering_parameters", None)
-        for_export = getattr(lowering_parameters, "for_export", False)
-        shape = tuple(ctx.avals_in[0].shape)
-        # A columnwise call of one row (x of rank 1) has no row axis to shard.
-        one_row = params["columnwise"] and len(shape) < 2
-        if num_devices == 1 or unassigned or for_export or one_row:
-            call = functools.partial(kernel.bind, **params)
-            return mlir.lower_fun(call, multiple_results=True)(ctx, *args)
-        key = tuple(sorted(params.items()))
-        columns = (shape, num_devices) if params["columnwise"] else None
-        call = _partitioned(kernel, key, len(args), columns)
-        results = mlir.lower_fun(call, multiple_results=True)(ctx, *args)
-        kernels = "emulated" if _ffi.emulating() else "native"
-        _describe_partitioned_call(results, f"{kernel.name} {kernels} {key}")
-        return results
-
-    return lowering
-
-
-PARTITIONED_CALL_ATTRIBUTE = "fp8norm_call"
-
-
-def _describe_partitioned_call(results, description: str) -> None:
-    """custom_partitioning's call carries only the address of its Python callbacks, not the
-    op's settings or kernel, so two calls that differ only there lower to the same text.
-    jax's persistent compilation cache keys on that text: once the first call's callbacks
-    are freed and their address reused, it would hand the second the first's program. The
-    settings, as a frontend attribute of the call, make the texts differ."""
-    op = results[0].owner  # the call's results are all of one op
-    target = op.attributes["call_target_name"] if "call_target_name" in op.attributes else None
-    if target is not None and ir.StringAttr(target).value == "CustomSPMDPartitioning":
-        op.attributes["mhlo.frontend_attributes"] = ir.DictAttr.get(
-            {PARTITIONED_CALL_ATTRIBUTE: ir.StringAttr.get(description)}
-        )
 
 
 def _no_gradient(op: str):
@@ -554,18 +297,18 @@ def _make_norm_primitive(op: str) -> Primitive:
     kernel = Primitive(f"{name}_kernel")
     kernel.multiple_results = True
     kernel.def_abstract_eval(_norm_abstract_eval)
-    _register_lowerings(kernel, op, _ffi_lowering, twin_lowering(op))
+    register_lowerings(kernel, op, _ffi_lowering, twin_lowering(op, _twin))
 
     prim = Primitive(name)
     prim.multiple_results = True
     prim.def_abstract_eval(_norm_abstract_eval)
     prim.def_impl(functools.partial(eager_impl, prim))
-    mlir.register_lowering(prim, _partitioned_lowering(kernel))
+    mlir.register_lowering(prim, partitioned_lowering(kernel))
     batching.primitive_batchers[prim] = _norm_batching_rule(prim)
     ad.primitive_jvps[prim] = _no_gradient(op)
     # custom_partitioning needs the devices while lowering; jax provides them only for
     # primitives it knows to ask (jax's own custom_partitioning_p is in the same set).
-    _requires_devices_during_lowering(prim)
+    requires_devices_during_lowering(prim)
     return prim
 
 
@@ -701,5 +444,5 @@ def _round_unavailable(ctx, x, *, dtype):
     raise NotImplementedError(f"jax_fp8norm's rounding check has no kernel on {platforms}")
 
 
-_register_lowerings(round_p, "round", _round_lowering, _round_unavailable)
+register_lowerings(round_p, "round", _round_lowering, _round_unavailable)
 batching.defvectorized(round_p)
