@@ -1,5 +1,5 @@
-"""README's Layout section against the tree: every source file of the package, the C++,
-the tests and the tools is named there, and every file it names exists."""
+"""docs/layout.md against the tree: every source file of the package, the C++, the tests
+and the tools is named there, and every file it names exists."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# The folders whose every file the section names (not their subfolders: those are listed
+LAYOUT = ROOT / "docs" / "layout.md"
+# The folders whose every file the page names (not their subfolders: those are listed
 # on their own or named as a whole).
 FOLDERS = (
     "jax_fp8norm",
@@ -38,10 +39,7 @@ FILE_NAME = re.compile(r"^[\w*./-]+\.(?:py|h|cc|cu|cuh|inc|cmake|sh|md|txt|png)$
 
 
 def layout_section() -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index("\n## Layout\n")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end >= 0 else len(text)]
+    return LAYOUT.read_text()
 
 
 def expand(token: str) -> list[str]:
@@ -76,7 +74,7 @@ def test_every_source_file_is_named():
         if path.is_file() and path.name not in UNNAMED and not path.name.startswith(".")
         if not any(_matches(path, name) for name in names)
     ]
-    assert not unnamed, f"README's Layout section does not name {unnamed}"
+    assert not unnamed, f"docs/layout.md does not name {unnamed}"
 
 
 def test_every_named_file_exists():
@@ -86,4 +84,4 @@ def test_every_named_file_exists():
         if path.is_file() and not {"build", ".git"} & set(path.relative_to(ROOT).parts)
     ]
     missing = [name for name in named_files() if not any(_matches(p, name) for p in tree)]
-    assert not missing, f"README's Layout section names files that do not exist: {missing}"
+    assert not missing, f"docs/layout.md names files that do not exist: {missing}"
