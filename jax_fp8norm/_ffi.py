@@ -38,25 +38,16 @@ def check_version(module) -> None:
 # The ops' FFI targets. Every compiled module registers its handlers under the op names
 # (src/common/ffi_registrations.h); the names of the targets are made here, once: the
 # same on every platform for the native kernels, "fp8norm_simt_<op>" for the emulated
-# CUDA kernels on the CPU backend.
-# The training forms ("<op>_training") save each row's r for the backward.
-OPS = (
-    "rms_norm_fp8",
-    "add_rms_norm_fp8",
-    "round",
-    "rms_norm_fp8_training",
-    "add_rms_norm_fp8_training",
-)
+# CUDA kernels on the CPU backend. A norm has one target for every form: its attributes
+# with_inverse_rms and columnwise say which results follow y, scales[, residual_out].
+OPS = ("rms_norm_fp8", "add_rms_norm_fp8", "round")
 # The one-kernel all-reduce: the CUDA modules (real and emulated) only, as the CPU
 # backend's all-reduce is XLA's own.
 PEER_OPS = ("allreduce_rms_norm_fp8",)
 # The backward kernels (docs/spec.md, "Training: the backward pass").
 BACKWARD_OPS = ("rms_norm_backward", "add_rms_norm_backward")
-# The training ops: the backward and the columnwise outputs.
-TRAINING_OPS = BACKWARD_OPS + ("rms_norm_fp8_columnwise", "add_rms_norm_fp8_columnwise")
-TARGETS = {op: f"fp8norm_{op}" for op in OPS + PEER_OPS + TRAINING_OPS}
-EMULATED_TARGETS = {op: f"fp8norm_simt_{op}" for op in OPS + PEER_OPS + TRAINING_OPS}
-
+TARGETS = {op: f"fp8norm_{op}" for op in OPS + PEER_OPS + BACKWARD_OPS}
+EMULATED_TARGETS = {op: f"fp8norm_simt_{op}" for op in OPS + PEER_OPS + BACKWARD_OPS}
 
 # How each platform's XLA holds a float4_e2m1fn buffer, by the name of the layout the
 # handlers' fp4_layout attribute gives as a code (src/common/ffi_decode.h, Fp4Layout; the
@@ -92,7 +83,7 @@ def _register(module, targets: dict[str, str], platform: str, ops: tuple = OPS) 
         jax.ffi.register_ffi_target(targets[op], handler, platform=platform)
 
 
-_register(_fp8norm_cpu, TARGETS, "cpu", OPS + TRAINING_OPS)
+_register(_fp8norm_cpu, TARGETS, "cpu", OPS + BACKWARD_OPS)
 
 try:
     from jax_fp8norm_kernels import _fp8norm_cuda
@@ -104,7 +95,7 @@ except ImportError as _error:
         "takes nvcc from PyPI)"
     )
 else:
-    _register(_fp8norm_cuda, TARGETS, "CUDA", OPS + PEER_OPS + TRAINING_OPS)
+    _register(_fp8norm_cuda, TARGETS, "CUDA", OPS + PEER_OPS + BACKWARD_OPS)
     CUDA_UNAVAILABLE_REASON = ""
 
 # The CUDA kernels and handlers compiled for the host against the SIMT emulation
@@ -115,7 +106,7 @@ except ImportError as _error:
     simt_module = None
     SIMT_ERROR = str(_error)
 else:
-    _register(simt_module, EMULATED_TARGETS, "cpu", OPS + PEER_OPS + TRAINING_OPS)
+    _register(simt_module, EMULATED_TARGETS, "cpu", OPS + PEER_OPS + BACKWARD_OPS)
     SIMT_ERROR = ""
 
 EMULATE_CUDA_ENV = "FP8NORM_EMULATE_CUDA"

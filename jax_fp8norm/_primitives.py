@@ -62,30 +62,22 @@ def norm_attributes(params: dict, platform: str) -> dict:
         group_size=np.int64(params["group_size"] or 0),
         power_of_two_scales=bool(params["power_of_two_scales"]),
         fp4_layout=np.int64(_ffi.fp4_layout(platform)),
+        with_inverse_rms=bool(params["with_inverse_rms"]),
+        columnwise=bool(params["columnwise"]),
     )
 
 
 def _ffi_lowering(target: str, platform: str):
-    """The op's target, its training form's ("<target>_training"), which also returns each
-    row's r, or its columnwise form's ("<target>_columnwise"), r and the columnwise
-    outputs."""
-    rules = {
-        suffix: jax.ffi.ffi_lowering(target + suffix) for suffix in ("", "_training", "_columnwise")
-    }
+    """The op's one target for every form: the attributes with_inverse_rms (each row's r
+    also returned) and columnwise (then r and the columnwise outputs) say which."""
+    rule = jax.ffi.ffi_lowering(target)
 
     def lowering(ctx, *args, **params):
         if _empty_rows_are_constant(ctx):
             return _lower_empty_rows(ctx, args, params)
-        rule = rules[_form_suffix(params)]
         return rule(ctx, *args, **norm_attributes(params, platform))
 
     return lowering
-
-
-def _form_suffix(params: dict) -> str:
-    if params["columnwise"]:
-        return "_columnwise"
-    return "_training" if params["with_inverse_rms"] else ""
 
 
 def _empty_rows_are_constant(ctx) -> bool:

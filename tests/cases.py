@@ -150,6 +150,8 @@ def ffi_call(
     group_size=0,
     power_of_two_scales=False,
     fp4_layout=fp8norm_ffi.FP4_LAYOUT_CODES["packed_low_first"],
+    with_inverse_rms=False,
+    columnwise=False,
 ):
     call = jax.ffi.ffi_call(target, outs)
     return call(
@@ -160,6 +162,8 @@ def ffi_call(
         group_size=np.int64(group_size),
         power_of_two_scales=power_of_two_scales,
         fp4_layout=np.int64(fp4_layout),
+        with_inverse_rms=with_inverse_rms,
+        columnwise=columnwise,
     )
 
 

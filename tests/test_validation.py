@@ -201,17 +201,48 @@ def _columnwise_outs(y=jnp.float8_e4m3fn, scales=jnp.float32, y_t=None, scales_t
             dict(group_size=8),
             "positive divisor of rows",
         ),
+        # The form's attributes and the results: in number, and columnwise needs r.
+        (_columnwise_outs()[:3], {}, "columnwise=1: the form has 3 results .*, the call 1"),
+        (_columnwise_outs(), dict(columnwise=False), "the form has 1 results .*, the call 3"),
+        (
+            _columnwise_outs(),
+            dict(with_inverse_rms=False),
+            "columnwise form needs with_inverse_rms",
+        ),
+        (_columnwise_outs()[:2], dict(with_inverse_rms=False, columnwise=False), None),
+        (
+            (*_columnwise_outs()[:2], sds((4, 1), jnp.bfloat16), *_columnwise_outs()[3:]),
+            {},
+            "inverse_rms must be float32",
+        ),
     ],
-    ids=["y_t dtype", "scales_t dtype", "y_t shape", "scales_t shape", "block"],
+    ids=[
+        "y_t dtype",
+        "scales_t dtype",
+        "y_t shape",
+        "scales_t shape",
+        "block",
+        "too few",
+        "too many",
+        "columnwise alone",
+        "plain form",
+        "r dtype",
+    ],
 )
 @pytest.mark.parametrize("handler", ["cpu", "simt"])
 def test_columnwise_handler_refuses_inconsistent_buffers(handler, outs, kw, match):
     # A call that bypasses the Python checks: the handler checks y_t and scales_t against
-    # y and scales, whose dtypes the kernels write them in.
-    target = handler_target(handler, "rms_norm_fp8_columnwise")
-    kw = dict(dict(group_size=2), **kw)
+    # y and scales, whose dtypes the kernels write them in, and the results against the
+    # form its attributes name.
+    target = handler_target(handler, "rms_norm_fp8")
+    columnwise = dict(group_size=2, with_inverse_rms=True, columnwise=True)
+    kw = dict(columnwise, **kw)
     with jax.default_device(jax.devices("cpu")[0]):
-        good = ffi_call(target, _columnwise_outs(), X, GAMMA, group_size=2)
+        good = ffi_call(target, _columnwise_outs(), X, GAMMA, **columnwise)
+        assert good[3].shape == (16, 4)
+        if match is None:
+            assert len(ffi_call(target, outs, X, GAMMA, **kw)) == len(outs)
+            return
         assert good[3].shape == (16, 4)
         with pytest.raises(Exception, match=match) as info:
             jax.block_until_ready(ffi_call(target, outs, X, GAMMA, **kw))

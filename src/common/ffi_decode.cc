@@ -203,30 +203,29 @@ ffi::Error DecodeNormCall(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residua
   return ffi::Error::Success();
 }
 
-}  // namespace
-
-ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
-                            const ffi::AnyBuffer& gamma,
-                            const std::optional<ffi::AnyBuffer>& scale_operand,
-                            ffi::Result<ffi::AnyBuffer>& y, ffi::Result<ffi::AnyBuffer>& scales,
-                            ffi::Result<ffi::AnyBuffer>* residual_out,
-                            const NormAttributes& attributes, RmsNormFp8Args* args) {
-  return DecodeNormCall(x, residual, gamma, scale_operand, y, scales, residual_out, attributes,
-                        false, args);
+// The training form's result: each row's r, float32 with one element per row.
+ffi::Error DecodeInverseRms(ffi::Result<ffi::AnyBuffer>& inverse_rms, RmsNormFp8Args* args) {
+  if (inverse_rms->element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(inverse_rms->element_count()) != args->rows) {
+    return Invalid("inverse_rms must be float32 with one element per row");
+  }
+  args->inverse_rms = static_cast<float*>(inverse_rms->untyped_data());
+  return ffi::Error::Success();
 }
 
+// The columnwise form's results after r: y_t [hidden, rows] and scales_t [hidden, rows /
+// group_size] ([hidden, 1] for a static scale), group_size a block of rows, in the
+// dtypes of y and scales, which the kernels write them in.
 ffi::Error DecodeColumnOutputs(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
                                const ffi::AnyBuffer& gamma,
                                const std::optional<ffi::AnyBuffer>& scale_operand,
                                ffi::Result<ffi::AnyBuffer>& y_t,
                                ffi::Result<ffi::AnyBuffer>& scales_t,
                                const NormAttributes& attributes, RmsNormFp8Args* args) {
-  if (args->inverse_rms == nullptr) return Invalid("columnwise outputs need inverse_rms");
   RmsNormFp8Args view;
   ffi::Error status = DecodeNormCall(x, residual, gamma, scale_operand, y_t, scales_t, nullptr,
                                      attributes, true, &view);
   if (status.failure()) return status;
-  // The kernels take the format, the scale dtype and the packing from y and scales.
   if (view.out_format != args->out_format || view.y_packed != args->y_packed) {
     return Invalid("y_t must have the dtype of y");
   }
@@ -235,31 +234,60 @@ ffi::Error DecodeColumnOutputs(const ffi::AnyBuffer& x, const ffi::AnyBuffer* re
   return ffi::Error::Success();
 }
 
+// The results the attributes' form adds: 1 (r) with with_inverse_rms, 3 (r, y_t,
+// scales_t) with columnwise, else none.
+ffi::Error CheckFormResults(const NormAttributes& attributes, size_t results) {
+  if (attributes.columnwise && !attributes.with_inverse_rms) {
+    return Invalid("the columnwise form needs with_inverse_rms: its pass reads each row's r");
+  }
+  const size_t expected = attributes.columnwise ? 3 : attributes.with_inverse_rms ? 1 : 0;
+  if (results == expected) return ffi::Error::Success();
+  return Invalid("with_inverse_rms=" + std::to_string(attributes.with_inverse_rms) +
+                 ", columnwise=" + std::to_string(attributes.columnwise) + ": the form has " +
+                 std::to_string(expected) +
+                 " results after y, scales[, residual_out] ([inverse_rms] with "
+                 "with_inverse_rms, then [y_t, scales_t] with columnwise), the call " +
+                 std::to_string(results));
+}
+
+}  // namespace
+
 ffi::Error DecodeNormForm(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
                           const ffi::AnyBuffer& gamma,
                           const std::optional<ffi::AnyBuffer>& scale_operand,
                           ffi::Result<ffi::AnyBuffer>& y, ffi::Result<ffi::AnyBuffer>& scales,
-                          ffi::Result<ffi::AnyBuffer>* residual_out, FormResults form,
-                          const NormAttributes& attributes, RmsNormFp8Args* args) {
-  ffi::Error status = DecodeRmsNormFp8(x, residual, gamma, scale_operand, y, scales, residual_out,
-                                       attributes, args);
-  if (status.success() && form.inverse_rms != nullptr) {
-    status = DecodeInverseRms(*form.inverse_rms, args);
+                          ffi::Result<ffi::AnyBuffer>* residual_out,
+                          const ffi::RemainingRets& form_results, const NormAttributes& attributes,
+                          RmsNormFp8Args* args) {
+  ffi::Error status = CheckFormResults(attributes, form_results.size());
+  if (status.failure()) return status;
+  status = DecodeNormCall(x, residual, gamma, scale_operand, y, scales, residual_out, attributes,
+                          false, args);
+  if (status.failure() || !attributes.with_inverse_rms) return status;
+  // The form's results in order: inverse_rms, then y_t and scales_t.
+  std::optional<ffi::Result<ffi::AnyBuffer>> results[3];
+  for (size_t i = 0; i < form_results.size(); ++i) {
+    auto result = form_results.get<ffi::AnyBuffer>(i);
+    if (result.has_error()) return Invalid("the form's results must be buffers");
+    results[i].emplace(*result);
   }
-  if (status.success() && form.y_t != nullptr) {
-    status = DecodeColumnOutputs(x, residual, gamma, scale_operand, *form.y_t, *form.scales_t,
-                                 attributes, args);
-  }
-  return status;
+  status = DecodeInverseRms(*results[0], args);
+  if (status.failure() || !attributes.columnwise) return status;
+  return DecodeColumnOutputs(x, residual, gamma, scale_operand, *results[1], *results[2],
+                             attributes, args);
 }
 
-ffi::Error DecodeInverseRms(ffi::Result<ffi::AnyBuffer>& inverse_rms, RmsNormFp8Args* args) {
-  if (inverse_rms->element_type() != ffi::DataType::F32 ||
-      static_cast<int64_t>(inverse_rms->element_count()) != args->rows) {
-    return Invalid("inverse_rms must be float32 with one element per row");
+ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
+                            const ffi::AnyBuffer& gamma,
+                            const std::optional<ffi::AnyBuffer>& scale_operand,
+                            ffi::Result<ffi::AnyBuffer>& y, ffi::Result<ffi::AnyBuffer>& scales,
+                            ffi::Result<ffi::AnyBuffer>* residual_out,
+                            const NormAttributes& attributes, RmsNormFp8Args* args) {
+  if (attributes.with_inverse_rms || attributes.columnwise) {
+    return Invalid("this target has only the plain form: with_inverse_rms and columnwise unset");
   }
-  args->inverse_rms = static_cast<float*>(inverse_rms->untyped_data());
-  return ffi::Error::Success();
+  return DecodeNormCall(x, residual, gamma, scale_operand, y, scales, residual_out, attributes,
+                        false, args);
 }
 
 ffi::Error DecodeRmsNormBackward(const ffi::AnyBuffer& dn, const ffi::AnyBuffer* d_residual_out,

@@ -5,7 +5,6 @@
 
 #include <cstdint>
 #include <optional>
-#include <utility>
 
 #include "columnwise.h"
 #include "named_codes.h"
@@ -28,6 +27,11 @@ struct NormAttributes {
   // How the platform's float4_e2m1fn buffers hold their elements (a Fp4Layout), as the
   // Python lowering knows it; FP4 outputs refuse any other value.
   int64_t fp4_layout;
+  // The form, which decides the results after y, scales[, residual_out]: each row's r
+  // (with_inverse_rms, the training form), then y_t and scales_t (columnwise, which needs
+  // r: columnwise without with_inverse_rms is refused).
+  bool with_inverse_rms;
+  bool columnwise;
 };
 
 // The physical layouts of a float4_e2m1fn buffer: one code per byte (in the low nibble),
@@ -44,42 +48,25 @@ constexpr NamedCode<Fp4Layout> kFp4LayoutNames[] = {
 
 // `residual` and `residual_out` are null for rms_norm_fp8. `scale_operand` is the
 // calibrated scale (FP8 outputs) or NVFP4's global scale (float4_e2m1fn y with
-// float8_e4m3fn scales, where it is required); empty otherwise.
+// float8_e4m3fn scales, where it is required); empty otherwise. `form_results`: the
+// results after y, scales[, residual_out], which the attributes' form names
+// (NormAttributes): [inverse_rms] [y_t, scales_t], checked in number, dtype and shape.
+ffi::Error DecodeNormForm(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
+                          const ffi::AnyBuffer& gamma,
+                          const std::optional<ffi::AnyBuffer>& scale_operand,
+                          ffi::Result<ffi::AnyBuffer>& y, ffi::Result<ffi::AnyBuffer>& scales,
+                          ffi::Result<ffi::AnyBuffer>* residual_out,
+                          const ffi::RemainingRets& form_results, const NormAttributes& attributes,
+                          RmsNormFp8Args* args);
+
+// A call with no results beyond y, scales[, residual_out] (the one-kernel all-reduce's):
+// DecodeNormForm's checks, and a form in the attributes is refused.
 ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
                             const ffi::AnyBuffer& gamma,
                             const std::optional<ffi::AnyBuffer>& scale_operand,
                             ffi::Result<ffi::AnyBuffer>& y, ffi::Result<ffi::AnyBuffer>& scales,
                             ffi::Result<ffi::AnyBuffer>* residual_out,
                             const NormAttributes& attributes, RmsNormFp8Args* args);
-
-// The columnwise form's extra results (after DecodeInverseRms): y_t [hidden, rows] and
-// scales_t [hidden, rows / group_size] ([hidden, 1] for a static scale), group_size a
-// block of rows; the other arguments as DecodeRmsNormFp8's.
-ffi::Error DecodeColumnOutputs(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
-                               const ffi::AnyBuffer& gamma,
-                               const std::optional<ffi::AnyBuffer>& scale_operand,
-                               ffi::Result<ffi::AnyBuffer>& y_t,
-                               ffi::Result<ffi::AnyBuffer>& scales_t,
-                               const NormAttributes& attributes, RmsNormFp8Args* args);
-
-// The results a form adds to the op's: each row's r (the training and columnwise forms),
-// then y_t and scales_t (the columnwise form); null where the form has none.
-struct FormResults {
-  ffi::Result<ffi::AnyBuffer>* inverse_rms = nullptr;
-  ffi::Result<ffi::AnyBuffer>* y_t = nullptr;
-  ffi::Result<ffi::AnyBuffer>* scales_t = nullptr;
-};
-
-// DecodeRmsNormFp8, then the form's results (DecodeInverseRms, DecodeColumnOutputs).
-ffi::Error DecodeNormForm(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
-                          const ffi::AnyBuffer& gamma,
-                          const std::optional<ffi::AnyBuffer>& scale_operand,
-                          ffi::Result<ffi::AnyBuffer>& y, ffi::Result<ffi::AnyBuffer>& scales,
-                          ffi::Result<ffi::AnyBuffer>* residual_out, FormResults form,
-                          const NormAttributes& attributes, RmsNormFp8Args* args);
-
-// The training form's extra result: each row's r, float32 of shape x.shape[:-1] + (1,).
-ffi::Error DecodeInverseRms(ffi::Result<ffi::AnyBuffer>& inverse_rms, RmsNormFp8Args* args);
 
 // The backward of both ops (rms_norm_fp8: residual, d_residual_out and dresidual null).
 ffi::Error DecodeRmsNormBackward(const ffi::AnyBuffer& dn, const ffi::AnyBuffer* d_residual_out,
@@ -92,49 +79,34 @@ ffi::Error DecodeRmsNormBackward(const ffi::AnyBuffer& dn, const ffi::AnyBuffer*
 
 // The signatures of the two norm targets, the same on every platform but for the
 // context (Ctx: the CPU's thread pool, the GPU's stream and device): x, [residual,]
-// gamma, an optional scale operand; y, scales[, residual_out]; the attributes.
-// The training forms return each row's r next; the columnwise forms then y_t, scales_t.
-enum class NormForm { kPlain, kTraining, kColumnwise };
-
-template <NormForm kForm, typename Binding>
-auto WithFormResults(Binding binding) {
-  if constexpr (kForm == NormForm::kPlain) {
-    return std::move(binding).template Attrs<NormAttributes>();
-  } else if constexpr (kForm == NormForm::kTraining) {
-    return std::move(binding)
-        .template Ret<ffi::AnyBuffer>()  // inverse_rms
-        .template Attrs<NormAttributes>();
-  } else {
-    return std::move(binding)
-        .template Ret<ffi::AnyBuffer>()  // inverse_rms
-        .template Ret<ffi::AnyBuffer>()  // y_t
-        .template Ret<ffi::AnyBuffer>()  // scales_t
-        .template Attrs<NormAttributes>();
-  }
-}
-
-template <typename Ctx, NormForm kForm = NormForm::kPlain>
+// gamma, an optional scale operand; y, scales[, residual_out], then the form's results
+// (NormAttributes: [inverse_rms] [y_t, scales_t]); the attributes.
+template <typename Ctx>
 auto RmsNormFp8Binding() {
-  return WithFormResults<kForm>(ffi::Ffi::Bind()
-                                    .Ctx<Ctx>()
-                                    .template Arg<ffi::AnyBuffer>()          // x
-                                    .template Arg<ffi::AnyBuffer>()          // gamma
-                                    .template OptionalArg<ffi::AnyBuffer>()  // a scale operand
-                                    .template Ret<ffi::AnyBuffer>()          // y
-                                    .template Ret<ffi::AnyBuffer>());        // scales
+  return ffi::Ffi::Bind()
+      .Ctx<Ctx>()
+      .template Arg<ffi::AnyBuffer>()          // x
+      .template Arg<ffi::AnyBuffer>()          // gamma
+      .template OptionalArg<ffi::AnyBuffer>()  // a scale operand
+      .template Ret<ffi::AnyBuffer>()          // y
+      .template Ret<ffi::AnyBuffer>()          // scales
+      .RemainingRets()                         // the form's
+      .template Attrs<NormAttributes>();
 }
 
-template <typename Ctx, NormForm kForm = NormForm::kPlain>
+template <typename Ctx>
 auto AddRmsNormFp8Binding() {
-  return WithFormResults<kForm>(ffi::Ffi::Bind()
-                                    .Ctx<Ctx>()
-                                    .template Arg<ffi::AnyBuffer>()          // x
-                                    .template Arg<ffi::AnyBuffer>()          // residual
-                                    .template Arg<ffi::AnyBuffer>()          // gamma
-                                    .template OptionalArg<ffi::AnyBuffer>()  // a scale operand
-                                    .template Ret<ffi::AnyBuffer>()          // y
-                                    .template Ret<ffi::AnyBuffer>()          // scales
-                                    .template Ret<ffi::AnyBuffer>());        // residual_out
+  return ffi::Ffi::Bind()
+      .Ctx<Ctx>()
+      .template Arg<ffi::AnyBuffer>()          // x
+      .template Arg<ffi::AnyBuffer>()          // residual
+      .template Arg<ffi::AnyBuffer>()          // gamma
+      .template OptionalArg<ffi::AnyBuffer>()  // a scale operand
+      .template Ret<ffi::AnyBuffer>()          // y
+      .template Ret<ffi::AnyBuffer>()          // scales
+      .template Ret<ffi::AnyBuffer>()          // residual_out
+      .RemainingRets()                         // the form's
+      .template Attrs<NormAttributes>();
 }
 
 // The backward targets: dn, [d_residual_out,] x, [residual,] gamma, inverse_rms; dx,
@@ -175,12 +147,15 @@ ffi::Error DecodeRound(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& ou
 }  // namespace fp8norm
 
 // The members of NormAttributes by attribute name, in order: also the first members of
-// the all-reduce's attributes (src/cuda/cuda_handlers.cc), which carry the norm's.
+// the all-reduce's attributes (src/cuda/cuda_handlers.cc), which carry the norm's (its
+// form always the plain one).
 #define FP8NORM_NORM_ATTRIBUTE_MEMBERS                                                      \
   ::xla::ffi::StructMember<float>("eps"), ::xla::ffi::StructMember<float>("weight_offset"), \
       ::xla::ffi::StructMember<float>("scale_ub"),                                          \
       ::xla::ffi::StructMember<int64_t>("group_size"),                                      \
       ::xla::ffi::StructMember<bool>("power_of_two_scales"),                                \
-      ::xla::ffi::StructMember<int64_t>("fp4_layout")
+      ::xla::ffi::StructMember<int64_t>("fp4_layout"),                                      \
+      ::xla::ffi::StructMember<bool>("with_inverse_rms"),                                   \
+      ::xla::ffi::StructMember<bool>("columnwise")
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(fp8norm::NormAttributes, FP8NORM_NORM_ATTRIBUTE_MEMBERS);

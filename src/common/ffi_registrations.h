@@ -11,22 +11,14 @@ namespace fp8norm {
 
 using FfiHandler = XLA_FFI_Error*(XLA_FFI_CallFrame*);
 
-// The execute stage of each op on one platform.
+// The execute stage of each op on one platform. A norm's one handler takes every form
+// (its attributes say which: src/common/ffi_decode.h, NormAttributes).
 struct OpHandlers {
   FfiHandler* rms_norm_fp8;
   FfiHandler* add_rms_norm_fp8;
   FfiHandler* round;
-  // The training forms: the same, with each row's r as a last result.
-  FfiHandler* rms_norm_fp8_training;
-  FfiHandler* add_rms_norm_fp8_training;
-};
-
-// The training kernels: the backward and the columnwise forms.
-struct TrainingHandlers {
-  FfiHandler* rms_norm_backward = nullptr;
-  FfiHandler* add_rms_norm_backward = nullptr;
-  FfiHandler* rms_norm_fp8_columnwise = nullptr;
-  FfiHandler* add_rms_norm_fp8_columnwise = nullptr;
+  FfiHandler* rms_norm_backward;
+  FfiHandler* add_rms_norm_backward;
 };
 
 // A stage before execution ("initialize" or "instantiate") that every op of a platform
@@ -50,7 +42,7 @@ struct PeerOpHandlers {
 // {op name: the capsule, or {first stage: capsule, "execute": capsule}} as
 // jax.ffi.register_ffi_target takes it.
 inline nanobind::dict Registrations(const OpHandlers& ops, FirstStage first = {},
-                                    PeerOpHandlers peer_ops = {}, TrainingHandlers training = {}) {
+                                    PeerOpHandlers peer_ops = {}) {
   const auto entry = [&](FfiHandler* first_stage, FfiHandler* execute) -> nanobind::object {
     if (first_stage == nullptr) return FfiCapsule(execute);
     nanobind::dict stages;
@@ -62,15 +54,8 @@ inline nanobind::dict Registrations(const OpHandlers& ops, FirstStage first = {}
   targets["rms_norm_fp8"] = entry(first.handler, ops.rms_norm_fp8);
   targets["add_rms_norm_fp8"] = entry(first.handler, ops.add_rms_norm_fp8);
   targets["round"] = entry(first.handler, ops.round);
-  targets["rms_norm_fp8_training"] = entry(first.handler, ops.rms_norm_fp8_training);
-  targets["add_rms_norm_fp8_training"] = entry(first.handler, ops.add_rms_norm_fp8_training);
-  if (training.rms_norm_backward != nullptr) {
-    targets["rms_norm_backward"] = entry(first.handler, training.rms_norm_backward);
-    targets["add_rms_norm_backward"] = entry(first.handler, training.add_rms_norm_backward);
-    targets["rms_norm_fp8_columnwise"] = entry(first.handler, training.rms_norm_fp8_columnwise);
-    targets["add_rms_norm_fp8_columnwise"] =
-        entry(first.handler, training.add_rms_norm_fp8_columnwise);
-  }
+  targets["rms_norm_backward"] = entry(first.handler, ops.rms_norm_backward);
+  targets["add_rms_norm_backward"] = entry(first.handler, ops.add_rms_norm_backward);
   if (peer_ops.allreduce_rms_norm_fp8 != nullptr) {
     targets["allreduce_rms_norm_fp8"] = entry(peer_ops.set_up, peer_ops.allreduce_rms_norm_fp8);
   }

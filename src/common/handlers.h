@@ -12,24 +12,15 @@ namespace fp8norm {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RmsNormFp8CpuHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AddRmsNormFp8CpuHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RoundCpuHandler);
-// The training forms (each row's r saved) and the backward.
-XLA_FFI_DECLARE_HANDLER_SYMBOL(RmsNormFp8TrainingCpuHandler);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(AddRmsNormFp8TrainingCpuHandler);
+// The backward.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RmsNormBackwardCpuHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AddRmsNormBackwardCpuHandler);
-// The columnwise forms: the training form with the columnwise outputs.
-XLA_FFI_DECLARE_HANDLER_SYMBOL(RmsNormFp8ColumnwiseCpuHandler);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(AddRmsNormFp8ColumnwiseCpuHandler);
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RmsNormFp8CudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AddRmsNormFp8CudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RoundCudaHandler);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(RmsNormFp8TrainingCudaHandler);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(AddRmsNormFp8TrainingCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RmsNormBackwardCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AddRmsNormBackwardCudaHandler);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(RmsNormFp8ColumnwiseCudaHandler);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(AddRmsNormFp8ColumnwiseCudaHandler);
 // The one-kernel all-reduce (no CPU kernel: the CPU backend's all-reduce is XLA's) and its
 // set-up, which runs in the stage before execution, as PrepareCudaHandler.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AllReduceNormCudaHandler);

@@ -96,10 +96,10 @@ ffi::Error RunOnPool(const RmsNormFp8Args& args, ffi::ThreadPool& pool) {
 ffi::Error RmsNormFp8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
                           std::optional<ffi::AnyBuffer> scale_operand,
                           ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
-                          NormAttributes attributes) {
+                          ffi::RemainingRets form_results, NormAttributes attributes) {
   RmsNormFp8Args args;
-  ffi::Error status =
-      DecodeRmsNormFp8(x, nullptr, gamma, scale_operand, y, scales, nullptr, attributes, &args);
+  const ffi::Error status = DecodeNormForm(x, nullptr, gamma, scale_operand, y, scales, nullptr,
+                                           form_results, attributes, &args);
   if (status.failure()) return status;
   return RunOnPool(args, pool);
 }
@@ -107,34 +107,11 @@ ffi::Error RmsNormFp8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
 ffi::Error AddRmsNormFp8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer residual,
                              ffi::AnyBuffer gamma, std::optional<ffi::AnyBuffer> scale_operand,
                              ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
-                             ffi::Result<ffi::AnyBuffer> residual_out, NormAttributes attributes) {
-  RmsNormFp8Args args;
-  ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, scale_operand, y, scales, &residual_out,
-                                       attributes, &args);
-  if (status.failure()) return status;
-  return RunOnPool(args, pool);
-}
-
-ffi::Error RmsNormFp8TrainingImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
-                                  std::optional<ffi::AnyBuffer> scale_operand,
-                                  ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
-                                  ffi::Result<ffi::AnyBuffer> inverse_rms,
-                                  NormAttributes attributes) {
-  RmsNormFp8Args args;
-  const ffi::Error status = DecodeNormForm(x, nullptr, gamma, scale_operand, y, scales, nullptr,
-                                           {&inverse_rms}, attributes, &args);
-  if (status.failure()) return status;
-  return RunOnPool(args, pool);
-}
-
-ffi::Error AddRmsNormFp8TrainingImpl(
-    ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer gamma,
-    std::optional<ffi::AnyBuffer> scale_operand, ffi::Result<ffi::AnyBuffer> y,
-    ffi::Result<ffi::AnyBuffer> scales, ffi::Result<ffi::AnyBuffer> residual_out,
-    ffi::Result<ffi::AnyBuffer> inverse_rms, NormAttributes attributes) {
+                             ffi::Result<ffi::AnyBuffer> residual_out,
+                             ffi::RemainingRets form_results, NormAttributes attributes) {
   RmsNormFp8Args args;
   const ffi::Error status = DecodeNormForm(x, &residual, gamma, scale_operand, y, scales,
-                                           &residual_out, {&inverse_rms}, attributes, &args);
+                                           &residual_out, form_results, attributes, &args);
   if (status.failure()) return status;
   return RunOnPool(args, pool);
 }
@@ -170,35 +147,6 @@ ffi::Error AddRmsNormBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer dn,
   return RunBackwardOnPool(args, pool);
 }
 
-ffi::Error RmsNormFp8ColumnwiseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
-                                    std::optional<ffi::AnyBuffer> scale_operand,
-                                    ffi::Result<ffi::AnyBuffer> y,
-                                    ffi::Result<ffi::AnyBuffer> scales,
-                                    ffi::Result<ffi::AnyBuffer> inverse_rms,
-                                    ffi::Result<ffi::AnyBuffer> y_t,
-                                    ffi::Result<ffi::AnyBuffer> scales_t,
-                                    NormAttributes attributes) {
-  RmsNormFp8Args args;
-  const ffi::Error status = DecodeNormForm(x, nullptr, gamma, scale_operand, y, scales, nullptr,
-                                           {&inverse_rms, &y_t, &scales_t}, attributes, &args);
-  if (status.failure()) return status;
-  return RunOnPool(args, pool);
-}
-
-ffi::Error AddRmsNormFp8ColumnwiseImpl(
-    ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer gamma,
-    std::optional<ffi::AnyBuffer> scale_operand, ffi::Result<ffi::AnyBuffer> y,
-    ffi::Result<ffi::AnyBuffer> scales, ffi::Result<ffi::AnyBuffer> residual_out,
-    ffi::Result<ffi::AnyBuffer> inverse_rms, ffi::Result<ffi::AnyBuffer> y_t,
-    ffi::Result<ffi::AnyBuffer> scales_t, NormAttributes attributes) {
-  RmsNormFp8Args args;
-  const ffi::Error status =
-      DecodeNormForm(x, &residual, gamma, scale_operand, y, scales, &residual_out,
-                     {&inverse_rms, &y_t, &scales_t}, attributes, &args);
-  if (status.failure()) return status;
-  return RunOnPool(args, pool);
-}
-
 ffi::Error RoundImpl(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out, int64_t fp4_layout) {
   RoundArgs args;
   ffi::Error status = DecodeRound(in, out, fp4_layout, &args);
@@ -215,23 +163,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8CpuHandler, RmsNormFp8Impl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8CpuHandler, AddRmsNormFp8Impl,
                               AddRmsNormFp8Binding<ffi::ThreadPool>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8TrainingCpuHandler, RmsNormFp8TrainingImpl,
-                              (RmsNormFp8Binding<ffi::ThreadPool, NormForm::kTraining>()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8TrainingCpuHandler, AddRmsNormFp8TrainingImpl,
-                              (AddRmsNormFp8Binding<ffi::ThreadPool, NormForm::kTraining>()));
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormBackwardCpuHandler, RmsNormBackwardImpl,
                               RmsNormBackwardBinding<ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormBackwardCpuHandler, AddRmsNormBackwardImpl,
                               AddRmsNormBackwardBinding<ffi::ThreadPool>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8ColumnwiseCpuHandler, RmsNormFp8ColumnwiseImpl,
-                              (RmsNormFp8Binding<ffi::ThreadPool, NormForm::kColumnwise>()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8ColumnwiseCpuHandler, AddRmsNormFp8ColumnwiseImpl,
-                              (AddRmsNormFp8Binding<ffi::ThreadPool, NormForm::kColumnwise>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     RoundCpuHandler, RoundImpl,

@@ -13,12 +13,9 @@
 NB_MODULE(_fp8norm_cpu, m) {
   m.attr("version") = FP8NORM_VERSION;
   m.def("registrations", []() {
-    return fp8norm::Registrations(
-        {fp8norm::RmsNormFp8CpuHandler, fp8norm::AddRmsNormFp8CpuHandler, fp8norm::RoundCpuHandler,
-         fp8norm::RmsNormFp8TrainingCpuHandler, fp8norm::AddRmsNormFp8TrainingCpuHandler},
-        {}, {},
-        {fp8norm::RmsNormBackwardCpuHandler, fp8norm::AddRmsNormBackwardCpuHandler,
-         fp8norm::RmsNormFp8ColumnwiseCpuHandler, fp8norm::AddRmsNormFp8ColumnwiseCpuHandler});
+    return fp8norm::Registrations({fp8norm::RmsNormFp8CpuHandler, fp8norm::AddRmsNormFp8CpuHandler,
+                                   fp8norm::RoundCpuHandler, fp8norm::RmsNormBackwardCpuHandler,
+                                   fp8norm::AddRmsNormBackwardCpuHandler});
   });
   m.def("cpu_kernel_variant", []() { return fp8norm::CpuKernelVariant(); });
   m.def("cpu_backward_rows_per_task", &fp8norm::CpuBackwardRowsPerTask, nanobind::arg("rows"),

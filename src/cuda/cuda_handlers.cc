@@ -117,54 +117,35 @@ ffi::Error PrepareImpl(GpuTarget gpu) {
   return RunOnDevice(gpu.device, "preparing the CUDA kernels", PrepareDevice);
 }
 
+// Both layouts where the form has columnwise outputs (args.columns), else the rows alone.
+ffi::Error RunNorm(const GpuTarget& gpu, const char* what, const RmsNormFp8Args& args) {
+  return RunOnDevice(gpu.device, what, [&](int d) {
+    return args.columns.y_t != nullptr ? LaunchBothLayouts(gpu.stream, d, args)
+                                       : LaunchRmsNormFp8(gpu.stream, d, args);
+  });
+}
+
 ffi::Error RmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
                           std::optional<ffi::AnyBuffer> scale_operand,
                           ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
-                          NormAttributes attributes) {
+                          ffi::RemainingRets form_results, NormAttributes attributes) {
   RmsNormFp8Args args;
-  ffi::Error status =
-      DecodeRmsNormFp8(x, nullptr, gamma, scale_operand, y, scales, nullptr, attributes, &args);
+  const ffi::Error status = DecodeNormForm(x, nullptr, gamma, scale_operand, y, scales, nullptr,
+                                           form_results, attributes, &args);
   if (status.failure()) return status;
-  return RunOnDevice(gpu.device, "rms_norm_fp8 launch",
-                     [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
+  return RunNorm(gpu, "rms_norm_fp8 launch", args);
 }
 
 ffi::Error AddRmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer residual,
                              ffi::AnyBuffer gamma, std::optional<ffi::AnyBuffer> scale_operand,
                              ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
-                             ffi::Result<ffi::AnyBuffer> residual_out, NormAttributes attributes) {
-  RmsNormFp8Args args;
-  ffi::Error status = DecodeRmsNormFp8(x, &residual, gamma, scale_operand, y, scales, &residual_out,
-                                       attributes, &args);
-  if (status.failure()) return status;
-  return RunOnDevice(gpu.device, "add_rms_norm_fp8 launch",
-                     [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
-}
-
-ffi::Error RmsNormFp8TrainingImpl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
-                                  std::optional<ffi::AnyBuffer> scale_operand,
-                                  ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scales,
-                                  ffi::Result<ffi::AnyBuffer> inverse_rms,
-                                  NormAttributes attributes) {
-  RmsNormFp8Args args;
-  const ffi::Error status = DecodeNormForm(x, nullptr, gamma, scale_operand, y, scales, nullptr,
-                                           {&inverse_rms}, attributes, &args);
-  if (status.failure()) return status;
-  return RunOnDevice(gpu.device, "rms_norm_fp8 launch",
-                     [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
-}
-
-ffi::Error AddRmsNormFp8TrainingImpl(
-    GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer gamma,
-    std::optional<ffi::AnyBuffer> scale_operand, ffi::Result<ffi::AnyBuffer> y,
-    ffi::Result<ffi::AnyBuffer> scales, ffi::Result<ffi::AnyBuffer> residual_out,
-    ffi::Result<ffi::AnyBuffer> inverse_rms, NormAttributes attributes) {
+                             ffi::Result<ffi::AnyBuffer> residual_out,
+                             ffi::RemainingRets form_results, NormAttributes attributes) {
   RmsNormFp8Args args;
   const ffi::Error status = DecodeNormForm(x, &residual, gamma, scale_operand, y, scales,
-                                           &residual_out, {&inverse_rms}, attributes, &args);
+                                           &residual_out, form_results, attributes, &args);
   if (status.failure()) return status;
-  return RunOnDevice(gpu.device, "add_rms_norm_fp8 launch",
-                     [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
+  return RunNorm(gpu, "add_rms_norm_fp8 launch", args);
 }
 
 ffi::Error RmsNormBackwardImpl(GpuTarget gpu, ffi::AnyBuffer dn, ffi::AnyBuffer x,
@@ -300,40 +281,6 @@ ffi::Error AllReduceNormImpl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer res
   });
 }
 
-ffi::Error RunBothLayouts(const GpuTarget& gpu, const char* what, const RmsNormFp8Args& args) {
-  return RunOnDevice(gpu.device, what,
-                     [&](int d) { return LaunchBothLayouts(gpu.stream, d, args); });
-}
-
-ffi::Error RmsNormFp8ColumnwiseImpl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
-                                    std::optional<ffi::AnyBuffer> scale_operand,
-                                    ffi::Result<ffi::AnyBuffer> y,
-                                    ffi::Result<ffi::AnyBuffer> scales,
-                                    ffi::Result<ffi::AnyBuffer> inverse_rms,
-                                    ffi::Result<ffi::AnyBuffer> y_t,
-                                    ffi::Result<ffi::AnyBuffer> scales_t,
-                                    NormAttributes attributes) {
-  RmsNormFp8Args args;
-  const ffi::Error status = DecodeNormForm(x, nullptr, gamma, scale_operand, y, scales, nullptr,
-                                           {&inverse_rms, &y_t, &scales_t}, attributes, &args);
-  if (status.failure()) return status;
-  return RunBothLayouts(gpu, "rms_norm_fp8 columnwise launch", args);
-}
-
-ffi::Error AddRmsNormFp8ColumnwiseImpl(
-    GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer gamma,
-    std::optional<ffi::AnyBuffer> scale_operand, ffi::Result<ffi::AnyBuffer> y,
-    ffi::Result<ffi::AnyBuffer> scales, ffi::Result<ffi::AnyBuffer> residual_out,
-    ffi::Result<ffi::AnyBuffer> inverse_rms, ffi::Result<ffi::AnyBuffer> y_t,
-    ffi::Result<ffi::AnyBuffer> scales_t, NormAttributes attributes) {
-  RmsNormFp8Args args;
-  const ffi::Error status =
-      DecodeNormForm(x, &residual, gamma, scale_operand, y, scales, &residual_out,
-                     {&inverse_rms, &y_t, &scales_t}, attributes, &args);
-  if (status.failure()) return status;
-  return RunBothLayouts(gpu, "add_rms_norm_fp8 columnwise launch", args);
-}
-
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8CudaHandler, RmsNormFp8Impl, RmsNormFp8Binding<CallGpu>(),
@@ -342,28 +289,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8CudaHandler, RmsNormFp8Impl, RmsNormFp8B
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8CudaHandler, AddRmsNormFp8Impl,
                               AddRmsNormFp8Binding<CallGpu>(), {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8TrainingCudaHandler, RmsNormFp8TrainingImpl,
-                              (RmsNormFp8Binding<CallGpu, NormForm::kTraining>()),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8TrainingCudaHandler, AddRmsNormFp8TrainingImpl,
-                              (AddRmsNormFp8Binding<CallGpu, NormForm::kTraining>()),
-                              {ffi::Traits::kCmdBufferCompatible});
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormBackwardCudaHandler, RmsNormBackwardImpl,
                               RmsNormBackwardBinding<CallGpu>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormBackwardCudaHandler, AddRmsNormBackwardImpl,
                               AddRmsNormBackwardBinding<CallGpu>(),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8ColumnwiseCudaHandler, RmsNormFp8ColumnwiseImpl,
-                              (RmsNormFp8Binding<CallGpu, NormForm::kColumnwise>()),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFp8ColumnwiseCudaHandler, AddRmsNormFp8ColumnwiseImpl,
-                              (AddRmsNormFp8Binding<CallGpu, NormForm::kColumnwise>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

@@ -12,12 +12,10 @@ NB_MODULE(_fp8norm_cuda, m) {
   m.def("registrations", []() {
     return fp8norm::Registrations(
         {fp8norm::RmsNormFp8CudaHandler, fp8norm::AddRmsNormFp8CudaHandler,
-         fp8norm::RoundCudaHandler, fp8norm::RmsNormFp8TrainingCudaHandler,
-         fp8norm::AddRmsNormFp8TrainingCudaHandler},
+         fp8norm::RoundCudaHandler, fp8norm::RmsNormBackwardCudaHandler,
+         fp8norm::AddRmsNormBackwardCudaHandler},
         {fp8norm::kPrepareStage, fp8norm::PrepareCudaHandler},
-        {fp8norm::AllReduceNormCudaHandler, fp8norm::SetUpAllReduceCudaHandler},
-        {fp8norm::RmsNormBackwardCudaHandler, fp8norm::AddRmsNormBackwardCudaHandler,
-         fp8norm::RmsNormFp8ColumnwiseCudaHandler, fp8norm::AddRmsNormFp8ColumnwiseCudaHandler});
+        {fp8norm::AllReduceNormCudaHandler, fp8norm::SetUpAllReduceCudaHandler});
   });
   fp8norm::AddCudaModuleBindings(m);
 }

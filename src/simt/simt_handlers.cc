@@ -72,22 +72,15 @@ XLA_FFI_Error* WithBuffers(XLA_FFI_CallFrame* frame, XLA_FFI_Handler* handler,
 XLA_FFI_Error* SimtPrepareHandler(XLA_FFI_CallFrame* frame) {
   return CountingStaleErrors(frame, fp8norm::PrepareCudaHandler);
 }
+// The norms' results as the longest form has them: a shorter form's are a prefix.
 XLA_FFI_Error* SimtRmsNormFp8Handler(XLA_FFI_CallFrame* frame) {
   return WithBuffers(frame, fp8norm::RmsNormFp8CudaHandler, {"x", "gamma", "scale_operand"},
-                     {"y", "scales"});
+                     {"y", "scales", "inverse_rms", "y_t", "scales_t"});
 }
 XLA_FFI_Error* SimtAddRmsNormFp8Handler(XLA_FFI_CallFrame* frame) {
   return WithBuffers(frame, fp8norm::AddRmsNormFp8CudaHandler,
-                     {"x", "residual", "gamma", "scale_operand"}, {"y", "scales", "residual_out"});
-}
-XLA_FFI_Error* SimtRmsNormFp8TrainingHandler(XLA_FFI_CallFrame* frame) {
-  return WithBuffers(frame, fp8norm::RmsNormFp8TrainingCudaHandler, {"x", "gamma", "scale_operand"},
-                     {"y", "scales", "inverse_rms"});
-}
-XLA_FFI_Error* SimtAddRmsNormFp8TrainingHandler(XLA_FFI_CallFrame* frame) {
-  return WithBuffers(frame, fp8norm::AddRmsNormFp8TrainingCudaHandler,
                      {"x", "residual", "gamma", "scale_operand"},
-                     {"y", "scales", "residual_out", "inverse_rms"});
+                     {"y", "scales", "residual_out", "inverse_rms", "y_t", "scales_t"});
 }
 XLA_FFI_Error* SimtRmsNormBackwardHandler(XLA_FFI_CallFrame* frame) {
   return WithBuffers(frame, fp8norm::RmsNormBackwardCudaHandler,
@@ -97,16 +90,6 @@ XLA_FFI_Error* SimtAddRmsNormBackwardHandler(XLA_FFI_CallFrame* frame) {
   return WithBuffers(frame, fp8norm::AddRmsNormBackwardCudaHandler,
                      {"dn", "d_residual_out", "x", "residual", "gamma", "inverse_rms"},
                      {"dx", "dresidual", "dgamma"});
-}
-XLA_FFI_Error* SimtRmsNormFp8ColumnwiseHandler(XLA_FFI_CallFrame* frame) {
-  return WithBuffers(frame, fp8norm::RmsNormFp8ColumnwiseCudaHandler,
-                     {"x", "gamma", "scale_operand"},
-                     {"y", "scales", "inverse_rms", "y_t", "scales_t"});
-}
-XLA_FFI_Error* SimtAddRmsNormFp8ColumnwiseHandler(XLA_FFI_CallFrame* frame) {
-  return WithBuffers(frame, fp8norm::AddRmsNormFp8ColumnwiseCudaHandler,
-                     {"x", "residual", "gamma", "scale_operand"},
-                     {"y", "scales", "residual_out", "inverse_rms", "y_t", "scales_t"});
 }
 XLA_FFI_Error* SimtAllReduceNormHandler(XLA_FFI_CallFrame* frame) {
   return WithBuffers(frame, fp8norm::AllReduceNormCudaHandler,

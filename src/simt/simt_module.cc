@@ -21,12 +21,10 @@ NB_MODULE(_fp8norm_simt, m) {
   m.def("registrations", []() {
     return fp8norm::Registrations(
         {fp8norm::SimtRmsNormFp8Handler, fp8norm::SimtAddRmsNormFp8Handler,
-         fp8norm::SimtRoundHandler, fp8norm::SimtRmsNormFp8TrainingHandler,
-         fp8norm::SimtAddRmsNormFp8TrainingHandler},
+         fp8norm::SimtRoundHandler, fp8norm::SimtRmsNormBackwardHandler,
+         fp8norm::SimtAddRmsNormBackwardHandler},
         {fp8norm::kPrepareStage, fp8norm::SimtPrepareHandler},
-        {fp8norm::SimtAllReduceNormHandler, fp8norm::SimtSetUpAllReduceHandler},
-        {fp8norm::SimtRmsNormBackwardHandler, fp8norm::SimtAddRmsNormBackwardHandler,
-         fp8norm::SimtRmsNormFp8ColumnwiseHandler, fp8norm::SimtAddRmsNormFp8ColumnwiseHandler});
+        {fp8norm::SimtAllReduceNormHandler, fp8norm::SimtSetUpAllReduceHandler});
   });
   fp8norm::AddCudaModuleBindings(m);
   fp8norm::AddCudaHostLogic(m);
