@@ -14,7 +14,7 @@
 The contract is docs/spec.md; :mod:`jax_fp8norm.reference` holds the pure-jnp twins.
 """
 
-from jax_fp8norm import dense, interop, recipes, reference, simt, testing, training
+from jax_fp8norm import reference, simt, testing
 from jax_fp8norm._fallback import KernelFallbackWarning
 from jax_fp8norm._ffi import (
     built_with_cuda,
@@ -24,7 +24,7 @@ from jax_fp8norm._ffi import (
     use_cuda_kernel,
 )
 from jax_fp8norm._primitives import EXPORT_DISABLED_CHECKS
-from jax_fp8norm._primitives import TARGETS as FFI_TARGETS
+from jax_fp8norm._training import add_rms_norm_fp8_vjp, rms_norm_fp8_vjp
 from jax_fp8norm._version import __version__ as __version__
 from jax_fp8norm.autodiff import add_rms_norm_fp8_dequantized, rms_norm_fp8_dequantized
 from jax_fp8norm.dense import add_rms_norm_dense, allreduce_add_rms_norm_dense, rms_norm_dense
@@ -34,26 +34,21 @@ from jax_fp8norm.ops import (
     rms_norm_fp8,
     sharded_allreduce_residual_rms_norm_fp8,
 )
-from jax_fp8norm.recipes import RECIPES, dequantize
-from jax_fp8norm.training import (
-    add_rms_norm_backward,
-    add_rms_norm_fp8_training,
-    add_rms_norm_fp8_vjp,
-    rms_norm_backward,
-    rms_norm_fp8_training,
-    rms_norm_fp8_vjp,
-)
+from jax_fp8norm.recipes import RECIPES, Recipe, dequantize
 
+# What users call: the ops, their differentiable twins, the layers, the building block of
+# a layer of one's own (the *_vjp pair), the recipes, the platform's switches, and the
+# modules of the pure-jnp twins, the emulated CUDA kernels and the test helpers. The
+# modules jax_fp8norm.matmul, jax_fp8norm.quantize, jax_fp8norm.nnx and
+# jax_fp8norm.interop are imported by name.
 __all__ = [
     "EXPORT_DISABLED_CHECKS",
-    "FFI_TARGETS",
     "RECIPES",
     "KernelFallbackWarning",
-    "add_rms_norm_backward",
+    "Recipe",
     "add_rms_norm_dense",
     "add_rms_norm_fp8",
     "add_rms_norm_fp8_dequantized",
-    "add_rms_norm_fp8_training",
     "add_rms_norm_fp8_vjp",
     "allreduce_add_rms_norm_dense",
     "allreduce_residual_rms_norm_fp8",
@@ -61,20 +56,14 @@ __all__ = [
     "cpu_kernel_variant",
     "cuda_kernel",
     "cuda_kernel_variants",
-    "dense",
     "dequantize",
-    "interop",
-    "recipes",
     "reference",
-    "rms_norm_backward",
     "rms_norm_dense",
     "rms_norm_fp8",
     "rms_norm_fp8_dequantized",
-    "rms_norm_fp8_training",
     "rms_norm_fp8_vjp",
     "sharded_allreduce_residual_rms_norm_fp8",
     "simt",
     "testing",
-    "training",
     "use_cuda_kernel",
 ]

@@ -37,22 +37,17 @@ from jax_fp8norm.bench.timing import blocking, interleaved_seconds
 DEFAULT_SHAPES = ((16, 4096), (512, 4096), (256, 8192), (64, 7168))
 
 
-# The block-scaled recipes checked beside the per-row one: every recipe with groups
+# The block-scaled recipes checked beside the per-row one: every recipe with blocks
 # (jax_fp8norm.recipes); NVFP4's global scale is the shape's: _nvfp4_global_scale.
-BLOCK_RECIPES = tuple(
-    name
-    for name, recipe in fp8norm.recipes.RECIPES.items()
-    if recipe.keywords["group_size"] != (None,)
-)
+BLOCK_RECIPES = tuple(name for name, recipe in fp8norm.RECIPES.items() if recipe.block)
 
 
 @jax.jit
 def _nvfp4_global_scale(x, gamma) -> jax.Array:
     """amax(|n|) / (448 * 6) of the normalised rows n (a decode scale), calibrated on x
     itself."""
-    h = x.astype(jnp.float32)
-    n = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + fp8norm.reference.DEFAULT_EPS)
-    return jnp.max(jnp.abs(n * gamma)) / (448.0 * 6.0)
+    n = fp8norm.reference.textbook_rms_norm(x, gamma)
+    return jnp.max(jnp.abs(n)) / (448.0 * 6.0)
 
 
 def _agreement(out, ref) -> str:
@@ -89,7 +84,7 @@ def _run_shape(rows: int, hidden: int, dtype, iters: int) -> bool:
         keywords = {"recipe": recipe}
         if recipe == "nvfp4":
             keywords["global_scale"] = _nvfp4_global_scale(x, gamma)
-        layout = fp8norm.recipes.recipe_keywords(recipe)
+        layout = fp8norm.RECIPES[recipe].example()
         if hidden % layout["group_size"] == 0:
             rms = (fp8norm.rms_norm_fp8, fp8norm.reference.rms_norm_fp8, (x, gamma), keywords)
             cases.append((f"rms {recipe}", *rms))

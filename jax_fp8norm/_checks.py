@@ -19,7 +19,7 @@ import numpy as np
 
 from jax_fp8norm._dtypes import E4M3, E8M0, FLOAT_DTYPES, FP4, OUT_DTYPES, SCALE_DTYPES
 from jax_fp8norm._params import NORM_KEYWORDS, NormCall, NormParams
-from jax_fp8norm.recipes import apply_recipe
+from jax_fp8norm.recipes import apply_recipe, recipe_of
 
 _FLOAT_NAMES = "float32, float16 or bfloat16"
 _SCALE_NAMES = "float32, float16, bfloat16, float8_e8m0fnu or float8_e4m3fn"
@@ -267,6 +267,12 @@ def check_scale_operand(value: Any, name: str, float32_only: bool) -> jax.Array 
     return jnp.reshape(jnp.asarray(value).astype(jnp.float32), (1,))
 
 
+def check_float32_scalar(value: Any, name: str) -> jax.Array:
+    """A float32 scale (a Python float, or a float32 array of shape () or (1,), possibly
+    traced) as a float32 array of shape (): a global scale's check."""
+    return jnp.reshape(check_scale_operand(value, name, float32_only=True), ())
+
+
 def check_static_scale(static_scale: Any) -> jax.Array | None:
     """The calibrated scale as a float32 ``(1,)`` array: from a Python float, or a float
     array (concrete or traced) of shape () or (1,)."""
@@ -310,18 +316,19 @@ def check_columnwise(columnwise: Any, params: NormParams, x_shape: tuple) -> boo
         raise TypeError(f"columnwise must be a bool, got {columnwise!r}")
     if not columnwise:
         return False
-    if params.has_static_scale:
+    recipe = recipe_of(params)
+    if recipe.static:
         return True
-    if params.group_size is None:
+    if not recipe.columnwise:
         raise ValueError(
             "columnwise=True needs block scales (group_size, or a recipe such as mxfp8, "
             "nvfp4, mxfp4, fp8_group128) or a static_scale: a dynamic per-row scale has no "
             "columnwise form (a column's scale would need every row first)"
         )
     rows = int(np.prod(x_shape[:-1], dtype=np.int64))
-    if rows % params.group_size != 0:
+    if rows % recipe.block != 0:
         raise ValueError(
-            f"columnwise=True quantises blocks of group_size={params.group_size} rows: the "
+            f"columnwise=True quantises blocks of group_size={recipe.block} rows: the "
             f"number of rows, prod(x.shape[:-1]) = {rows}, must be a multiple of it (pad the "
             "rows)"
         )

@@ -31,21 +31,29 @@ def from_bits(bits: jax.Array) -> jax.Array:
 
 
 def power_of_two_exponents(amax: jax.Array, p: NormParams) -> tuple[jax.Array, jax.Array]:
-    """Steps 5-6 with power-of-two scales: (the scales' biased float32 exponents, recip).
-    P(q) is the smallest power of two >= q = min(amax, scale_ub) / FP8_MAX, at least 2^-127
-    for e8m0 and 2^-126 otherwise; a q below 2^-126 is decided from the abs-max, so that
-    denormal flushing cannot change it (src/common/fp8norm_math.h, PowerOfTwoExponent)."""
-    u32 = jnp.uint32
+    """Steps 5-6 with power-of-two scales: :func:`power_of_two` of ``min(amax, scale_ub)``
+    with the call's format and scale dtype."""
     a = jnp.minimum(amax, jnp.float32(p.scale_ub))
-    q = as_bits(divide(a, p.out_max))
+    return power_of_two(a, p.out_max, e8m0=p.scale_dtype == E8M0)
+
+
+def power_of_two(a: jax.Array, out_max: float, *, e8m0: bool) -> tuple[jax.Array, jax.Array]:
+    """The power-of-two scale rule, the one the norm's groups and the layer's weights and
+    gradients take: (the scales' biased float32 exponents, their float32 reciprocals).
+    P(q) is the smallest power of two >= q = a / out_max, at least 2^-127 in e8m0 (its
+    byte 0) and 2^-126 in a float type; a q below 2^-126 is decided from ``a``, so that
+    denormal flushing cannot change it (src/common/fp8norm_math.h, PowerOfTwoExponent). A
+    NaN or infinite ``a`` gives exponent 0xFF (e8m0's NaN) and reciprocal 0."""
+    u32 = jnp.uint32
+    q = as_bits(divide(a, out_max))
     exponent = (q >> 23) & u32(0xFF)
     rounded_up = jnp.where(
         (exponent != 0xFF) & ((q & u32(0x7FFFFF)) != 0), exponent + u32(1), exponent
     )
-    tiny_limit = np.float32(p.out_max) * np.float32(2.0**-127)  # a normal float32
+    tiny_limit = np.float32(out_max) * np.float32(2.0**-127)  # a normal float32
     tiny = jnp.where(a > tiny_limit, u32(1), u32(0))
     exponent = jnp.where(exponent == 0, tiny, rounded_up)
-    exponent = jnp.maximum(exponent, u32(0 if p.scale_dtype == E8M0 else 1))
+    exponent = jnp.maximum(exponent, u32(0 if e8m0 else 1))
     recip = jnp.where(exponent <= 253, from_bits((u32(254) - exponent) << 23), jnp.float32(0))
     return exponent, recip
 

@@ -1,11 +1,12 @@
 """The parameter model of the ops: the keywords every op, twin and module takes (their
-defaults, meanings and types), and what one checked call carries to the primitives
-(NormParams, NormCall). The checks that make them are in jax_fp8norm._checks."""
+defaults, meanings and types), what one checked call carries to the primitives
+(NormParams, NormCall) and what it returns (NormOutputs). The checks that make them are
+in jax_fp8norm._checks."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypedDict
+from typing import Any, NamedTuple, TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -173,3 +174,46 @@ def has_scale_operand(params: dict) -> bool:
 def num_row_operands(num_operands: int, scale_operand: bool) -> int:
     """x (and residual): a norm primitive's operands before gamma (and the scale operand)."""
     return num_operands - 1 - int(scale_operand)
+
+
+class NormOutputs(NamedTuple):
+    """A norm call's results by name, None where its form has none: ``residual_out`` with
+    the residual add, ``inverse_rms`` (each row's r) in the training form, ``y_t`` and
+    ``scales_t`` in the columnwise form (docs/spec.md, "Columnwise outputs")."""
+
+    y: jax.Array
+    scales: jax.Array
+    residual_out: jax.Array | None = None
+    inverse_rms: jax.Array | None = None
+    y_t: jax.Array | None = None
+    scales_t: jax.Array | None = None
+
+    def returned(self, *, training: bool) -> tuple[jax.Array, ...]:
+        """What an op returns: its outputs in this order, ``inverse_rms`` only from a
+        training form."""
+        return tuple(
+            value
+            for name, value in self._asdict().items()
+            if value is not None and (training or name != "inverse_rms")
+        )
+
+
+def result_names(params: dict, add: bool) -> tuple[str, ...]:
+    """The names of a norm primitive's results in their order, which is also the order of
+    its FFI target's results: the form's fields of NormOutputs."""
+    names = ("y", "scales") + (("residual_out",) if add else ())
+    names += ("inverse_rms",) if params["with_inverse_rms"] else ()
+    return names + (("y_t", "scales_t") if params["columnwise"] else ())
+
+
+def named_outputs(results, params: dict, add: bool) -> NormOutputs:
+    """A norm primitive's results as NormOutputs."""
+    return NormOutputs(**dict(zip(result_names(params, add), results, strict=True)))
+
+
+def global_scale_operand(params: NormParams, static: tuple):
+    """NVFP4's global scale, the operand after gamma (``static``: the operands after
+    gamma), 1.0 when the call gives none; None for every other format."""
+    if not params.nvfp4:
+        return None
+    return static[0] if params.has_global_scale else jnp.float32(1.0)

@@ -28,7 +28,15 @@ from jax_fp8norm._lowering import (
     to_front,
     twin_lowering,
 )
-from jax_fp8norm._params import NormCall, NormParams, has_scale_operand, num_row_operands
+from jax_fp8norm._params import (
+    NormCall,
+    NormOutputs,
+    NormParams,
+    has_scale_operand,
+    named_outputs,
+    num_row_operands,
+    result_names,
+)
 from jax_fp8norm._partitioning import (
     columnwise_row_axes,
     partitioned_lowering,
@@ -108,20 +116,16 @@ def _lower_empty_rows(ctx, args, params: dict):
     """The outputs of rows of no elements (_empty_rows_are_constant)."""
 
     def outputs(*operands):
-        y, scales, *rest = ctx.avals_out
-        # The columnwise outputs of rows of no elements are empty ([0, rows] and [0, k]).
-        columns = [rest.pop(), rest.pop()][::-1] if params["columnwise"] else []
-        inverse_rms = rest.pop() if params["with_inverse_rms"] else None
+        add = num_row_operands(len(operands), has_scale_operand(params)) == 2
+        avals = dict(zip(result_names(params, add), ctx.avals_out, strict=True))
+        # Every output of rows of no elements is empty but per-row scales and r.
+        outs = {name: jnp.zeros(a.shape, a.dtype) for name, a in avals.items()}
         scale = _empty_row_scale(params, operands[-1])
-        outs = [
-            jnp.zeros(y.shape, y.dtype),
-            jnp.broadcast_to(scale, scales.shape),
-            *(jnp.zeros(r.shape, r.dtype) for r in rest),
-        ]
-        if inverse_rms is not None:
+        outs["scales"] = jnp.broadcast_to(scale, avals["scales"].shape)
+        if "inverse_rms" in avals:
             empty = reference.inverse_rms(jnp.zeros((1, 0), jnp.float32), params["eps"])
-            outs.append(jnp.broadcast_to(empty.reshape(()), inverse_rms.shape))
-        return outs + [jnp.zeros(c.shape, c.dtype) for c in columns]
+            outs["inverse_rms"] = jnp.broadcast_to(empty.reshape(()), avals["inverse_rms"].shape)
+        return list(outs.values())
 
     return mlir.lower_fun(outputs, multiple_results=True)(ctx, *args)
 
@@ -134,16 +138,19 @@ def _twin(*operands, **params):
     gamma = operands[num_rows]
     if num_rows == 1:
         h = operands[0].astype(jnp.float32)
-        outs = reference.quantize_rows(h, gamma, p, scale_operand)
+        y, scales = reference.quantize_rows(h, gamma, p, scale_operand)
+        outs = {"y": y, "scales": scales}
     else:
-        outs = reference.add_quantize(operands[0], operands[1], gamma, NormCall(p, scale_operand))
+        call = NormCall(p, scale_operand)
+        y, scales, residual_out = reference.add_quantize(operands[0], operands[1], gamma, call)
+        outs = {"y": y, "scales": scales, "residual_out": residual_out}
         h = operands[0].astype(jnp.float32) + operands[1].astype(jnp.float32)
     if p.with_inverse_rms:
-        r = reference.inverse_rms(h, p.eps)
-        outs = (*outs, r)
+        outs["inverse_rms"] = reference.inverse_rms(h, p.eps)
     if p.columnwise:
-        outs = (*outs, *reference.quantize_columns(h, gamma, r, p, scale_operand))
-    return outs
+        columns = reference.quantize_columns(h, gamma, outs["inverse_rms"], p, scale_operand)
+        outs["y_t"], outs["scales_t"] = columns
+    return [outs[name] for name in result_names(params, num_rows == 2)]
 
 
 def _unreduced_axes(aval) -> frozenset:
@@ -211,15 +218,15 @@ def _norm_abstract_eval(*avals, reduced_axes: tuple = (), **params):
         )
     n = x.shape[-1]
     groups = scales_per_row(n, params["group_size"])
-    outs = [
-        x.update(shape=x.shape, dtype=np.dtype(params["out_dtype"]), **types),
-        x.update(shape=x.shape[:-1] + (groups,), dtype=np.dtype(params["scale_dtype"]), **types),
-    ]
-    if num_row_operands(len(avals), scale_operand) == 2:
+    outs = {
+        "y": x.update(shape=x.shape, dtype=np.dtype(params["out_dtype"]), **types),
+        "scales": x.update(
+            shape=x.shape[:-1] + (groups,), dtype=np.dtype(params["scale_dtype"]), **types
+        ),
         # x, residual, gamma: residual_out has the residual's dtype
-        outs.append(x.update(shape=x.shape, dtype=avals[1].dtype, **types))
-    if params["with_inverse_rms"]:
-        outs.append(x.update(shape=x.shape[:-1] + (1,), dtype=np.dtype(np.float32), **types))
+        "residual_out": x.update(shape=x.shape, dtype=avals[1].dtype, **types),
+        "inverse_rms": x.update(shape=x.shape[:-1] + (1,), dtype=np.dtype(np.float32), **types),
+    }
     if params["columnwise"]:
         # [N, rows] and [N, blocks]: the last axis sharded as _partitioned makes it (where
         # x's first row dimension alone is sharded by whole blocks), else replicated.
@@ -238,11 +245,12 @@ def _norm_abstract_eval(*avals, reduced_axes: tuple = (), **params):
             scales_t_types = last_axis(None if p.has_static_scale else axes)
         rows = int(np.prod(x.shape[:-1], dtype=np.int64))
         blocks = 1 if p.has_static_scale else rows // p.group_size
-        outs.append(x.update(shape=(n, rows), dtype=np.dtype(params["out_dtype"]), **y_t_types))
-        outs.append(
-            x.update(shape=(n, blocks), dtype=np.dtype(params["scale_dtype"]), **scales_t_types)
+        outs["y_t"] = x.update(shape=(n, rows), dtype=np.dtype(params["out_dtype"]), **y_t_types)
+        outs["scales_t"] = x.update(
+            shape=(n, blocks), dtype=np.dtype(params["scale_dtype"]), **scales_t_types
         )
-    return outs
+    add = num_row_operands(len(avals), scale_operand) == 2
+    return [outs[name] for name in result_names(params, add)]
 
 
 def _norm_batching_rule(prim: Primitive):
@@ -310,17 +318,15 @@ add_rms_norm_fp8_p = _make_norm_primitive("add_rms_norm_fp8")
 
 def bind_norm(
     prim: Primitive, call: NormCall, rows: tuple, gamma, *, training: bool, columnwise: bool
-) -> tuple:
+) -> NormOutputs:
     """The outputs of an op's call (``prim``: the norm's primitive; ``rows``: x, or x and
-    residual): (y, scales[, residual_out][, inverse_rms][, y_t, scales_t]). The columnwise
-    form computes each row's r whether or not the caller keeps it."""
+    residual). The columnwise form computes each row's r whether or not the caller keeps
+    it."""
     params = dataclasses.replace(
         call.params, with_inverse_rms=training or columnwise, columnwise=columnwise
     )
-    outs = tuple(prim.bind(*call.operands(*rows, gamma), **params.as_dict()))
-    if columnwise and not training:
-        return (*outs[:-3], *outs[-2:])
-    return outs
+    results = prim.bind(*call.operands(*rows, gamma), **params.as_dict())
+    return named_outputs(results, params.as_dict(), add=len(rows) == 2)
 
 
 # The all-reduce op: x is this device's partial, inside shard_map over the manual axes

@@ -8,7 +8,7 @@ What training code differentiates instead is the dequantised output, ``f32(y) *
 f32(scales)`` (each scale repeated over its group, times NVFP4's global scale):
 :func:`rms_norm_fp8_dequantized` and :func:`add_rms_norm_fp8_dequantized` run the fused
 kernel's training form forward (which saves each row's r) and, backward, the fused
-backward kernel (jax_fp8norm.training, docs/spec.md "Training: the backward pass"): the
+backward kernel (jax_fp8norm._vjp, docs/spec.md "Training: the backward pass"): the
 straight-through rule, the cotangent of the dequantised output arriving as that of the
 normalised ``n`` (rounding, clamping, scale_ub and the choice of scales, dynamic or
 calibrated, are treated as the identity), with order-free exact sums for each row's ``c``
@@ -18,78 +18,37 @@ and for ``dgamma``.
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Unpack
+from typing import ClassVar, Unpack
 
 import jax
-import jax.numpy as jnp
 
-from jax_fp8norm._backward import add_backward, rms_backward
 from jax_fp8norm._checks import validate
-from jax_fp8norm._params import NormKeywords, NormParams
-from jax_fp8norm._primitives import add_rms_norm_fp8_p, rms_norm_fp8_p
+from jax_fp8norm._params import NormKeywords, NormOutputs, NormParams, global_scale_operand
 from jax_fp8norm._signatures import norm_keywords
+from jax_fp8norm._vjp import differentiable_norm
 from jax_fp8norm.recipes import dequantize
 
 
-def _global_scale(p: NormParams, static: tuple) -> jax.Array | None:
-    """NVFP4's global scale, the operand after gamma, which dequantisation multiplies by."""
-    return static[0] if p.has_global_scale else None
+@dataclasses.dataclass(frozen=True)
+class _Dequantize:
+    """The head of the differentiable twins: ``f32(y) * f32(scales)`` (times NVFP4's global
+    scale), whose cotangent is that of ``n`` (straight through)."""
 
+    params: NormParams
+    num_operands: ClassVar[int] = 0
+    columnwise: ClassVar[bool] = False
 
-@functools.cache
-def _rms_norm_dequantized(p: NormParams):
-    training = dataclasses.replace(p, with_inverse_rms=True)
+    def apply(self, outs: NormOutputs, operands: tuple, static: tuple) -> jax.Array:
+        return dequantize(outs.y, outs.scales, global_scale_operand(self.params, static))
 
-    @jax.custom_vjp
-    def fn(x, gamma, *static):
-        y, scales = rms_norm_fp8_p.bind(x, gamma, *static, **p.as_dict())
-        return dequantize(y, scales, _global_scale(p, static))
+    def check_training(self, x_shape: tuple, operands: tuple) -> None:
+        pass
 
-    def fwd(x, gamma, *static):
-        y, scales, inverse_rms = rms_norm_fp8_p.bind(x, gamma, *static, **training.as_dict())
-        return dequantize(y, scales, _global_scale(p, static)), (x, gamma, inverse_rms, static)
+    def kept(self, outs: NormOutputs) -> tuple:
+        return ()
 
-    def bwd(saved, cotangent):
-        x, gamma, inverse_rms, static = saved
-        dx, dgamma = rms_backward(cotangent, x, gamma, inverse_rms, p.weight_offset)
-        # The calibrated or global scale is a constant of the straight-through rule.
-        return (dx, dgamma.astype(gamma.dtype), *(jnp.zeros_like(s) for s in static))
-
-    fn.defvjp(fwd, bwd)
-    return fn
-
-
-@functools.cache
-def _add_rms_norm_dequantized(p: NormParams):
-    training = dataclasses.replace(p, with_inverse_rms=True)
-
-    @jax.custom_vjp
-    def fn(x, residual, gamma, *static):
-        y, scales, residual_out = add_rms_norm_fp8_p.bind(
-            x, residual, gamma, *static, **p.as_dict()
-        )
-        return dequantize(y, scales, _global_scale(p, static)), residual_out
-
-    def fwd(x, residual, gamma, *static):
-        y, scales, residual_out, inverse_rms = add_rms_norm_fp8_p.bind(
-            x, residual, gamma, *static, **training.as_dict()
-        )
-        out = dequantize(y, scales, _global_scale(p, static)), residual_out
-        return out, (x, residual, gamma, inverse_rms, static)
-
-    def bwd(saved, cotangents):
-        x, residual, gamma, inverse_rms, static = saved
-        ct_normed, ct_residual_out = cotangents
-        # residual_out is h rounded to the residual's dtype: straight through as well.
-        dx, dresidual, dgamma = add_backward(
-            ct_normed, ct_residual_out, x, residual, gamma, inverse_rms, p.weight_offset
-        )
-        zeros = tuple(jnp.zeros_like(s) for s in static)
-        return dx, dresidual, dgamma.astype(gamma.dtype), *zeros
-
-    fn.defvjp(fwd, bwd)
-    return fn
+    def backward(self, g, operands: tuple, static: tuple, kept: tuple) -> tuple:
+        return g, ()
 
 
 @norm_keywords
@@ -110,7 +69,8 @@ def rms_norm_fp8_dequantized(
       ``[..., N]`` float32.
     """
     call = validate(x, gamma, **keywords)
-    return _rms_norm_dequantized(call.params)(*call.operands(x, gamma))
+    head = _Dequantize(call.params)
+    return differentiable_norm(call.params, False, head)(*call.operands(x, gamma))
 
 
 @norm_keywords
@@ -129,4 +89,5 @@ def add_rms_norm_fp8_dequantized(
       ``[..., N]`` float32 and ``[..., N]`` in ``x.dtype``.
     """
     call = validate(x, gamma, residual, **keywords)
-    return _add_rms_norm_dequantized(call.params)(*call.operands(x, residual, gamma))
+    head = _Dequantize(call.params)
+    return differentiable_norm(call.params, True, head)(*call.operands(x, residual, gamma))

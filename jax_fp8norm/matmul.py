@@ -14,7 +14,8 @@ two formats, the same for both operands:
 
 Activation scales are ``[..., M, K // block]`` (the layout of the norm ops' ``scales``);
 weight scales ``[K // block, N]``, the blocked weight layout of the FP8 path. The helpers
-:func:`quantize_weights_nvfp4` and :func:`quantize_weights_mxfp4` make such weights.
+:func:`jax_fp8norm.quantize.quantize_weights_nvfp4` and
+:func:`jax_fp8norm.quantize.quantize_weights_mxfp4` make such weights.
 :func:`matmul_path` says how :func:`fp8_matmul` computes each case.
 """
 
@@ -26,12 +27,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_fp8norm import _checks
-from jax_fp8norm._checks import check_scale_operand
-from jax_fp8norm._dtypes import E4M3, E8M0, FP4, FP4_MAX
-from jax_fp8norm._groups import divide, fp4_groups
-from jax_fp8norm._params import NORM_KEYWORDS
-from jax_fp8norm.recipes import recipe_keywords
+from jax_fp8norm._checks import check_float32_scalar
+from jax_fp8norm._dtypes import FP4
+from jax_fp8norm.recipes import RECIPES
 
 FP8_DTYPES = (
     np.dtype(jnp.float8_e4m3fn),
@@ -39,23 +37,12 @@ FP8_DTYPES = (
     np.dtype(jnp.float8_e5m2),
 )
 # What cuDNN's block-scaled GEMM (MXFP8, through jax.nn.scaled_matmul) takes: OCP FP8
-# operands, e8m0 scales, blocks of 32 along K.
-MXFP8_BLOCK = 32
+# operands with the MXFP8 recipe's scales and blocks along K.
+MXFP8 = RECIPES["mxfp8"]
 MXFP8_OPERANDS = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
-
-# FP4's two block-scaled formats (E2M1: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), their
-# blocks those of the recipes.
-E4M3_MAX = 448.0
-NVFP4_BLOCK = recipe_keywords("nvfp4")["group_size"]
-MXFP4_BLOCK = recipe_keywords("mxfp4")["group_size"]
-# The keywords of the norm ops that a weight quantiser leaves at their defaults.
-_RECIPE_DEFAULTS = {
-    name: default
-    for name, (default, _) in NORM_KEYWORDS.items()
-    if name not in ("recipe", "static_scale", "global_scale")
-}
-# An FP4 operand's format, by its scales' dtype: (name, block size along K).
-FP4_FORMATS = {E4M3: ("nvfp4", NVFP4_BLOCK), E8M0: ("mxfp4", MXFP4_BLOCK)}
+# An FP4 operand's format, by its scales' dtype: its recipe (E2M1: magnitudes 0, 0.5, 1,
+# 1.5, 2, 3, 4, 6).
+FP4_FORMATS = {RECIPES[name].scale_dtype: RECIPES[name] for name in ("nvfp4", "mxfp4")}
 _FORMAT_NAMES = {
     "fp8": "FP8",
     "nvfp4": "NVFP4 (float4_e2m1fn, float8_e4m3fn scales per 16)",
@@ -101,12 +88,13 @@ def matmul_path(a, a_scales, w, w_scales) -> str:
       matmul (and for NVFP4 the global scales applied to its result).
     """
     if FP4 in (np.dtype(a.dtype), np.dtype(w.dtype)):
+        nvfp4 = RECIPES["nvfp4"]
         nvfp4 = (
             np.dtype(a.dtype) == FP4
             and np.dtype(w.dtype) == FP4
-            and np.dtype(a_scales.dtype) == E4M3
-            and np.dtype(w_scales.dtype) == E4M3
-            and _blocks_match(a, a_scales, w, w_scales, NVFP4_BLOCK)
+            and np.dtype(a_scales.dtype) == nvfp4.scale_dtype
+            and np.dtype(w_scales.dtype) == nvfp4.scale_dtype
+            and _blocks_match(a, a_scales, w, w_scales, nvfp4.block)
         )
         # cuDNN (and XLA's block-scaled dot) take NVFP4 but not MXFP4.
         return "scaled_matmul" if nvfp4 and native_block_scaled_available() else "dequantize"
@@ -115,11 +103,11 @@ def matmul_path(a, a_scales, w, w_scales) -> str:
     if per_row and per_channel:
         return "fp8_dot"
     mxfp8 = (
-        np.dtype(a_scales.dtype) == E8M0
-        and np.dtype(w_scales.dtype) == E8M0
+        np.dtype(a_scales.dtype) == MXFP8.scale_dtype
+        and np.dtype(w_scales.dtype) == MXFP8.scale_dtype
         and np.dtype(a.dtype) in MXFP8_OPERANDS
         and np.dtype(w.dtype) in MXFP8_OPERANDS
-        and _blocks_match(a, a_scales, w, w_scales, MXFP8_BLOCK)
+        and _blocks_match(a, a_scales, w, w_scales, MXFP8.block)
     )
     if mxfp8 and native_block_scaled_available():
         return "scaled_matmul"
@@ -141,7 +129,7 @@ def _format(name: str, value, scales) -> str:
             f"{name}_scales of an FP4 {name} must be float8_e4m3fn (NVFP4) or "
             f"float8_e8m0fnu (MXFP4), got {scales.dtype}"
         )
-    return fmt[0]
+    return fmt.name
 
 
 def _check_fp8(a, a_scales, w, w_scales) -> None:
@@ -165,7 +153,7 @@ def _check_fp8(a, a_scales, w, w_scales) -> None:
 
 def _check_fp4(fmt: str, a, a_scales, w, w_scales) -> None:
     k, n = w.shape
-    block = NVFP4_BLOCK if fmt == "nvfp4" else MXFP4_BLOCK
+    block = RECIPES[fmt].block
     label = fmt.upper()
     if k % block:
         raise ValueError(f"{label} operands need K a multiple of {block}; got K = {k}")
@@ -202,12 +190,6 @@ def _check(a, a_scales, w, w_scales) -> str:
     return a_format
 
 
-def _global_scale(name: str, value) -> jax.Array:
-    """A float32 global scale (a Python float, or a float32 array of shape () or (1,),
-    possibly traced) as a float32 array of shape (): the norm ops' own check."""
-    return jnp.reshape(check_scale_operand(value, name, float32_only=True), ())
-
-
 def _global_scales(fmt: str, a_global_scale, w_global_scale):
     """The product of the two global scales (float32, shape ()) for NVFP4, else None."""
     given = [
@@ -227,8 +209,8 @@ def _global_scales(fmt: str, a_global_scale, w_global_scale):
             "NVFP4 operands need a_global_scale and w_global_scale (float32 decode scales: "
             "deq = f32(v) * f32(block scale) * global_scale; 1.0 for none)"
         )
-    return _global_scale("a_global_scale", a_global_scale) * _global_scale(
-        "w_global_scale", w_global_scale
+    return check_float32_scalar(a_global_scale, "a_global_scale") * check_float32_scalar(
+        w_global_scale, "w_global_scale"
     )
 
 
@@ -422,172 +404,3 @@ def fp8_matmul(
         # float32, times the product of the two global scales, then the output dtype.
         out = out * global_scale
     return out.astype(out_dtype)
-
-
-def _check_axis(axis: int) -> int:
-    if axis not in (0, 1, -1):
-        raise ValueError(
-            f"axis must be 0 (along K of [K, M] weights) or 1 (along rows), got {axis}"
-        )
-    return axis % 2
-
-
-def quantize_per_channel(
-    w: jax.Array, out_dtype=jnp.float8_e4m3fn, *, axis: int = 0
-) -> tuple[jax.Array, jax.Array]:
-    """``[K, M]`` weights to FP8 with one float32 scale per output channel (column):
-    ``scale = max(max_k |w[k, m]| / FP8_MAX, 2^-126)``; a zero column gets scale 1. With
-    ``axis=1``, one scale per row of ``[M, K]`` activations instead (scales ``[M, 1]``)."""
-    axis = _check_axis(axis)
-    fp8_max = float(jnp.finfo(out_dtype).max)
-    w32 = w.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(w32), axis=axis, keepdims=True)
-    # At least the smallest normal float32: amax / FP8_MAX of a tiny nonzero column would
-    # flush to zero and its codes to Inf.
-    scales = jnp.where(amax > 0, jnp.maximum(divide(amax, fp8_max), SMALLEST_NORMAL), 1.0)
-    codes = divide(w32, scales).astype(out_dtype)
-    return codes, (scales[0] if axis == 0 else scales)
-
-
-def _pow2(exponent: jax.Array) -> jax.Array:
-    """2^exponent in float32, exactly, for integer exponents in [-126, 127] (built from
-    the bits: XLA's exp2 is not exact on every backend)."""
-    bits = (exponent.astype(jnp.int32) + 127) << 23
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def _power_of_two_exponent(q: jax.Array) -> jax.Array:
-    """The exponent of the smallest power of two >= q, at least -126 (int32); 0 where q is
-    not finite."""
-    # From the bits of a normal float32: its exponent, plus one unless the mantissa is zero
-    # (q is then a power of two). Exact, where a ceil of log2 may round a power of two up;
-    # and elementwise integer arithmetic, which keeps q's sharding (jnp.frexp's exponent
-    # loses it on Explicit axes).
-    bits = jax.lax.bitcast_convert_type(
-        jnp.maximum(q, SMALLEST_NORMAL).astype(jnp.float32), jnp.int32
-    )
-    biased = (bits >> 23) & 0xFF
-    exponent = biased - 127 + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
-    return jnp.where(biased == 0xFF, 0, exponent)
-
-
-def quantize_blocks(
-    w: jax.Array, block_size: int = MXFP8_BLOCK, out_dtype=jnp.float8_e4m3fn, *, axis: int = 0
-) -> tuple[jax.Array, jax.Array]:
-    """``[K, M]`` weights to MXFP8-style blocks: one e8m0 (power-of-two) scale per block of
-    ``block_size`` rows in each column, the smallest power of two >= ``amax / FP8_MAX``
-    (at least 2^-126), so that no weight is clipped. Returns ``(w8 [K, M], scales
-    [K // block_size, M] float8_e8m0fnu)``. With ``axis=1``, blocks along the rows of
-    ``[M, K]`` activations instead: scales ``[M, K // block_size]``."""
-    axis = _check_axis(axis)
-    k = w.shape[axis]
-    if block_size <= 0 or k % block_size:
-        raise ValueError(f"block_size must be a positive divisor of K = {k}, got {block_size}")
-    fp8_max = float(jnp.finfo(out_dtype).max)
-    shape = list(w.shape)
-    shape[axis : axis + 1] = [k // block_size, block_size]
-    blocks = w.astype(jnp.float32).reshape(shape)
-    amax = jnp.max(jnp.abs(blocks), axis=axis + 1, keepdims=True)
-    exponent = _power_of_two_exponent(divide(amax, fp8_max))
-    w8 = (blocks * _pow2(-exponent)).reshape(w.shape).astype(out_dtype)
-    codes = (jnp.squeeze(exponent, axis + 1) + 127).astype(jnp.uint8)
-    return w8, jax.lax.bitcast_convert_type(codes, E8M0)
-
-
-def _fp4_blocks(w, block: int, name: str) -> jax.Array:
-    """``[K, N]`` weights as float32 ``[K // block, block, N]``: blocks along K."""
-    if np.ndim(w) != 2 or not jnp.issubdtype(w.dtype, jnp.floating):
-        raise ValueError(f"w must be a float array of shape (K, N), got {w.dtype} {np.shape(w)}")
-    k, n = w.shape
-    if k % block:
-        raise ValueError(f"{name} weights need K a multiple of {block}; got K = {k}")
-    return jnp.asarray(w, jnp.float32).reshape(k // block, block, n)
-
-
-# The smallest normal float32: the floor of the scales made from an amax.
-SMALLEST_NORMAL = np.float32(2.0**-126)
-
-
-def nvfp4_global_scale(amax: jax.Array) -> jax.Array:
-    """NVFP4's global (decode) scale for values of largest magnitude ``amax``: ``amax /
-    (448 * 6)``, which puts the largest block scale at 448, at least 2^-126 (a tiny amax
-    would flush it to zero), 1 for a zero amax; a NaN amax stays NaN."""
-    scale = jnp.maximum(divide(amax, E4M3_MAX * FP4_MAX), SMALLEST_NORMAL)  # NaN stays NaN
-    return jnp.where(amax == 0, jnp.float32(1.0), scale)
-
-
-def quantize_weights_nvfp4(
-    w: jax.Array, global_scale=None
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``[K, N]`` weights to NVFP4: blocks of 16 rows of each column (along K, the
-    contraction axis), the rule the norm ops use for rows (``t = w / global_scale``,
-    ``s = E4M3(min(max|t| / 6, 448))`` per block, ``y = E2M1(clip(t / f32(s), -6, 6))``).
-
-    ``global_scale`` (a decode scale: ``deq = f32(y) * f32(s) * global_scale``; a Python
-    float or a float32 array of shape ``()`` or ``(1,)``) defaults to
-    :func:`nvfp4_global_scale` of ``max|w|``: ``max|w| / (448 * 6)``, which puts the
-    largest block scale at 448, at least 2^-126, and 1.0 for an all-zero ``w``. A zero
-    block gets scale 0 and zero codes; a block holding NaN or Inf gets a NaN scale and zero
-    codes (so it dequantises to NaN).
-
-    Returns ``(w4 [K, N] float4_e2m1fn, scales [K // 16, N] float8_e4m3fn, global_scale
-    float32 of shape ())``, the operand, ``w_scales`` and ``w_global_scale`` of
-    :func:`fp8_matmul`.
-    """
-    blocks = _fp4_blocks(w, NVFP4_BLOCK, "NVFP4")
-    if global_scale is None:
-        amax = jnp.max(jnp.abs(blocks))
-        # A NaN amax stays NaN (and so does every scale), never a silent 1.
-        gs = nvfp4_global_scale(amax)
-    else:
-        gs = _global_scale("global_scale", global_scale)
-    w4, scales = _fp4_columns(blocks, "nvfp4", gs)
-    return w4, scales, gs
-
-
-def quantize_weights_mxfp4(w: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``[K, N]`` weights to MXFP4: blocks of 32 rows of each column (along K), each with
-    an e8m0 scale, the smallest power of two >= ``amax / 6`` (the rule of
-    :func:`quantize_blocks` with FP4's 6 in place of FP8_MAX), so that no weight is
-    clipped. A block whose ``amax / 6`` is at most 2^-127 (a zero block) gets 2^-127,
-    e8m0's code 0; a block holding NaN or Inf gets a NaN scale (code 0xFF) and zero codes.
-
-    Returns ``(w4 [K, N] float4_e2m1fn, scales [K // 32, N] float8_e8m0fnu)``, the
-    operand and ``w_scales`` of :func:`fp8_matmul`.
-    """
-    return _fp4_columns(_fp4_blocks(w, MXFP4_BLOCK, "MXFP4"), "mxfp4")
-
-
-def _fp4_columns(blocks: jax.Array, recipe: str, global_scale=None):
-    """FP4 codes ``[K, N]`` and scales ``[K // block, N]`` of weight blocks ``[K // block,
-    block, N]``, by the rule of the norm ops' groups (jax_fp8norm._groups.fp4_groups): each
-    column's blocks are a row's groups."""
-    kb, block, n = blocks.shape
-    groups = jnp.transpose(blocks, (2, 0, 1))  # [N, K // block, block]
-    y, scales = _fp4_groups(groups, recipe, global_scale)
-    return jnp.transpose(y, (1, 2, 0)).reshape(kb * block, n), jnp.transpose(scales)
-
-
-def _fp4_groups(groups: jax.Array, recipe: str, global_scale=None):
-    """FP4 codes ``[R, groups, block]`` and scales ``[R, groups]`` of float32 groups."""
-    layout = {k: v for k, v in recipe_keywords(recipe).items() if k != "static_scale"}
-    params = _checks.make_params(
-        np.float32, **{**_RECIPE_DEFAULTS, **layout}, has_global_scale=global_scale is not None
-    )
-    operand = None if global_scale is None else jnp.reshape(global_scale, (1,))
-    return fp4_groups(groups, jnp.ones((groups.shape[0], 1), bool), params, operand)
-
-
-def quantize_fp4_rows(v: jax.Array, recipe: str, global_scale=None):
-    """``[M, K]`` activations to FP4 along their rows, by the weights' rule (NVFP4 with
-    ``global_scale``, 1.0 when None; or MXFP4): ``(codes [M, K], scales [M, K // block])``,
-    the ``a`` and ``a_scales`` of :func:`fp8_matmul`."""
-    block = NVFP4_BLOCK if recipe == "nvfp4" else MXFP4_BLOCK
-    m, k = v.shape
-    if k % block:
-        raise ValueError(f"{recipe.upper()} rows need K a multiple of {block}; got K = {k}")
-    if recipe == "nvfp4" and global_scale is None:
-        global_scale = jnp.float32(1.0)
-    groups = jnp.asarray(v, jnp.float32).reshape(m, k // block, block)
-    y, scales = _fp4_groups(groups, recipe, global_scale)
-    return y.reshape(m, k), scales

@@ -19,8 +19,9 @@ from jax_fp8norm._checks import check_global_scale, check_static_scale, validate
 from jax_fp8norm._params import NORM_KEYWORDS, NormKeywords
 from jax_fp8norm._signatures import norm_keywords
 from jax_fp8norm.autodiff import add_rms_norm_fp8_dequantized, rms_norm_fp8_dequantized
-from jax_fp8norm.dense import add_rms_norm_dense, rms_norm_dense, unquantized_rms_norm_dense
+from jax_fp8norm.dense import add_rms_norm_dense, rms_norm_dense
 from jax_fp8norm.ops import add_rms_norm_fp8, rms_norm_fp8
+from jax_fp8norm.reference import unquantized_rms_norm_dense
 
 
 class RMSNormFP8(nnx.Module):
@@ -169,7 +170,7 @@ class RMSNormDense(nnx.Module):
       kernel_init: ``init(key, (K, F), param_dtype)``; LeCun normal by default, as
         ``nnx.Linear``.
       fused: False runs the same layer unquantised, for comparison:
-        :func:`jax_fp8norm.dense.unquantized_rms_norm_dense` (the RMSNorm in float32, the
+        :func:`jax_fp8norm.reference.unquantized_rms_norm_dense` (the RMSNorm in float32, the
         matmul in the input's dtype), differentiated by jax.
       rngs: the key of ``kernel_init`` (required, as for ``nnx.Linear``).
       The keywords of :func:`jax_fp8norm.rms_norm_fp8` (the recipe's; a ``static_scale`` or

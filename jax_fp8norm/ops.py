@@ -70,7 +70,8 @@ def rms_norm_fp8(
     """
     call = validate(x, gamma, **keywords)
     columnwise = check_columnwise(columnwise, call.params, x.shape)
-    return bind_norm(rms_norm_fp8_p, call, (x,), gamma, training=False, columnwise=columnwise)
+    outs = bind_norm(rms_norm_fp8_p, call, (x,), gamma, training=False, columnwise=columnwise)
+    return outs.returned(training=False)
 
 
 @norm_keywords
@@ -97,9 +98,10 @@ def add_rms_norm_fp8(
     """
     call = validate(x, gamma, residual, **keywords)
     columnwise = check_columnwise(columnwise, call.params, x.shape)
-    return bind_norm(
+    outs = bind_norm(
         add_rms_norm_fp8_p, call, (x, residual), gamma, training=False, columnwise=columnwise
     )
+    return outs.returned(training=False)
 
 
 @norm_keywords
@@ -158,9 +160,10 @@ def allreduce_residual_rms_norm_fp8(
                 "the one-kernel methods do not write"
             )
         h = xla_sum(x, check_axis_name(axis_name), None if reduce == jnp.dtype(x.dtype) else reduce)
-        return bind_norm(
+        outs = bind_norm(
             add_rms_norm_fp8_p, call, (h, residual), gamma, training=False, columnwise=True
         )
+        return outs.returned(training=False)
     return tuple(
         allreduce_rms_norm_fp8_p.bind(
             *call.operands(x, residual, gamma),

@@ -16,45 +16,32 @@ scales a row has, and how ``(y, scales)`` dequantise.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
-from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["RECIPES", "Recipe", "apply_recipe", "dequantize", "recipe_keywords", "scales_per_row"]
+__all__ = [
+    "RECIPES",
+    "OperandFormat",
+    "Recipe",
+    "apply_recipe",
+    "dequantize",
+    "recipe_keywords",
+    "recipe_of",
+    "scales_per_row",
+]
 
 _E4M3FN = np.dtype(jnp.float8_e4m3fn)
 _E4M3FNUZ = np.dtype(jnp.float8_e4m3fnuz)
 _E8M0 = np.dtype(jnp.float8_e8m0fnu)
 _FP4 = np.dtype(jnp.float4_e2m1fn)
+_E5M2 = np.dtype(jnp.float8_e5m2)
 # The FP8 recipes take either E4M3 type (e4m3fnuz for AMD's MI300); e4m3fn unless given.
 _FP8 = (_E4M3FN, _E4M3FNUZ)
-
-
-@dataclasses.dataclass(frozen=True)
-class Recipe:
-    """One layout: ``keywords`` maps each keyword the recipe decides to the values it
-    accepts, the first being the one it sets when the caller gives none."""
-
-    name: str
-    description: str
-    keywords: Mapping[str, tuple[Any, ...]]
-
-    @property
-    def static(self) -> bool:
-        """Whether the recipe's scale is a calibrated ``static_scale`` (data, not computed)."""
-        return self.keywords.get("static_scale") == (_REQUIRED,)
-
-    def example(self) -> dict[str, Any]:
-        """The keywords the recipe sets, by the first value each accepts (0.02 for the
-        static recipe's calibrated ``static_scale``)."""
-        return {
-            name: 0.02 if values == (_REQUIRED,) else values[0]
-            for name, values in self.keywords.items()
-        }
 
 
 class _Required:
@@ -66,67 +53,194 @@ class _Required:
 
 _REQUIRED = _Required()
 
+# The scale rules (docs/spec.md, "Scales"): the nearest scale of the abs-max; a power of
+# two >= it (at least 2^-127 in e8m0, 2^-126 in a float type); a calibrated scale; NVFP4's
+# e4m3 block scale under a float32 global scale.
+NEAREST, POWER_OF_TWO, STATIC, NVFP4 = "nearest", "power_of_two", "static", "nvfp4"
+
+
+@dataclasses.dataclass(frozen=True)
+class OperandFormat:
+    """How the layer quantises an operand it makes itself (the weight, the output
+    gradient): its codes, the block along the contraction axis (None: one scale per row of
+    an activation or per column of a weight) and the rule of its scales: NEAREST (float32,
+    at least 2^-126), POWER_OF_TWO (e8m0) or NVFP4 (e4m3 blocks; rows get a global scale
+    each, a weight one for the whole)."""
+
+    element: np.dtype
+    block: int | None
+    rule: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """One layout of codes and scales, with every fact the ops, the layer and the checks
+    read from it.
+
+    ``elements``: the code dtypes it takes, the first its default (``element``);
+    ``block``: elements per scale along a row (None: one scale per row, or per tensor for
+    the static rule), and rows per scale in the columnwise layout; ``scale_dtype``: the
+    scales' dtype, None where the caller picks a float type; ``rule``: the scale rule;
+    ``gradient_element``: the output gradient's codes in the layer (None: the recipe's
+    own)."""
+
+    name: str
+    description: str
+    elements: tuple[np.dtype, ...]
+    block: int | None
+    scale_dtype: np.dtype | None
+    rule: str
+    gradient_element: np.dtype | None = None
+    family: str | None = None  # the named recipe a call's layout derives from
+
+    @property
+    def base(self) -> Recipe:
+        """The named recipe of this layout's family (itself for a named one)."""
+        return RECIPES[self.family or self.name]
+
+    @property
+    def element(self) -> np.dtype:
+        return self.elements[0]
+
+    @property
+    def static(self) -> bool:
+        """Whether the recipe's scale is a calibrated ``static_scale`` (data, not computed)."""
+        return self.rule == STATIC
+
+    @property
+    def fp4(self) -> bool:
+        return self.element == _FP4
+
+    @property
+    def columnwise(self) -> bool:
+        """Whether it has a columnwise form (blocks of ``block`` rows, or the static scale):
+        every recipe but one scale per row, whose scales cannot be transposed."""
+        return self.block is not None or self.static
+
+    @property
+    def weight(self) -> OperandFormat:
+        """How the layer quantises its weight along K: FP4 in the recipe's own format; FP8
+        with one scale per column beside per-row or static scales, else e8m0 blocks of the
+        recipe's."""
+        if self.rule == NVFP4:
+            return OperandFormat(self.element, self.block, NVFP4)
+        if self.block is None:
+            return OperandFormat(self.element, None, NEAREST)
+        return OperandFormat(self.element, self.block, POWER_OF_TWO)
+
+    @property
+    def gradient(self) -> OperandFormat:
+        """How the layer quantises the output gradient (blocked along the output features
+        for dgrad, along the rows for wgrad): the weight's format with the gradient's
+        codes. E5M2 (its range) beside the FP8 recipes' E4M3, as Transformer Engine's
+        HYBRID format; MXFP8 keeps E4M3 with its e8m0 blocks, as TE's MXFP8 recipe; the
+        FP4 recipes quantise the gradient as everything else."""
+        return dataclasses.replace(self.weight, element=self.gradient_element or self.element)
+
+    @property
+    def keywords(self) -> dict[str, tuple[Any, ...]]:
+        """The keywords the recipe decides, each with the values it accepts, the first the
+        one it sets when the caller gives none."""
+        keywords: dict[str, tuple[Any, ...]] = {
+            "out_dtype": self.elements,
+            "group_size": (None if self.static else self.block,),
+        }
+        if self.scale_dtype is not None:
+            keywords["scale_dtype"] = (self.scale_dtype,)
+        elif self.rule == POWER_OF_TWO:
+            keywords["power_of_two_scales"] = (True,)
+        keywords["static_scale"] = (_REQUIRED,) if self.static else (None,)
+        return keywords
+
+    def example(self) -> dict[str, Any]:
+        """The keywords the recipe sets, by the first value each accepts (0.02 for the
+        static recipe's calibrated ``static_scale``)."""
+        return {
+            name: 0.02 if values == (_REQUIRED,) else values[0]
+            for name, values in self.keywords.items()
+        }
+
+    def scales_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The rowwise scales' shape for ``y`` of shape ``shape``."""
+        return tuple(shape[:-1]) + (scales_per_row(shape[-1], None if self.static else self.block),)
+
+    def columnwise_scales_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """``scales_t``'s shape for ``x`` of shape ``shape`` (``y_t`` is ``[N, rows]``)."""
+        rows = int(np.prod(shape[:-1], dtype=np.int64))
+        return (shape[-1], 1 if self.static else rows // self.block)
+
+
 RECIPES: dict[str, Recipe] = {
     recipe.name: recipe
     for recipe in (
         Recipe(
             "fp8_row",
             "FP8, one dynamic scale per row (Modular MAX's fused kernel; vLLM's per-token).",
-            {"out_dtype": _FP8, "group_size": (None,), "static_scale": (None,)},
+            _FP8, None, None, NEAREST, _E5M2,
         ),
         Recipe(
             "fp8_group128",
             "FP8, one dynamic scale per 1x128 group (DeepSeek-V3 / Qwen3 activations).",
-            {"out_dtype": _FP8, "group_size": (128,), "static_scale": (None,)},
+            _FP8, 128, None, NEAREST, _E5M2,
         ),
         Recipe(
             "fp8_group128_ue8m0",
             "FP8 per 1x128 group with power-of-two scales (DeepSeek's UE8M0, for DeepGEMM).",
-            {
-                "out_dtype": _FP8,
-                "group_size": (128,),
-                "power_of_two_scales": (True,),
-                "static_scale": (None,),
-            },
+            _FP8, 128, None, POWER_OF_TWO, _E5M2,
         ),
         Recipe(
             "fp8_static",
             "FP8 with one calibrated per-tensor scale (vLLM's rms_norm_static_fp8_quant); "
             "needs static_scale.",
-            {"out_dtype": _FP8, "group_size": (None,), "static_scale": (_REQUIRED,)},
+            _FP8, None, None, STATIC, _E5M2,
         ),
         Recipe(
             "mxfp8",
             "MXFP8 (OCP): e4m3 codes, one float8_e8m0fnu scale per 1x32 group.",
-            {
-                "out_dtype": (_E4M3FN,),
-                "group_size": (32,),
-                "scale_dtype": (_E8M0,),
-                "static_scale": (None,),
-            },
+            (_E4M3FN,), 32, _E8M0, POWER_OF_TWO,
         ),
         Recipe(
             "nvfp4",
             "NVFP4: e2m1 codes, one float8_e4m3fn scale per 1x16 group, a global_scale.",
-            {
-                "out_dtype": (_FP4,),
-                "group_size": (16,),
-                "scale_dtype": (_E4M3FN,),
-                "static_scale": (None,),
-            },
+            (_FP4,), 16, _E4M3FN, NVFP4,
         ),
         Recipe(
             "mxfp4",
             "MXFP4 (OCP): e2m1 codes, one float8_e8m0fnu scale per 1x32 group.",
-            {
-                "out_dtype": (_FP4,),
-                "group_size": (32,),
-                "scale_dtype": (_E8M0,),
-                "static_scale": (None,),
-            },
+            (_FP4,), 32, _E8M0, POWER_OF_TWO,
         ),
     )
-}
+}  # fmt: skip
+
+
+@functools.cache
+def recipe_of(params) -> Recipe:
+    """The recipe of a checked call's parameters (a NormParams): the named recipe whose
+    layout they are, or for a layout no name stands for (another group size, say) that
+    recipe's family with the call's block; the code and scale dtypes the call's. The one
+    place a call's keywords are read back as a recipe."""
+    if params.fp4:
+        base = RECIPES["nvfp4" if params.scale_dtype == _E4M3FN else "mxfp4"]
+    elif params.has_static_scale:
+        base = RECIPES["fp8_static"]
+    elif params.group_size is None:
+        base = RECIPES["fp8_row"]
+    elif params.scale_dtype == _E8M0 and params.group_size == RECIPES["mxfp8"].block:
+        base = RECIPES["mxfp8"]
+    elif params.power_of_two_scales:
+        base = RECIPES["fp8_group128_ue8m0"]
+    else:
+        base = RECIPES["fp8_group128"]
+    block = None if base.static else params.group_size
+    name = base.name if block == base.block else f"{base.name} with group_size={block}"
+    return dataclasses.replace(
+        base,
+        name=name,
+        elements=(np.dtype(params.out_dtype),),
+        block=block,
+        scale_dtype=np.dtype(params.scale_dtype),
+        family=base.name,
+    )
 
 
 def _same(given: Any, wanted: Any) -> bool:

@@ -324,11 +324,19 @@ def assert_kernel_matches(platform: str, got, want, **kwargs) -> None:
         assert_same_bits(got, want)
 
 
+def kernel_op(op: str):
+    """The kernel-backed function ``op`` names: a public op, or a building block beneath
+    the public ``*_vjp`` (the training forms, the checked backward)."""
+    from jax_fp8norm import _training
+
+    return getattr(jax_fp8norm, op, None) or getattr(_training, op)
+
+
 def check_against_reference(platform: str, op: str, *args, jit: bool = True, **kwargs):
     """Runs ``jax_fp8norm.<op>`` on ``platform`` and its twin ``jax_fp8norm.reference.<op>``
     on the CPU, asserts what the platform promises (assert_kernel_matches) and returns
     ``(outputs, reference)``."""
-    out = run_on(platform, getattr(jax_fp8norm, op), *args, jit=jit, **kwargs)
+    out = run_on(platform, kernel_op(op), *args, jit=jit, **kwargs)
     ref = reference_on_cpu(getattr(jax_fp8norm.reference, op), *args, **kwargs)
     assert_kernel_matches(platform, out, ref, **kwargs)
     return out, ref

@@ -44,6 +44,7 @@ import jax_fp8norm as fp8norm
 import jax_fp8norm._allreduce
 import jax_fp8norm._ffi
 import jax_fp8norm.simt
+from jax_fp8norm.recipes import apply_recipe
 
 if not HAVE_DEVICES:
 
@@ -216,7 +217,7 @@ else:
                 residual, residual, gamma
             )
         )
-        per_row = fp8norm.recipes.apply_recipe(kw).get("group_size") is None
+        per_row = apply_recipe(kw).get("group_size") is None
         assert want[1].shape == ((3, 1) if per_row else (3, 0))
         for method in ("xla", "auto", *ONE_KERNEL):
             assert_every_copy(with_method(method, mesh, partials, residual, gamma, **kw), want)

@@ -24,7 +24,7 @@ from helpers import (
 )
 
 import jax_fp8norm as fp8norm
-from jax_fp8norm import reference
+from jax_fp8norm import _training, reference
 
 
 def cancelling_terms(seed: int, rows: int, k: int) -> np.ndarray:
@@ -83,7 +83,7 @@ def test_kernel_sums_are_exact(platform):
     x = np.ones(columns.shape, np.float32)
     gamma = np.ones(columns.shape[1], np.float32)
     r = np.ones((k, 1), np.float32)
-    dx, dgamma = run_on(platform, fp8norm.rms_norm_backward, columns, x, gamma, r)
+    dx, dgamma = run_on(platform, _training.rms_norm_backward, columns, x, gamma, r)
     # The terms dn_j * 1, flushed as every product is (|t| <= 2^-126 is zero).
     want = [exact.backward_sum(exact.flushed(c)) for c in columns.T]
     same_bits(dgamma, np.array(want, np.float32))
@@ -91,7 +91,7 @@ def test_kernel_sums_are_exact(platform):
     ones = np.ones(rows.shape, np.float32)
     dx, _ = run_on(
         platform,
-        fp8norm.rms_norm_backward,
+        _training.rms_norm_backward,
         rows,
         ones,
         np.ones(k, np.float32),
@@ -118,17 +118,17 @@ def test_backward_against_the_oracle(add):
         gamma[n // 2 :] * x[:, n // 2 :] + 1e-30
     )
     dn = np.nan_to_num(dn, posinf=1.0, neginf=-1.0).astype(np.float32)
-    _, _, r = fp8norm.rms_norm_fp8_training(x, gamma)
+    _, _, r = _training.rms_norm_fp8_training(x, gamma)
     assert np.all(np.isfinite(np.asarray(r)))  # finite arithmetic: no NaN row to hide in
     if add:
         residual = np.zeros_like(x)
         d_residual_out = random_rows(4, (rows, n), "float32")
-        got = fp8norm.add_rms_norm_backward(dn, d_residual_out, x, residual, gamma, r)
+        got = _training.add_rms_norm_backward(dn, d_residual_out, x, residual, gamma, r)
         twin = reference_on_cpu(
             reference.add_rms_norm_backward, dn, d_residual_out, x, residual, gamma, r
         )
     else:
-        got = fp8norm.rms_norm_backward(dn, x, gamma, r)
+        got = _training.rms_norm_backward(dn, x, gamma, r)
         twin = reference_on_cpu(reference.rms_norm_backward, dn, x, gamma, r)
     dx, dgamma = exact.backward_rows(dn, x, gamma, np.asarray(r))
     if add:
@@ -174,11 +174,13 @@ def test_backward_kernels_give_the_twins_bits(platform, add, dtypes, shape, weig
     if add:
         residual = random_rows(13, shape, x_dtype)
         d_residual_out = random_rows(14, shape, x_dtype)
-        *_, r = jax.jit(lambda *a: fp8norm.add_rms_norm_fp8_training(*a, **kw))(x, residual, gamma)
+        *_, r = jax.jit(lambda *a: _training.add_rms_norm_fp8_training(*a, **kw))(
+            x, residual, gamma
+        )
         args = (dn, d_residual_out, x, residual, gamma, np.asarray(r))
         got, _ = check_against_reference(platform, "add_rms_norm_backward", *args, **kw)
     else:
-        *_, r = jax.jit(lambda *a: fp8norm.rms_norm_fp8_training(*a, **kw))(x, gamma)
+        *_, r = jax.jit(lambda *a: _training.rms_norm_fp8_training(*a, **kw))(x, gamma)
         args = (dn, x, gamma, np.asarray(r))
         got, _ = check_against_reference(platform, "rms_norm_backward", *args, **kw)
     assert got[-1].shape == (n,) and got[0].dtype == np.dtype(x_dtype)
@@ -243,11 +245,11 @@ def test_vmap_gives_each_element_its_own_dgamma():
     x = random_rows(50, (3, 7, 40), "bfloat16")
     dn = random_rows(51, (3, 7, 40), "float32")
     gamma = random_gamma(52, 40, "float32")
-    _, _, r = fp8norm.rms_norm_fp8_training(x, gamma)
-    dx, dgamma = jax.vmap(fp8norm.rms_norm_backward, in_axes=(0, 0, None, 0))(dn, x, gamma, r)
+    _, _, r = _training.rms_norm_fp8_training(x, gamma)
+    dx, dgamma = jax.vmap(_training.rms_norm_backward, in_axes=(0, 0, None, 0))(dn, x, gamma, r)
     assert dgamma.shape == (3, 40)
     for i in range(3):
-        want = fp8norm.rms_norm_backward(dn[i], x[i], gamma, r[i])
+        want = _training.rms_norm_backward(dn[i], x[i], gamma, r[i])
         same_bits(dx[i], want[0])
         same_bits(dgamma[i], want[1])
 
@@ -264,7 +266,7 @@ def test_other_platforms_run_the_backwards_twin():
     _fallback._warned.discard("tpu")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        exported = jax.export.export(jax.jit(fp8norm.rms_norm_backward), platforms=("tpu",))(
+        exported = jax.export.export(jax.jit(_training.rms_norm_backward), platforms=("tpu",))(
             f32, x, gamma, r
         )
     assert "custom_call @fp8norm" not in exported.mlir_module()
@@ -294,7 +296,7 @@ def test_backward_refuses_bad_input_by_name(change, error, words):
         | change
     )
     with pytest.raises(error, match=words):
-        fp8norm.rms_norm_backward(**args)
+        _training.rms_norm_backward(**args)
 
 
 def test_add_backward_refuses_a_mismatched_d_residual_out():
@@ -302,9 +304,9 @@ def test_add_backward_refuses_a_mismatched_d_residual_out():
     r = np.ones((4, 1), np.float32)
     gamma = np.ones(16, np.float32)
     with pytest.raises(TypeError, match="d_residual_out must have the dtype"):
-        fp8norm.add_rms_norm_backward(x, np.ones((4, 16), np.float32), x, x, gamma, r)
+        _training.add_rms_norm_backward(x, np.ones((4, 16), np.float32), x, x, gamma, r)
     with pytest.raises(ValueError, match="d_residual_out must have the shape"):
-        fp8norm.add_rms_norm_backward(x, np.ones((4, 8), jnp.bfloat16), x, x, gamma, r)
+        _training.add_rms_norm_backward(x, np.ones((4, 8), jnp.bfloat16), x, x, gamma, r)
 
 
 @BACKWARD_PLATFORMS
@@ -350,7 +352,7 @@ def test_products_that_round_to_the_smallest_normal_are_zero(platform):
     gamma = np.full(n, 2.0**-63, np.float32)
     r = np.ones((2, 1), np.float32)
     assert np.float32(dn[0, 0]) * np.float32(gamma[0]) == np.float32(2.0**-126)  # NumPy: IEEE
-    got = run_on(platform, fp8norm.rms_norm_backward, dn, x, gamma, r)
+    got = run_on(platform, _training.rms_norm_backward, dn, x, gamma, r)
     for g, w in zip(got, exact.backward_rows(dn, x, gamma, r), strict=True):
         same_bits(g, w)
     assert np.all(got[0] == 0)
@@ -367,8 +369,8 @@ def test_weight_offset_is_rounded_through_x_dtype(platform, x_dtype):
     x = random_rows(70, (rows, n), x_dtype, spread=1)
     gamma = random_gamma(71, n, "float32")
     dn = random_rows(72, (rows, n), "float32", spread=3)
-    *_, r = run_on(platform, fp8norm.rms_norm_fp8_training, x, gamma, weight_offset=0.1)
-    dx, dgamma = run_on(platform, fp8norm.rms_norm_backward, dn, x, gamma, r, weight_offset=0.1)
+    *_, r = run_on(platform, _training.rms_norm_fp8_training, x, gamma, weight_offset=0.1)
+    dx, dgamma = run_on(platform, _training.rms_norm_backward, dn, x, gamma, r, weight_offset=0.1)
     assert np.all(np.isfinite(r)) and np.all(np.isfinite(dx.astype(np.float32)))
     rounded = float(np.asarray(0.1, x_dtype).astype(np.float32))
     want_dx, want_dgamma = exact.backward_rows(dn, x.astype(np.float32), gamma, r, rounded)
@@ -393,11 +395,11 @@ def test_16_bit_gradients_write_the_one_quiet_nan(platform, x_dtype, nan_bits):
     dn[3, 7] = np.float32(np.uint32(0xFFC00123).view(np.float32))  # a negative NaN, payload
     d_residual_out = random_rows(84, (rows, n), x_dtype)
     d_residual_out[4, 0] = np.nan
-    *_, r = run_on(platform, fp8norm.add_rms_norm_fp8_training, x, residual, gamma)
+    *_, r = run_on(platform, _training.add_rms_norm_fp8_training, x, residual, gamma)
     dx, dresidual, _ = run_on(
-        platform, fp8norm.add_rms_norm_backward, dn, d_residual_out, x, residual, gamma, r
+        platform, _training.add_rms_norm_backward, dn, d_residual_out, x, residual, gamma, r
     )
-    plain_dx, _ = run_on(platform, fp8norm.rms_norm_backward, dn, x, gamma, r)
+    plain_dx, _ = run_on(platform, _training.rms_norm_backward, dn, x, gamma, r)
     for got in (dx, dresidual, plain_dx):
         bits = got.view(np.uint16)
         nan = np.isnan(got.astype(np.float32))

@@ -24,7 +24,7 @@ from helpers import (
     same_bits,
 )
 
-import jax_fp8norm as fp8norm
+from jax_fp8norm import _training
 
 
 def dgamma_terms(dn, x, r) -> np.ndarray:
@@ -69,14 +69,14 @@ def test_dgamma_is_the_exact_sum_over_many_row_groups(platform, add):
         # Of each row's dn's size, so that it shows in dx's bits beside a * r.
         scale = np.abs(dn).max(axis=1, keepdims=True)
         d_residual_out = (random_rows(3, (rows, n), "float32", spread=0) * scale).astype(x.dtype)
-        *_, r = run_on(platform, fp8norm.add_rms_norm_fp8_training, x, residual, gamma)
+        *_, r = run_on(platform, _training.add_rms_norm_fp8_training, x, residual, gamma)
         dx, dresidual, dgamma = run_on(
-            platform, fp8norm.add_rms_norm_backward, dn, d_residual_out, x, residual, gamma, r
+            platform, _training.add_rms_norm_backward, dn, d_residual_out, x, residual, gamma, r
         )
         h = exact.flushed(x.astype(np.float32)) + exact.flushed(residual.astype(np.float32))
     else:
-        *_, r = run_on(platform, fp8norm.rms_norm_fp8_training, x, gamma)
-        dx, dgamma = run_on(platform, fp8norm.rms_norm_backward, dn, x, gamma, r)
+        *_, r = run_on(platform, _training.rms_norm_fp8_training, x, gamma)
+        dx, dgamma = run_on(platform, _training.rms_norm_backward, dn, x, gamma, r)
         h = x.astype(np.float32)
     assert np.all(np.isfinite(r)) and np.all(np.isfinite(dx)) and np.all(np.isfinite(dgamma))
     want_dx, want_dgamma = exact.backward_rows(dn, h, gamma, r)
@@ -99,16 +99,16 @@ def test_backward_is_the_same_in_every_batch(platform):
     terms in the new order gives others (checked here)."""
     rows, n = 4096, 96
     x, dn, gamma = cancelling_batch(30, rows, n)
-    *_, r = run_on(platform, fp8norm.rms_norm_fp8_training, x, gamma)
+    *_, r = run_on(platform, _training.rms_norm_fp8_training, x, gamma)
     assert np.all(np.isfinite(r))
-    full_dx, full_dgamma = run_on(platform, fp8norm.rms_norm_backward, dn, x, gamma, r)
+    full_dx, full_dgamma = run_on(platform, _training.rms_norm_backward, dn, x, gamma, r)
     assert np.all(np.isfinite(np.asarray(full_dx, np.float32))) and np.all(np.isfinite(full_dgamma))
     for size in (1, 255, 256):
         rows_ = slice(rows - size - 7, rows - 7)
-        dx, _ = run_on(platform, fp8norm.rms_norm_backward, dn[rows_], x[rows_], gamma, r[rows_])
+        dx, _ = run_on(platform, _training.rms_norm_backward, dn[rows_], x[rows_], gamma, r[rows_])
         same_bits(dx, full_dx[rows_], f"dx of {size} rows")
     order = np.random.default_rng(33).permutation(rows)
-    dx, dgamma = run_on(platform, fp8norm.rms_norm_backward, dn[order], x[order], gamma, r[order])
+    dx, dgamma = run_on(platform, _training.rms_norm_backward, dn[order], x[order], gamma, r[order])
     same_bits(dx, full_dx[order], "dx, rows permuted")
     same_bits(dgamma, full_dgamma, "dgamma, rows permuted")
     terms = dgamma_terms(dn, x, r)
@@ -132,15 +132,17 @@ def test_past_a_grid_of_65535_rows(platform):
     same with the rows permuted."""
     rows, n = 70000, 4
     x, dn, gamma = cancelling_batch(40, rows, n, "float32")
-    *_, r = run_on(platform, fp8norm.rms_norm_fp8_training, x, gamma)
+    *_, r = run_on(platform, _training.rms_norm_fp8_training, x, gamma)
     assert np.all(np.isfinite(r))
-    dx, dgamma = run_on(platform, fp8norm.rms_norm_backward, dn, x, gamma, r)
+    dx, dgamma = run_on(platform, _training.rms_norm_backward, dn, x, gamma, r)
     want_dx, want_dgamma = exact.backward_rows(dn, x, gamma, r)
     assert_order_shows(dgamma_terms(dn, x, r), want_dgamma)
     same_bits(dgamma, want_dgamma, "dgamma")
     same_bits(dx, want_dx, "dx")
     order = np.random.default_rng(41).permutation(rows)
-    _, permuted = run_on(platform, fp8norm.rms_norm_backward, dn[order], x[order], gamma, r[order])
+    _, permuted = run_on(
+        platform, _training.rms_norm_backward, dn[order], x[order], gamma, r[order]
+    )
     same_bits(permuted, want_dgamma, "dgamma, rows permuted")
 
 
@@ -152,12 +154,13 @@ SPLIT_SCRIPT = textwrap.dedent(
     from jax_fp8norm_kernels import _fp8norm_cpu
     from helpers import cancelling_batch
     import jax_fp8norm as fp8norm
+    from jax_fp8norm import _training
 
     jax.config.update("jax_platforms", "cpu")
     x, dn, gamma = cancelling_batch(50, 4096, 96)
     residual = (x * 0.75).astype(x.dtype)
-    *_, r = fp8norm.add_rms_norm_fp8_training(x, residual, gamma)
-    dx, dresidual, dgamma = fp8norm.add_rms_norm_backward(
+    *_, r = _training.add_rms_norm_fp8_training(x, residual, gamma)
+    dx, dresidual, dgamma = _training.add_rms_norm_backward(
         dn, dn.astype(x.dtype), x, residual, gamma, r)
     np.savez(sys.argv[1], dx=np.asarray(dx).view(np.uint16), dgamma=np.asarray(dgamma),
              dresidual=np.asarray(dresidual).view(np.uint16), r=np.asarray(r),

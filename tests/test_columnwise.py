@@ -20,8 +20,8 @@ from helpers import (
 )
 
 import jax_fp8norm as fp8norm
-from jax_fp8norm import reference, simt
-from jax_fp8norm.recipes import recipe_keywords
+from jax_fp8norm import _training, reference, simt
+from jax_fp8norm.recipes import RECIPES
 from jax_fp8norm.testing import assert_same_bits
 
 # The columnwise kernel has no variants of its own: one emulated platform serves the tests
@@ -29,12 +29,12 @@ from jax_fp8norm.testing import assert_same_bits
 COLUMNWISE_PLATFORMS = pytest.mark.parametrize(
     "platform", ["cpu", "simt-block_shared", "gpu"], indirect=True
 )
-BLOCK_RECIPES = ["mxfp8", "nvfp4", "mxfp4", "fp8_group128", "fp8_group128_ue8m0"]
+BLOCK_RECIPES = [name for name, recipe in RECIPES.items() if recipe.block]
 
 
 def block_of(name: str) -> int:
-    """The rows of a columnwise block of the recipe ``name``: its group size."""
-    return recipe_keywords(name)["group_size"]
+    """The rows of a columnwise block of the recipe ``name``: its block."""
+    return RECIPES[name].block
 
 
 def rows_with_specials(seed: int, shape, dtype) -> np.ndarray:
@@ -94,7 +94,7 @@ def test_warp_rows_makes_both_layouts_in_one_launch(platform, name, add):
     op, args = op_and_args(add, (2, 128, 256), jnp.bfloat16, seed=5)
     kw = dict(recipe(name), columnwise=True)
     simt.take_launches()
-    out = run_on(platform, getattr(fp8norm, f"{op}_training"), *args, **kw)
+    out = run_on(platform, getattr(_training, f"{op}_training"), *args, **kw)
     # The launches that read x (a static scale's scales_t comes from a launch of its own).
     launches = [
         launch
@@ -225,11 +225,11 @@ def test_fp4_column_scales_at_their_edges(platform, kw):
 def test_training_forms_return_r_then_the_columnwise_outputs(platform, add):
     op, args = op_and_args(add, (256, 96), jnp.bfloat16)
     kw = dict(recipe("mxfp8"), columnwise=True)
-    out = run_on(platform, getattr(fp8norm, f"{op}_training"), *args, **kw)
+    out = run_on(platform, getattr(_training, f"{op}_training"), *args, **kw)
     ref = reference_on_cpu(getattr(reference, f"{op}_training"), *args, **kw)
     assert_kernel_matches(platform, out[-2:], ref[-2:], **recipe("mxfp8"))
     assert out[-3].shape == (256, 1) and out[-3].dtype == np.float32
-    training = run_on(platform, getattr(fp8norm, f"{op}_training"), *args, **recipe("mxfp8"))
+    training = run_on(platform, getattr(_training, f"{op}_training"), *args, **recipe("mxfp8"))
     assert_same_bits(out[:-2], training)
 
 
@@ -333,7 +333,7 @@ def test_columnwise_refuses_what_has_no_columnwise_form(kw, error, words):
     columnwise = kw.pop("columnwise", True)
     x = jnp.ones((rows, 128), jnp.bfloat16)
     gamma = jnp.ones(128, jnp.float32)
-    for fn in (fp8norm.rms_norm_fp8, reference.rms_norm_fp8, fp8norm.rms_norm_fp8_training):
+    for fn in (fp8norm.rms_norm_fp8, reference.rms_norm_fp8, _training.rms_norm_fp8_training):
         with pytest.raises(error, match=words):
             fn(x, gamma, columnwise=columnwise, **kw)
     with pytest.raises(error, match=words):
@@ -391,5 +391,5 @@ def test_vjp_form_in_a_custom_vjp_layer(add):
     outputs, backward = fp8norm.rms_norm_fp8_vjp(x, gamma, **kw)
     assert_same_bits(outputs, fp8norm.rms_norm_fp8(x, gamma, **kw))
     dn = random_rows(25, (64, 128), jnp.float32)
-    _, _, r = fp8norm.rms_norm_fp8_training(x, gamma, **kw)
-    assert_same_bits(backward(dn), fp8norm.rms_norm_backward(dn, x, gamma, r))
+    _, _, r = _training.rms_norm_fp8_training(x, gamma, **kw)
+    assert_same_bits(backward(dn), _training.rms_norm_backward(dn, x, gamma, r))

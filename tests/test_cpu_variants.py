@@ -17,12 +17,14 @@ import pytest
 from helpers import TIERS, outputs_of_script, reference_on_cpu
 
 import jax_fp8norm as fp8norm
+from jax_fp8norm import _training
 
 SCRIPT = textwrap.dedent(
     """
     import os, sys
     import jax, jax.numpy as jnp, numpy as np
     import jax_fp8norm as fp8norm
+    from jax_fp8norm import _training
     from jax_fp8norm._primitives import add_rms_norm_fp8_p
     from jax_fp8norm._checks import make_params
     jax.config.update("jax_platforms", "cpu")
@@ -105,14 +107,16 @@ SCRIPT = textwrap.dedent(
             dn = (rng.standard_normal((12, hidden)) * 10.0 ** rng.uniform(-30, 30, (12, 1)))
             dn[7] = -dn[8]
             dn = dn.astype(np.float32)
-            *_, r = fp8norm.add_rms_norm_fp8_training(x, residual, gamma)
-            outs_bwd = fp8norm.add_rms_norm_backward(dn, dn.astype(dtype), x, residual, gamma, r)
-            outs_bwd += fp8norm.rms_norm_backward(dn.astype(dtype), x, gamma, r, weight_offset=1.0)
+            *_, r = _training.add_rms_norm_fp8_training(x, residual, gamma)
+            outs_bwd = _training.add_rms_norm_backward(dn, dn.astype(dtype), x, residual, gamma, r)
+            outs_bwd += _training.rms_norm_backward(
+                dn.astype(dtype), x, gamma, r, weight_offset=1.0
+            )
             # dgamma again over the finite rows alone (the NaN, Inf and overflowing rows
             # make every column NaN above).
             finite = np.isfinite(np.asarray(r)[:, 0]) & np.isfinite(x.astype("float32")).all(-1)
             assert finite.sum() >= 8
-            outs_bwd += fp8norm.rms_norm_backward(dn[finite], x[finite], gamma, r[finite])
+            outs_bwd += _training.rms_norm_backward(dn[finite], x[finite], gamma, r[finite])
             assert np.all(np.isfinite(outs_bwd[-1])), "dgamma of the finite rows"
             for k, v in enumerate(outs_bwd):
                 outs[f"backward-{hidden}-{dtype}-{k}"] = np.asarray(v).view(np.uint8)
@@ -120,8 +124,8 @@ SCRIPT = textwrap.dedent(
     # (helpers.cancelling_batch): dgamma's accumulators merged across tasks.
     from helpers import cancelling_batch
     x, dn, gamma = cancelling_batch(60, 4096, 96)
-    *_, r = fp8norm.rms_norm_fp8_training(x, gamma)
-    outs_bwd = fp8norm.rms_norm_backward(dn, x, gamma, r, weight_offset=0.5)
+    *_, r = _training.rms_norm_fp8_training(x, gamma)
+    outs_bwd = _training.rms_norm_backward(dn, x, gamma, r, weight_offset=0.5)
     assert all(np.all(np.isfinite(np.asarray(v, np.float32))) for v in outs_bwd)
     for k, v in enumerate(outs_bwd):
         outs[f"backward-4096-{k}"] = np.asarray(v).view(np.uint8)

@@ -12,7 +12,6 @@ import pytest
 from helpers import EXTENDED, RECIPE_NAMES, device_of, random_gamma, random_rows, recipe
 
 import jax_fp8norm as fp8norm
-from jax_fp8norm.dense import GRADIENT_FORMATS, gradient_format
 
 # Quantisation error of one element v of a block whose largest magnitude is `amax`:
 # |deq(q(v)) - v| <= rel * |v| + abs * amax, for blocks whose scale is a normal number.
@@ -274,13 +273,6 @@ def test_transforms(name):
     scanned = jax.jit(jax.grad(stack_scan, (0, 1, 2)))(x, gammas, ws)
     for a, b in zip(looped, scanned, strict=True):
         _same_but_for_sums(a, b)
-
-
-def test_gradient_formats():
-    assert gradient_format(recipe="fp8_row") == GRADIENT_FORMATS["per_row"]
-    assert gradient_format(recipe="mxfp8").startswith("float8_e4m3fn")
-    assert gradient_format(recipe="fp8_group128").startswith("float8_e5m2")
-    assert gradient_format(recipe="nvfp4").startswith("float4_e2m1fn")
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ from helpers import (
 )
 
 import jax_fp8norm as fp8norm
-from jax_fp8norm import _fallback, _ffi, _primitives
+from jax_fp8norm import _fallback, _ffi, _primitives, _training
 from jax_fp8norm._checks import validate
 from jax_fp8norm.testing import assert_same_bits
 
@@ -150,14 +150,14 @@ FW = (np.random.default_rng(14).standard_normal((HIDDEN, 64)) / 16).astype(np.fl
 
 
 def _training_backward(x, gamma, dn):
-    *_, r = fp8norm.rms_norm_fp8_training(x, gamma, weight_offset=1.0)
-    return fp8norm.rms_norm_backward(dn, x, gamma, r, weight_offset=1.0)
+    *_, r = _training.rms_norm_fp8_training(x, gamma, weight_offset=1.0)
+    return _training.rms_norm_backward(dn, x, gamma, r, weight_offset=1.0)
 
 
 def _add_training_backward(x, residual, gamma, dn):
-    *_, r = fp8norm.add_rms_norm_fp8_training(x, residual, gamma)
+    *_, r = _training.add_rms_norm_fp8_training(x, residual, gamma)
     d_residual_out = (2 * dn).astype(residual.dtype)
-    return fp8norm.add_rms_norm_backward(dn, d_residual_out, x, residual, gamma, r)
+    return _training.add_rms_norm_backward(dn, d_residual_out, x, residual, gamma, r)
 
 
 def _dequantized_grads(x, gamma, dn):
@@ -198,13 +198,13 @@ def fallback_calls() -> dict:
         calls[f"rms {name}"] = (functools.partial(fp8norm.rms_norm_fp8, **recipe(name)), rms)
         calls[f"add {name}"] = (functools.partial(fp8norm.add_rms_norm_fp8, **recipe(name)), add)
     forms = {
-        "rms training fp8_row": (fp8norm.rms_norm_fp8_training, rms, "fp8_row", False),
-        "add training mxfp8": (fp8norm.add_rms_norm_fp8_training, add, "mxfp8", False),
+        "rms training fp8_row": (_training.rms_norm_fp8_training, rms, "fp8_row", False),
+        "add training mxfp8": (_training.add_rms_norm_fp8_training, add, "mxfp8", False),
         "rms columnwise mxfp8": (fp8norm.rms_norm_fp8, rms, "mxfp8", True),
-        "rms training columnwise nvfp4": (fp8norm.rms_norm_fp8_training, rms, "nvfp4", True),
+        "rms training columnwise nvfp4": (_training.rms_norm_fp8_training, rms, "nvfp4", True),
         "rms columnwise fp8_static": (fp8norm.rms_norm_fp8, rms, "fp8_static", True),
         "add training columnwise fp8_group128": (
-            fp8norm.add_rms_norm_fp8_training,
+            _training.add_rms_norm_fp8_training,
             add,
             "fp8_group128",
             True,

@@ -11,7 +11,7 @@ import qwix
 from helpers import RECIPE_NAMES, random_gamma, random_rows, recipe
 
 import jax_fp8norm as fp8norm
-from jax_fp8norm import interop, matmul
+from jax_fp8norm import interop, quantize
 
 X = random_rows(0, (2, 3, 256), jnp.bfloat16)
 GAMMA = random_gamma(1, 256, jnp.float32)
@@ -36,7 +36,7 @@ def test_qwix_dequantizes_the_ops_outputs_as_the_package_does(name):
 
 def test_weight_scales_per_output_channel_become_one_row():
     w = random_rows(2, (128, 64), jnp.float32)
-    w8, scales = matmul.quantize_per_channel(w)
+    w8, scales = quantize.quantize_per_channel(w)
     assert scales.shape == (64,)
     q = interop.to_qwix(w8, scales)
     assert q.scale.shape == (1, 64)

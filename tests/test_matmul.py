@@ -10,10 +10,8 @@ import pytest
 from helpers import device_of, random_rows, run_on
 
 import jax_fp8norm as fp8norm
-from jax_fp8norm.matmul import (
-    fp8_matmul,
-    matmul_path,
-    native_block_scaled_available,
+from jax_fp8norm.matmul import fp8_matmul, matmul_path, native_block_scaled_available
+from jax_fp8norm.quantize import (
     quantize_blocks,
     quantize_per_channel,
     quantize_weights_mxfp4,
@@ -121,6 +119,7 @@ def test_fp8_matmul_with_block_scales(platform, norm_kw, weights):
 def test_quantize_blocks():
     w = np.random.default_rng(55).standard_normal((128, 16)).astype(np.float32)
     w[:32, 2] = 0
+    w[64:96, 5] *= 2.0**-120  # amax / 448 below 2^-126: decided from the abs-max
     w8, scales = (np.asarray(v) for v in quantize_blocks(w))
     assert w8.dtype == jnp.float8_e4m3fn and scales.dtype == jnp.float8_e8m0fnu
     assert scales.shape == (4, 16)
@@ -128,10 +127,18 @@ def test_quantize_blocks():
     assert np.all(np.frexp(s)[0] == 0.5), "powers of two"
     largest = np.abs(w8.astype(np.float32)).reshape(4, 32, 16).max(1)
     nonzero = np.ones((4, 16), bool)
-    nonzero[0, 2] = False
+    nonzero[0, 2] = nonzero[2, 5] = False
     assert np.all((largest[nonzero] >= 224) & (largest[nonzero] <= 448))
-    assert s[0, 2] == 2.0**-126 and np.all(w8[:32, 2].astype(np.float32) == 0)
+    # The norm's power-of-two rule (docs/spec.md, "Scales"): e8m0's floor is 2^-127, its
+    # byte 0, for a zero block and for one whose amax / 448 is at most 2^-127.
+    assert s[0, 2] == 2.0**-127 and np.all(w8[:32, 2].astype(np.float32) == 0)
+    amax = np.abs(w[64:96, 5]).max()
+    assert s[2, 5] == (2.0**-127 if amax <= 448 * 2.0**-127 else 2.0**-126), (amax, s[2, 5])
     np.testing.assert_allclose(_dequantized(w8, scales, 0), w, rtol=2**-3, atol=0)
+    # A block holding NaN or Inf: a NaN scale (0xFF) and zero codes, as MXFP4's.
+    w[32:64, 7] = np.inf
+    w8, scales = (np.asarray(v) for v in quantize_blocks(w))
+    assert scales.view(np.uint8)[1, 7] == 0xFF and np.all(w8[32:64, 7].astype(np.float32) == 0)
 
 
 def _gpu_of_capability(platform: str, capability: float, what: str):
@@ -462,7 +469,7 @@ def test_fp4_matmul_bad_input():
 def test_row_quantisers_are_the_weight_rule_transposed(fmt):
     """axis=1 (blocks along the rows of activations) gives the bits of the weights' rule on
     the transpose."""
-    from jax_fp8norm.matmul import quantize_fp4_rows
+    from jax_fp8norm.quantize import quantize_fp4_rows
 
     v = jnp.asarray(np.random.default_rng(5).standard_normal((48, 64)) * 3, jnp.float32)
     v = v.at[3].set(0.0).at[7, :16].set(1e-30)

@@ -29,8 +29,9 @@ from helpers import (
 )
 
 import jax_fp8norm as fp8norm
+from jax_fp8norm._checks import validate
 from jax_fp8norm._params import NORM_KEYWORDS
-from jax_fp8norm.recipes import RECIPES
+from jax_fp8norm.recipes import NEAREST, NVFP4, POWER_OF_TWO, RECIPES, recipe_of
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 F4 = jnp.float4_e2m1fn
@@ -188,3 +189,59 @@ def test_each_keywords_example_and_bad_value(platform, keyword):
     for impl in (fp8norm, fp8norm.reference):
         with pytest.raises(error, match=match):
             impl.rms_norm_fp8(x, gamma, **bad)
+
+
+E5M2, E4M3 = np.dtype(jnp.float8_e5m2), np.dtype(jnp.float8_e4m3fn)
+FP4 = np.dtype(jnp.float4_e2m1fn)
+
+
+# docs/spec.md, "The layer": the weight's and the output gradient's formats per recipe
+# (codes, block along the contraction axis, scale rule).
+LAYER_FORMATS = {
+    "fp8_row": ((E4M3, None, NEAREST), (E5M2, None, NEAREST)),
+    "fp8_static": ((E4M3, None, NEAREST), (E5M2, None, NEAREST)),
+    "fp8_group128": ((E4M3, 128, POWER_OF_TWO), (E5M2, 128, POWER_OF_TWO)),
+    "fp8_group128_ue8m0": ((E4M3, 128, POWER_OF_TWO), (E5M2, 128, POWER_OF_TWO)),
+    "mxfp8": ((E4M3, 32, POWER_OF_TWO), (E4M3, 32, POWER_OF_TWO)),
+    "nvfp4": ((FP4, 16, NVFP4), (FP4, 16, NVFP4)),
+    "mxfp4": ((FP4, 32, POWER_OF_TWO), (FP4, 32, POWER_OF_TWO)),
+}
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_calls_recipe_is_the_named_one(name):
+    """A call's parameters read back as the recipe they came from, with every fact of it."""
+    keywords = RECIPES[name].example()
+    given = {"global_scale": 1.0} if name == "nvfp4" else {}
+    if RECIPES[name].static:
+        given["static_scale"] = keywords["static_scale"]
+    params = validate(jnp.zeros((2, 256), jnp.float32), jnp.ones(256), recipe=name, **given).params
+    recipe = recipe_of(params)
+    assert recipe.name == name and recipe.base is RECIPES[name]
+    assert recipe.block == (None if RECIPES[name].static else keywords["group_size"])
+    assert recipe.columnwise == (name != "fp8_row")
+    weight, gradient = LAYER_FORMATS[name]
+    assert (recipe.weight.element, recipe.weight.block, recipe.weight.rule) == weight
+    assert (recipe.gradient.element, recipe.gradient.block, recipe.gradient.rule) == gradient
+
+
+@pytest.mark.parametrize(
+    ("keywords", "family", "block"),
+    [
+        (dict(group_size=64), "fp8_group128", 64),
+        (dict(group_size=64, power_of_two_scales=True), "fp8_group128_ue8m0", 64),
+        (dict(group_size=64, scale_dtype=jnp.float8_e8m0fnu), "fp8_group128_ue8m0", 64),
+        (dict(group_size=32, scale_dtype=jnp.float8_e8m0fnu), "mxfp8", 32),
+        (dict(group_size=32, power_of_two_scales=True), "fp8_group128_ue8m0", 32),
+        (dict(out_dtype=jnp.float4_e2m1fn, group_size=64, scale_dtype=jnp.float8_e8m0fnu),
+         "mxfp4", 64),
+    ],
+)  # fmt: skip
+def test_a_layout_without_a_name_joins_its_family(keywords, family, block):
+    params = validate(jnp.zeros((2, 256), jnp.float32), jnp.ones(256), **keywords).params
+    recipe = recipe_of(params)
+    assert recipe.base is RECIPES[family] and recipe.block == block
+    assert recipe.name == (
+        family if block == RECIPES[family].block else f"{family} with group_size={block}"
+    )
+    assert recipe.weight.block == recipe.gradient.block == block

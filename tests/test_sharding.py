@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_fp8norm as fp8norm
 import jax_fp8norm.simt
+from jax_fp8norm import _training
 
 NUM_DEVICES = 8
 
@@ -179,7 +180,7 @@ else:
         kw = dict(layout(name), columnwise=True)
 
         def op(x, residual, gamma):
-            return fp8norm.add_rms_norm_fp8_training(x, residual, gamma, **kw)
+            return _training.add_rms_norm_fp8_training(x, residual, gamma, **kw)
 
         placed = [jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, residual)]
         fn = jax.jit(op)

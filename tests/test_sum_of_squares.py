@@ -27,6 +27,7 @@ from helpers import (
 )
 
 import jax_fp8norm as fp8norm
+from jax_fp8norm import _training
 
 # Constant rows: the padding rows of a batch are constant, and they are where a summation
 # order shows most (every addition rounds the same way).
@@ -66,7 +67,7 @@ def _check_rows_against_oracle(platform, x, eps: float = 1e-6):
     form's ``r`` (the kernel's sum of squares, seen where no rounding of y hides it) bit for
     bit on cpu and simt."""
     ones = np.ones(x.shape[-1], np.float32)
-    y, scales, r = run_on(platform, fp8norm.rms_norm_fp8_training, x, ones, eps=eps)
+    y, scales, r = run_on(platform, _training.rms_norm_fp8_training, x, ones, eps=eps)
     want_y, want_scales, want_r = _oracle(x, eps)
     assert_kernel_matches(platform, (y, scales), (want_y, want_scales))
     if not is_gpu(platform):

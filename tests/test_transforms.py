@@ -11,6 +11,7 @@ from helpers import assert_same_bits, device_of, is_simt, random_gamma, random_r
 
 import jax_fp8norm as fp8norm
 from jax_fp8norm import _ffi as fp8norm_ffi
+from jax_fp8norm import _primitives
 
 
 def _stack(outs_per_example, axis=0):
@@ -139,7 +140,7 @@ def test_export_round_trip(platform):
 def test_export_without_disabled_checks_names_the_target():
     x = jnp.ones((2, 64), jnp.float32)
     gamma = jnp.ones((64,), jnp.float32)
-    with pytest.raises(ValueError, match=fp8norm.FFI_TARGETS[0]):
+    with pytest.raises(ValueError, match=_primitives.TARGETS[0]):
         jax.export.export(jax.jit(fp8norm.rms_norm_fp8), platforms=["cpu"])(x, gamma)
 
 

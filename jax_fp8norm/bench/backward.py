@@ -30,20 +30,20 @@ import jax
 import jax.numpy as jnp
 
 import jax_fp8norm as fp8norm
+from jax_fp8norm import _training
 from jax_fp8norm._dtypes import DTYPE_BY_NAME
 from jax_fp8norm.bench.implementations import formula_quantize
 from jax_fp8norm.bench.ops import SCALED_OPS, op_bytes, op_function
 from jax_fp8norm.bench.timing import blocking, interleaved_seconds
 from jax_fp8norm.recipes import apply_recipe
 
-# The benchmark's ops with block or static scales, by their recipe: each can be columnwise.
-COLUMNWISE_OPS = {keywords["recipe"]: op for op, (_, keywords) in SCALED_OPS.items()}
+# The benchmark's ops whose recipe has a columnwise form, by their recipe.
+COLUMNWISE_OPS = {
+    keywords["recipe"]: op
+    for op, (_, keywords) in SCALED_OPS.items()
+    if fp8norm.RECIPES[keywords["recipe"]].columnwise
+}
 COLUMNWISE_RECIPES = tuple(COLUMNWISE_OPS)
-
-
-def _formula(h: jax.Array, gamma: jax.Array, eps: float = 1e-6) -> jax.Array:
-    h = h.astype(jnp.float32)
-    return h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + eps) * gamma
 
 
 def backward_bytes(rows: int, hidden: int, dtype, add: bool) -> int:
@@ -99,19 +99,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     residual = jax.random.normal(keys[1], shape, dtype)
     dn = jax.random.normal(keys[2], shape, jnp.float32)
     gamma = 1.0 + 0.1 * jax.random.normal(keys[3], (args.hidden,), jnp.float32)
-    *_, r = fp8norm.rms_norm_fp8_training(x, gamma)
-    *_, r_add = fp8norm.add_rms_norm_fp8_training(x, residual, gamma)
+    *_, r = _training.rms_norm_fp8_training(x, gamma)
+    *_, r_add = _training.add_rms_norm_fp8_training(x, residual, gamma)
     d_residual_out = dn.astype(dtype)
 
     @jax.jit
     def xla_backward(dn, x, gamma):
-        return jax.vjp(_formula, x, gamma)[1](dn)
+        return jax.vjp(fp8norm.reference.textbook_rms_norm, x, gamma)[1](dn)
 
     @jax.jit
     def xla_add_backward(dn, d_residual_out, x, residual, gamma):
         def f(x, residual, gamma):
             h = x.astype(jnp.float32) + residual.astype(jnp.float32)
-            return _formula(h, gamma), h.astype(residual.dtype)
+            return fp8norm.reference.textbook_rms_norm(h, gamma), h.astype(residual.dtype)
 
         return jax.vjp(f, x, residual, gamma)[1]((dn, d_residual_out))
 
@@ -119,12 +119,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # of the same sizes, so none of them pays for the page faults of another's.
     groups = [
         {
-            "backward: kernel": blocking(jax.jit(fp8norm.rms_norm_backward), dn, x, gamma, r),
+            "backward: kernel": blocking(jax.jit(_training.rms_norm_backward), dn, x, gamma, r),
             "backward: XLA autodiff": blocking(xla_backward, dn, x, gamma),
         },
         {
             "add backward: kernel": blocking(
-                jax.jit(fp8norm.add_rms_norm_backward),
+                jax.jit(_training.add_rms_norm_backward),
                 dn,
                 d_residual_out,
                 x,
@@ -138,12 +138,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         {
             "forward: plain": blocking(jax.jit(fp8norm.rms_norm_fp8), x, gamma),
-            "forward: training form": blocking(jax.jit(fp8norm.rms_norm_fp8_training), x, gamma),
+            "forward: training form": blocking(jax.jit(_training.rms_norm_fp8_training), x, gamma),
         },
     ]
     xla_both = jax.jit(
         lambda x, gamma: (
-            formula_quantize(n := _formula(x, gamma), 32, jnp.float8_e4m3fn, jnp.float8_e8m0fnu),
+            formula_quantize(
+                n := fp8norm.reference.textbook_rms_norm(x, gamma),
+                32,
+                jnp.float8_e4m3fn,
+                jnp.float8_e8m0fnu,
+            ),
             formula_quantize(n.T, 32, jnp.float8_e4m3fn, jnp.float8_e8m0fnu),
         )
     )

@@ -61,9 +61,7 @@ def formula_rms_norm_fp8(
     mean, divide by the scale): per row, or per group of ``group_size`` with scales in
     ``scale_dtype``, rounded up to a power of two if ``power_of_two_scales`` or in
     ``float8_e8m0fnu``, and, for FP4 with e4m3 scales, NVFP4's ``global_scale``."""
-    h = x.astype(jnp.float32)
-    r = jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
-    normed = h * r * gamma.astype(jnp.float32)
+    normed = reference.textbook_rms_norm(x, gamma, eps)
     if global_scale is not None:
         normed = normed / global_scale
     return formula_quantize(normed, group_size, out_dtype, scale_dtype, power_of_two_scales)

@@ -37,11 +37,6 @@ DEFAULT_RECIPES = ("mxfp8", "nvfp4")
 RECIPES = tuple(name for name, recipe in fp8norm.RECIPES.items() if not recipe.static)
 
 
-def _normed(x, gamma, eps=1e-6):
-    h = x.astype(jnp.float32)
-    return h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + eps) * gamma
-
-
 def _fake_quantized(v, layout):
     """``v`` through the recipe's codes along its last axis, gradient straight through."""
     group = layout["group_size"]
@@ -60,7 +55,7 @@ def by_hand_layer(recipe: str):
     layout = {**defaults, **recipe_keywords(recipe)}
 
     def layer(x, gamma, w):
-        n = _fake_quantized(_normed(x, gamma), layout)
+        n = _fake_quantized(fp8norm.reference.textbook_rms_norm(x, gamma), layout)
         wq = _fake_quantized(w.T, layout).T  # blocks along K, the contraction axis
         out = jnp.dot(n, wq, preferred_element_type=jnp.float32)
         return out.astype(x.dtype)
@@ -73,7 +68,7 @@ def fused_layer(recipe: str):
 
 
 def bfloat16_layer(x, gamma, w):
-    return fp8norm.dense.unquantized_rms_norm_dense(x.astype(jnp.bfloat16), gamma, w)
+    return fp8norm.reference.unquantized_rms_norm_dense(x.astype(jnp.bfloat16), gamma, w)
 
 
 def training_step(layer):

@@ -43,8 +43,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_fp8norm as fp8norm
-from jax_fp8norm.matmul import (
-    fp8_matmul,
+from jax_fp8norm.matmul import fp8_matmul
+from jax_fp8norm.quantize import (
     quantize_per_channel,
     quantize_weights_mxfp4,
     quantize_weights_nvfp4,
@@ -133,16 +133,11 @@ def init_params(config: Config, key: jax.Array) -> dict[str, jax.Array]:
     return params
 
 
-def _rms_norm(x: jax.Array, gamma: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps) * gamma
-
-
 def _attention(h: jax.Array, wq, wk, wv, wo, gamma, config: Config) -> jax.Array:
     """Causal attention over the heads whose projections are given; returns the output
     projection of those heads (a partial sum when the heads are a shard)."""
     b, s, _ = h.shape
-    a = _rms_norm(h, gamma, config.eps).astype(jnp.bfloat16)
+    a = fp8norm.reference.textbook_rms_norm(h, gamma, config.eps).astype(jnp.bfloat16)
     heads = wq.shape[1] // config.head_dim
 
     def split(w):
@@ -162,11 +157,11 @@ def _reference_stages(h0: jax.Array, params: dict, config: Config):
     bfloat16, next-block input, residual stream)."""
     p = params
     h1 = h0 + _attention(h0, p["wq"], p["wk"], p["wv"], p["wo"], p["attn_norm"], config)
-    normed = _rms_norm(h1, p["mlp_norm"], config.eps)
+    normed = fp8norm.reference.textbook_rms_norm(h1, p["mlp_norm"], config.eps)
     m = normed.astype(jnp.bfloat16)
     act = jax.nn.silu((m @ p["w_gate"]).astype(jnp.float32)) * (m @ p["w_up"])
     h2 = h1 + act.astype(jnp.bfloat16) @ p["w_down"]
-    return normed, _rms_norm(h2, p["next_norm"], config.eps), h2
+    return normed, fp8norm.reference.textbook_rms_norm(h2, p["next_norm"], config.eps), h2
 
 
 def reference_block(h0: jax.Array, params: dict, config: Config):

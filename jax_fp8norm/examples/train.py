@@ -163,7 +163,7 @@ def _norm_dense(recipe: str, x, gamma, w, residual=None):
         if residual is None:
             return fp8norm.rms_norm_dense(x, gamma, w, **keywords)
         return fp8norm.add_rms_norm_dense(x, residual, gamma, w, **keywords)
-    return fp8norm.dense.unquantized_rms_norm_dense(x, gamma, w, residual)
+    return fp8norm.reference.unquantized_rms_norm_dense(x, gamma, w, residual)
 
 
 def _attention(config: Config, qkv):

@@ -1,12 +1,6 @@
-"""The ops' training forms and their fused backward (docs/spec.md, "Training: the training
-forms, the backward pass and columnwise outputs"): the building blocks of a custom_vjp
-around an FP8 / FP4 matmul.
-
-    y, scales, inverse_rms = fp8norm.rms_norm_fp8_training(x, gamma)
-    ...                                  # the matmul's backward gives dn, the cotangent of n
-    dx, dgamma = fp8norm.rms_norm_backward(dn, x, gamma, inverse_rms)
-
-or, as jax.vjp gives them, the codes and a backward function (a pytree, to keep as a
+"""The building block of a custom_vjp around an FP8 / FP4 matmul (docs/spec.md,
+"Training: the training forms, the backward pass and columnwise outputs"): the norm's
+codes and, as jax.vjp gives them, a backward function (a pytree, to keep as a
 custom_vjp's residual):
 
     (y, scales, y_t, scales_t), backward = fp8norm.rms_norm_fp8_vjp(
@@ -19,6 +13,10 @@ Both of the backward's sums, each row's ``c`` and ``dgamma``'s over the rows, ar
 float32 nearest to their exact sums: the bits of ``dx`` and ``dgamma`` do not depend on
 the batch, the split of the rows among threads, or the kernel. ``dgamma`` across devices
 (data parallelism) is the caller's psum.
+
+Beneath it, the ops' training forms (each row's r saved) and the checked fused backward,
+for the tests and the benchmarks: ``rms_norm_fp8_training(x, gamma) -> (y, scales,
+inverse_rms)`` and ``rms_norm_backward(dn, x, gamma, inverse_rms) -> (dx, dgamma)``.
 """
 
 from __future__ import annotations
@@ -66,7 +64,8 @@ def rms_norm_fp8_training(
     """
     call = validate(x, gamma, **keywords)
     columnwise = check_columnwise(columnwise, call.params, x.shape)
-    return bind_norm(rms_norm_fp8_p, call, (x,), gamma, training=True, columnwise=columnwise)
+    outs = bind_norm(rms_norm_fp8_p, call, (x,), gamma, training=True, columnwise=columnwise)
+    return outs.returned(training=True)
 
 
 @norm_keywords
@@ -90,9 +89,10 @@ def add_rms_norm_fp8_training(
     """
     call = validate(x, gamma, residual, **keywords)
     columnwise = check_columnwise(columnwise, call.params, x.shape)
-    return bind_norm(
+    outs = bind_norm(
         add_rms_norm_fp8_p, call, (x, residual), gamma, training=True, columnwise=columnwise
     )
+    return outs.returned(training=True)
 
 
 def rms_norm_backward(
@@ -180,15 +180,13 @@ def rms_norm_fp8_vjp(
     call = validate(x, gamma, **keywords)
     columnwise = check_columnwise(columnwise, call.params, x.shape)
     outs = bind_norm(rms_norm_fp8_p, call, (x,), gamma, training=True, columnwise=columnwise)
-    inverse_rms = outs[2]
-    outputs = (*outs[:2], *outs[3:])
     backward = Partial(
         _backward_function(_rms_vjp_backward, call.params.weight_offset),
         as_operand(x),
         as_operand(gamma),
-        inverse_rms,
+        outs.inverse_rms,
     )
-    return outputs, backward
+    return outs.returned(training=False), backward
 
 
 @norm_keywords
@@ -217,16 +215,14 @@ def add_rms_norm_fp8_vjp(
     outs = bind_norm(
         add_rms_norm_fp8_p, call, (x, residual), gamma, training=True, columnwise=columnwise
     )
-    inverse_rms = outs[3]
-    outputs = (*outs[:3], *outs[4:])
     backward = Partial(
         _backward_function(_add_vjp_backward, call.params.weight_offset),
         as_operand(x),
         as_operand(residual),
         as_operand(gamma),
-        inverse_rms,
+        outs.inverse_rms,
     )
-    return outputs, backward
+    return outs.returned(training=False), backward
 
 
 @functools.cache

@@ -1,0 +1,117 @@
+"""The one ``jax.custom_vjp`` of the fused norm followed by a differentiable head: the
+dequantisation of the differentiable twins (jax_fp8norm.autodiff) or the FP8 / FP4 GEMM
+of the layer (jax_fp8norm.dense), for the rms and add forms alike.
+
+Forward: the norm's plain form, or under differentiation its training form (each row's
+r, and the columnwise codes where the head keeps them), then the head. Backward: the
+head's backward gives ``dn``, the cotangent of the normalised ``n`` (the quantisation
+passes it straight through), and the gradients of its own operands; then the fused norm
+backward gives ``dx`` and ``dgamma`` (and ``dresidual``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+
+from jax_fp8norm._backward import add_backward, rms_backward
+from jax_fp8norm._params import NormOutputs, NormParams, named_outputs
+from jax_fp8norm._primitives import add_rms_norm_fp8_p, rms_norm_fp8_p
+
+
+class Head(Protocol):
+    """What follows the norm. Hashable: one custom_vjp per (params, form, head)."""
+
+    num_operands: int  # its own operands, after gamma (the layer's w)
+    columnwise: bool  # whether its backward reads the norm's columnwise codes
+
+    def apply(self, outs: NormOutputs, operands: tuple, static: tuple) -> jax.Array:
+        """Its value from the norm's outputs, its operands and the norm's operands after
+        gamma (a calibrated or global scale)."""
+
+    def check_training(self, x_shape: tuple, operands: tuple) -> None:
+        """Refuses what its backward cannot take, when the function is differentiated."""
+
+    def kept(self, outs: NormOutputs) -> tuple:
+        """What its backward keeps of the norm's outputs."""
+
+    def backward(self, g, operands: tuple, static: tuple, kept: tuple) -> tuple:
+        """``(dn, gradients of its operands)`` from the cotangent ``g`` of its value."""
+
+
+def _varying_axes(v: jax.Array) -> frozenset:
+    """The shard_map axes along which ``v``'s value differs between devices."""
+    manual = getattr(jax.typeof(v), "manual_axis_type", None)
+    return frozenset(manual.varying) if manual is not None else frozenset()
+
+
+def summed_over_devices(primal: jax.Array, cotangent: jax.Array) -> jax.Array:
+    """Inside shard_map, ``cotangent`` psummed over the mesh axes along which it varies and
+    ``primal`` does not: ``dn`` of a norm whose outputs are the same on every device of "tp"
+    (the type of its ``inverse_rms``, which varies wherever any of the norm's operands
+    does, does not vary there) and whose layer's weight is split by columns over "tp" is
+    the sum of every device's part (summed in float32 before the norm's backward, so that
+    dx is rounded once), and so is dgamma of a gamma replicated over the axis that splits
+    the rows. Where the norm's outputs vary (x, gamma, the residual or a
+    static or global scale differs between devices), each device's backward is its own,
+    on its own dn, and dx, dresidual and dgamma are summed after it, once."""
+    axes = tuple(sorted(_varying_axes(cotangent) - _varying_axes(primal)))
+    return jax.lax.psum(cotangent, axes) if axes else cotangent
+
+
+@functools.cache
+def differentiable_norm(p: NormParams, add: bool, head: Head):
+    """``fn(x[, residual], gamma, *head operands, *static)``: the head's value (and with
+    ``add`` the norm's ``residual_out``, whose cotangent flows to x and residual
+    unchanged), differentiable in every operand but the static ones (a calibrated or
+    global scale: constants of the straight-through rule)."""
+    prim = add_rms_norm_fp8_p if add else rms_norm_fp8_p
+    num_rows = 2 if add else 1
+    training = dataclasses.replace(p, with_inverse_rms=True, columnwise=head.columnwise)
+
+    def split(args):
+        rows, gamma = args[:num_rows], args[num_rows]
+        operands = args[num_rows + 1 : num_rows + 1 + head.num_operands]
+        return rows, gamma, operands, args[num_rows + 1 + head.num_operands :]
+
+    def run(params: NormParams, args):
+        rows, gamma, operands, static = split(args)
+        outs = named_outputs(
+            prim.bind(*rows, gamma, *static, **params.as_dict()), params.as_dict(), add
+        )
+        value = head.apply(outs, operands, static)
+        return ((value, outs.residual_out) if add else value), outs
+
+    @jax.custom_vjp
+    def fn(*args):
+        return run(p, args)[0]
+
+    def fwd(*args):
+        rows, gamma, operands, static = split(args)
+        head.check_training(rows[0].shape, operands)
+        value, outs = run(training, args)
+        return value, (rows, gamma, outs.inverse_rms, operands, static, head.kept(outs))
+
+    def bwd(saved, cotangent):
+        rows, gamma, inverse_rms, operands, static, kept = saved
+        g, d_residual_out = cotangent if add else (cotangent, None)
+        dn, d_operands = head.backward(g, operands, static, kept)
+        dn = summed_over_devices(inverse_rms, dn.reshape(rows[0].shape))
+        if add:
+            x, residual = rows
+            dx, dresidual, dgamma = add_backward(
+                dn, d_residual_out, x, residual, gamma, inverse_rms, p.weight_offset
+            )
+            d_rows = (dx, dresidual)
+        else:
+            dx, dgamma = rms_backward(dn, rows[0], gamma, inverse_rms, p.weight_offset)
+            d_rows = (dx,)
+        d_rows = tuple(summed_over_devices(r, d) for r, d in zip(rows, d_rows, strict=True))
+        dgamma = summed_over_devices(gamma, dgamma).astype(gamma.dtype)
+        return (*d_rows, dgamma, *d_operands, *(jnp.zeros_like(s) for s in static))
+
+    fn.defvjp(fwd, bwd)
+    return fn

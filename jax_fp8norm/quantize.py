@@ -1,0 +1,214 @@
+"""The quantisers of the operands the layer makes itself, the weight and the output
+gradient, in the formats of :mod:`jax_fp8norm.matmul`: FP8 per column or row, FP8 in
+e8m0 blocks, NVFP4 and MXFP4. Blocks and scale floors are the recipes'
+(:class:`jax_fp8norm.recipes.OperandFormat`); the power-of-two and FP4 rules are the norm
+ops' own (jax_fp8norm._groups), so that a weight and an activation of one format round
+alike.
+
+:func:`quantize_columns` and :func:`quantize_rows` quantise by an OperandFormat; the
+others are the formats' own functions, for users who quantise their weights once.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_fp8norm import _checks
+from jax_fp8norm._checks import check_float32_scalar
+from jax_fp8norm._dtypes import E8M0, FP4_MAX
+from jax_fp8norm._groups import divide, fp4_groups, power_of_two
+from jax_fp8norm._params import NORM_KEYWORDS
+from jax_fp8norm.recipes import NEAREST, NVFP4, RECIPES, OperandFormat, recipe_keywords
+
+E4M3_MAX = 448.0
+NVFP4_BLOCK = RECIPES["nvfp4"].block
+MXFP4_BLOCK = RECIPES["mxfp4"].block
+MXFP8_BLOCK = RECIPES["mxfp8"].block
+# The keywords of the norm ops that a weight quantiser leaves at their defaults.
+_RECIPE_DEFAULTS = {
+    name: default
+    for name, (default, _) in NORM_KEYWORDS.items()
+    if name not in ("recipe", "static_scale", "global_scale")
+}
+# The smallest normal float32: the floor of the scales made from an amax.
+SMALLEST_NORMAL = np.float32(2.0**-126)
+
+
+def quantize_columns(v: jax.Array, fmt: OperandFormat, global_scale=None):
+    """``v [R, C]`` quantised along R in the format ``fmt``, as
+    :func:`jax_fp8norm.matmul.fp8_matmul` takes its ``w``: ``(codes [R, C], scales [C] or
+    [R // block, C], global scale or None)``; NVFP4's global scale is ``global_scale``,
+    or by default ``max|v| / (448 * 6)``."""
+    if fmt.rule == NVFP4:
+        return quantize_weights_nvfp4(v, global_scale)
+    if fmt.element == np.dtype(jnp.float4_e2m1fn):
+        return (*quantize_weights_mxfp4(v), None)
+    if fmt.block is None:
+        return (*quantize_per_channel(v, fmt.element), None)
+    return (*quantize_blocks(v, fmt.block, fmt.element), None)
+
+
+def quantize_rows(v: jax.Array, fmt: OperandFormat):
+    """``v [R, C]`` quantised along C in the format ``fmt``, as
+    :func:`jax_fp8norm.matmul.fp8_matmul` takes its ``a``: ``(codes [R, C], scales [R, 1]
+    or [R, C // block], row_scales [R, 1] or None)``. Every row is quantised on its own:
+    NVFP4 gives each row its global scale, ``max|row| / (448 * 6)`` (1 for a zero row),
+    returned as ``row_scales``, by which the GEMM's rows are multiplied; one global scale
+    for the whole would tie a row's bits to the batch."""
+    if fmt.rule == NVFP4:
+        row_scales = nvfp4_global_scale(jnp.max(jnp.abs(v), axis=1, keepdims=True))
+        return (*quantize_fp4_rows(divide(v, row_scales), "nvfp4"), row_scales)
+    if fmt.element == np.dtype(jnp.float4_e2m1fn):
+        return (*quantize_fp4_rows(v, "mxfp4"), None)
+    if fmt.rule == NEAREST:
+        return (*quantize_per_channel(v, fmt.element, axis=1), None)
+    return (*quantize_blocks(v, fmt.block, fmt.element, axis=1), None)
+
+
+def _check_axis(axis: int) -> int:
+    if axis not in (0, 1, -1):
+        raise ValueError(
+            f"axis must be 0 (along K of [K, M] weights) or 1 (along rows), got {axis}"
+        )
+    return axis % 2
+
+
+def quantize_per_channel(
+    w: jax.Array, out_dtype=jnp.float8_e4m3fn, *, axis: int = 0
+) -> tuple[jax.Array, jax.Array]:
+    """``[K, M]`` weights to FP8 with one float32 scale per output channel (column):
+    ``scale = max(max_k |w[k, m]| / FP8_MAX, 2^-126)``; a zero column gets scale 1. With
+    ``axis=1``, one scale per row of ``[M, K]`` activations instead (scales ``[M, 1]``)."""
+    axis = _check_axis(axis)
+    fp8_max = float(jnp.finfo(out_dtype).max)
+    w32 = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w32), axis=axis, keepdims=True)
+    # At least the smallest normal float32: amax / FP8_MAX of a tiny nonzero column would
+    # flush to zero and its codes to Inf.
+    scales = jnp.where(amax > 0, jnp.maximum(divide(amax, fp8_max), SMALLEST_NORMAL), 1.0)
+    codes = divide(w32, scales).astype(out_dtype)
+    return codes, (scales[0] if axis == 0 else scales)
+
+
+def quantize_blocks(
+    w: jax.Array, block_size: int = MXFP8_BLOCK, out_dtype=jnp.float8_e4m3fn, *, axis: int = 0
+) -> tuple[jax.Array, jax.Array]:
+    """``[K, M]`` weights to MXFP8-style blocks: one e8m0 scale per block of
+    ``block_size`` rows in each column, by the norm's power-of-two rule (the smallest
+    power of two >= ``amax / FP8_MAX``, at least 2^-127), so that no weight is clipped; a
+    block holding NaN or Inf gets a NaN scale (e8m0's 0xFF) and zero codes. Returns ``(w8
+    [K, M], scales [K // block_size, M] float8_e8m0fnu)``. With ``axis=1``, blocks along
+    the rows of ``[M, K]`` activations instead: scales ``[M, K // block_size]``."""
+    axis = _check_axis(axis)
+    k = w.shape[axis]
+    if block_size <= 0 or k % block_size:
+        raise ValueError(f"block_size must be a positive divisor of K = {k}, got {block_size}")
+    fp8_max = float(jnp.finfo(out_dtype).max)
+    shape = list(w.shape)
+    shape[axis : axis + 1] = [k // block_size, block_size]
+    blocks = w.astype(jnp.float32).reshape(shape)
+    amax = jnp.max(jnp.abs(blocks), axis=axis + 1, keepdims=True)
+    exponent, recip = power_of_two(amax, fp8_max, e8m0=True)
+    # The barrier keeps XLA from folding w * (1 / scale) into w / scale.
+    codes = blocks * jax.lax.optimization_barrier(recip)
+    finite = jnp.all(jnp.isfinite(blocks), axis=axis + 1, keepdims=True)
+    w8 = jnp.where(finite, codes, 0.0).reshape(w.shape).astype(out_dtype)
+    scales = jnp.where(finite, exponent, jnp.uint32(0xFF)).astype(jnp.uint8)
+    return w8, jax.lax.bitcast_convert_type(jnp.squeeze(scales, axis + 1), E8M0)
+
+
+def _fp4_blocks(w, block: int, name: str) -> jax.Array:
+    """``[K, N]`` weights as float32 ``[K // block, block, N]``: blocks along K."""
+    if np.ndim(w) != 2 or not jnp.issubdtype(w.dtype, jnp.floating):
+        raise ValueError(f"w must be a float array of shape (K, N), got {w.dtype} {np.shape(w)}")
+    k, n = w.shape
+    if k % block:
+        raise ValueError(f"{name} weights need K a multiple of {block}; got K = {k}")
+    return jnp.asarray(w, jnp.float32).reshape(k // block, block, n)
+
+
+def nvfp4_global_scale(amax: jax.Array) -> jax.Array:
+    """NVFP4's global (decode) scale for values of largest magnitude ``amax``: ``amax /
+    (448 * 6)``, which puts the largest block scale at 448, at least 2^-126 (a tiny amax
+    would flush it to zero), 1 for a zero amax; a NaN amax stays NaN."""
+    scale = jnp.maximum(divide(amax, E4M3_MAX * FP4_MAX), SMALLEST_NORMAL)  # NaN stays NaN
+    return jnp.where(amax == 0, jnp.float32(1.0), scale)
+
+
+def quantize_weights_nvfp4(
+    w: jax.Array, global_scale=None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``[K, N]`` weights to NVFP4: blocks of 16 rows of each column (along K, the
+    contraction axis), the rule the norm ops use for rows (``t = w / global_scale``,
+    ``s = E4M3(min(max|t| / 6, 448))`` per block, ``y = E2M1(clip(t / f32(s), -6, 6))``).
+
+    ``global_scale`` (a decode scale: ``deq = f32(y) * f32(s) * global_scale``; a Python
+    float or a float32 array of shape ``()`` or ``(1,)``) defaults to
+    :func:`nvfp4_global_scale` of ``max|w|``: ``max|w| / (448 * 6)``, which puts the
+    largest block scale at 448, at least 2^-126, and 1.0 for an all-zero ``w``. A zero
+    block gets scale 0 and zero codes; a block holding NaN or Inf gets a NaN scale and zero
+    codes (so it dequantises to NaN).
+
+    Returns ``(w4 [K, N] float4_e2m1fn, scales [K // 16, N] float8_e4m3fn, global_scale
+    float32 of shape ())``, the operand, ``w_scales`` and ``w_global_scale`` of
+    :func:`fp8_matmul`.
+    """
+    blocks = _fp4_blocks(w, NVFP4_BLOCK, "NVFP4")
+    if global_scale is None:
+        amax = jnp.max(jnp.abs(blocks))
+        # A NaN amax stays NaN (and so does every scale), never a silent 1.
+        gs = nvfp4_global_scale(amax)
+    else:
+        gs = check_float32_scalar(global_scale, "global_scale")
+    w4, scales = _fp4_columns(blocks, "nvfp4", gs)
+    return w4, scales, gs
+
+
+def quantize_weights_mxfp4(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``[K, N]`` weights to MXFP4: blocks of 32 rows of each column (along K), each with
+    an e8m0 scale, the smallest power of two >= ``amax / 6`` (the rule of
+    :func:`quantize_blocks` with FP4's 6 in place of FP8_MAX), so that no weight is
+    clipped. A block whose ``amax / 6`` is at most 2^-127 (a zero block) gets 2^-127,
+    e8m0's code 0; a block holding NaN or Inf gets a NaN scale (code 0xFF) and zero codes.
+
+    Returns ``(w4 [K, N] float4_e2m1fn, scales [K // 32, N] float8_e8m0fnu)``, the
+    operand and ``w_scales`` of :func:`fp8_matmul`.
+    """
+    return _fp4_columns(_fp4_blocks(w, MXFP4_BLOCK, "MXFP4"), "mxfp4")
+
+
+def _fp4_columns(blocks: jax.Array, recipe: str, global_scale=None):
+    """FP4 codes ``[K, N]`` and scales ``[K // block, N]`` of weight blocks ``[K // block,
+    block, N]``, by the rule of the norm ops' groups (jax_fp8norm._groups.fp4_groups): each
+    column's blocks are a row's groups."""
+    kb, block, n = blocks.shape
+    groups = jnp.transpose(blocks, (2, 0, 1))  # [N, K // block, block]
+    y, scales = _fp4_groups(groups, recipe, global_scale)
+    return jnp.transpose(y, (1, 2, 0)).reshape(kb * block, n), jnp.transpose(scales)
+
+
+def _fp4_groups(groups: jax.Array, recipe: str, global_scale=None):
+    """FP4 codes ``[R, groups, block]`` and scales ``[R, groups]`` of float32 groups."""
+    layout = {k: v for k, v in recipe_keywords(recipe).items() if k != "static_scale"}
+    params = _checks.make_params(
+        np.float32, **{**_RECIPE_DEFAULTS, **layout}, has_global_scale=global_scale is not None
+    )
+    operand = None if global_scale is None else jnp.reshape(global_scale, (1,))
+    return fp4_groups(groups, jnp.ones((groups.shape[0], 1), bool), params, operand)
+
+
+def quantize_fp4_rows(v: jax.Array, recipe: str, global_scale=None):
+    """``[M, K]`` activations to FP4 along their rows, by the weights' rule (NVFP4 with
+    ``global_scale``, 1.0 when None; or MXFP4): ``(codes [M, K], scales [M, K // block])``,
+    the ``a`` and ``a_scales`` of :func:`fp8_matmul`."""
+    block = NVFP4_BLOCK if recipe == "nvfp4" else MXFP4_BLOCK
+    m, k = v.shape
+    if k % block:
+        raise ValueError(f"{recipe.upper()} rows need K a multiple of {block}; got K = {k}")
+    if recipe == "nvfp4" and global_scale is None:
+        global_scale = jnp.float32(1.0)
+    groups = jnp.asarray(v, jnp.float32).reshape(m, k // block, block)
+    y, scales = _fp4_groups(groups, recipe, global_scale)
+    return y.reshape(m, k), scales
