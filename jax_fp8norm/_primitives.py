@@ -43,7 +43,7 @@ from jax_fp8norm._partitioning import (
     requires_devices_during_lowering,
     row_spec,
 )
-from jax_fp8norm.recipes import scales_per_row
+from jax_fp8norm.recipes import recipe_of
 
 # The FFI target names of the native kernels, the same on every platform.
 TARGETS = tuple(_ffi.TARGETS.values())
@@ -216,12 +216,11 @@ def _norm_abstract_eval(*avals, reduced_axes: tuple = (), **params):
             unreduced=frozenset(),
             reduced=frozenset(),
         )
-    n = x.shape[-1]
-    groups = scales_per_row(n, params["group_size"])
+    recipe = recipe_of(NormParams(**params))
     outs = {
         "y": x.update(shape=x.shape, dtype=np.dtype(params["out_dtype"]), **types),
         "scales": x.update(
-            shape=x.shape[:-1] + (groups,), dtype=np.dtype(params["scale_dtype"]), **types
+            shape=recipe.scales_shape(x.shape), dtype=np.dtype(params["scale_dtype"]), **types
         ),
         # x, residual, gamma: residual_out has the residual's dtype
         "residual_out": x.update(shape=x.shape, dtype=avals[1].dtype, **types),
@@ -230,7 +229,6 @@ def _norm_abstract_eval(*avals, reduced_axes: tuple = (), **params):
     if params["columnwise"]:
         # [N, rows] and [N, blocks]: the last axis sharded as _partitioned makes it (where
         # x's first row dimension alone is sharded by whole blocks), else replicated.
-        p = NormParams(**params)
         y_t_types = scales_t_types = types
         if "sharding" in types and getattr(x.sharding, "spec", None) is not None:
             axes = columnwise_row_axes(x.sharding, x.shape, params)
@@ -242,12 +240,15 @@ def _norm_abstract_eval(*avals, reduced_axes: tuple = (), **params):
                 return dict(types, sharding=x.sharding.update(spec=spec))
 
             y_t_types = last_axis(axes)
-            scales_t_types = last_axis(None if p.has_static_scale else axes)
+            # A static scale's scales_t [N, 1] is replicated.
+            scales_t_types = last_axis(None if recipe.static else axes)
         rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-        blocks = 1 if p.has_static_scale else rows // p.group_size
-        outs["y_t"] = x.update(shape=(n, rows), dtype=np.dtype(params["out_dtype"]), **y_t_types)
+        y_t_shape = (x.shape[-1], rows)
+        outs["y_t"] = x.update(shape=y_t_shape, dtype=np.dtype(params["out_dtype"]), **y_t_types)
         outs["scales_t"] = x.update(
-            shape=(n, blocks), dtype=np.dtype(params["scale_dtype"]), **scales_t_types
+            shape=recipe.columnwise_scales_shape(x.shape),
+            dtype=np.dtype(params["scale_dtype"]),
+            **scales_t_types,
         )
     add = num_row_operands(len(avals), scale_operand) == 2
     return [outs[name] for name in result_names(params, add)]
