@@ -1,5 +1,6 @@
 """allreduce_residual_rms_norm_fp8's method= selection (jax_fp8norm._allreduce): where each
-method runs and auto's choice, as plain logic. tests/test_allreduce.py runs the methods."""
+method runs and auto's choice, as plain logic. tests/test_allreduce_xla.py and
+tests/test_allreduce_one_kernel.py run the methods."""
 
 from __future__ import annotations
 

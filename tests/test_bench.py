@@ -363,7 +363,7 @@ def test_variants_are_timed_side_by_side_and_each_checked():
 
 def test_the_allreduce_op_runs_its_own_report(capsys):
     # On this process's devices (the session's virtual CPU devices: the XLA rows;
-    # tests/test_allreduce.py runs the one-kernel methods on several emulated devices).
+    # tests/test_allreduce_one_kernel.py runs the one-kernel methods on several emulated devices).
     assert (
         cli.main(["--ops", "allreduce_residual_rms_norm_fp8", "--rows", "2", "--hidden", "128"])
         == 0

@@ -4,7 +4,7 @@ rows in the call, the kernel variant or grid that number selects, or the platfor
 kernel and on the emulated CUDA kernels as the shape chooses them (``simt-auto``) and as
 each variant is forced, per recipe, at hidden sizes of real models (2880: gpt-oss, 4224,
 5120: Qwen, Mistral) that are not powers of two. The all-reduce's invariance over methods,
-meshes and devices is tests/test_allreduce.py's."""
+meshes and devices is the all-reduce modules' (tests/test_allreduce_*.py)."""
 
 from __future__ import annotations
 

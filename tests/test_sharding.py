@@ -2,7 +2,7 @@
 sharded stay sharded (no all-gather, outputs keep the row sharding), a sharded hidden axis
 still gives the right answer, and the ops work inside a user's shard_map.
 
-Like test_allreduce, a session with fewer devices reruns this module in a subprocess with 8.
+Like the all-reduce modules, a session with fewer devices reruns this module in a subprocess with 8.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 def test_the_allowlist():
     assert unexpected_skips(["no GPU backend available to jax"]) == []
-    assert unexpected_skips(["no test of the extended tier in test_allreduce.py"]) == []
+    assert unexpected_skips(["no test of the extended tier in test_allreduce_xla.py"]) == []
     assert unexpected_skips(["NVIDIA H200 has no block-scaled tensor cores"]) == []
     missing = ["could not import 'hypothesis': No module named 'hypothesis'"]
     assert unexpected_skips(missing) == missing

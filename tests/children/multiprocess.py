@@ -90,7 +90,7 @@ def main() -> int:
         sharding = NamedSharding(mesh, spec)
         return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
-    # The inputs, from fixed seeds (as tests/test_allreduce.py builds them).
+    # The inputs, from fixed seeds (as tests/allreduce_cases.py builds them).
     partials = random_rows(7, (size, ROWS, HIDDEN), jnp.bfloat16, spread=0.5)
     residual = random_rows(8, (ROWS, HIDDEN), jnp.bfloat16, spread=0.5)
     gamma = random_gamma(9, HIDDEN, jnp.float32)
