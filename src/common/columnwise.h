@@ -11,30 +11,60 @@
 
 namespace fp8norm {
 
-// The norm's arguments read the columnwise way: y is y_t [hidden, rows] (FP4 packed along
-// the rows when y_packed), scales is scales_t [hidden, rows / group_size] ([hidden, 1] for
-// a static scale), group_size the rows of a block (0 with a static scale, which has
-// none), inverse_rms each row's r as the rowwise pass saved it (read here, never
-// written), residual_out null.
-struct ColumnwiseArgs : RmsNormFp8Args {};
+// The columnwise pass's arguments: the call's inputs and constants as RmsNormFp8Args
+// holds them, each row's r as the rowwise pass saved it (read here, never written), and
+// the columnwise outputs.
+struct ColumnwiseArgs {
+  const void* x;             // [rows, hidden], input_type
+  const void* residual;      // [rows, hidden], residual_type; null for rms_norm_fp8
+  const void* gamma;         // [hidden], gamma_type
+  const float* inverse_rms;  // [rows]
+  const float* static_scale;
+  const float* global_scale;
+  // [hidden, rows] in out_format: FP4 packed along the rows when y_packed.
+  void* y_t;
+  // [hidden, rows / block_rows] in scale_type; [hidden, 1] for a static scale.
+  void* scales_t;
+  int64_t rows;
+  int64_t hidden;
+  // Rows that share a scale of scales_t: 0 with a static scale, which has no blocks.
+  int64_t block_rows;
+  FloatType input_type;
+  FloatType residual_type;
+  FloatType gamma_type;
+  FloatType scale_type;
+  OutFormat out_format;
+  bool y_packed;
+  RowConstants constants;
+};
 
-// A call's columnwise outputs as ColumnwiseArgs.
+// The columnwise pass of a call with columnwise outputs (a.columns).
 FP8NORM_HD ColumnwiseArgs ColumnwiseView(const RmsNormFp8Args& a) {
-  ColumnwiseArgs c;
-  static_cast<RmsNormFp8Args&>(c) = a;
-  c.y = a.columns.y_t;
-  c.scales = a.columns.scales_t;
-  c.group_size = a.columns.block;
-  c.residual_out = nullptr;
-  c.columns = ColumnOutputs{};
-  return c;
+  return ColumnwiseArgs{a.x,
+                        a.residual,
+                        a.gamma,
+                        a.inverse_rms,
+                        a.static_scale,
+                        a.global_scale,
+                        a.columns.y_t,
+                        a.columns.scales_t,
+                        a.rows,
+                        a.hidden,
+                        a.columns.block_rows,
+                        a.input_type,
+                        a.residual_type,
+                        a.gamma_type,
+                        a.scale_type,
+                        a.out_format,
+                        a.y_packed,
+                        a.constants};
 }
 
 // Rows a columnwise block of the call spans: the recipe's block, or with a static scale
 // (no block) kStaticColumnRows, the tile both kernels take.
 constexpr int64_t kStaticColumnRows = 32;
 FP8NORM_HD int64_t ColumnBlockRows(const ColumnwiseArgs& a) {
-  return a.static_scale != nullptr ? kStaticColumnRows : a.group_size;
+  return a.static_scale != nullptr ? kStaticColumnRows : a.block_rows;
 }
 
 // The blocks of rows the kernels take, the last one shorter with a static scale.
@@ -44,7 +74,7 @@ FP8NORM_HD int64_t RowBlocksOf(const ColumnwiseArgs& a) {
 
 // Blocks per column: scales_t's second dimension.
 FP8NORM_HD int64_t ColumnBlocks(const ColumnwiseArgs& a) {
-  return a.static_scale != nullptr ? 1 : a.rows / a.group_size;
+  return a.static_scale != nullptr ? 1 : a.rows / a.block_rows;
 }
 
 // A row is finite (no NaN or Inf, no overflowing sum of squares) exactly when its saved r

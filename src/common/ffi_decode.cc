@@ -37,8 +37,9 @@ std::optional<bool> Fp4Packed(int64_t layout) {
   }
 }
 
-// The norm's call (columnwise false) or its columnwise pass's (y and scales are y_t and
-// scales_t, group_size the block of rows: ColumnwiseArgs).
+// The norm's call (columnwise false) or, read into the same fields, the buffers of its
+// columnwise pass (y and scales are y_t and scales_t, group_size the block of rows), which
+// DecodeColumnOutputs moves to ColumnOutputs.
 ffi::Error DecodeNormCall(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
                           const ffi::AnyBuffer& gamma,
                           const std::optional<ffi::AnyBuffer>& scale_operand,

@@ -176,7 +176,7 @@ bool MovesRowCodes(const RmsNormFp8Args& a) {
   const int64_t group = groups > 0 ? a.hidden / groups : 0;
   return a.out_format != OutFormat::kE2M1 && a.static_scale == nullptr &&
          a.constants.power_of_two && !(a.constants.scale_ub < FloatOf(kF32Inf)) && groups > 1 &&
-         (group == 32 || group == 64 || group == 128) && a.columns.block == a.group_size;
+         (group == 32 || group == 64 || group == 128) && a.columns.block_rows == a.group_size;
 }
 
 // Element j of a float array of type `type`.

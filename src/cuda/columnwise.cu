@@ -79,12 +79,18 @@ __device__ __forceinline__ CodeWriter WriterFor(const ColumnwiseArgs& a, int64_t
   const int64_t first = YByte(a, column * a.rows + row0);
   const int64_t bytes = YByte(a, rows);
   const bool words = first % 4 == 0 && bytes % 4 == 0;
-  return CodeWriter{static_cast<uint8_t*>(a.y) + first, words, a.y_packed, 0u, 0, 0, false, 0};
+  return CodeWriter{static_cast<uint8_t*>(a.y_t) + first, words, a.y_packed, 0u, 0, 0, false, 0};
+}
+
+// Scale `index` of scales_t ([hidden, blocks] row-major).
+__device__ __forceinline__ void StoreColumnScale(const ColumnwiseArgs& a, int64_t index,
+                                                 float scale, int site = __builtin_LINE()) {
+  StoreScaleAt(a.scales_t, a.scale_type, index, scale, site);
 }
 
 // scales_t of a static scale for column `column`: the scale rounded to its dtype.
 __device__ __forceinline__ void StoreStaticColumnScale(const ColumnwiseArgs& a, int64_t column) {
-  StoreScale(a, column, RoundTo(a.scale_type, LoadGlobal(a.static_scale)));
+  StoreColumnScale(a, column, RoundTo(a.scale_type, LoadGlobal(a.static_scale)));
 }
 
 // Column `column` of block `block` of the call's rows (ColumnBlockRows each), whose r
@@ -115,7 +121,7 @@ __device__ __forceinline__ void ColumnOfBlock(const ColumnwiseArgs& a, int64_t b
     amax = max(amax, AbsBits(Normalize(ColumnH(a, (row0 + i) * a.hidden + column), r, g)));
   }
   const ColumnScale s = ColumnBlockScale(a, finite, amax, global_scale);
-  StoreScale(a, column * ColumnBlocks(a) + block, StoredScale(a, s));
+  StoreColumnScale(a, column * ColumnBlocks(a) + block, StoredScale(a, s));
   for (int64_t i = 0; i < rows; ++i) {
     const float r = LoadGlobal(a.inverse_rms + row0 + i);
     writer.Code(ColumnCode(a, s, Normalize(ColumnH(a, (row0 + i) * a.hidden + column), r, g)));

@@ -187,17 +187,23 @@ __device__ __forceinline__ float GlobalScaleOf(const RmsNormFp8Args& a) {
   return a.global_scale != nullptr ? LoadGlobal(a.global_scale) : 0.0f;
 }
 
-// Scale `index` of the call ([rows, groups] row-major); e8m0 as its exponent byte, NVFP4's
-// e4m3 as its code.
-__device__ __forceinline__ void StoreScale(const RmsNormFp8Args& a, int64_t index, float scale,
-                                           int site = __builtin_LINE()) {
-  if (a.scale_type == FloatType::kE8M0 || a.scale_type == FloatType::kE4M3) {
-    const uint8_t code = a.scale_type == FloatType::kE8M0 ? E8M0Code(scale) : E4M3ScaleCode(scale);
-    StoreGlobal(static_cast<uint8_t*>(a.scales) + index, code, site);
+// Scale `index` of `scales` in `type`: e8m0 as its exponent byte, NVFP4's e4m3 as its
+// code.
+__device__ __forceinline__ void StoreScaleAt(void* scales, FloatType type, int64_t index,
+                                             float scale, int site) {
+  if (type == FloatType::kE8M0 || type == FloatType::kE4M3) {
+    const uint8_t code = type == FloatType::kE8M0 ? E8M0Code(scale) : E4M3ScaleCode(scale);
+    StoreGlobal(static_cast<uint8_t*>(scales) + index, code, site);
     return;
   }
   const float value[1] = {scale};
-  StoreAny<1>(a.scales, a.scale_type, index, value, site);
+  StoreAny<1>(scales, type, index, value, site);
+}
+
+// Scale `index` of the call ([rows, groups] row-major).
+__device__ __forceinline__ void StoreScale(const RmsNormFp8Args& a, int64_t index, float scale,
+                                           int site = __builtin_LINE()) {
+  StoreScaleAt(a.scales, a.scale_type, index, scale, site);
 }
 
 // The training form's r of row `row` (SavedInverseRms); nothing for the plain forward.
