@@ -318,11 +318,12 @@ add_rms_norm_fp8_p = _make_norm_primitive("add_rms_norm_fp8")
 
 
 def bind_norm(
-    prim: Primitive, call: NormCall, rows: tuple, gamma, *, training: bool, columnwise: bool
+    call: NormCall, rows: tuple, gamma, *, training: bool, columnwise: bool
 ) -> NormOutputs:
-    """The outputs of an op's call (``prim``: the norm's primitive; ``rows``: x, or x and
-    residual). The columnwise form computes each row's r whether or not the caller keeps
-    it."""
+    """The outputs of a checked call (``rows``: x, or x and residual, which picks the rms or
+    the add primitive). The columnwise form computes each row's r whether or not the
+    caller keeps it."""
+    prim = add_rms_norm_fp8_p if len(rows) == 2 else rms_norm_fp8_p
     params = dataclasses.replace(
         call.params, with_inverse_rms=training or columnwise, columnwise=columnwise
     )

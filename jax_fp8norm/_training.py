@@ -28,10 +28,10 @@ import jax
 from jax.tree_util import Partial
 
 from jax_fp8norm._backward import add_rms_norm_backward_p, rms_norm_backward_p
-from jax_fp8norm._checks import check_backward, check_columnwise, validate
+from jax_fp8norm._checks import check_backward
 from jax_fp8norm._params import NormKeywords, as_operand
-from jax_fp8norm._primitives import add_rms_norm_fp8_p, bind_norm, rms_norm_fp8_p
 from jax_fp8norm._signatures import norm_keywords
+from jax_fp8norm.ops import checked_norm
 
 __all__ = [
     "add_rms_norm_backward",
@@ -62,9 +62,7 @@ def rms_norm_fp8_training(
       :func:`jax_fp8norm.rms_norm_fp8`; ``inverse_rms`` is ``[..., 1]`` float32, each row's
       ``r = 1 / sqrt(ss / N + eps)``. With ``columnwise``: then ``y_t, scales_t``.
     """
-    call = validate(x, gamma, **keywords)
-    columnwise = check_columnwise(columnwise, call.params, x.shape)
-    outs = bind_norm(rms_norm_fp8_p, call, (x,), gamma, training=True, columnwise=columnwise)
+    outs = checked_norm((x,), gamma, keywords, columnwise=columnwise, training=True)
     return outs.returned(training=True)
 
 
@@ -87,11 +85,7 @@ def add_rms_norm_fp8_training(
       ``(y, scales, residual_out, inverse_rms)``; ``inverse_rms`` is ``[..., 1]`` float32.
       With ``columnwise``: then ``y_t, scales_t``.
     """
-    call = validate(x, gamma, residual, **keywords)
-    columnwise = check_columnwise(columnwise, call.params, x.shape)
-    outs = bind_norm(
-        add_rms_norm_fp8_p, call, (x, residual), gamma, training=True, columnwise=columnwise
-    )
+    outs = checked_norm((x, residual), gamma, keywords, columnwise=columnwise, training=True)
     return outs.returned(training=True)
 
 
@@ -177,11 +171,9 @@ def rms_norm_fp8_vjp(
       ``backward`` is a :class:`jax.tree_util.Partial` holding ``x``, ``gamma`` and each
       row's ``r``: a pytree, which a ``jax.custom_vjp``'s forward can return as its residual.
     """
-    call = validate(x, gamma, **keywords)
-    columnwise = check_columnwise(columnwise, call.params, x.shape)
-    outs = bind_norm(rms_norm_fp8_p, call, (x,), gamma, training=True, columnwise=columnwise)
+    outs = checked_norm((x,), gamma, keywords, columnwise=columnwise, training=True)
     backward = Partial(
-        _backward_function(_rms_vjp_backward, call.params.weight_offset),
+        _backward_function(_rms_vjp_backward, float(keywords.get("weight_offset", 0.0))),
         as_operand(x),
         as_operand(gamma),
         outs.inverse_rms,
@@ -210,13 +202,9 @@ def add_rms_norm_fp8_vjp(
       d_residual_out)`` returns ``(dx, dresidual, dgamma)`` (:func:`add_rms_norm_backward`),
       ``dgamma`` in ``gamma``'s dtype.
     """
-    call = validate(x, gamma, residual, **keywords)
-    columnwise = check_columnwise(columnwise, call.params, x.shape)
-    outs = bind_norm(
-        add_rms_norm_fp8_p, call, (x, residual), gamma, training=True, columnwise=columnwise
-    )
+    outs = checked_norm((x, residual), gamma, keywords, columnwise=columnwise, training=True)
     backward = Partial(
-        _backward_function(_add_vjp_backward, call.params.weight_offset),
+        _backward_function(_add_vjp_backward, float(keywords.get("weight_offset", 0.0))),
         as_operand(x),
         as_operand(residual),
         as_operand(gamma),
@@ -227,8 +215,9 @@ def add_rms_norm_fp8_vjp(
 
 @functools.cache
 def _backward_function(backward, weight_offset: float):
-    """One function per backward and weight_offset: a Partial's function is part of its
-    tree structure, so the same one keeps a jitted consumer from tracing again."""
+    """One function per backward and weight_offset (the caller's: the backward rounds it
+    through x.dtype as the forward did): a Partial's function is part of its tree
+    structure, so the same one keeps a jitted consumer from tracing again."""
     return functools.partial(backward, weight_offset=weight_offset)
 
 

@@ -27,13 +27,19 @@ from jax_fp8norm._checks import (
 from jax_fp8norm._dtypes import FLOAT_DTYPES, OUT_DTYPES
 from jax_fp8norm._params import AllReduceKeywords, NormKeywords
 from jax_fp8norm._primitives import (
-    add_rms_norm_fp8_p,
     allreduce_rms_norm_fp8_p,
     bind_norm,
-    rms_norm_fp8_p,
     round_p,
 )
 from jax_fp8norm._signatures import norm_keywords
+
+
+def checked_norm(rows: tuple, gamma, keywords: dict, *, columnwise, training: bool):
+    """Every norm op's body: the checks (TypeError / ValueError naming the argument), then
+    the primitive's outputs as NormOutputs. ``rows``: x, or x and residual."""
+    call = validate(rows[0], gamma, *rows[1:], **keywords)
+    columnwise = check_columnwise(columnwise, call.params, rows[0].shape)
+    return bind_norm(call, rows, gamma, training=training, columnwise=columnwise)
 
 
 @norm_keywords
@@ -68,9 +74,7 @@ def rms_norm_fp8(
       (times ``global_scale`` for NVFP4: :func:`jax_fp8norm.dequantize`). With
       ``columnwise``: ``(y, scales, y_t, scales_t)``.
     """
-    call = validate(x, gamma, **keywords)
-    columnwise = check_columnwise(columnwise, call.params, x.shape)
-    outs = bind_norm(rms_norm_fp8_p, call, (x,), gamma, training=False, columnwise=columnwise)
+    outs = checked_norm((x,), gamma, keywords, columnwise=columnwise, training=False)
     return outs.returned(training=False)
 
 
@@ -96,11 +100,7 @@ def add_rms_norm_fp8(
       ``x.dtype`` (the next layer's residual). With ``columnwise``:
       ``(y, scales, residual_out, y_t, scales_t)``.
     """
-    call = validate(x, gamma, residual, **keywords)
-    columnwise = check_columnwise(columnwise, call.params, x.shape)
-    outs = bind_norm(
-        add_rms_norm_fp8_p, call, (x, residual), gamma, training=False, columnwise=columnwise
-    )
+    outs = checked_norm((x, residual), gamma, keywords, columnwise=columnwise, training=False)
     return outs.returned(training=False)
 
 
@@ -160,9 +160,7 @@ def allreduce_residual_rms_norm_fp8(
                 "the one-kernel methods do not write"
             )
         h = xla_sum(x, check_axis_name(axis_name), None if reduce == jnp.dtype(x.dtype) else reduce)
-        outs = bind_norm(
-            add_rms_norm_fp8_p, call, (h, residual), gamma, training=False, columnwise=True
-        )
+        outs = bind_norm(call, (h, residual), gamma, training=False, columnwise=True)
         return outs.returned(training=False)
     return tuple(
         allreduce_rms_norm_fp8_p.bind(
