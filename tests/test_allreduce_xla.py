@@ -207,29 +207,29 @@ else:
         for op in ("all-gather", "all-to-all", "reduce-scatter", "transpose(", " copy("):
             assert op not in hlo, (op, hlo)
 
-    @pytest.mark.parametrize("tp", [pytest.param(1, marks=EXTENDED), 8])
-    def test_llama_block_example(tp):
+    def _run_example(tp: int, **config) -> dict:
+        """The example's errors, each within the example's tolerances for its config, and
+        every device's result the same."""
         from jax_fp8norm.examples import llama_tp_block
 
-        errors = llama_tp_block.run(tp, platform="cpu")
-        assert errors["platform"] == "cpu"
-        assert errors["residual"] <= llama_tp_block.RESIDUAL_TOLERANCE
-        assert errors["next_input"] <= llama_tp_block.NEXT_INPUT_TOLERANCE
+        config = llama_tp_block.Config(**config)
+        errors = llama_tp_block.run(tp, config, platform="cpu")
+        residual_tolerance, next_tolerance = llama_tp_block.tolerances(config)
+        assert errors["residual"] <= residual_tolerance
+        assert errors["next_input"] <= next_tolerance
         assert errors["devices_identical"] == 1.0
+        return errors
+
+    @pytest.mark.parametrize("tp", [pytest.param(1, marks=EXTENDED), 8])
+    def test_llama_block_example(tp):
+        assert _run_example(tp)["platform"] == "cpu"
 
     # The example's other methods and formats are the extended tier's: the default tier runs
     # the one-kernel methods and FP4 across the devices in the tests above and below.
     @pytest.mark.parametrize("method", ["one_shot", "two_shot"])
     @EXTENDED
     def test_llama_block_example_one_kernel(method):
-        from jax_fp8norm.examples import llama_tp_block
-
-        config = llama_tp_block.Config(allreduce_method=method)
-        errors = llama_tp_block.run(4, config, platform="cpu")
-        assert errors["emulated"] == 1.0
-        assert errors["residual"] <= llama_tp_block.RESIDUAL_TOLERANCE
-        assert errors["next_input"] <= llama_tp_block.NEXT_INPUT_TOLERANCE
-        assert errors["devices_identical"] == 1.0
+        assert _run_example(4, allreduce_method=method)["emulated"] == 1.0
 
     @pytest.mark.parametrize("fp4", ["nvfp4", "mxfp4"])
     @EXTENDED
@@ -237,15 +237,10 @@ else:
         from jax_fp8norm.examples import llama_tp_block
 
         config = llama_tp_block.Config(fp4=fp4)
-        errors = llama_tp_block.run(8, config, platform="cpu")
-        residual_tolerance, next_tolerance = llama_tp_block.tolerances(config)
-        assert (residual_tolerance, next_tolerance) == llama_tp_block.FP4_TOLERANCES[fp4]
-        assert errors["residual"] <= residual_tolerance
-        assert errors["next_input"] <= next_tolerance
+        assert llama_tp_block.tolerances(config) == llama_tp_block.FP4_TOLERANCES[fp4]
         # FP4 loses more than FP8, but only that: a lost global or block scale would be
-        # far off.
-        assert errors["residual"] > llama_tp_block.RESIDUAL_TOLERANCE
-        assert errors["devices_identical"] == 1.0
+        # far off (_run_example holds it to FP4's tolerances).
+        assert _run_example(8, fp4=fp4)["residual"] > llama_tp_block.RESIDUAL_TOLERANCE
 
     def test_llama_block_example_config_refuses_bad_values():
         from jax_fp8norm.examples import llama_tp_block
