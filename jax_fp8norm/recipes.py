@@ -82,7 +82,12 @@ class Recipe:
     the static rule), and rows per scale in the columnwise layout; ``scale_dtype``: the
     scales' dtype, None where the caller picks a float type; ``rule``: the scale rule;
     ``gradient_element``: the output gradient's codes in the layer (None: the recipe's
-    own)."""
+    own).
+
+    The operands the layer quantises itself are OperandFormats (``weight``,
+    ``gradient``): how an operand is rounded (nearest or stochastic), transformed
+    (a Hadamard transform of the wgrad GEMM's operands) and tiled (a weight's 2-D tiles)
+    belongs there, and a per-row global scale to the NVFP4 rule."""
 
     name: str
     description: str
