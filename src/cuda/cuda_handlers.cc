@@ -117,12 +117,9 @@ ffi::Error PrepareImpl(GpuTarget gpu) {
   return RunOnDevice(gpu.device, "preparing the CUDA kernels", PrepareDevice);
 }
 
-// Both layouts where the form has columnwise outputs (args.columns), else the rows alone.
 ffi::Error RunNorm(const GpuTarget& gpu, const char* what, const RmsNormFp8Args& args) {
-  return RunOnDevice(gpu.device, what, [&](int d) {
-    return args.columns.y_t != nullptr ? LaunchBothLayouts(gpu.stream, d, args)
-                                       : LaunchRmsNormFp8(gpu.stream, d, args);
-  });
+  return RunOnDevice(gpu.device, what,
+                     [&](int d) { return LaunchRmsNormFp8(gpu.stream, d, args); });
 }
 
 ffi::Error RmsNormFp8Impl(GpuTarget gpu, ffi::AnyBuffer x, ffi::AnyBuffer gamma,

@@ -16,8 +16,9 @@
 namespace fp8norm {
 
 // Enqueues rms_norm_fp8 (args.residual == null) or add_rms_norm_fp8 on `stream`, which
-// belongs to `device`, the current device. Only stream-ordered work: safe inside CUDA
-// graph capture. Returns the launch status.
+// belongs to `device`, the current device, with the columnwise outputs where args.columns
+// has them (in the one launch or two its plan says). Only stream-ordered work: safe inside
+// CUDA graph capture. Returns the launch status.
 cudaError_t LaunchRmsNormFp8(cudaStream_t stream, int device, const RmsNormFp8Args& args);
 
 cudaError_t LaunchRound(cudaStream_t stream, const RoundArgs& args);
@@ -27,10 +28,6 @@ cudaError_t LaunchRmsNormBackward(cudaStream_t stream, const RmsNormBackwardArgs
 
 // columnwise.cu: the columnwise outputs of both ops, from the rows' saved r.
 cudaError_t LaunchColumnwise(cudaStream_t stream, const ColumnwiseArgs& args);
-
-// Both layouts of a call with columnwise outputs (args.columns): in one launch where the
-// plan allows (OneLaunchForBothLayouts), else LaunchRmsNormFp8 and then LaunchColumnwise.
-cudaError_t LaunchBothLayouts(cudaStream_t stream, int device, const RmsNormFp8Args& args);
 
 // allreduce.cu. Loads the one-kernel all-reduce's kernel on the current device (its set-up,
 // outside graph capture); enqueues one device's share of a call of it on `stream`. Every

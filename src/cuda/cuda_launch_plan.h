@@ -97,6 +97,9 @@ struct LaunchPlan {
   int threads_per_row;          // register variants: the threads that hold one row
   int rows_per_block;           // register variants: rows a block holds at once
   int vectors_per_thread;       // register variants: the kernel's register array size
+  // A call with columnwise outputs: both layouts in this one launch (columnwise.cu's
+  // BothLayoutsKernel, on warp_rows' plan); else the rows' kernel, then the columns'.
+  bool both_layouts;
 };
 
 FP8NORM_HD bool AlignedTo(const void* p, size_t bytes) {
@@ -160,6 +163,22 @@ inline bool RowsVectorizable(const RmsNormFp8Args& a) {
          AlignedTo(a.gamma, width * FloatTypeBytes(a.gamma_type)) && AlignedTo(a.y, width);
 }
 
+// Both layouts of a call with columnwise outputs in one launch (BothLayoutsKernel: a block
+// of threads per block of rows, x read from memory once) rather than the rows' kernel and
+// then the columnwise one, which reads x again. On warp_rows' plan only, whose blocks hold
+// several rows: asked for by name, or picked by auto when the call has a block of rows for
+// every multiprocessor. With fewer, the one launch would leave multiprocessors idle, where
+// the columnwise kernel spreads the same work over hidden / 128 times as many blocks.
+inline bool OneLaunchForBothLayouts(const RmsNormFp8Args& a, KernelVariant variant,
+                                    const DeviceLimits& limits, KernelVariant requested) {
+  if (a.columns.y_t == nullptr || a.rows == 0 || a.hidden == 0 ||
+      variant != KernelVariant::kWarpRows) {
+    return false;
+  }
+  return requested == KernelVariant::kWarpRows ||
+         RowBlocksOf(ColumnwiseView(a)) >= limits.multiprocessors;
+}
+
 inline LaunchPlan PlanRmsNormFp8Launch(const RmsNormFp8Args& a, const DeviceLimits& limits,
                                        KernelVariant requested = KernelVariant::kAuto) {
   LaunchPlan plan{};
@@ -192,6 +211,7 @@ inline LaunchPlan PlanRmsNormFp8Launch(const RmsNormFp8Args& a, const DeviceLimi
     variant = KernelVariant::kBlockShared;
   }
   plan.variant = variant;
+  plan.both_layouts = OneLaunchForBothLayouts(a, variant, limits, requested);
 
   if (variant == KernelVariant::kWarpRows) {
     plan.threads = kWarpRowsBlockThreads;
@@ -221,20 +241,6 @@ inline LaunchPlan PlanRmsNormFp8Launch(const RmsNormFp8Args& a, const DeviceLimi
   plan.blocks = static_cast<unsigned>(
       std::min<int64_t>(CeilDiv(a.rows, plan.rows_per_block), limits.max_blocks));
   return plan;
-}
-
-// Whether a call with columnwise outputs makes both layouts in one launch
-// (columnwise.cu's BothLayoutsKernel: a block of threads per block of rows, x read from
-// memory once) rather than its rowwise kernel and then the columnwise one, which reads x
-// again. On warp_rows' plan only, whose blocks hold several rows: asked for by name, or
-// picked by auto when the call has a block of rows for every multiprocessor. With fewer,
-// the one launch would leave multiprocessors idle, where the columnwise kernel spreads the
-// same work over hidden / 128 times as many blocks.
-inline bool OneLaunchForBothLayouts(const RmsNormFp8Args& a, const LaunchPlan& plan,
-                                    const DeviceLimits& limits, KernelVariant requested) {
-  if (a.rows == 0 || a.hidden == 0 || plan.variant != KernelVariant::kWarpRows) return false;
-  return requested == KernelVariant::kWarpRows ||
-         RowBlocksOf(ColumnwiseView(a)) >= limits.multiprocessors;
 }
 
 }  // namespace fp8norm

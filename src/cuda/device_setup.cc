@@ -103,9 +103,10 @@ cudaError_t LaunchPlanned(cudaStream_t stream, const RmsNormFp8Args& a, const La
                                                   : LaunchRegisterRows(stream, a, p);
 }
 
-cudaError_t Launch(cudaStream_t stream, const DeviceLimits& limits, const RmsNormFp8Args& a) {
-  const KernelVariant variant = RequestedKernelVariant();
-  const LaunchPlan plan = PlanRmsNormFp8Launch(a, limits, variant);
+// The rows' kernel of `plan` (with the columns' where plan.both_layouts).
+cudaError_t Launch(cudaStream_t stream, const DeviceLimits& limits, const RmsNormFp8Args& a,
+                   const LaunchPlan& plan, KernelVariant requested) {
+  if (plan.both_layouts) return LaunchBothLayoutsKernel(stream, a, plan);
   const cudaError_t err = LaunchPlanned(stream, a, plan);
   if (err != cudaErrorInvalidValue || !plan.cached) return err;
   // The GPU refused the row cache after all (a limit the plan does not model): nothing
@@ -113,7 +114,22 @@ cudaError_t Launch(cudaStream_t stream, const DeviceLimits& limits, const RmsNor
   cudaGetLastError();
   DeviceLimits uncached = limits;
   uncached.max_dynamic_shared_bytes = 0;
-  return LaunchPlanned(stream, a, PlanRmsNormFp8Launch(a, uncached, variant));
+  return LaunchPlanned(stream, a, PlanRmsNormFp8Launch(a, uncached, requested));
+}
+
+// The rows' outputs where they need no kernel (true, with the status in *err): none for
+// no rows; for empty rows, no groups at all, or a row of zeros' scale. That is 0 for a
+// dynamic nearest-rounded scale (zero bits in every scale dtype); a power-of-two or
+// calibrated one comes from the kernel, whose sweeps are then empty, as does r.
+bool RowsWithoutKernel(cudaStream_t stream, const RmsNormFp8Args& a, cudaError_t* err) {
+  *err = cudaSuccess;
+  if (a.rows == 0) return true;
+  if (a.hidden != 0 || a.inverse_rms != nullptr) return false;
+  if (!PerRowScale(a)) return true;
+  if (a.static_scale != nullptr || a.constants.power_of_two) return false;
+  *err = cudaMemsetAsync(a.scales, 0, static_cast<size_t>(a.rows) * FloatTypeBytes(a.scale_type),
+                         stream);
+  return true;
 }
 
 // block_shared's limits for the call's dtypes on a prepared device.
@@ -152,35 +168,21 @@ cudaError_t PlanLaunch(int device, const RmsNormFp8Args& a, LaunchPlan* plan) {
 }
 
 cudaError_t LaunchRmsNormFp8(cudaStream_t stream, int device, const RmsNormFp8Args& a) {
-  if (a.rows == 0) return cudaSuccess;
-  if (a.hidden == 0) {
-    // Empty rows: no groups at all, or a row of zeros' scale. That is 0 for a dynamic
-    // nearest-rounded scale (zero bits in every scale dtype); a power-of-two or calibrated
-    // one comes from the kernel, whose sweeps are then empty.
-    // The training form's r comes from the kernel too.
-    if (!PerRowScale(a) && a.inverse_rms == nullptr) return cudaSuccess;
-    if (a.static_scale == nullptr && !a.constants.power_of_two && a.inverse_rms == nullptr) {
-      return cudaMemsetAsync(a.scales, 0,
-                             static_cast<size_t>(a.rows) * FloatTypeBytes(a.scale_type), stream);
-    }
-  }
+  const bool columnwise = a.columns.y_t != nullptr;
+  cudaError_t err = cudaSuccess;
+  const bool rows_kernel = !RowsWithoutKernel(stream, a, &err);
+  if (!columnwise && !rows_kernel) return err;
   const DeviceSetup* setup = nullptr;
-  const cudaError_t err = GetDeviceSetup(device, &setup);
+  err = GetDeviceSetup(device, &setup);
   if (err != cudaSuccess) return err;
-  return Launch(stream, LimitsFor(*setup, a), a);
-}
-
-cudaError_t LaunchBothLayouts(cudaStream_t stream, int device, const RmsNormFp8Args& a) {
-  const DeviceSetup* setup = nullptr;
-  cudaError_t err = GetDeviceSetup(device, &setup);
-  if (err != cudaSuccess) return err;
-  const KernelVariant variant = RequestedKernelVariant();
-  const LaunchPlan plan = PlanRmsNormFp8Launch(a, LimitsFor(*setup, a), variant);
-  if (OneLaunchForBothLayouts(a, plan, LimitsFor(*setup, a), variant)) {
-    return LaunchBothLayoutsKernel(stream, a, plan);
+  LaunchPlan plan{};
+  if (rows_kernel) {
+    const KernelVariant requested = RequestedKernelVariant();
+    plan = PlanRmsNormFp8Launch(a, LimitsFor(*setup, a), requested);
+    err = Launch(stream, LimitsFor(*setup, a), a, plan, requested);
   }
-  err = LaunchRmsNormFp8(stream, device, a);
-  return err != cudaSuccess ? err : LaunchColumnwise(stream, ColumnwiseView(a));
+  if (err != cudaSuccess || !columnwise || plan.both_layouts) return err;
+  return LaunchColumnwise(stream, ColumnwiseView(a));
 }
 
 }  // namespace fp8norm

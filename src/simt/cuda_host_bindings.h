@@ -50,7 +50,8 @@ inline void AddCudaHostLogic(nanobind::module_& m) {
       .def_ro("opt_in", &LaunchPlan::opt_in)
       .def_ro("threads_per_row", &LaunchPlan::threads_per_row)
       .def_ro("rows_per_block", &LaunchPlan::rows_per_block)
-      .def_ro("vectors_per_thread", &LaunchPlan::vectors_per_thread);
+      .def_ro("vectors_per_thread", &LaunchPlan::vectors_per_thread)
+      .def_ro("both_layouts", &LaunchPlan::both_layouts);
   m.def(
       "plan_launch",
       [](int64_t rows, int64_t hidden, FloatType input_type, bool residual, FloatType gamma_type,

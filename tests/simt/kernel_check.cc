@@ -693,7 +693,7 @@ int CheckColumnwise(bool quick) {
                         SameBytes(scales_t, scales_t_cpu, "scales_t", name);
         if (!ok) ++failures;
 
-        // Both layouts from LaunchBothLayouts with warp_rows asked for: one launch where
+        // Both layouts from LaunchRmsNormFp8 with warp_rows asked for: one launch where
         // its plan holds the rows (every other hidden size on a grid of one block, which
         // strides over the blocks of rows), else the two kernels; every output against
         // the CPU kernel's.
@@ -707,8 +707,7 @@ int CheckColumnwise(bool quick) {
         both.columns = ColumnOutputs{y_t2.data, scales_t2.data, f.block};
         SetKernelVariant(KernelVariant::kWarpRows);
         LaunchPlan plan{};
-        const bool one_launch =
-            PlanLaunch(0, both, &plan) == cudaSuccess && plan.variant == KernelVariant::kWarpRows;
+        const bool one_launch = PlanLaunch(0, both, &plan) == cudaSuccess && plan.both_layouts;
         if (one_launch && (k / 2) % 2 == 0) UseDevice(kLimits[4]);
         simt::TakeLaunches();
         {
@@ -725,7 +724,7 @@ int CheckColumnwise(bool quick) {
             buffers.Add("residual", res.data, res.bytes);
             buffers.Add("residual_out", residual_out2.data, residual_out2.bytes);
           }
-          status = LaunchBothLayouts(nullptr, 0, both);
+          status = LaunchRmsNormFp8(nullptr, 0, both);
         }
         SetKernelVariant(KernelVariant::kAuto);
         UseDevice(kLimits[0]);
