@@ -10,7 +10,6 @@
 #include <cstdint>
 #include <memory>
 #include <new>
-#include <string_view>
 #include <vector>
 
 #include "cpu_config.h"
@@ -58,36 +57,8 @@ void StoreAt(void* p, int64_t i, float v) {
 
 // The loops, compiled once per instruction set like the forward's: the element-wise parts
 // vectorise, the exact accumulation is scalar integer work either way.
-#define FP8NORM_BACKWARD_ISA baseline
-#define FP8NORM_BACKWARD_AVX2 0
-#include "cpu_backward_rows.inc"
-#undef FP8NORM_BACKWARD_ISA
-#undef FP8NORM_BACKWARD_AVX2
-
-#if defined(FP8NORM_CPU_HAS_AVX2_VARIANT)
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#define FP8NORM_BACKWARD_ISA avx2
-#define FP8NORM_BACKWARD_AVX2 1
-#include "cpu_backward_rows.inc"
-#undef FP8NORM_BACKWARD_ISA
-#undef FP8NORM_BACKWARD_AVX2
-#pragma GCC pop_options
-#endif
-
-struct BackwardVariant {
-  decltype(&baseline::BackwardRows) rows;
-};
-
-BackwardVariant SelectBackwardVariant() {
-  // The same choice as the forward's (cpu_kernels.cc): its name is the one reported.
-#if defined(FP8NORM_CPU_HAS_AVX2_VARIANT)
-  if (std::string_view(CpuKernelVariant()) == "avx2") {
-    return {avx2::BackwardRows};
-  }
-#endif
-  return {baseline::BackwardRows};
-}
+#define FP8NORM_CPU_LOOPS "cpu_backward_rows.inc"
+#include "cpu_isa_variants.inc"
 
 template <typename T>
 void FillGamma(const void* gamma, float weight_offset, int64_t n, float* out) {
@@ -117,7 +88,7 @@ bool RmsNormBackwardCpu(const RmsNormBackwardArgs& a, const ParallelFor& paralle
     for (int64_t j = 0; j < n; ++j) a.dgamma[j] = 0.0f;
     return true;
   }
-  static const BackwardVariant variant = SelectBackwardVariant();
+  static const auto backward_rows = FP8NORM_CPU_LOOP(BackwardRows);
   std::vector<float> g;
   try {
     g.resize(n);
@@ -149,8 +120,8 @@ bool RmsNormBackwardCpu(const RmsNormBackwardArgs& a, const ParallelFor& paralle
   if (partials == nullptr) return false;
   parallel_for(row_tasks, [&](int64_t task) {
     const int64_t begin = task * rows_per_task;
-    if (!variant.rows(a, g.data(), begin, std::min(a.rows, begin + rows_per_task),
-                      partials.get() + task * n)) {
+    if (!backward_rows(a, g.data(), begin, std::min(a.rows, begin + rows_per_task),
+                       partials.get() + task * n)) {
       out_of_memory.store(true, std::memory_order_relaxed);
     }
   });

@@ -8,12 +8,26 @@
 #include <cstdlib>
 
 // The AVX2 + FMA + F16C variants, chosen at run time: x86-64 with GCC, whose target
-// pragmas build them beside the baseline loops.
+// pragmas build them beside the baseline loops (cpu_isa_variants.inc).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define FP8NORM_CPU_HAS_AVX2_VARIANT 1
 #endif
 
 namespace fp8norm {
+
+// Whether this process's calls run the AVX2 variants of the loops: the build has them,
+// the CPU runs AVX2, FMA and F16C, and FP8NORM_CPU_ISA=baseline in the environment does
+// not force the baseline (the tests hold the two to the same bits). Decided once, for the
+// forward and the backward alike (cpu_kernels.cc).
+bool CpuUsesAvx2();
+
+// The function `name` of the loops compiled per instruction set (cpu_isa_variants.inc),
+// in the variant CpuUsesAvx2 picks.
+#if defined(FP8NORM_CPU_HAS_AVX2_VARIANT)
+#define FP8NORM_CPU_LOOP(name) (::fp8norm::CpuUsesAvx2() ? avx2::name : baseline::name)
+#else
+#define FP8NORM_CPU_LOOP(name) (baseline::name)
+#endif
 
 // About kTasksPerCall tasks a call, so that a helper that starts late still finds work
 // and every core finishes within one task of the others; each at least

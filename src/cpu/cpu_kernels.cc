@@ -36,14 +36,28 @@
 namespace fp8norm {
 namespace {
 
-// Float32 buffers of this thread, kept between calls (grown to the largest size asked
-// for, never shrunk): null when the memory cannot be had (the call then fails; the
-// process goes on).
-enum class Buffer { kScratchRow, kGammaRow };
+// The buffers of each thread (ThreadBuffer).
+enum class Buffer {
+  kScratchRow,
+  kGammaRow,
+  kStagedScales,
+  // ColumnScratch's.
+  kTile,
+  kCodes,
+  kAmax,
+  kRecips,
+  kScales,
+  kFp4,
+  kColumnExponents,
+  kRowRecips,
+};
 
-template <Buffer kWhich>
-float* ThreadBuffer(int64_t size) {
-  thread_local std::vector<float> buffer;
+// This thread's buffer `kWhich` of at least `size` elements of T, kept between calls
+// (grown to the largest size asked for, never shrunk): null when the memory cannot be had
+// (the call then fails; the process goes on), and possibly for a size of 0.
+template <Buffer kWhich, typename T = float>
+T* ThreadBuffer(int64_t size) {
+  thread_local std::vector<T> buffer;
   if (static_cast<int64_t>(buffer.size()) < size) {
     try {
       buffer.resize(size);
@@ -65,18 +79,12 @@ class StagedColumnScales {
  public:
   explicit StagedColumnScales(int64_t bytes) {
     if (bytes == 0) return;
-    try {
-      if (bytes > kKeptStagedScalesBytes) {
-        owned_.reset(new uint8_t[static_cast<size_t>(bytes)]);
-        data_ = owned_.get();
-        return;
-      }
-      thread_local std::vector<uint8_t> kept;
-      if (static_cast<int64_t>(kept.size()) < bytes) kept.resize(bytes);
-      data_ = kept.data();
-    } catch (const std::bad_alloc&) {
-      data_ = nullptr;
+    if (bytes <= kKeptStagedScalesBytes) {
+      data_ = ThreadBuffer<Buffer::kStagedScales, uint8_t>(bytes);
+      return;
     }
+    owned_.reset(new (std::nothrow) uint8_t[static_cast<size_t>(bytes)]);
+    data_ = owned_.get();
   }
   uint8_t* data() const { return data_; }
 
@@ -131,39 +139,35 @@ constexpr int64_t kColumnSpanRows = 128;
 // (row_groups > 0: the rows' group multipliers are kept instead).
 ColumnScratch ThreadColumnScratch(int64_t rows, int64_t span_rows, int64_t hidden,
                                   int64_t row_groups) {
-  thread_local std::vector<float> tile, recips, scales, row_recips;
-  thread_local std::vector<uint8_t> codes, column_exponents;
-  thread_local std::vector<uint32_t> amax;
-  thread_local std::vector<Fp4Scale> fp4;
-  try {
-    // The last row's group scratch (2 floats per group, at most 2 x hidden) after the tile.
-    const int64_t tile_floats = row_groups > 0 ? 0 : (rows + 2) * hidden;
-    if (static_cast<int64_t>(tile.size()) < tile_floats) tile.resize(tile_floats);
-    const int64_t codes_bytes = span_rows * ColumnCodesStride(hidden);
-    if (static_cast<int64_t>(codes.size()) < codes_bytes) codes.resize(codes_bytes);
-    if (static_cast<int64_t>(amax.size()) < hidden) amax.resize(hidden);
-    if (static_cast<int64_t>(recips.size()) < hidden) recips.resize(hidden);
-    if (static_cast<int64_t>(scales.size()) < hidden) scales.resize(hidden);
-    if (static_cast<int64_t>(fp4.size()) < hidden) fp4.resize(hidden);
-    if (static_cast<int64_t>(column_exponents.size()) < hidden) column_exponents.resize(hidden);
-    if (static_cast<int64_t>(row_recips.size()) < rows * row_groups) {
-      row_recips.resize(rows * row_groups);
-    }
-  } catch (const std::bad_alloc&) {
-    return ColumnScratch{};
+  bool had = true;  // every buffer of a size above 0
+  const auto buffer = [&](auto* data, int64_t size) {
+    had = had && (data != nullptr || size == 0);
+    return data;
+  };
+  // The last row's group scratch (2 floats per group, at most 2 x hidden) after the tile.
+  const int64_t tile_floats = row_groups > 0 ? 0 : (rows + 2) * hidden;
+  const int64_t codes_bytes = span_rows * ColumnCodesStride(hidden);
+  ColumnScratch s{buffer(ThreadBuffer<Buffer::kTile>(tile_floats), tile_floats),
+                  buffer(ThreadBuffer<Buffer::kCodes, uint8_t>(codes_bytes), codes_bytes),
+                  buffer(ThreadBuffer<Buffer::kAmax, uint32_t>(hidden), hidden),
+                  buffer(ThreadBuffer<Buffer::kRecips>(hidden), hidden),
+                  buffer(ThreadBuffer<Buffer::kScales>(hidden), hidden),
+                  buffer(ThreadBuffer<Buffer::kFp4, Fp4Scale>(hidden), hidden),
+                  buffer(ThreadBuffer<Buffer::kColumnExponents, uint8_t>(hidden), hidden),
+                  buffer(ThreadBuffer<Buffer::kRowRecips>(rows * row_groups), rows * row_groups),
+                  nullptr,
+                  0,
+                  nullptr,
+                  ColumnCodesStride(hidden)};
+  if (!had) return ColumnScratch{};
+  // A size of 0 may still find an earlier call's buffer: the tile and the rows'
+  // multipliers are there only where this call has them.
+  if (row_groups > 0) {
+    s.tile = nullptr;
+  } else {
+    s.row_recips = nullptr;
   }
-  return ColumnScratch{row_groups > 0 ? nullptr : tile.data(),
-                       codes.data(),
-                       amax.data(),
-                       recips.data(),
-                       scales.data(),
-                       fp4.data(),
-                       column_exponents.data(),
-                       row_groups > 0 ? row_recips.data() : nullptr,
-                       nullptr,
-                       0,
-                       nullptr,
-                       ColumnCodesStride(hidden)};
+  return s;
 }
 
 // Whether a block's columnwise FP8 codes can be moved from its rowwise codes (AVX2
@@ -201,73 +205,11 @@ inline float ColumnNormalized(const ColumnwiseArgs& c, const float* gamma_plus_o
   return Normalize(h, c.inverse_rms[row], gamma_plus_offset[j]);
 }
 
-// The row loops for the baseline instruction set of the build (SSE2 on x86-64)...
-#define FP8NORM_CPU_ISA baseline
-#define FP8NORM_CPU_AVX2 0
-#include "cpu_rows.inc"
-#undef FP8NORM_CPU_ISA
-#undef FP8NORM_CPU_AVX2
-
-// ...and, on x86-64 with GCC, again for AVX2 + FMA + F16C, on the explicit vectors of
-// cpu_avx2.h: 8 lanes per instruction, the exact square in one FMA instead of Dekker's
-// seven operations, FP8 bytes stored 32 at a time. Chosen at run time. Everything above
-// this point (the shared math, the standard library) is compiled for the baseline and
-// inlined into these loops, never the other way round.
-#if defined(FP8NORM_CPU_HAS_AVX2_VARIANT)
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#define FP8NORM_CPU_ISA avx2
-#define FP8NORM_CPU_AVX2 1
-#include "cpu_rows.inc"
-#undef FP8NORM_CPU_ISA
-#undef FP8NORM_CPU_AVX2
-#pragma GCC pop_options
-#endif
-
-using ProcessRowsFn = void (*)(const RmsNormFp8Args&, const float*, float*, int64_t, int64_t,
-                               ColumnScratch*);
-using ProcessColumnBlockFn = void (*)(const ColumnwiseArgs&, int64_t, int64_t, ColumnScratch&,
-                                      const uint8_t*, uint8_t*);
-using WriteColumnCodesFn = void (*)(const ColumnwiseArgs&, const uint8_t*, int64_t, int64_t,
-                                    int64_t);
-using WriteColumnScalesFn = void (*)(const ColumnwiseArgs&, const uint8_t*, int64_t, int64_t,
-                                     int64_t);
-
-struct CpuVariant {
-  ProcessRowsFn process_rows;
-  ProcessColumnBlockFn process_column_block;
-  WriteColumnCodesFn write_column_codes;
-  WriteColumnScalesFn write_column_scales;
-  const char* name;
-  bool moves_row_codes;  // its process_column_block moves rowwise codes (MovesRowCodes)
-};
-
-constexpr CpuVariant kBaselineVariant{baseline::ProcessRows,
-                                      baseline::ProcessColumnBlock,
-                                      baseline::WriteColumnCodes,
-                                      baseline::WriteColumnScales,
-                                      "baseline",
-                                      false};
-
-// The widest variant this CPU runs; FP8NORM_CPU_ISA=baseline in the environment forces
-// the baseline one (the tests hold the two to the same bits).
-CpuVariant SelectVariant() {
-  const char* forced = std::getenv("FP8NORM_CPU_ISA");
-  if (forced != nullptr && std::strcmp(forced, "baseline") == 0) return kBaselineVariant;
-#if defined(FP8NORM_CPU_HAS_AVX2_VARIANT)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c")) {
-    return {avx2::ProcessRows,
-            avx2::ProcessColumnBlock,
-            avx2::WriteColumnCodes,
-            avx2::WriteColumnScales,
-            "avx2",
-            true};
-  }
-#endif
-  return kBaselineVariant;
-}
+// The row loops, compiled once per instruction set (cpu_isa_variants.inc); the AVX2
+// variant runs on the explicit vectors of cpu_avx2.h: 8 lanes per instruction, the exact
+// square in one FMA instead of Dekker's seven operations, FP8 bytes stored 32 at a time.
+#define FP8NORM_CPU_LOOPS "cpu_rows.inc"
+#include "cpu_isa_variants.inc"
 
 // Outputs of at least this many bytes are advised onto huge pages.
 constexpr size_t kHugePageAdviceBytes = size_t{4} << 20;
@@ -313,14 +255,20 @@ void FillGammaPlusOffset(FloatType type, const void* gamma, float weight_offset,
   }
 }
 
-namespace {
-
-const CpuVariant& Variant() {
-  static const CpuVariant variant = SelectVariant();
-  return variant;
+bool CpuUsesAvx2() {
+#if defined(FP8NORM_CPU_HAS_AVX2_VARIANT)
+  static const bool uses_avx2 = [] {
+    const char* forced = std::getenv("FP8NORM_CPU_ISA");
+    if (forced != nullptr && std::strcmp(forced, "baseline") == 0) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }();
+  return uses_avx2;
+#else
+  return false;
+#endif
 }
-
-}  // namespace
 
 bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   if (a.columns.y_t != nullptr && a.static_scale != nullptr) {
@@ -367,10 +315,11 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   if (columnwise) rows_per_task = std::max(span_rows, rows_per_task / span_rows * span_rows);
   const int64_t num_tasks = (a.rows + rows_per_task - 1) / rows_per_task;
   const float* gw = gamma_plus_offset;
-  const ProcessRowsFn process_rows = Variant().process_rows;
-  const ProcessColumnBlockFn process_column_block = Variant().process_column_block;
-  const WriteColumnCodesFn write_column_codes = Variant().write_column_codes;
-  const bool moves_row_codes = Variant().moves_row_codes && MovesRowCodes(a);
+  const auto process_rows = FP8NORM_CPU_LOOP(ProcessRows);
+  const auto process_column_block = FP8NORM_CPU_LOOP(ProcessColumnBlock);
+  const auto write_column_codes = FP8NORM_CPU_LOOP(WriteColumnCodes);
+  // Only the AVX2 variant's ProcessColumnBlock moves codes.
+  const bool moves_row_codes = CpuUsesAvx2() && MovesRowCodes(a);
   if (columnwise) {
     AdviseHugePages(a.columns.y_t,
                     static_cast<size_t>(YByte(columns, static_cast<int64_t>(elements))));
@@ -444,7 +393,7 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
     // time) of about kMaxElementsPerTask scales.
     const int64_t blocks = ColumnBlocks(columns);
     const int64_t strip = 64 * std::max<int64_t>(1, kMaxElementsPerTask / (64 * blocks));
-    const WriteColumnScalesFn write_column_scales = Variant().write_column_scales;
+    const auto write_column_scales = FP8NORM_CPU_LOOP(WriteColumnScales);
     parallel_for((a.hidden + strip - 1) / strip, [&](int64_t task) {
       const int64_t j0 = task * strip;
       write_column_scales(columns, staged_scales, staged_stride, j0,
@@ -454,7 +403,7 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   return true;
 }
 
-const char* CpuKernelVariant() { return Variant().name; }
+const char* CpuKernelVariant() { return CpuUsesAvx2() ? "avx2" : "baseline"; }
 
 void RoundCpu(const RoundArgs& a) {
   const auto load = [&](int64_t i) { return a.in[i]; };

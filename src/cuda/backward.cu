@@ -10,10 +10,8 @@
 // grid nor the thread a row lands on can change a bit, and there are no float atomics.
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 
-#include "cuda_kernels.h"
 #include "kernel_families.h"
 #include "kernel_launch.h"
 #include "rms_norm_backward.h"
@@ -144,12 +142,10 @@ cudaError_t LaunchRmsNormBackward(cudaStream_t stream, const RmsNormBackwardArgs
   // preparation has loaded them): a launch needs no preparation first.
   DeclareKernel(BackwardRowsKernel, "backward_rows", sizeof(BackwardScratch), kBackwardThreads);
   DeclareKernel(DgammaKernel, "dgamma", sizeof(BackwardScratch), kBackwardThreads);
-  // Rows: one block each, at most 65535 blocks striding over the rest (a grid that large
-  // fills every multiprocessor many times over).
+  // Rows: one block each (StridingGrid).
   if (a.rows > 0) {
-    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(a.rows, 65535));
     const cudaError_t err =
-        LaunchKernel(BackwardRowsKernel, blocks, kBackwardThreads, 0, stream, a);
+        LaunchKernel(BackwardRowsKernel, StridingGrid(a.rows), kBackwardThreads, 0, stream, a);
     if (err != cudaSuccess) return err;
   }
   const unsigned column_blocks =

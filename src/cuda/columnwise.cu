@@ -14,7 +14,6 @@
 #include <cstdint>
 
 #include "columnwise.h"
-#include "cuda_kernels.h"
 #include "kernel_families.h"
 #include "kernel_launch.h"
 #include "register_row.cuh"
@@ -234,11 +233,8 @@ cudaError_t LaunchColumnwise(cudaStream_t stream, const ColumnwiseArgs& a) {
     if (err != cudaSuccess || a.rows == 0) return err;
   }
   if (a.rows == 0) return cudaSuccess;
-  const int64_t tasks = tiles * RowBlocksOf(a);
-  // At most 65535 blocks, striding over the rest (a grid that large fills every
-  // multiprocessor many times over).
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(tasks, 65535));
-  return LaunchKernel(ColumnwiseKernel, blocks, kColumnThreads, 0, stream, a);
+  return LaunchKernel(ColumnwiseKernel, StridingGrid(tiles * RowBlocksOf(a)), kColumnThreads, 0,
+                      stream, a);
 }
 
 }  // namespace fp8norm

@@ -1,16 +1,15 @@
 // Launch functions of the CUDA kernels: plain C++ over the CUDA runtime API, called by
-// the FFI handlers (host compiler) and defined in device_setup.cc, round.cu and
-// allreduce.cu.
+// the FFI handlers (host compiler) and defined in device_setup.cc and allreduce.cu; the
+// kernel families' own (LaunchRound, LaunchRmsNormBackward, ...) are in kernel_families.h.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
-#include "columnwise.h"
 #include "cuda_launch_plan.h"
+#include "kernel_families.h"
 #include "peer_allreduce.h"
-#include "rms_norm_backward.h"
 #include "rms_norm_fp8.h"
 
 namespace fp8norm {
@@ -20,14 +19,6 @@ namespace fp8norm {
 // has them (in the one launch or two its plan says). Only stream-ordered work: safe inside
 // CUDA graph capture. Returns the launch status.
 cudaError_t LaunchRmsNormFp8(cudaStream_t stream, int device, const RmsNormFp8Args& args);
-
-cudaError_t LaunchRound(cudaStream_t stream, const RoundArgs& args);
-
-// backward.cu: the backward of both ops (args.residual == null for rms_norm_fp8).
-cudaError_t LaunchRmsNormBackward(cudaStream_t stream, const RmsNormBackwardArgs& args);
-
-// columnwise.cu: the columnwise outputs of both ops, from the rows' saved r.
-cudaError_t LaunchColumnwise(cudaStream_t stream, const ColumnwiseArgs& args);
 
 // allreduce.cu. Loads the one-kernel all-reduce's kernel on the current device (its set-up,
 // outside graph capture); enqueues one device's share of a call of it on `stream`. Every

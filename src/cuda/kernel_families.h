@@ -1,11 +1,14 @@
-// The host entry points of the kernel families (one .cu file each), which device_setup.cc
-// calls to prepare a device and to launch the family a call's plan picked. Plain C++ over
-// the CUDA runtime API.
+// The host entry points of the kernel families (one .cu file each, declared here once):
+// their loading, which device_setup.cc runs to prepare a device, and their launches, of
+// the family a call's plan picked (device_setup.cc) or of an op of their own (the FFI
+// handlers, through cuda_kernels.h). Plain C++ over the CUDA runtime API.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include "columnwise.h"
 #include "cuda_launch_plan.h"
+#include "rms_norm_backward.h"
 #include "rms_norm_fp8.h"
 
 namespace fp8norm {
@@ -22,15 +25,19 @@ cudaError_t LoadRegisterRowKernels(FloatType input);
 cudaError_t LaunchRegisterRows(cudaStream_t stream, const RmsNormFp8Args& args,
                                const LaunchPlan& plan);
 
-// round.cu (LaunchRound is in cuda_kernels.h).
+// round.cu.
 cudaError_t LoadRoundKernel();
+cudaError_t LaunchRound(cudaStream_t stream, const RoundArgs& args);
 
-// backward.cu (LaunchRmsNormBackward is in cuda_kernels.h).
+// backward.cu: the backward of both ops (args.residual == null for rms_norm_fp8).
 cudaError_t LoadBackwardKernels();
+cudaError_t LaunchRmsNormBackward(cudaStream_t stream, const RmsNormBackwardArgs& args);
 
-// columnwise.cu (LaunchColumnwise is in cuda_kernels.h). LaunchBothLayoutsKernel: both
-// layouts of a call (its rows and hidden not 0) in one launch, on warp_rows' plan `plan`.
+// columnwise.cu: the columnwise outputs of both ops, from the rows' saved r
+// (LaunchColumnwise), or both layouts of a call (its rows and hidden not 0) in one launch,
+// on warp_rows' plan `plan` (LaunchBothLayoutsKernel).
 cudaError_t LoadColumnwiseKernel();
+cudaError_t LaunchColumnwise(cudaStream_t stream, const ColumnwiseArgs& args);
 cudaError_t LaunchBothLayoutsKernel(cudaStream_t stream, const RmsNormFp8Args& args,
                                     const LaunchPlan& plan);
 

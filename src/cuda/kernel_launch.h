@@ -5,6 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "device_memory.h"
 #include "fp8norm_math.h"
 
@@ -22,6 +24,14 @@ cudaError_t LoadKernel(Kernel kernel, const char* name, size_t static_shared, in
                        cudaFuncAttributes* attributes) {
   DeclareKernel(kernel, name, static_shared, max_threads);
   return cudaFuncGetAttributes(attributes, kernel);
+}
+
+// The grid of a kernel that strides over `tasks` blocks' worth of work: at most 65535
+// blocks, striding over the rest (a grid that large fills every multiprocessor many times
+// over).
+constexpr int64_t kMaxStridingBlocks = 65535;
+inline unsigned StridingGrid(int64_t tasks) {
+  return static_cast<unsigned>(tasks < kMaxStridingBlocks ? tasks : kMaxStridingBlocks);
 }
 
 template <typename Kernel, typename... Args>

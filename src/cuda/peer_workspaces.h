@@ -29,8 +29,9 @@ struct PeerGroup {
 // For call site `call_site`, whose groups are `devices` (group after group,
 // `devices_per_group` devices each, every device at most once): every device's workspace
 // of `layout`, zeroed, and peer access enabled between the devices of each group, unless
-// already done for the call site. Not stream-ordered: for the set-up stage, never inside graph capture.
-// On failure, `error` says what failed (and nothing is kept, so a later set-up tries again).
+// already done for the call site. Not stream-ordered: for the set-up stage, never inside graph
+// capture. On failure, `error` says what failed (and nothing is kept, so a later set-up tries
+// again).
 cudaError_t SetUpPeerGroups(int64_t call_site, const std::vector<int64_t>& devices,
                             int devices_per_group, const PeerWorkspaceLayout& layout,
                             std::string* error);

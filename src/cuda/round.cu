@@ -2,10 +2,8 @@
 // (tests check the kernels' own conversions with it on every boundary).
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 
-#include "cuda_kernels.h"
 #include "kernel_families.h"
 #include "kernel_launch.h"
 #include "row_blocks.cuh"
@@ -37,12 +35,11 @@ cudaError_t LoadRoundKernel() {
 
 cudaError_t LaunchRound(cudaStream_t stream, const RoundArgs& a) {
   if (a.count == 0) return cudaSuccess;
-  // 256 threads and at most 65535 blocks: an element-wise kernel needs no tuning, and the
-  // grid-stride loop covers any count.
+  // 256 threads: an element-wise kernel needs no tuning; the grid-stride loop covers any
+  // count.
   constexpr int kThreads = 256;
-  const unsigned blocks =
-      static_cast<unsigned>(std::min<int64_t>((a.count + kThreads - 1) / kThreads, 65535));
-  return LaunchKernel(RoundKernel, blocks, kThreads, 0, stream, a);
+  return LaunchKernel(RoundKernel, StridingGrid((a.count + kThreads - 1) / kThreads), kThreads, 0,
+                      stream, a);
 }
 
 }  // namespace fp8norm
