@@ -5,21 +5,21 @@
 
 #include <cstdint>
 
-#include "fp8norm_math.h"
+#include "backward_math.h"
 #include "rms_norm_fp8.h"
 
 namespace fp8norm {
 
 struct RmsNormBackwardArgs {
-  const void* dn;           // [rows, hidden], dn_type: the cotangent of n
-  const void* x;            // [rows, hidden], input_type
-  const void* residual;     // [rows, hidden], residual_type; null for rms_norm_fp8
+  const void* dn;              // [rows, hidden], dn_type: the cotangent of n
+  const void* x;               // [rows, hidden], input_type
+  const void* residual;        // [rows, hidden], residual_type; null for rms_norm_fp8
   const void* d_residual_out;  // [rows, hidden], residual_type; null when residual is
-  const void* gamma;        // [hidden], gamma_type
-  const float* inverse_rms;  // [rows]: each row's r, as the training forward saved it
-  void* dx;                 // [rows, hidden], input_type
-  void* dresidual;          // [rows, hidden], residual_type; null when residual is
-  float* dgamma;            // [hidden] float32
+  const void* gamma;           // [hidden], gamma_type
+  const float* inverse_rms;    // [rows]: each row's r, as the training forward saved it
+  void* dx;                    // [rows, hidden], input_type
+  void* dresidual;             // [rows, hidden], residual_type; null when residual is
+  float* dgamma;               // [hidden] float32
   int64_t rows;
   int64_t hidden;
   FloatType dn_type;

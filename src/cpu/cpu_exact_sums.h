@@ -15,8 +15,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "backward_math.h"
 #include "cpu_config.h"
-#include "fp8norm_math.h"
 
 #if defined(FP8NORM_CPU_HAS_AVX2_VARIANT)
 #include <immintrin.h>

@@ -205,10 +205,13 @@ inline float ColumnNormalized(const ColumnwiseArgs& c, const float* gamma_plus_o
   return Normalize(h, c.inverse_rms[row], gamma_plus_offset[j]);
 }
 
-// The row loops, compiled once per instruction set (cpu_isa_variants.inc); the AVX2
-// variant runs on the explicit vectors of cpu_avx2.h: 8 lanes per instruction, the exact
-// square in one FMA instead of Dekker's seven operations, FP8 bytes stored 32 at a time.
+// The loops of the rows and of the columnwise outputs, compiled once per instruction set
+// (cpu_isa_variants.inc); the AVX2 variant runs on the explicit vectors of cpu_avx2.h: 8
+// lanes per instruction, the exact square in one FMA instead of Dekker's seven operations,
+// FP8 bytes stored 32 at a time.
 #define FP8NORM_CPU_LOOPS "cpu_rows.inc"
+#include "cpu_isa_variants.inc"
+#define FP8NORM_CPU_LOOPS "cpu_columns.inc"
 #include "cpu_isa_variants.inc"
 
 // Outputs of at least this many bytes are advised onto huge pages.

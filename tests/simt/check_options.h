@@ -7,6 +7,7 @@ namespace fp8norm {
 
 // --name-cases: NameCase prints each case's name on stderr before the case runs.
 void NameCase(const std::string& name);
+extern bool name_cases;
 // --stop-at-failure: no case after the first that fails.
 extern bool stop_at_failure;
 

@@ -1,10 +1,10 @@
-"""The mutation check of the shared arithmetic (src/common/fp8norm_math.h) and of the CPU
-backward (src/cpu/cpu_backward.cc, cpu_backward_rows.inc, cpu_exact_sums.h): plants known
-bugs, one at a time, into a copy of the file, rebuilds the CPU kernels' module from that
-copy and shows that the default tier's cpu tests fail on each. The header is also what the
-CUDA kernels and their emulation compute with, so only these tests, which hold the kernels
-to the reference and to the exact oracle, can show such a bug; the SIMT mutants
-(tools/mutants/simt_mutants.py) cover the kernels' own code.
+"""The mutation check of the shared arithmetic (src/common/fp8norm_math.h, backward_math.h)
+and of the CPU backward (src/cpu/cpu_backward.cc, cpu_backward_rows.inc, cpu_exact_sums.h):
+plants known bugs, one at a time, into a copy of the file, rebuilds the CPU kernels'
+module from that copy and shows that the default tier's cpu tests fail on each. The
+headers are also what the CUDA kernels and their emulation compute with, so only these
+tests, which hold the kernels to the reference and to the exact oracle, can show such a
+bug; the SIMT mutants (tools/mutants/simt_mutants.py) cover the kernels' own code.
 
     python tools/mutants/math_mutants.py [--build DIR] [--workers N] [--only TEXT]
 
@@ -59,6 +59,7 @@ KERNEL_SUMS = "tests/test_backward.py::test_kernel_sums_are_exact"
 MANY_TASKS = "tests/test_backward_invariance.py::test_dgamma_is_the_exact_sum_over_many_row_groups"
 WEIGHT_OFFSET = "tests/test_backward.py::test_weight_offset_is_rounded_through_x_dtype"
 BACKWARD_CC = "src/cpu/cpu_backward.cc"
+BACKWARD_MATH = "src/common/backward_math.h"
 TIMEOUT_S = 900
 # Each mutant rebuilds the CPU kernels and then runs small inputs: -O1 compiles them in a
 # third of -O3's time, and under the CMakeLists' float rules (no contraction, no
@@ -156,6 +157,7 @@ MUTANTS = [
         "if (round_bit) {",
         first=KERNEL_SUMS,
         backward=True,
+        file=BACKWARD_MATH,
     ),
     Mutant(
         "backward's exact sum: a level's top digit dropped when folded in",
@@ -163,6 +165,7 @@ MUTANTS = [
         "int64_t((low >> 32) + (high & 0xffffffffu)), 0};",
         first=KERNEL_SUMS,
         backward=True,
+        file=BACKWARD_MATH,
     ),
     Mutant(
         "backward's exact sum: the bits below the rounding bit ignored",
@@ -170,6 +173,7 @@ MUTANTS = [
         "",
         first=KERNEL_SUMS,
         backward=True,
+        file=BACKWARD_MATH,
     ),
     Mutant(
         "CPU backward: the tasks' dgamma partials merged in float32",
