@@ -1,7 +1,9 @@
 // The columnwise pass of rms_norm_fp8 / add_rms_norm_fp8 (docs/spec.md, "Columnwise
-// outputs"): n quantised along the rows, for a GEMM that contracts over them. Its
-// arguments, the math of a column's block that the CPU and CUDA kernels share, and the
-// CPU kernel's entry point. Plain C++, compiled by the host compiler and nvcc.
+// outputs"): n quantised along the rows, for a GEMM that contracts over them. The pass
+// takes the call's RmsNormFp8Args: its inputs, constants and each row's r as the rowwise
+// pass saved it (read here, never written), and the columnwise outputs in a.columns
+// (y_t, scales_t, block_rows); never the rowwise y and scales. The math of a column's block
+// that the CPU and CUDA kernels share. Plain C++, compiled by the host compiler and nvcc.
 #pragma once
 
 #include <cstdint>
@@ -11,70 +13,21 @@
 
 namespace fp8norm {
 
-// The columnwise pass's arguments: the call's inputs and constants as RmsNormFp8Args
-// holds them, each row's r as the rowwise pass saved it (read here, never written), and
-// the columnwise outputs.
-struct ColumnwiseArgs {
-  const void* x;             // [rows, hidden], input_type
-  const void* residual;      // [rows, hidden], residual_type; null for rms_norm_fp8
-  const void* gamma;         // [hidden], gamma_type
-  const float* inverse_rms;  // [rows]
-  const float* static_scale;
-  const float* global_scale;
-  // [hidden, rows] in out_format: FP4 packed along the rows when y_packed.
-  void* y_t;
-  // [hidden, rows / block_rows] in scale_type; [hidden, 1] for a static scale.
-  void* scales_t;
-  int64_t rows;
-  int64_t hidden;
-  // Rows that share a scale of scales_t: 0 with a static scale, which has no blocks.
-  int64_t block_rows;
-  FloatType input_type;
-  FloatType residual_type;
-  FloatType gamma_type;
-  FloatType scale_type;
-  OutFormat out_format;
-  bool y_packed;
-  RowConstants constants;
-};
-
-// The columnwise pass of a call with columnwise outputs (a.columns).
-FP8NORM_HD ColumnwiseArgs ColumnwiseView(const RmsNormFp8Args& a) {
-  return ColumnwiseArgs{a.x,
-                        a.residual,
-                        a.gamma,
-                        a.inverse_rms,
-                        a.static_scale,
-                        a.global_scale,
-                        a.columns.y_t,
-                        a.columns.scales_t,
-                        a.rows,
-                        a.hidden,
-                        a.columns.block_rows,
-                        a.input_type,
-                        a.residual_type,
-                        a.gamma_type,
-                        a.scale_type,
-                        a.out_format,
-                        a.y_packed,
-                        a.constants};
-}
-
 // Rows a columnwise block of the call spans: the recipe's block, or with a static scale
 // (no block) kStaticColumnRows, the tile both kernels take.
 constexpr int64_t kStaticColumnRows = 32;
-FP8NORM_HD int64_t ColumnBlockRows(const ColumnwiseArgs& a) {
-  return a.static_scale != nullptr ? kStaticColumnRows : a.block_rows;
+FP8NORM_HD int64_t ColumnBlockRows(const RmsNormFp8Args& a) {
+  return a.static_scale != nullptr ? kStaticColumnRows : a.columns.block_rows;
 }
 
 // The blocks of rows the kernels take, the last one shorter with a static scale.
-FP8NORM_HD int64_t RowBlocksOf(const ColumnwiseArgs& a) {
+FP8NORM_HD int64_t RowBlocksOf(const RmsNormFp8Args& a) {
   return (a.rows + ColumnBlockRows(a) - 1) / ColumnBlockRows(a);
 }
 
 // Blocks per column: scales_t's second dimension.
-FP8NORM_HD int64_t ColumnBlocks(const ColumnwiseArgs& a) {
-  return a.static_scale != nullptr ? 1 : a.rows / a.block_rows;
+FP8NORM_HD int64_t ColumnBlocks(const RmsNormFp8Args& a) {
+  return a.static_scale != nullptr ? 1 : a.rows / a.columns.block_rows;
 }
 
 // A row is finite (no NaN or Inf, no overflowing sum of squares) exactly when its saved r
@@ -92,7 +45,7 @@ struct ColumnScale {
 
 // The scale of a column's block from the abs-max of its n (ordered bits) and whether all
 // of its rows are finite; global_scale: NVFP4's (0 for every other format).
-FP8NORM_HD ColumnScale ColumnBlockScale(const ColumnwiseArgs& a, bool rows_finite, uint32_t amax,
+FP8NORM_HD ColumnScale ColumnBlockScale(const RmsNormFp8Args& a, bool rows_finite, uint32_t amax,
                                         float global_scale) {
   ColumnScale s{};
   if (IsFp4(a)) {
@@ -105,7 +58,7 @@ FP8NORM_HD ColumnScale ColumnBlockScale(const ColumnwiseArgs& a, bool rows_finit
 }
 
 // A static scale's code for an element of a row: the rowwise rule, element by element.
-FP8NORM_HD ColumnScale StaticColumnScale(const ColumnwiseArgs& a, bool row_finite,
+FP8NORM_HD ColumnScale StaticColumnScale(const RmsNormFp8Args& a, bool row_finite,
                                          float static_scale) {
   ColumnScale s{};
   s.fp8 = StaticScale(BlockFiniteness(row_finite), static_scale, a.scale_type);
@@ -113,13 +66,13 @@ FP8NORM_HD ColumnScale StaticColumnScale(const ColumnwiseArgs& a, bool row_finit
 }
 
 // The scale as scales_t stores it (StoreAs / the CUDA kernels' StoreScale encode it).
-FP8NORM_HD float StoredScale(const ColumnwiseArgs& a, const ColumnScale& s) {
+FP8NORM_HD float StoredScale(const RmsNormFp8Args& a, const ColumnScale& s) {
   return IsFp4(a) ? s.fp4.scale : s.fp8.scale;
 }
 
 // The code of a normalised element under its block's scale: FP8's byte, or FP4's code in
 // the low nibble.
-FP8NORM_HD uint8_t ColumnCode(const ColumnwiseArgs& a, const ColumnScale& s, float normed) {
+FP8NORM_HD uint8_t ColumnCode(const RmsNormFp8Args& a, const ColumnScale& s, float normed) {
   switch (a.out_format) {
     case OutFormat::kE4M3FN:
       return QuantizeElement<OutFormat::kE4M3FN>(normed, s.fp8.recip);

@@ -55,12 +55,7 @@ struct RmsNormFp8Args {
   ColumnOutputs columns;
 };
 
-// These three read only the output format of `a`: a call's RmsNormFp8Args or its
-// columnwise pass's ColumnwiseArgs (columnwise.h), whose y is y_t.
-template <typename Args>
-FP8NORM_HD bool IsFp4(const Args& a) {
-  return a.out_format == OutFormat::kE2M1;
-}
+FP8NORM_HD bool IsFp4(const RmsNormFp8Args& a) { return a.out_format == OutFormat::kE2M1; }
 
 // One scale for the whole row (per row, or static). FP4 always takes the group paths, a
 // group of the whole row included.
@@ -68,17 +63,17 @@ FP8NORM_HD bool PerRowScale(const RmsNormFp8Args& a) {
   return a.group_size == a.hidden && !IsFp4(a);
 }
 
-// The byte of y where element `element` of the call (row-major) starts: packed FP4 holds
-// two per byte (element counts are even in every row: group sizes are).
-template <typename Args>
-FP8NORM_HD int64_t YByte(const Args& a, int64_t element) {
+// The byte of y where element `element` of the call (row-major) starts, or of y_t (its
+// columnwise outputs, packed alike): packed FP4 holds two per byte (element counts are
+// even in every row: group sizes are, and so are blocks of rows).
+FP8NORM_HD int64_t YByte(const RmsNormFp8Args& a, int64_t element) {
   return a.y_packed ? element / 2 : element;
 }
 
 // The FP4 scale of a group: NVFP4 (e4m3 scales) or MXFP4 (e8m0); global_scale is
 // *a.global_scale, read by the caller where it lives.
-template <typename Args>
-FP8NORM_HD Fp4Scale Fp4ScaleOf(const Args& a, float sum_sq, uint32_t amax, float global_scale) {
+FP8NORM_HD Fp4Scale Fp4ScaleOf(const RmsNormFp8Args& a, float sum_sq, uint32_t amax,
+                               float global_scale) {
   return a.scale_type == FloatType::kE4M3 ? Nvfp4Scale(sum_sq, amax, global_scale)
                                           : Mxfp4Scale(sum_sq, amax, a.constants.scale_ub);
 }

@@ -197,7 +197,7 @@ inline float ElementAt(const void* p, FloatType type, int64_t j) {
 
 // n of element j of row `row` of a finite row, whose saved r is its r: the row loop's
 // Normalize of the same h, so the same bits (for the columns' pass that keeps no tile).
-inline float ColumnNormalized(const ColumnwiseArgs& c, const float* gamma_plus_offset, int64_t row,
+inline float ColumnNormalized(const RmsNormFp8Args& c, const float* gamma_plus_offset, int64_t row,
                               int64_t j) {
   const int64_t i = row * c.hidden + j;
   float h = ElementAt(c.x, c.input_type, i);
@@ -311,9 +311,8 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   // With the columnwise outputs a task takes whole spans of blocks of rows: each block's n
   // stays in the thread's tile, from the rows' pass to the columns', and a span's codes
   // go to y_t together (kColumnSpanRows).
-  const ColumnwiseArgs columns = ColumnwiseView(a);
   const bool columnwise = a.columns.y_t != nullptr;
-  const int64_t block_rows = columnwise ? ColumnBlockRows(columns) : 1;
+  const int64_t block_rows = columnwise ? ColumnBlockRows(a) : 1;
   const int64_t span_rows = std::max(block_rows, kColumnSpanRows / block_rows * block_rows);
   if (columnwise) rows_per_task = std::max(span_rows, rows_per_task / span_rows * span_rows);
   const int64_t num_tasks = (a.rows + rows_per_task - 1) / rows_per_task;
@@ -324,8 +323,7 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   // Only the AVX2 variant's ProcessColumnBlock moves codes.
   const bool moves_row_codes = CpuUsesAvx2() && MovesRowCodes(a);
   if (columnwise) {
-    AdviseHugePages(a.columns.y_t,
-                    static_cast<size_t>(YByte(columns, static_cast<int64_t>(elements))));
+    AdviseHugePages(a.columns.y_t, static_cast<size_t>(YByte(a, static_cast<int64_t>(elements))));
   }
   // Block scales are staged block by block ([blocks][hidden]), each task writing whole
   // rows of it, and moved into scales_t's [hidden][blocks] at the end: written in place,
@@ -335,7 +333,7 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   // (ColumnCodesStride): the transpose into scales_t loads 16 of them at a time.
   const int64_t staged_stride =
       ColumnCodesStride(a.hidden * static_cast<int64_t>(FloatTypeBytes(a.scale_type)));
-  const StagedColumnScales staging(stages_scales ? ColumnBlocks(columns) * staged_stride : 0);
+  const StagedColumnScales staging(stages_scales ? ColumnBlocks(a) * staged_stride : 0);
   uint8_t* const staged_scales = staging.data();
   if (stages_scales && staged_scales == nullptr) return false;
   // A task may run on a pool thread, where an escaping exception would end the process:
@@ -363,7 +361,7 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
       for (int64_t span0 = begin; span0 < end; span0 += span_rows) {
         const int64_t span_end = std::min(end, span0 + span_rows);
         process_rows(a, gw, scratch, span0, span_end, nullptr);
-        write_column_codes(columns, row_codes + YByte(a, span0 * a.hidden), a.hidden, span0,
+        write_column_codes(a, row_codes + YByte(a, span0 * a.hidden), a.hidden, span0,
                            span_end - span0);
       }
       return;
@@ -382,11 +380,10 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
       for (int64_t row0 = span0; row0 < span_end; row0 += block_rows) {
         const int64_t rows = std::min(block_rows, span_end - row0);
         process_rows(a, gw, scratch, row0, row0 + rows, &column_scratch);
-        process_column_block(columns, row0, rows, column_scratch,
-                             row_codes + YByte(a, row0 * a.hidden),
+        process_column_block(a, row0, rows, column_scratch, row_codes + YByte(a, row0 * a.hidden),
                              column_scratch.codes + (row0 - span0) * column_scratch.codes_stride);
       }
-      write_column_codes(columns, column_scratch.codes, column_scratch.codes_stride, span0,
+      write_column_codes(a, column_scratch.codes, column_scratch.codes_stride, span0,
                          span_end - span0);
     }
   });
@@ -394,13 +391,12 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   if (stages_scales) {
     // Tasks of whole 64-column strips (a line of 64 one-byte scales per block read at a
     // time) of about kMaxElementsPerTask scales.
-    const int64_t blocks = ColumnBlocks(columns);
+    const int64_t blocks = ColumnBlocks(a);
     const int64_t strip = 64 * std::max<int64_t>(1, kMaxElementsPerTask / (64 * blocks));
     const auto write_column_scales = FP8NORM_CPU_LOOP(WriteColumnScales);
     parallel_for((a.hidden + strip - 1) / strip, [&](int64_t task) {
       const int64_t j0 = task * strip;
-      write_column_scales(columns, staged_scales, staged_stride, j0,
-                          std::min(a.hidden, j0 + strip));
+      write_column_scales(a, staged_scales, staged_stride, j0, std::min(a.hidden, j0 + strip));
     });
   }
   return true;

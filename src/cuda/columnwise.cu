@@ -26,7 +26,7 @@ namespace {
 constexpr int kColumnThreads = 128;
 
 // h of element i of the call: x (+ residual), unrounded.
-__device__ __forceinline__ float ColumnH(const ColumnwiseArgs& a, int64_t i) {
+__device__ __forceinline__ float ColumnH(const RmsNormFp8Args& a, int64_t i) {
   float h = LoadElement(a.x, a.input_type, i);
   if (a.residual != nullptr) h += LoadElement(a.residual, a.residual_type, i);
   return h;
@@ -73,29 +73,30 @@ struct CodeWriter {
   }
 };
 
-__device__ __forceinline__ CodeWriter WriterFor(const ColumnwiseArgs& a, int64_t column,
+__device__ __forceinline__ CodeWriter WriterFor(const RmsNormFp8Args& a, int64_t column,
                                                 int64_t row0, int64_t rows) {
   const int64_t first = YByte(a, column * a.rows + row0);
   const int64_t bytes = YByte(a, rows);
   const bool words = first % 4 == 0 && bytes % 4 == 0;
-  return CodeWriter{static_cast<uint8_t*>(a.y_t) + first, words, a.y_packed, 0u, 0, 0, false, 0};
+  return CodeWriter{
+      static_cast<uint8_t*>(a.columns.y_t) + first, words, a.y_packed, 0u, 0, 0, false, 0};
 }
 
 // Scale `index` of scales_t ([hidden, blocks] row-major).
-__device__ __forceinline__ void StoreColumnScale(const ColumnwiseArgs& a, int64_t index,
+__device__ __forceinline__ void StoreColumnScale(const RmsNormFp8Args& a, int64_t index,
                                                  float scale, int site = __builtin_LINE()) {
-  StoreScaleAt(a.scales_t, a.scale_type, index, scale, site);
+  StoreScaleAt(a.columns.scales_t, a.scale_type, index, scale, site);
 }
 
 // scales_t of a static scale for column `column`: the scale rounded to its dtype.
-__device__ __forceinline__ void StoreStaticColumnScale(const ColumnwiseArgs& a, int64_t column) {
+__device__ __forceinline__ void StoreStaticColumnScale(const RmsNormFp8Args& a, int64_t column) {
   StoreColumnScale(a, column, RoundTo(a.scale_type, LoadGlobal(a.static_scale)));
 }
 
 // Column `column` of block `block` of the call's rows (ColumnBlockRows each), whose r
 // are saved: the block's scale into scales_t (not with a static scale: see
 // StoreStaticColumnScale), then its codes into y_t. global_scale: NVFP4's.
-__device__ __forceinline__ void ColumnOfBlock(const ColumnwiseArgs& a, int64_t block,
+__device__ __forceinline__ void ColumnOfBlock(const RmsNormFp8Args& a, int64_t block,
                                               int64_t column, float global_scale) {
   const int64_t block_rows = ColumnBlockRows(a);
   const int64_t row0 = block * block_rows;
@@ -129,7 +130,7 @@ __device__ __forceinline__ void ColumnOfBlock(const ColumnwiseArgs& a, int64_t b
 
 // grid: any number of blocks, striding over (column tile, row block) pairs; block:
 // kColumnThreads.
-__global__ void __launch_bounds__(kColumnThreads) ColumnwiseKernel(const ColumnwiseArgs a) {
+__global__ void __launch_bounds__(kColumnThreads) ColumnwiseKernel(const RmsNormFp8Args a) {
   const int64_t row_blocks = RowBlocksOf(a);
   const int64_t tiles = (a.hidden + kColumnThreads - 1) / kColumnThreads;
   const float global_scale = a.global_scale != nullptr ? LoadGlobal(a.global_scale) : 0.0f;
@@ -142,16 +143,16 @@ __global__ void __launch_bounds__(kColumnThreads) ColumnwiseKernel(const Columnw
 
 // Both layouts in one launch. grid: any number of blocks, striding over the call's blocks
 // of rows (ColumnBlockRows each); block: kWarpRowsBlockThreads threads, `threads_per_row`
-// per row, as warp_rows (whose plan it takes). a: the call; c: ColumnwiseView(a).
+// per row, as warp_rows (whose plan it takes).
 template <typename TIn, int kVecs>
 __global__ void __launch_bounds__(kWarpRowsBlockThreads, 2)
-    BothLayoutsKernel(const RmsNormFp8Args a, const ColumnwiseArgs c, const int threads_per_row) {
+    BothLayoutsKernel(const RmsNormFp8Args a, const int threads_per_row) {
   RegisterScratch& scratch = StaticShared<RegisterScratch>();
   const int rows_per_block = static_cast<int>(blockDim.x) / threads_per_row;
   const int block_row = static_cast<int>(threadIdx.x) / threads_per_row;
   const int lane = static_cast<int>(threadIdx.x) % threads_per_row;
-  const int64_t block_rows = ColumnBlockRows(c);
-  const int64_t row_blocks = RowBlocksOf(c);
+  const int64_t block_rows = ColumnBlockRows(a);
+  const int64_t row_blocks = RowBlocksOf(a);
   const float global_scale = GlobalScaleOf(a);
   for (int64_t block = blockIdx.x; block < row_blocks; block += gridDim.x) {
     const int64_t row0 = block * block_rows;
@@ -165,16 +166,16 @@ __global__ void __launch_bounds__(kWarpRowsBlockThreads, 2)
     // thread; and every read of the reductions' slots done before the next block's rows
     // write them.
     __syncthreads();
-    for (int64_t column = threadIdx.x; column < c.hidden; column += blockDim.x) {
-      if (block == 0 && c.static_scale != nullptr) StoreStaticColumnScale(c, column);
-      ColumnOfBlock(c, block, column, global_scale);
+    for (int64_t column = threadIdx.x; column < a.hidden; column += blockDim.x) {
+      if (block == 0 && a.static_scale != nullptr) StoreStaticColumnScale(a, column);
+      ColumnOfBlock(a, block, column, global_scale);
     }
   }
 }
 
 // scales_t of a static scale: the scale rounded to its dtype, once per column (also for a
 // call of no rows). grid: ceil(hidden / kColumnThreads); block: kColumnThreads.
-__global__ void __launch_bounds__(kColumnThreads) StaticColumnScalesKernel(const ColumnwiseArgs a) {
+__global__ void __launch_bounds__(kColumnThreads) StaticColumnScalesKernel(const RmsNormFp8Args a) {
   const int64_t column = int64_t{blockIdx.x} * kColumnThreads + threadIdx.x;
   if (column < a.hidden) StoreStaticColumnScale(a, column);
 }
@@ -211,18 +212,17 @@ cudaError_t LoadColumnwiseKernel() {
 
 cudaError_t LaunchBothLayoutsKernel(cudaStream_t stream, const RmsNormFp8Args& a,
                                     const LaunchPlan& p) {
-  const ColumnwiseArgs c = ColumnwiseView(a);
-  const int64_t row_blocks = RowBlocksOf(c);
+  const int64_t row_blocks = RowBlocksOf(a);
   // A block of rows per block: p.blocks bounds the grid as it does warp_rows'.
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(row_blocks, p.blocks));
   return WithInputType(a.input_type, [&](auto type) {
     const auto kernel = BothLayoutsKernelFor<typename decltype(type)::Type>(p.vectors_per_thread);
     DeclareKernel(kernel, "both_layouts", sizeof(RegisterScratch), kWarpRowsBlockThreads);
-    return LaunchKernel(kernel, blocks, p.threads, 0, stream, a, c, p.threads_per_row);
+    return LaunchKernel(kernel, blocks, p.threads, 0, stream, a, p.threads_per_row);
   });
 }
 
-cudaError_t LaunchColumnwise(cudaStream_t stream, const ColumnwiseArgs& a) {
+cudaError_t LaunchColumnwise(cudaStream_t stream, const RmsNormFp8Args& a) {
   if (a.hidden == 0) return cudaSuccess;
   DeclareKernel(ColumnwiseKernel, "columnwise", 0, kColumnThreads);
   DeclareKernel(StaticColumnScalesKernel, "static_column_scales", 0, kColumnThreads);

@@ -175,8 +175,7 @@ inline bool OneLaunchForBothLayouts(const RmsNormFp8Args& a, KernelVariant varia
       variant != KernelVariant::kWarpRows) {
     return false;
   }
-  return requested == KernelVariant::kWarpRows ||
-         RowBlocksOf(ColumnwiseView(a)) >= limits.multiprocessors;
+  return requested == KernelVariant::kWarpRows || RowBlocksOf(a) >= limits.multiprocessors;
 }
 
 inline LaunchPlan PlanRmsNormFp8Launch(const RmsNormFp8Args& a, const DeviceLimits& limits,

@@ -182,7 +182,7 @@ cudaError_t LaunchRmsNormFp8(cudaStream_t stream, int device, const RmsNormFp8Ar
     err = Launch(stream, LimitsFor(*setup, a), a, plan, requested);
   }
   if (err != cudaSuccess || !columnwise || plan.both_layouts) return err;
-  return LaunchColumnwise(stream, ColumnwiseView(a));
+  return LaunchColumnwise(stream, a);
 }
 
 }  // namespace fp8norm

@@ -37,7 +37,7 @@ cudaError_t LaunchRmsNormBackward(cudaStream_t stream, const RmsNormBackwardArgs
 // (LaunchColumnwise), or both layouts of a call (its rows and hidden not 0) in one launch,
 // on warp_rows' plan `plan` (LaunchBothLayoutsKernel).
 cudaError_t LoadColumnwiseKernel();
-cudaError_t LaunchColumnwise(cudaStream_t stream, const ColumnwiseArgs& args);
+cudaError_t LaunchColumnwise(cudaStream_t stream, const RmsNormFp8Args& args);
 cudaError_t LaunchBothLayoutsKernel(cudaStream_t stream, const RmsNormFp8Args& args,
                                     const LaunchPlan& plan);
 

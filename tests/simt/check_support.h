@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <new>
 #include <string>
@@ -102,6 +103,18 @@ inline const char* TypeName(FloatType t) {
          : t == FloatType::kE8M0 ? "e8m0"
          : t == FloatType::kE4M3 ? "e4m3"
                                  : "bf16";
+}
+
+// Registers each buffer as the launch's global memory under its name; a null one is left
+// out (an operand the case does not have).
+struct NamedBuffer {
+  const char* name;
+  const ExactBuffer* buffer;
+};
+inline void AddBuffers(simt::ScopedBuffers& buffers, std::initializer_list<NamedBuffer> named) {
+  for (const NamedBuffer& n : named) {
+    if (n.buffer != nullptr) buffers.Add(n.name, n.buffer->data, n.buffer->bytes);
+  }
 }
 
 inline void UseDevice(const Limits& limits) {

@@ -112,17 +112,15 @@ int CheckBackward(bool quick) {
     cudaError_t status;
     {
       simt::ScopedBuffers buffers;
-      buffers.Add("dn", dn.data, dn.bytes);
-      buffers.Add("x", x.data, x.bytes);
-      buffers.Add("gamma", gamma.data, gamma.bytes);
-      buffers.Add("inverse_rms", r.data, r.bytes);
-      buffers.Add("dx", dx.data, dx.bytes);
-      buffers.Add("dgamma", dgamma.data, dgamma.bytes);
-      if (residual) {
-        buffers.Add("residual", res.data, res.bytes);
-        buffers.Add("d_residual_out", dres.data, dres.bytes);
-        buffers.Add("dresidual", dresidual.data, dresidual.bytes);
-      }
+      AddBuffers(buffers, {{"dn", &dn},
+                           {"x", &x},
+                           {"gamma", &gamma},
+                           {"inverse_rms", &r},
+                           {"dx", &dx},
+                           {"dgamma", &dgamma},
+                           {"residual", residual ? &res : nullptr},
+                           {"d_residual_out", residual ? &dres : nullptr},
+                           {"dresidual", residual ? &dresidual : nullptr}});
       status = LaunchRmsNormBackward(nullptr, a);
     }
     a.dx = dx_cpu.data;
@@ -264,14 +262,14 @@ int CheckColumnwise(bool quick) {
         cudaError_t status;
         {
           simt::ScopedBuffers buffers;
-          buffers.Add("x", x.data, x.bytes);
-          buffers.Add("gamma", gamma.data, gamma.bytes);
-          buffers.Add("inverse_rms", r.data, r.bytes);
-          buffers.Add("scale_operand", operand.data, operand.bytes);
-          buffers.Add("y_t", y_t.data, y_t.bytes);
-          buffers.Add("scales_t", scales_t.data, scales_t.bytes);
-          if (residual) buffers.Add("residual", res.data, res.bytes);
-          status = LaunchColumnwise(nullptr, ColumnwiseView(a));
+          AddBuffers(buffers, {{"x", &x},
+                               {"gamma", &gamma},
+                               {"inverse_rms", &r},
+                               {"scale_operand", &operand},
+                               {"y_t", &y_t},
+                               {"scales_t", &scales_t},
+                               {"residual", residual ? &res : nullptr}});
+          status = LaunchColumnwise(nullptr, a);
         }
         if (status != cudaSuccess) {
           std::printf("FAIL %s: %s\n", name.c_str(), cudaGetErrorString(status));
@@ -301,18 +299,16 @@ int CheckColumnwise(bool quick) {
         simt::TakeLaunches();
         {
           simt::ScopedBuffers buffers;
-          buffers.Add("x", x.data, x.bytes);
-          buffers.Add("gamma", gamma.data, gamma.bytes);
-          buffers.Add("scale_operand", operand.data, operand.bytes);
-          buffers.Add("y", y2.data, y2.bytes);
-          buffers.Add("scales", scales2.data, scales2.bytes);
-          buffers.Add("inverse_rms", r2.data, r2.bytes);
-          buffers.Add("y_t", y_t2.data, y_t2.bytes);
-          buffers.Add("scales_t", scales_t2.data, scales_t2.bytes);
-          if (residual) {
-            buffers.Add("residual", res.data, res.bytes);
-            buffers.Add("residual_out", residual_out2.data, residual_out2.bytes);
-          }
+          AddBuffers(buffers, {{"x", &x},
+                               {"gamma", &gamma},
+                               {"scale_operand", &operand},
+                               {"y", &y2},
+                               {"scales", &scales2},
+                               {"inverse_rms", &r2},
+                               {"y_t", &y_t2},
+                               {"scales_t", &scales_t2},
+                               {"residual", residual ? &res : nullptr},
+                               {"residual_out", residual ? &residual_out2 : nullptr}});
           status = LaunchRmsNormFp8(nullptr, 0, both);
         }
         SetKernelVariant(KernelVariant::kAuto);
