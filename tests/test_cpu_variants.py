@@ -17,7 +17,6 @@ import pytest
 from helpers import TIERS, outputs_of_script, reference_on_cpu
 
 import jax_fp8norm as fp8norm
-from jax_fp8norm import _training
 
 SCRIPT = textwrap.dedent(
     """
