@@ -16,7 +16,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_fp8norm import _ffi
-from jax_fp8norm._params import has_scale_operand, num_row_operands
+from jax_fp8norm._params import NormParams, has_scale_operand, num_row_operands, result_names
+from jax_fp8norm.recipes import recipe_of
 
 
 def row_spec(sharding, rank: int) -> tuple:
@@ -43,8 +44,8 @@ def columnwise_row_axes(sharding, shape: tuple, params: dict):
     if shards < 1 or shape[0] % shards:
         return None
     local_rows = shape[0] // shards * int(np.prod(shape[1:-1], dtype=np.int64))
-    group = params["group_size"]
-    if not params["has_static_scale"] and (group is None or local_rows % group):
+    recipe = recipe_of(NormParams(**params))
+    if not recipe.static and (recipe.block is None or local_rows % recipe.block):
         return None
     return rows[0]
 
@@ -61,15 +62,17 @@ def _partitioned(kernel: Primitive, params: tuple, num_operands: int, columns: t
     [..., N // G] keep the rows' sharding too); a hidden axis that is sharded is gathered
     first, since each row needs all of it. gamma and a calibrated scale are replicated.
     The columnwise form keeps x's first row dimension sharded where
-    _columnwise_row_axes allows, with y_t and scales_t sharded along their last axis by the
+    columnwise_row_axes allows, with y_t and scales_t sharded along their last axis by the
     same mesh axes (a calibrated scale's scales_t [N, 1] replicated), and gathers the rows
     otherwise. ``columns``: the columnwise form's (x's shape, the device count or None),
     which its sharding rule depends on; None for the other forms, whose rule does not."""
     kwargs = dict(params)
     num_rows = num_row_operands(num_operands, has_scale_operand(kwargs))
     num_shared = num_operands - num_rows
-    # rms: (y, scales); add: (y, scales, residual_out); the training forms: then r
-    num_results = num_rows + 1 + int(bool(kwargs["with_inverse_rms"]))
+    recipe = recipe_of(NormParams(**kwargs))
+    # The rowwise results (y, scales[, residual_out][, inverse_rms]), then the columnwise.
+    names = result_names(kwargs, add=num_rows == 2)
+    num_results = len([name for name in names if name not in ("y_t", "scales_t")])
     columnwise = kwargs["columnwise"]
 
     @custom_partitioning
@@ -87,7 +90,7 @@ def _partitioned(kernel: Primitive, params: tuple, num_operands: int, columns: t
     def result_shardings(mesh, rows, columns_axes):
         outs = _result_shardings(mesh, rows, num_results)
         if columnwise:
-            blocks = None if kwargs["has_static_scale"] else columns_axes
+            blocks = None if recipe.static else columns_axes
             outs += tuple(NamedSharding(mesh, P(None, axes)) for axes in (columns_axes, blocks))
         return outs
 
@@ -110,14 +113,14 @@ def _partitioned(kernel: Primitive, params: tuple, num_operands: int, columns: t
         # a factor of its own, which the rows' sharding does not reach (XLA then gathers
         # scales_t, 1/32 of y_t's bytes or less).
         names = [f"r{chr(ord('a') + i)}" for i in range(len(shape) - 1)]
-        group = 1 if kwargs["has_static_scale"] else kwargs["group_size"]
+        group = 1 if recipe.static else recipe.block
         dims = list(names)
         block_names = None
         # Only where every mesh axis divides the rows of blocks (the device count unknown,
         # as inside shard_map: never): otherwise the partitioner may split an axis between
         # the two factors, which custom_partitioning cannot take.
         devices = num_devices if isinstance(num_devices, int) else 0
-        if not kwargs["has_static_scale"] and devices and shape[-2] % (group * devices) == 0:
+        if not recipe.static and devices and shape[-2] % (group * devices) == 0:
             dims[-1] = f"({names[-1]} g)"
             factor_sizes["g"] = group
             if len(names) > 1:  # a factor that appears only in compound dimensions

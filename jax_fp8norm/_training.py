@@ -62,7 +62,7 @@ def rms_norm_fp8_training(
       :func:`jax_fp8norm.rms_norm_fp8`; ``inverse_rms`` is ``[..., 1]`` float32, each row's
       ``r = 1 / sqrt(ss / N + eps)``. With ``columnwise``: then ``y_t, scales_t``.
     """
-    outs = checked_norm((x,), gamma, keywords, columnwise=columnwise, training=True)
+    _, outs = checked_norm((x,), gamma, keywords, columnwise=columnwise, training=True)
     return outs.returned(training=True)
 
 
@@ -85,7 +85,7 @@ def add_rms_norm_fp8_training(
       ``(y, scales, residual_out, inverse_rms)``; ``inverse_rms`` is ``[..., 1]`` float32.
       With ``columnwise``: then ``y_t, scales_t``.
     """
-    outs = checked_norm((x, residual), gamma, keywords, columnwise=columnwise, training=True)
+    _, outs = checked_norm((x, residual), gamma, keywords, columnwise=columnwise, training=True)
     return outs.returned(training=True)
 
 
@@ -171,9 +171,9 @@ def rms_norm_fp8_vjp(
       ``backward`` is a :class:`jax.tree_util.Partial` holding ``x``, ``gamma`` and each
       row's ``r``: a pytree, which a ``jax.custom_vjp``'s forward can return as its residual.
     """
-    outs = checked_norm((x,), gamma, keywords, columnwise=columnwise, training=True)
+    params, outs = checked_norm((x,), gamma, keywords, columnwise=columnwise, training=True)
     backward = Partial(
-        _backward_function(_rms_vjp_backward, float(keywords.get("weight_offset", 0.0))),
+        _backward_function(_rms_vjp_backward, params.weight_offset),
         as_operand(x),
         as_operand(gamma),
         outs.inverse_rms,
@@ -202,9 +202,10 @@ def add_rms_norm_fp8_vjp(
       d_residual_out)`` returns ``(dx, dresidual, dgamma)`` (:func:`add_rms_norm_backward`),
       ``dgamma`` in ``gamma``'s dtype.
     """
-    outs = checked_norm((x, residual), gamma, keywords, columnwise=columnwise, training=True)
+    rows = (x, residual)
+    params, outs = checked_norm(rows, gamma, keywords, columnwise=columnwise, training=True)
     backward = Partial(
-        _backward_function(_add_vjp_backward, float(keywords.get("weight_offset", 0.0))),
+        _backward_function(_add_vjp_backward, params.weight_offset),
         as_operand(x),
         as_operand(residual),
         as_operand(gamma),
@@ -215,9 +216,8 @@ def add_rms_norm_fp8_vjp(
 
 @functools.cache
 def _backward_function(backward, weight_offset: float):
-    """One function per backward and weight_offset (the caller's: the backward rounds it
-    through x.dtype as the forward did): a Partial's function is part of its tree
-    structure, so the same one keeps a jitted consumer from tracing again."""
+    """One function per backward and weight_offset: a Partial's function is part of its
+    tree structure, so the same one keeps a jitted consumer from tracing again."""
     return functools.partial(backward, weight_offset=weight_offset)
 
 

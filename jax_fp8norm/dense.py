@@ -121,8 +121,8 @@ class _Gemm:
         if self.columnwise:  # y_t [K, rows] and scales_t
             gw = g
         else:  # the rows' codes; their scales go into the gradient
+            gw = g * scales.reshape(-1, 1).astype(jnp.float32)
             codes, scales = codes.reshape(-1, k).T, jnp.ones((k, 1), jnp.float32)
-            gw = g * kept[1].reshape(-1, 1).astype(jnp.float32)
         gw_codes, gw_scales, gw_global = quantize_columns(gw, recipe.gradient)
         dw = fp8_matmul(
             codes,

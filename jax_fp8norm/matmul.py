@@ -88,13 +88,13 @@ def matmul_path(a, a_scales, w, w_scales) -> str:
       matmul (and for NVFP4 the global scales applied to its result).
     """
     if FP4 in (np.dtype(a.dtype), np.dtype(w.dtype)):
-        nvfp4 = RECIPES["nvfp4"]
+        fmt = RECIPES["nvfp4"]
         nvfp4 = (
             np.dtype(a.dtype) == FP4
             and np.dtype(w.dtype) == FP4
-            and np.dtype(a_scales.dtype) == nvfp4.scale_dtype
-            and np.dtype(w_scales.dtype) == nvfp4.scale_dtype
-            and _blocks_match(a, a_scales, w, w_scales, nvfp4.block)
+            and np.dtype(a_scales.dtype) == fmt.scale_dtype
+            and np.dtype(w_scales.dtype) == fmt.scale_dtype
+            and _blocks_match(a, a_scales, w, w_scales, fmt.block)
         )
         # cuDNN (and XLA's block-scaled dot) take NVFP4 but not MXFP4.
         return "scaled_matmul" if nvfp4 and native_block_scaled_available() else "dequantize"

@@ -36,10 +36,11 @@ from jax_fp8norm._signatures import norm_keywords
 
 def checked_norm(rows: tuple, gamma, keywords: dict, *, columnwise, training: bool):
     """Every norm op's body: the checks (TypeError / ValueError naming the argument), then
-    the primitive's outputs as NormOutputs. ``rows``: x, or x and residual."""
+    the primitive. ``rows``: x, or x and residual. Returns the checked call's parameters
+    and its outputs (NormOutputs)."""
     call = validate(rows[0], gamma, *rows[1:], **keywords)
     columnwise = check_columnwise(columnwise, call.params, rows[0].shape)
-    return bind_norm(call, rows, gamma, training=training, columnwise=columnwise)
+    return call.params, bind_norm(call, rows, gamma, training=training, columnwise=columnwise)
 
 
 @norm_keywords
@@ -74,7 +75,7 @@ def rms_norm_fp8(
       (times ``global_scale`` for NVFP4: :func:`jax_fp8norm.dequantize`). With
       ``columnwise``: ``(y, scales, y_t, scales_t)``.
     """
-    outs = checked_norm((x,), gamma, keywords, columnwise=columnwise, training=False)
+    _, outs = checked_norm((x,), gamma, keywords, columnwise=columnwise, training=False)
     return outs.returned(training=False)
 
 
@@ -100,7 +101,7 @@ def add_rms_norm_fp8(
       ``x.dtype`` (the next layer's residual). With ``columnwise``:
       ``(y, scales, residual_out, y_t, scales_t)``.
     """
-    outs = checked_norm((x, residual), gamma, keywords, columnwise=columnwise, training=False)
+    _, outs = checked_norm((x, residual), gamma, keywords, columnwise=columnwise, training=False)
     return outs.returned(training=False)
 
 

@@ -2,8 +2,9 @@
 gradient, in the formats of :mod:`jax_fp8norm.matmul`: FP8 per column or row, FP8 in
 e8m0 blocks, NVFP4 and MXFP4. Blocks and scale floors are the recipes'
 (:class:`jax_fp8norm.recipes.OperandFormat`); the power-of-two and FP4 rules are the norm
-ops' own (jax_fp8norm._groups), so that a weight and an activation of one format round
-alike.
+ops' own (jax_fp8norm._groups), so that a weight's scales and an activation's of one
+format are the same function of their block (a non-finite FP8 block's codes aside: zero
+here, as MXFP4's, where the norm keeps NaN codes).
 
 :func:`quantize_columns` and :func:`quantize_rows` quantise by an OperandFormat; the
 others are the formats' own functions, for users who quantise their weights once.
@@ -20,7 +21,7 @@ from jax_fp8norm._checks import check_float32_scalar
 from jax_fp8norm._dtypes import E8M0, FP4_MAX
 from jax_fp8norm._groups import divide, fp4_groups, power_of_two
 from jax_fp8norm._params import NORM_KEYWORDS
-from jax_fp8norm.recipes import NEAREST, NVFP4, RECIPES, OperandFormat, recipe_keywords
+from jax_fp8norm.recipes import NVFP4, RECIPES, OperandFormat, recipe_keywords
 
 E4M3_MAX = 448.0
 NVFP4_BLOCK = RECIPES["nvfp4"].block
@@ -62,7 +63,7 @@ def quantize_rows(v: jax.Array, fmt: OperandFormat):
         return (*quantize_fp4_rows(divide(v, row_scales), "nvfp4"), row_scales)
     if fmt.element == np.dtype(jnp.float4_e2m1fn):
         return (*quantize_fp4_rows(v, "mxfp4"), None)
-    if fmt.rule == NEAREST:
+    if fmt.block is None:
         return (*quantize_per_channel(v, fmt.element, axis=1), None)
     return (*quantize_blocks(v, fmt.block, fmt.element, axis=1), None)
 

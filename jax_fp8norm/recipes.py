@@ -152,7 +152,7 @@ class Recipe:
         }
         if self.scale_dtype is not None:
             keywords["scale_dtype"] = (self.scale_dtype,)
-        elif self.rule == POWER_OF_TWO:
+        if self.rule == POWER_OF_TWO and self.scale_dtype != _E8M0:  # e8m0 implies it
             keywords["power_of_two_scales"] = (True,)
         keywords["static_scale"] = (_REQUIRED,) if self.static else (None,)
         return keywords
@@ -202,7 +202,7 @@ RECIPES: dict[str, Recipe] = {
         Recipe(
             "mxfp8",
             "MXFP8 (OCP): e4m3 codes, one float8_e8m0fnu scale per 1x32 group.",
-            (_E4M3FN,), 32, _E8M0, POWER_OF_TWO,
+            (_E4M3FN,), 32, _E8M0, POWER_OF_TWO, _E4M3FN,
         ),
         Recipe(
             "nvfp4",

@@ -235,6 +235,8 @@ def test_a_calls_recipe_is_the_named_one(name):
         (dict(group_size=32, power_of_two_scales=True), "fp8_group128_ue8m0", 32),
         (dict(out_dtype=jnp.float4_e2m1fn, group_size=64, scale_dtype=jnp.float8_e8m0fnu),
          "mxfp4", 64),
+        (dict(out_dtype=jnp.float8_e4m3fnuz, group_size=32, scale_dtype=jnp.float8_e8m0fnu),
+         "mxfp8", 32),
     ],
 )  # fmt: skip
 def test_a_layout_without_a_name_joins_its_family(keywords, family, block):
@@ -245,3 +247,9 @@ def test_a_layout_without_a_name_joins_its_family(keywords, family, block):
         family if block == RECIPES[family].block else f"{family} with group_size={block}"
     )
     assert recipe.weight.block == recipe.gradient.block == block
+    assert recipe.weight.element == np.dtype(keywords.get("out_dtype", jnp.float8_e4m3fn))
+    # The family's gradient codes (MXFP8's E4M3 beside e4m3fnuz codes too).
+    assert recipe.gradient.element == LAYER_FORMATS[family][1][0]
+    # The recipe's keywords are the call's layout again.
+    again = validate(jnp.zeros((2, 256), jnp.float32), jnp.ones(256), **recipe.example()).params
+    assert again == params

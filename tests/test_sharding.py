@@ -348,6 +348,50 @@ else:
         outs = jax.jit(fn)(x, gamma)
         assert_same_bits(outs, _single_device(fp8norm.rms_norm_fp8, x, gamma))
 
+    @pytest.mark.parametrize("add", [False, True], ids=["rms", "add"])
+    def test_gradients_of_the_dequantized_ops_inside_a_user_shard_map(add):
+        """Rows split over "d", gamma replicated: dx is each row's own (the single device's
+        bits) and dgamma the sum of every device's part, as jax.grad of a replicated
+        parameter is (docs/transformations.md): within float32 rounding of the one call's
+        (a device's part alone could not leave the shard_map replicated)."""
+        mesh = _mesh()
+        x, gamma = _args(fp8norm.rms_norm_fp8, (64, 256), jnp.float32)
+        residual = random_rows(4, x.shape, x.dtype)
+        dn = random_rows(5, x.shape, jnp.float32)
+
+        def loss(x, residual, gamma):
+            if add:
+                out, residual_out = fp8norm.add_rms_norm_fp8_dequantized(x, residual, gamma)
+                return jnp.sum(out * dn) + jnp.sum(residual_out * dn)
+            return jnp.sum(fp8norm.rms_norm_fp8_dequantized(x, gamma) * dn)
+
+        def per_device(x, residual, gamma, dn_part):
+            def local(x, residual, gamma):
+                if add:
+                    out, residual_out = fp8norm.add_rms_norm_fp8_dequantized(x, residual, gamma)
+                    return jnp.sum(out * dn_part) + jnp.sum(residual_out * dn_part)
+                return jnp.sum(fp8norm.rms_norm_fp8_dequantized(x, gamma) * dn_part)
+
+            return jax.grad(local, (0, 1, 2))(x, residual, gamma)
+
+        sharded = jax.jit(
+            jax.shard_map(
+                per_device,
+                mesh=mesh,
+                in_specs=(P("d"), P("d"), P(), P("d")),
+                out_specs=(P("d"), P("d"), P()),
+            )
+        )(x, residual, gamma, dn)
+        whole = jax.jit(jax.grad(loss, (0, 1, 2)))(x, residual, gamma)
+        assert_same_bits(sharded[0], whole[0])
+        dgamma, want = np.asarray(sharded[2]), np.asarray(whole[2])
+        assert np.all(np.isfinite(want)) and np.abs(want).min() > 0
+        # Eight float32 partials summed: within their rounding, which cancellation in a
+        # column can make large against its sum.
+        np.testing.assert_allclose(dgamma, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        if add:
+            assert_same_bits(sharded[1], whole[1])
+
     def test_vmap_and_dequantized_under_sharded_jit():
         mesh = _mesh()
         x, gamma = _args(fp8norm.rms_norm_fp8, (8, 16, 128), jnp.float32)
