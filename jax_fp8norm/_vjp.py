@@ -10,7 +10,6 @@ backward gives ``dx`` and ``dgamma`` (and ``dresidual``)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Protocol
 
@@ -18,8 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_fp8norm._backward import add_backward, rms_backward
-from jax_fp8norm._params import NormOutputs, NormParams, named_outputs
-from jax_fp8norm._primitives import add_rms_norm_fp8_p, rms_norm_fp8_p
+from jax_fp8norm._params import NormCall, NormOutputs, NormParams
+from jax_fp8norm._primitives import bind_norm
 
 
 class Head(Protocol):
@@ -68,31 +67,29 @@ def differentiable_norm(p: NormParams, add: bool, head: Head):
     ``add`` the norm's ``residual_out``, whose cotangent flows to x and residual
     unchanged), differentiable in every operand but the static ones (a calibrated or
     global scale: constants of the straight-through rule)."""
-    prim = add_rms_norm_fp8_p if add else rms_norm_fp8_p
     num_rows = 2 if add else 1
-    training = dataclasses.replace(p, with_inverse_rms=True, columnwise=head.columnwise)
 
     def split(args):
         rows, gamma = args[:num_rows], args[num_rows]
         operands = args[num_rows + 1 : num_rows + 1 + head.num_operands]
         return rows, gamma, operands, args[num_rows + 1 + head.num_operands :]
 
-    def run(params: NormParams, args):
+    def run(args, *, training: bool):
         rows, gamma, operands, static = split(args)
-        outs = named_outputs(
-            prim.bind(*rows, gamma, *static, **params.as_dict()), params.as_dict(), add
-        )
+        call = NormCall(p, static[0] if static else None)
+        columnwise = training and head.columnwise
+        outs = bind_norm(call, rows, gamma, training=training, columnwise=columnwise)
         value = head.apply(outs, operands, static)
         return ((value, outs.residual_out) if add else value), outs
 
     @jax.custom_vjp
     def fn(*args):
-        return run(p, args)[0]
+        return run(args, training=False)[0]
 
     def fwd(*args):
         rows, gamma, operands, static = split(args)
         head.check_training(rows[0].shape, operands)
-        value, outs = run(training, args)
+        value, outs = run(args, training=True)
         return value, (rows, gamma, outs.inverse_rms, operands, static, head.kept(outs))
 
     def bwd(saved, cotangent):

@@ -18,7 +18,7 @@ import numpy as np
 
 from jax_fp8norm import _checks
 from jax_fp8norm._checks import check_float32_scalar
-from jax_fp8norm._dtypes import E8M0, FP4_MAX
+from jax_fp8norm._dtypes import E8M0, FP4, FP4_MAX
 from jax_fp8norm._groups import divide, fp4_groups, power_of_two
 from jax_fp8norm._params import NORM_KEYWORDS
 from jax_fp8norm.recipes import NVFP4, RECIPES, OperandFormat, recipe_keywords
@@ -44,7 +44,7 @@ def quantize_columns(v: jax.Array, fmt: OperandFormat, global_scale=None):
     or by default ``max|v| / (448 * 6)``."""
     if fmt.rule == NVFP4:
         return quantize_weights_nvfp4(v, global_scale)
-    if fmt.element == np.dtype(jnp.float4_e2m1fn):
+    if fmt.element == FP4:
         return (*quantize_weights_mxfp4(v), None)
     if fmt.block is None:
         return (*quantize_per_channel(v, fmt.element), None)
@@ -61,7 +61,7 @@ def quantize_rows(v: jax.Array, fmt: OperandFormat):
     if fmt.rule == NVFP4:
         row_scales = nvfp4_global_scale(jnp.max(jnp.abs(v), axis=1, keepdims=True))
         return (*quantize_fp4_rows(divide(v, row_scales), "nvfp4"), row_scales)
-    if fmt.element == np.dtype(jnp.float4_e2m1fn):
+    if fmt.element == FP4:
         return (*quantize_fp4_rows(v, "mxfp4"), None)
     if fmt.block is None:
         return (*quantize_per_channel(v, fmt.element, axis=1), None)
