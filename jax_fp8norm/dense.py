@@ -18,6 +18,7 @@ the dgrad and wgrad GEMMs, then the fused norm backward to ``dx`` and ``dgamma``
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar, Unpack
 
 import jax
@@ -87,8 +88,8 @@ class _Gemm:
         block = recipe.gradient.block
         if block is not None and w.shape[1] % block:
             raise ValueError(
-                f"w's output features ({w.shape[1]}) must be a multiple of the recipe's block "
-                f"({block}): the gradient's dgrad GEMM is blocked along them"
+                f"w's output features (prod(w.shape[1:]) = {w.shape[1]}) must be a multiple of "
+                f"the recipe's block ({block}): the gradient's dgrad GEMM is blocked along them"
             )
 
     def kept(self, outs: NormOutputs) -> tuple:
@@ -136,6 +137,15 @@ class _Gemm:
         return dn, (summed_over_devices(w, dw).astype(w.dtype),)
 
 
+def _flat_weight(w) -> tuple[jax.Array, tuple[int, ...]]:
+    """``w [K, *F]`` as the GEMMs take it, ``[K, prod(F)]``, and ``F``. A reshape outside the
+    custom_vjp: jax's transpose of it gives ``dw`` in ``w``'s shape, and every GEMM and
+    quantisation sees the same operands as a call with the flattened weight."""
+    w = as_operand(w)
+    features = tuple(w.shape[1:])
+    return jnp.reshape(w, (w.shape[0], math.prod(features))), features
+
+
 def _check_layer(x, w, params: NormParams, result_dtype) -> np.dtype:
     """Checks ``w`` against ``x`` and the recipe; returns the result's dtype."""
     w_dtype = np.dtype(w.dtype) if hasattr(w, "dtype") else np.asarray(w).dtype
@@ -143,9 +153,10 @@ def _check_layer(x, w, params: NormParams, result_dtype) -> np.dtype:
         raise TypeError(
             f"w must be float32, bfloat16 or float16 (the master weights), got {w_dtype}"
         )
-    if np.ndim(w) != 2 or w.shape[0] != x.shape[-1]:
+    if np.ndim(w) < 2 or w.shape[0] != x.shape[-1]:
         raise ValueError(
-            f"w must have shape (x.shape[-1], F) = ({x.shape[-1]}, F); got {tuple(np.shape(w))}"
+            f"w must have shape (x.shape[-1], *F) = ({x.shape[-1]}, *F), at least one output "
+            f"axis; got {tuple(np.shape(w))}"
         )
     recipe = recipe_of(params)
     if recipe.fp4 and recipe.block != recipe.base.block:
@@ -168,29 +179,35 @@ def rms_norm_dense(
     result_dtype=None,
     **keywords: Unpack[NormKeywords],
 ) -> jax.Array:
-    """``RMSNorm(x) * gamma @ w`` through the fused norm and an FP8 / FP4 GEMM,
+    """``einsum("...k,kf->...f", RMSNorm(x) * gamma, w)`` through the fused norm and an
+    FP8 / FP4 GEMM,
     differentiable in ``x``, ``gamma`` and ``w`` (module docstring; docs/spec.md, "The
     layer").
 
     Args:
       x: ``[..., K]`` float32, float16 or bfloat16 activations. To differentiate with
         block scales, the number of rows, ``prod(x.shape[:-1])``, must be a multiple of the
-        block (the weight gradient's GEMM is blocked along the rows), and so must F (the
-        dgrad GEMM is blocked along it); a call that is not differentiated takes any.
+        block (the weight gradient's GEMM is blocked along the rows), and so must
+        ``prod(F)`` (the dgrad GEMM is blocked along it); a call that is not differentiated
+        takes any.
       gamma: ``[K]``: the norm's weight.
-      w: ``[K, F]`` float master weights, quantised on every call: along K for the
-        forward GEMM, along F for the gradient's.
+      w: ``[K, *F]`` float master weights (one or more output axes, as an einsum weight
+        ``(D, 2, H)``), quantised on every call: along K for the forward GEMM, along the
+        flattened ``F`` for the gradient's; the call is the ``[K, prod(F)]`` call reshaped,
+        bit for bit, and ``dw`` has ``w``'s shape.
       result_dtype: the output's dtype; None: ``x.dtype``.
       {keywords}
 
     Returns:
-      ``[..., F]`` in ``result_dtype``.
+      ``[..., *F]`` in ``result_dtype``.
     """
     call = validate(x, gamma, **keywords)
     dtype = _check_layer(x, w, call.params, result_dtype)
     operands = call.operands(x, gamma)
+    w, features = _flat_weight(w)
     layer = differentiable_norm(call.params, False, _Gemm(call.params, dtype))
-    return layer(*operands[:2], as_operand(w), *operands[2:])
+    out = layer(*operands[:2], w, *operands[2:])
+    return out.reshape(x.shape[:-1] + features)
 
 
 @norm_keywords
@@ -212,13 +229,15 @@ def add_rms_norm_dense(
       {keywords}
 
     Returns:
-      ``(out [..., F], residual_out [..., K])``.
+      ``(out [..., *F], residual_out [..., K])``.
     """
     call = validate(x, gamma, residual, **keywords)
     dtype = _check_layer(x, w, call.params, result_dtype)
     operands = call.operands(x, residual, gamma)
+    w, features = _flat_weight(w)
     layer = differentiable_norm(call.params, True, _Gemm(call.params, dtype))
-    return layer(*operands[:3], as_operand(w), *operands[3:])
+    out, residual_out = layer(*operands[:3], w, *operands[3:])
+    return out.reshape(x.shape[:-1] + features), residual_out
 
 
 @norm_keywords
@@ -252,7 +271,7 @@ def allreduce_add_rms_norm_dense(
       {keywords}
 
     Returns:
-      ``(out [..., F], residual_out [..., K])``, ``residual_out`` the same on every device.
+      ``(out [..., *F], residual_out [..., K])``, ``residual_out`` the same on every device.
     """
     call = validate(x, gamma, residual, **keywords)
     reduce = check_reduce_dtype(reduce_dtype, x.dtype)
@@ -260,5 +279,7 @@ def allreduce_add_rms_norm_dense(
     summed_in = None if reduce == np.dtype(x.dtype) else reduce
     h = xla_sum(as_operand(x), check_axis_name(axis_name), summed_in)
     operands = call.operands(x, residual, gamma)
+    w, features = _flat_weight(w)
     layer = differentiable_norm(call.params, True, _Gemm(call.params, dtype))
-    return layer(h, *operands[1:3], as_operand(w), *operands[3:])
+    out, residual_out = layer(h, *operands[1:3], w, *operands[3:])
+    return out.reshape(x.shape[:-1] + features), residual_out

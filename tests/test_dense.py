@@ -9,7 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import EXTENDED, RECIPE_NAMES, device_of, random_gamma, random_rows, recipe
+from helpers import (
+    EXTENDED,
+    RECIPE_NAMES,
+    device_of,
+    random_gamma,
+    random_rows,
+    recipe,
+    same_bits,
+)
 
 import jax_fp8norm as fp8norm
 
@@ -329,3 +337,37 @@ def test_fp4_blocks_other_than_the_formats_are_refused():
     nvfp4_32 = dict(out_dtype=jnp.float4_e2m1fn, scale_dtype=jnp.float8_e4m3fn, group_size=32)
     with pytest.raises(ValueError, match="group_size=32"):
         fp8norm.rms_norm_dense(x, gamma, w, **nvfp4_32)
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "fp8_row", pytest.param("nvfp4", marks=EXTENDED)])
+def test_a_weight_of_several_output_axes_is_the_flattened_call(name):
+    """w [K, 8, 48] (an einsum weight "...k,kf->...f", the blocks of dgrad's 32 crossing
+    the 48s) gives the [K, 384] call reshaped, bit for bit: out [..., 8, 48] and every
+    gradient (dw in w's shape), the add layer's too; x of rank 3."""
+    keywords = recipe(name)
+    x, gamma, w, g = _operands(9, rows=64)
+    x, g = x.reshape(2, 32, K), g.reshape(2, 32, F)
+    residual = random_rows(10, x.shape, np.float32)
+    w3, g3 = w.reshape(K, 8, 48), g.reshape(2, 32, 8, 48)
+
+    def grads(w, g):
+        def loss(x, residual, gamma, w):
+            out, residual_out = fp8norm.add_rms_norm_dense(x, residual, gamma, w, **keywords)
+            plain = fp8norm.rms_norm_dense(x, gamma, w, **keywords)
+            assert out.shape == plain.shape == x.shape[:-1] + w.shape[1:]
+            return jnp.sum(out * g) + jnp.sum(plain * g * 0.5) + jnp.sum(residual_out**2), out
+
+        return jax.jit(jax.grad(loss, (0, 1, 2, 3), has_aux=True))(x, residual, gamma, w)
+
+    (dx3, dres3, dgamma3, dw3), out3 = grads(w3, g3)
+    (dx, dres, dgamma, dw), out = grads(w, g)
+    assert dw3.shape == w3.shape
+    for what, a, b in (
+        ("out", out3, out.reshape(out3.shape)),
+        ("dx", dx3, dx),
+        ("dresidual", dres3, dres),
+        ("dgamma", dgamma3, dgamma),
+        ("dw", dw3, dw.reshape(w3.shape)),
+    ):
+        assert np.all(np.isfinite(np.asarray(b))), what
+        same_bits(a, b, what)
