@@ -4,6 +4,9 @@ does."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -55,3 +58,114 @@ def test_the_layout_refuses_what_qwix_would():
     np.testing.assert_array_equal(
         np.asarray(scale, np.float32), np.asarray(scales.astype(jnp.float32))
     )
+
+
+# The projection of a MaxText-style DenseGeneral: [B, S, D] x [D, H, Dh], D contracted.
+PROJECTION = (((2,), (0,)), ((), ()))
+W = random_rows(3, (256, 4, 32), jnp.float32, spread=0.5)
+TILED = ("fp8_row", "fp8_group128")  # tiles of 128 or more: qwix's GEMM runs on the codes
+
+
+def _hand_gemm_of_the_codes(y, scales, w):
+    """What qwix's GEMM of the codes computes, by hand: against a float ``w``, the float32
+    GEMM of ``f32(y) * scales``; against a quantised ``w``, per contracted tile the float32
+    GEMM of the codes, times both scales, the tiles summed."""
+    if not isinstance(w, qwix.QArray):
+        return jax.lax.dot_general(fp8norm.dequantize(y, scales), w, PROJECTION)
+    tile = y.shape[-1] // scales.shape[-1]
+    parts = [
+        jax.lax.dot_general(
+            y[..., t * tile : (t + 1) * tile].astype(jnp.float32),
+            w.qvalue[t * tile : (t + 1) * tile].astype(jnp.float32),
+            PROJECTION,
+        )
+        * scales[..., t : t + 1, None].astype(jnp.float32)
+        * w.scale
+        for t in range(scales.shape[-1])
+    ]
+    return functools.reduce(jnp.add, parts)  # two tiles at most: a sum in any order
+
+
+def _assert_the_codes_reach_the_gemm(gemm, name, w):
+    y, scales = fp8norm.rms_norm_fp8(X, GAMMA, **recipe(name))
+    got = np.asarray(gemm(interop.to_qwix(y, scales, global_scale=None), w))
+    want = np.asarray(_hand_gemm_of_the_codes(y, scales, w))
+    assert np.all(np.isfinite(want)) and np.any(want != 0)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def _gemm(q, w):
+    return interop.qwix_dot_general(q, w, PROJECTION)
+
+
+@pytest.mark.parametrize("name", ["fp8_row", "fp8_group128", "fp8_static", "mxfp8", "mxfp4"])
+def test_the_codes_reach_a_float_weights_gemm_unchanged(name):
+    _assert_the_codes_reach_the_gemm(_gemm, name, jnp.asarray(W, jnp.bfloat16))
+
+
+@pytest.mark.parametrize("name", TILED)
+def test_the_codes_reach_a_quantised_weights_gemm_unchanged(name):
+    wq = qwix.quantize(jnp.asarray(W), jnp.float8_e4m3fn, channelwise_axes=(1, 2))
+    _assert_the_codes_reach_the_gemm(_gemm, name, wq)
+    # rhs_qtype quantises the weight as qwix's QtProvider does: the same QArray
+    y, scales = fp8norm.rms_norm_fp8(X, GAMMA, **recipe(name))
+    q = interop.to_qwix(y, scales)
+    np.testing.assert_array_equal(
+        np.asarray(interop.qwix_dot_general(q, W, PROJECTION, rhs_qtype=jnp.float8_e4m3fn)),
+        np.asarray(_gemm(q, wq)),
+    )
+
+
+@pytest.mark.parametrize("float_weight", [True, False])
+def test_a_second_quantisation_fails_the_check(float_weight):
+    def requantised(q, w):  # qwix's own per-token rule on the dequantised codes
+        again = qwix.quantize(qwix.dequantize(q), jnp.float8_e4m3fn, channelwise_axes=(0, 1))
+        return qwix.dot_general(again, w, PROJECTION)
+
+    w = jnp.asarray(W, jnp.bfloat16)
+    if not float_weight:
+        w = qwix.quantize(jnp.asarray(W), jnp.float8_e4m3fn, channelwise_axes=(1, 2))
+    with pytest.raises(AssertionError):
+        _assert_the_codes_reach_the_gemm(requantised, "fp8_group128", w)
+
+
+def test_a_qtprovider_around_the_call_leaves_the_codes_alone():
+    """Inside a model quantised by qwix's QtProvider (MaxText's fp8 rule), the call's GEMM
+    is not intercepted: the same bits as outside it."""
+    nnx = pytest.importorskip("flax.nnx")
+    y, scales = fp8norm.rms_norm_fp8(X, GAMMA, **recipe("fp8_group128"))
+    rule = qwix.QtRule(
+        module_path=".*",
+        weight_qtype=jnp.float8_e5m2,  # not the codes' type: a GEMM it saw would change
+        act_qtype=jnp.float8_e5m2,
+        op_names=("dot_general",),
+    )
+
+    class Projection(nnx.Module):
+        def __init__(self):
+            self.kernel = nnx.Param(jnp.asarray(W, jnp.bfloat16))
+
+        def __call__(self, y, scales, *, ours=True):
+            w = self.kernel[...]
+            if ours:
+                return interop.qwix_dot_general(interop.to_qwix(y, scales), w, PROJECTION)
+            return jax.lax.dot_general(fp8norm.dequantize(y, scales), w, PROJECTION)
+
+    model = Projection()
+    quantised = qwix.quantize_model(model, qwix.QtProvider([rule]), y, scales)
+    want = model(y, scales)
+    np.testing.assert_array_equal(np.asarray(quantised(y, scales)), np.asarray(want))
+    intercepted = qwix.quantize_model(model, qwix.QtProvider([rule]), y, scales, ours=False)
+    assert not np.array_equal(np.asarray(intercepted(y, scales, ours=False)), np.asarray(want))
+
+
+def test_the_entry_point_refuses_a_float_lhs_and_mismatched_tiles():
+    y, scales = fp8norm.rms_norm_fp8(X, GAMMA, **recipe("fp8_group128"))
+    with pytest.raises(TypeError, match=r"lhs must be a qwix\.QArray"):
+        interop.qwix_dot_general(fp8norm.dequantize(y, scales), W, PROJECTION)
+    with pytest.raises(ValueError, match="rhs_tile_size=64 differs"):
+        interop.qwix_dot_general(
+            interop.to_qwix(y, scales), W, PROJECTION, rhs_qtype=jnp.float8_e4m3fn, rhs_tile_size=64
+        )
+    with pytest.raises(ValueError, match="rhs_tile_size"):
+        interop.qwix_dot_general(interop.to_qwix(y, scales), W, PROJECTION, rhs_tile_size=128)
