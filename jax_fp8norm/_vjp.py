@@ -6,11 +6,20 @@ Forward: the norm's plain form, or under differentiation its training form (each
 r, and the columnwise codes where the head keeps them), then the head. Backward: the
 head's backward gives ``dn``, the cotangent of the normalised ``n`` (the quantisation
 passes it straight through), and the gradients of its own operands; then the fused norm
-backward gives ``dx`` and ``dgamma`` (and ``dresidual``)."""
+backward gives ``dx`` and ``dgamma`` (and ``dresidual``).
+
+Rows that are not whole blocks of the columnwise codes a head's backward takes are padded
+under differentiation: the forward runs the norm and the head on the rows flattened to
+``[rows, K]`` and padded with zero rows, and returns the caller's rows; the backward pads
+the cotangent with zero rows for the head and runs the norm's backward on the caller's
+rows alone. A zero row's codes are zero, it raises no block's amax, and its zero
+cotangent adds nothing to ``dw`` or ``dgamma``: every bit is that of a call padded by
+hand (docs/training.md, "Rows padded to the blocks")."""
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Protocol
 
 import jax
@@ -19,6 +28,7 @@ import jax.numpy as jnp
 from jax_fp8norm._backward import add_backward, rms_backward
 from jax_fp8norm._params import NormCall, NormOutputs, NormParams
 from jax_fp8norm._primitives import bind_norm
+from jax_fp8norm.recipes import recipe_of
 
 
 class Head(Protocol):
@@ -61,6 +71,23 @@ def summed_over_devices(primal: jax.Array, cotangent: jax.Array) -> jax.Array:
     return jax.lax.psum(cotangent, axes) if axes else cotangent
 
 
+def _padding(lead: tuple, block: int) -> tuple[int, int]:
+    """The number of rows of ``[*lead, K]`` and the zero rows that make it a multiple of
+    ``block``."""
+    num = math.prod(lead)
+    return num, -num % block
+
+
+def _pad_rows(v: jax.Array, num: int, extra: int) -> jax.Array:
+    """``v`` of ``num`` rows as ``[num + extra, C]``, the ``extra`` rows zeros."""
+    return jnp.pad(v.reshape(num, -1), ((0, extra), (0, 0)))
+
+
+def _first_rows(v: jax.Array, num: int, lead: tuple) -> jax.Array:
+    """The first ``num`` rows of ``v [rows, *C]`` as ``[*lead, *C]``."""
+    return v[:num].reshape(lead + v.shape[1:])
+
+
 @functools.cache
 def differentiable_norm(p: NormParams, add: bool, head: Head):
     """``fn(x[, residual], gamma, *head operands, *static)``: the head's value (and with
@@ -68,6 +95,9 @@ def differentiable_norm(p: NormParams, add: bool, head: Head):
     unchanged), differentiable in every operand but the static ones (a calibrated or
     global scale: constants of the straight-through rule)."""
     num_rows = 2 if add else 1
+    # The norm's columnwise codes, which the head's backward may take, come in blocks of
+    # rows: a call of other rows is padded to them under differentiation.
+    block = (recipe_of(p).block if head.columnwise else None) or 1
 
     def split(args):
         rows, gamma = args[:num_rows], args[num_rows]
@@ -88,14 +118,28 @@ def differentiable_norm(p: NormParams, add: bool, head: Head):
 
     def fwd(*args):
         rows, gamma, operands, static = split(args)
-        head.check_training(rows[0].shape, operands)
-        value, outs = run(args, training=True)
-        return value, (rows, gamma, outs.inverse_rms, operands, static, head.kept(outs))
+        lead = rows[0].shape[:-1]
+        num, extra = _padding(lead, block)
+        if extra:  # zero rows: the codes, scales and gradients of the real rows unchanged
+            padded = tuple(_pad_rows(r, num, extra) for r in rows)
+            head.check_training(padded[0].shape, operands)
+            value, outs = run((*padded, *args[num_rows:]), training=True)
+            value = jax.tree.map(lambda v: _first_rows(v, num, lead), value)
+            inverse_rms = _first_rows(outs.inverse_rms, num, lead)
+        else:
+            head.check_training(rows[0].shape, operands)
+            value, outs = run(args, training=True)
+            inverse_rms = outs.inverse_rms
+        return value, (rows, gamma, inverse_rms, operands, static, head.kept(outs))
 
     def bwd(saved, cotangent):
         rows, gamma, inverse_rms, operands, static, kept = saved
         g, d_residual_out = cotangent if add else (cotangent, None)
+        num, extra = _padding(rows[0].shape[:-1], block)
+        if extra:  # the padded rows' cotangent is zero; dn of the real rows alone
+            g = _pad_rows(g, num, extra)
         dn, d_operands = head.backward(g, operands, static, kept)
+        dn = dn[:num] if extra else dn
         dn = summed_over_devices(inverse_rms, dn.reshape(rows[0].shape))
         if add:
             x, residual = rows

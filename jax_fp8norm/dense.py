@@ -81,7 +81,8 @@ class _Gemm:
 
     def check_training(self, x_shape: tuple, operands: tuple) -> None:
         """What the backward needs beyond the forward, checked when the layer is
-        differentiated (an inference call takes any number of rows)."""
+        differentiated: the rows come padded to the columnwise blocks (jax_fp8norm._vjp),
+        the output features must be whole blocks of dgrad's."""
         recipe = recipe_of(self.params)
         check_columnwise(recipe.columnwise, self.params, x_shape)
         (w,) = operands
@@ -185,11 +186,13 @@ def rms_norm_dense(
     layer").
 
     Args:
-      x: ``[..., K]`` float32, float16 or bfloat16 activations. To differentiate with
-        block scales, the number of rows, ``prod(x.shape[:-1])``, must be a multiple of the
-        block (the weight gradient's GEMM is blocked along the rows), and so must
-        ``prod(F)`` (the dgrad GEMM is blocked along it); a call that is not differentiated
-        takes any.
+      x: ``[..., K]`` float32, float16 or bfloat16 activations, any number of rows. With
+        block scales, a differentiated call whose rows, ``prod(x.shape[:-1])``, are not a
+        multiple of the block (the weight gradient's GEMM is blocked along them) runs the
+        norm and the GEMMs on the rows padded with zero rows to the next multiple, and
+        returns the caller's rows (docs/training.md, "Rows padded to the blocks"). To
+        differentiate with block scales, ``prod(F)`` must be a multiple of the block (the
+        dgrad GEMM is blocked along it); a call that is not differentiated takes any.
       gamma: ``[K]``: the norm's weight.
       w: ``[K, *F]`` float master weights (one or more output axes, as an einsum weight
         ``(D, 2, H)``), quantised on every call: along K for the forward GEMM, along the

@@ -160,6 +160,17 @@ def layer(name, keywords, x, gamma, w, g, residual=None, d_residual_out=None, re
     ``{"out", "dx", "dgamma", "dw"}`` (and ``"residual_out"``, ``"dresidual"``), each
     in the dtype the layer returns."""
     weight_fmt, grad_fmt, columnwise = SPEC_TABLE[name]
+    # Rows that are not whole blocks of the columnwise codes: the spec's zero rows, whose
+    # cotangents are zero, appended; the caller's rows returned.
+    rows = x.shape[0]
+    extra = -rows % weight_fmt.block if columnwise and weight_fmt.block else 0
+    if extra:
+        padded = [
+            None if v is None else np.concatenate([v, np.zeros((extra, v.shape[1]), v.dtype)])
+            for v in (x, g, residual, d_residual_out)
+        ]
+        result = layer(name, keywords, padded[0], gamma, w, padded[1], *padded[2:], result_dtype)
+        return {k: v if k in ("dgamma", "dw") else v[:rows] for k, v in result.items()}
     result_dtype = np.dtype(x.dtype if result_dtype is None else result_dtype)
     norm = dict(keywords, columnwise=columnwise)
     if residual is None:

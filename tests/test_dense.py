@@ -20,6 +20,8 @@ from helpers import (
 )
 
 import jax_fp8norm as fp8norm
+from jax_fp8norm import _vjp
+from jax_fp8norm._primitives import bind_norm
 
 # Quantisation error of one element v of a block whose largest magnitude is `amax`:
 # |deq(q(v)) - v| <= rel * |v| + abs * amax, for blocks whose scale is a normal number.
@@ -314,22 +316,122 @@ def test_tiny_gradient_rows_stay_finite(name):
     assert np.abs(dx[0]).max() < 1e-30
 
 
-def test_rows_the_backward_cannot_block_are_fine_without_a_gradient():
-    """An inference call takes any number of rows; differentiating it needs whole blocks,
-    a ValueError that says so. No rows at all: zero gradients."""
+def test_empty_rows_and_output_features_the_gradient_cannot_block():
+    """No rows: an empty output and zero gradients. Output features that are not whole
+    blocks of dgrad's: a ValueError when differentiated, fine in an inference call."""
     x, gamma, w, _ = _operands(7, rows=48)
-    out = fp8norm.rms_norm_dense(x, gamma, w, recipe="mxfp8")
-    assert out.shape == (48, F)
 
     def loss(x, gamma, w):
         return jnp.sum(fp8norm.rms_norm_dense(x, gamma, w, recipe="mxfp8") ** 2)
 
-    with pytest.raises(ValueError, match="number of rows"):
-        jax.grad(loss)(x, gamma, w)
+    assert fp8norm.rms_norm_dense(x[:32], gamma, w[:, :40], recipe="mxfp8").shape == (32, 40)
     with pytest.raises(ValueError, match="output features"):
         jax.grad(loss)(x[:32], gamma, w[:, :40])
     dx, dgamma, dw = jax.grad(loss, (0, 1, 2))(x[:0], gamma, w)
     assert dx.shape == (0, K) and not np.asarray(dgamma).any() and not np.asarray(dw).any()
+
+
+def _padded_layer(name, rows, x, gamma, w, g, residual, d_res):
+    """out, dx (, dresidual), dgamma, dw of the layer (the add layer with a residual) on
+    ``x [..., K]`` and the cotangents ``g`` (and ``d_res``) of its first ``rows`` rows'
+    outputs: the other rows' cotangents are zero, as a padding of the user's own gives."""
+    keywords = recipe(name)
+
+    def loss(x, residual, gamma, w):
+        if residual is None:
+            out = fp8norm.rms_norm_dense(x, gamma, w, result_dtype=jnp.float32, **keywords)
+            extra = 0.0
+        else:
+            out, residual_out = fp8norm.add_rms_norm_dense(
+                x, residual, gamma, w, result_dtype=jnp.float32, **keywords
+            )
+            extra = jnp.sum(residual_out.reshape(-1, K)[:rows] * d_res)
+        return jnp.sum(out.reshape(-1, F)[:rows] * g) + extra, out
+
+    argnums = (0, 2, 3) if residual is None else (0, 1, 2, 3)
+    grads, out = jax.jit(jax.grad(loss, argnums, has_aux=True))(x, residual, gamma, w)
+    flat = [np.asarray(out).reshape(-1, F)] + [np.asarray(d) for d in grads]
+    return [
+        v.reshape(-1, v.shape[-1])[:rows] if v.ndim > 1 and i < len(flat) - 2 else v
+        for i, v in enumerate(flat)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "add"),
+    [
+        ("mxfp8", (3, 16), False),  # 48 rows, blocks of 32
+        ("fp8_group128", (64,), True),  # 64 rows, blocks of 128
+        pytest.param("nvfp4", (5, 8), True, marks=EXTENDED),  # 40 rows, blocks of 16
+        pytest.param("mxfp4", (33,), False, marks=EXTENDED),
+    ],
+)
+def test_rows_are_padded_to_the_gradients_blocks(name, shape, add):
+    """Rows that are not whole blocks of the columnwise codes are padded with zero rows
+    under differentiation. Against the same rows padded by hand (zero rows, whose
+    cotangents are zero): every output's bits, dgamma and dw included (a zero row changes
+    no block's amax and adds zero to every sum); and against the rows as the first of a
+    larger batch of other data: out and dx (and dresidual), which depend on their own
+    rows alone."""
+    block = LAYOUTS[name][2]
+    rows = int(np.prod(shape))
+    padded_rows = -(-rows // block) * block
+    x, gamma, w, g = _operands(11, rows=padded_rows)
+    # One large element in each row: the others' normalised values are small, so that a
+    # padding row that is not zero (or other rows of a larger batch) raises the columnwise
+    # blocks' scales and coarsens these rows' codes, which dw would show.
+    x[np.arange(padded_rows), (np.arange(padded_rows) * 7) % K] *= 1000.0
+    residual = random_rows(12, x.shape, np.float32) if add else None
+    d_res = random_rows(13, (rows, K), np.float32)
+    g = g[:rows]
+    zeros = np.zeros((padded_rows - rows, K), np.float32)
+    own = (
+        x[:rows].reshape(*shape, K),
+        None if residual is None else residual[:rows].reshape(*shape, K),
+    )
+    by_hand = (np.concatenate([x[:rows], zeros]),)
+    by_hand += (None if residual is None else np.concatenate([residual[:rows], zeros]),)
+    larger = x, residual
+    got = _padded_layer(name, rows, *own[:1], gamma, w, g, own[1], d_res)
+    want = _padded_layer(name, rows, by_hand[0], gamma, w, g, by_hand[1], d_res)
+    other = _padded_layer(name, rows, larger[0], gamma, w, g, larger[1], d_res)
+    names = ["out", "dx"] + (["dresidual"] if add else []) + ["dgamma", "dw"]
+    for what, a, b, c in zip(names, got, want, other, strict=True):
+        assert np.all(np.isfinite(b)), what
+        same_bits(a, b, what)
+        if what not in ("dgamma", "dw"):
+            same_bits(a, c, what)
+    # The larger batch's other rows do change dw (the comparison with zero rows can fail).
+    assert (got[-1] != other[-1]).any()
+
+
+def test_rows_are_padded_only_where_the_gradient_needs_it(monkeypatch):
+    """The norm runs on the caller's rows, in their shape, where they are whole blocks,
+    where the recipe has no blocks of rows (one scale per row, a static scale) and where
+    the layer is not differentiated; on zero-padded rows where the gradient needs them."""
+    shapes = []
+
+    def recording(call, rows, gamma, **form):
+        shapes.append(rows[0].shape)
+        return bind_norm(call, rows, gamma, **form)
+
+    monkeypatch.setattr(_vjp, "bind_norm", recording)
+    x, gamma, w, _ = _operands(14, rows=48)
+
+    def norm_rows(x, differentiated=True, **keywords):
+        def loss(x, gamma, w):
+            return jnp.sum(fp8norm.rms_norm_dense(x, gamma, w, **keywords) ** 2)
+
+        shapes.clear()
+        jax.make_jaxpr(jax.grad(loss, (0, 1, 2)) if differentiated else loss)(x, gamma, w)
+        return shapes[0]
+
+    assert norm_rows(x, recipe="mxfp8") == (64, K)
+    assert norm_rows(x.reshape(3, 16, K), recipe="mxfp8") == (64, K)
+    assert norm_rows(x[:32].reshape(2, 16, K), recipe="mxfp8") == (2, 16, K)
+    assert norm_rows(x, recipe="fp8_row") == (48, K)
+    assert norm_rows(x, **recipe("fp8_static")) == (48, K)
+    assert norm_rows(x, differentiated=False, recipe="mxfp8") == (48, K)
 
 
 def test_fp4_blocks_other_than_the_formats_are_refused():

@@ -46,12 +46,12 @@ RECIPES = [
 ]
 
 
-def _operands(seed, x_dtype, gamma_dtype, w_dtype):
+def _operands(seed, x_dtype, gamma_dtype, w_dtype, rows=ROWS):
     rng = np.random.default_rng(seed)
-    x = random_rows(seed, (ROWS, K), x_dtype, spread=1.0)
+    x = random_rows(seed, (rows, K), x_dtype, spread=1.0)
     gamma = random_gamma(seed + 1, K, gamma_dtype)
     w = (rng.standard_normal((K, F)) / 16).astype(w_dtype)
-    g = rng.standard_normal((ROWS, F)).astype(np.float32)
+    g = rng.standard_normal((rows, F)).astype(np.float32)
     return x, gamma, w, g
 
 
@@ -138,4 +138,39 @@ def test_add_rms_norm_dense_has_the_twins_bits(platform, name):
         result_dtype=jnp.float32,
     )
     got = dict(out=out, residual_out=residual_out, dx=dx, dresidual=dresidual, dgamma=dgamma, dw=dw)
+    _assert_bits(got, want)
+
+
+@pytest.mark.parametrize(
+    ("platform", "name", "rows"),
+    [
+        ("cpu", "mxfp8", 48),
+        ("simt-block_shared", "nvfp4", 40),
+        pytest.param("cpu", "fp8_group128", 64, marks=EXTENDED),
+        pytest.param("simt-block_shared", "mxfp4", 33, marks=EXTENDED),
+    ],
+    indirect=["platform"],
+)
+def test_rows_padded_to_the_blocks_have_the_twins_bits(platform, name, rows):
+    """Rows that are not whole blocks of the columnwise codes: the add layer against the
+    twin of the spec's padding (zero rows appended, the caller's rows returned)."""
+    keywords = recipe(name)
+    x, gamma, w, g = _operands(4, np.float32, np.float32, np.float32, rows=rows)
+    # A large element in each row: a padding row that is not zero would raise the
+    # columnwise blocks' scales over the others' small normalised values.
+    x[np.arange(rows), (np.arange(rows) * 7) % K] *= 1000.0
+    residual = random_rows(5, x.shape, np.float32, spread=0.5)
+    d_residual_out = random_rows(6, x.shape, np.float32, spread=0.5)
+
+    def fn(x, residual, gamma, w):
+        return fp8norm.add_rms_norm_dense(x, residual, gamma, w, **keywords)
+
+    (out, residual_out), (dx, dresidual, dgamma, dw) = _layer_on(
+        platform, fn, (x, residual, gamma, w), (g, d_residual_out)
+    )
+    want = layer_twin.layer(
+        name, keywords, x, gamma, w, g, residual=residual, d_residual_out=d_residual_out
+    )
+    got = dict(out=out, residual_out=residual_out, dx=dx, dresidual=dresidual, dgamma=dgamma, dw=dw)
+    assert out.shape == (rows, F)
     _assert_bits(got, want)
