@@ -349,7 +349,9 @@ def _padded_layer(name, rows, x, gamma, w, g, residual, d_res):
         return jnp.sum(out.reshape(-1, F)[:rows] * g) + extra, out
 
     argnums = (0, 2, 3) if residual is None else (0, 1, 2, 3)
-    grads, out = jax.jit(jax.grad(loss, argnums, has_aux=True))(x, residual, gamma, w)
+    # On the CPU, whose GEMMs give a row the same bits in any batch (a GPU's need not).
+    with jax.default_device(device_of("cpu")):
+        grads, out = jax.jit(jax.grad(loss, argnums, has_aux=True))(x, residual, gamma, w)
     flat = [np.asarray(out).reshape(-1, F)] + [np.asarray(d) for d in grads]
     return [
         v.reshape(-1, v.shape[-1])[:rows] if v.ndim > 1 and i < len(flat) - 2 else v
