@@ -335,6 +335,20 @@ def check_columnwise(columnwise: Any, params: NormParams, x_shape: tuple) -> boo
     return True
 
 
+def check_return_amax(return_amax: Any, params: NormParams) -> bool:
+    """Checks ``return_amax`` (a bool): each row's amax is returned only beside a static
+    scale, where nothing else gives it (a dynamic scale is computed from it)."""
+    if not isinstance(return_amax, (bool, np.bool_)):
+        raise TypeError(f"return_amax must be a bool, got {return_amax!r}")
+    if return_amax and not params.has_static_scale:
+        raise ValueError(
+            "return_amax=True returns each row's amax beside a static_scale (for delayed "
+            "scaling): give a static_scale (recipe fp8_static); without one, each row's "
+            "scale is computed from its amax"
+        )
+    return bool(return_amax)
+
+
 def check_backward(
     dn: Any,
     x: Any,

@@ -38,6 +38,9 @@ class NormParams:
     with_inverse_rms: bool = False
     # The columnwise form (with with_inverse_rms): y_t [N, rows] and scales_t follow r.
     columnwise: bool = False
+    # Each row's amax (float32 [..., 1], SPEC step 4 before any clip) beside a static
+    # scale, for delayed scaling: after r, before the columnwise outputs.
+    with_amax: bool = False
 
     @property
     def out_max(self) -> float:
@@ -178,13 +181,15 @@ def num_row_operands(num_operands: int, scale_operand: bool) -> int:
 
 class NormOutputs(NamedTuple):
     """A norm call's results by name, None where its form has none: ``residual_out`` with
-    the residual add, ``inverse_rms`` (each row's r) in the training form, ``y_t`` and
-    ``scales_t`` in the columnwise form (docs/spec.md, "Columnwise outputs")."""
+    the residual add, ``inverse_rms`` (each row's r) in the training form, ``amax`` (each
+    row's abs-max) beside a static scale when asked, ``y_t`` and ``scales_t`` in the
+    columnwise form (docs/spec.md, "Columnwise outputs")."""
 
     y: jax.Array
     scales: jax.Array
     residual_out: jax.Array | None = None
     inverse_rms: jax.Array | None = None
+    amax: jax.Array | None = None
     y_t: jax.Array | None = None
     scales_t: jax.Array | None = None
 
@@ -203,6 +208,7 @@ def result_names(params: dict, add: bool) -> tuple[str, ...]:
     its FFI target's results: the form's fields of NormOutputs."""
     names = ("y", "scales") + (("residual_out",) if add else ())
     names += ("inverse_rms",) if params["with_inverse_rms"] else ()
+    names += ("amax",) if params["with_amax"] else ()
     return names + (("y_t", "scales_t") if params["columnwise"] else ())
 
 

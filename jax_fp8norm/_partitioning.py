@@ -70,7 +70,8 @@ def _partitioned(kernel: Primitive, params: tuple, num_operands: int, columns: t
     num_rows = num_row_operands(num_operands, has_scale_operand(kwargs))
     num_shared = num_operands - num_rows
     recipe = recipe_of(NormParams(**kwargs))
-    # The rowwise results (y, scales[, residual_out][, inverse_rms]), then the columnwise.
+    # The rowwise results (y, scales[, residual_out][, inverse_rms][, amax]), then the
+    # columnwise.
     names = result_names(kwargs, add=num_rows == 2)
     num_results = len([name for name in names if name not in ("y_t", "scales_t")])
     columnwise = kwargs["columnwise"]
@@ -135,11 +136,13 @@ def _partitioned(kernel: Primitive, params: tuple, num_operands: int, columns: t
             blocks = "blocks"
         else:
             blocks = names[0] if len(names) == 1 else f"({' '.join(names)})"
-        results += f", {row_dims} j, n {flat_rows}, n {blocks}"
+        results += f", {row_dims} j" * (1 + int(kwargs["with_amax"]))
+        results += f", n {flat_rows}, n {blocks}"
     else:
         rows = "... n, " * num_rows
         results = "... n, ... k" + (", ... n" if num_rows == 2 else "")
         results += ", ... j" if kwargs["with_inverse_rms"] else ""
+        results += ", ... j" if kwargs["with_amax"] else ""
     shared = "n" + (", s" if num_shared == 2 else "")
     call.def_partition(
         partition,

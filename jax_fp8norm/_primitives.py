@@ -72,6 +72,7 @@ def norm_attributes(params: dict, platform: str) -> dict:
         fp4_layout=np.int64(_ffi.fp4_layout(platform)),
         with_inverse_rms=bool(params["with_inverse_rms"]),
         columnwise=bool(params["columnwise"]),
+        with_amax=bool(params["with_amax"]),
     )
 
 
@@ -147,6 +148,8 @@ def _twin(*operands, **params):
         h = operands[0].astype(jnp.float32) + operands[1].astype(jnp.float32)
     if p.with_inverse_rms:
         outs["inverse_rms"] = reference.inverse_rms(h, p.eps)
+    if p.with_amax:
+        outs["amax"] = reference.row_amax(h, gamma, p)
     if p.columnwise:
         columns = reference.quantize_columns(h, gamma, outs["inverse_rms"], p, scale_operand)
         outs["y_t"], outs["scales_t"] = columns
@@ -225,6 +228,7 @@ def _norm_abstract_eval(*avals, reduced_axes: tuple = (), **params):
         # x, residual, gamma: residual_out has the residual's dtype
         "residual_out": x.update(shape=x.shape, dtype=avals[1].dtype, **types),
         "inverse_rms": x.update(shape=x.shape[:-1] + (1,), dtype=np.dtype(np.float32), **types),
+        "amax": x.update(shape=x.shape[:-1] + (1,), dtype=np.dtype(np.float32), **types),
     }
     if params["columnwise"]:
         # [N, rows] and [N, blocks]: the last axis sharded as _partitioned makes it (where
@@ -318,14 +322,17 @@ add_rms_norm_fp8_p = _make_norm_primitive("add_rms_norm_fp8")
 
 
 def bind_norm(
-    call: NormCall, rows: tuple, gamma, *, training: bool, columnwise: bool
+    call: NormCall, rows: tuple, gamma, *, training: bool, columnwise: bool, amax: bool = False
 ) -> NormOutputs:
     """The outputs of a checked call (``rows``: x, or x and residual, which picks the rms or
     the add primitive). The columnwise form computes each row's r whether or not the
-    caller keeps it."""
+    caller keeps it. ``amax``: each row's amax too (a static scale's call only)."""
     prim = add_rms_norm_fp8_p if len(rows) == 2 else rms_norm_fp8_p
     params = dataclasses.replace(
-        call.params, with_inverse_rms=training or columnwise, columnwise=columnwise
+        call.params,
+        with_inverse_rms=training or columnwise,
+        columnwise=columnwise,
+        with_amax=amax,
     )
     results = prim.bind(*call.operands(*rows, gamma), **params.as_dict())
     return named_outputs(results, params.as_dict(), add=len(rows) == 2)

@@ -45,6 +45,7 @@ __all__ = [
     "rms_norm_backward",
     "rms_norm_fp8",
     "rms_norm_fp8_training",
+    "row_amax",
     "sum_of_squares",
     "textbook_rms_norm",
     "unquantized_rms_norm_dense",
@@ -152,6 +153,20 @@ def quantize_rows(
     grouped = normed.reshape(rows + (groups, n // groups if groups else 0))
     y, scales = _quantize_groups(grouped, jnp.isfinite(sum_sq), p, scale_operand)
     return y.reshape(h.shape), scales
+
+
+def row_amax(h: jax.Array, gamma: jax.Array, p: NormParams) -> jax.Array:
+    """Step 4's ``amax = max_j |n_j|`` of each float32 row of ``h`` [..., N], before any
+    clip: what ``return_amax=True`` returns beside a static scale, float32 ``[..., 1]``
+    (0 for a row of no elements). The one quiet NaN where an ``n_j`` is NaN or the row's
+    sum of squares is not finite (docs/spec.md, "static_scale"). The maximum is taken on
+    the magnitudes' bits, which order as the floats do (every NaN above +inf), so that no
+    float comparison flushes or reorders it."""
+    sum_sq = sum_of_squares(h)
+    normed = _normalize(h, _inverse_rms_of(sum_sq, h.shape[-1], p.eps), gamma, p)
+    magnitudes = as_bits(normed) & jnp.uint32(0x7FFFFFFF)
+    amax = from_bits(jnp.max(magnitudes, axis=-1, keepdims=True, initial=jnp.uint32(0)))
+    return jnp.where(jnp.isfinite(sum_sq), canonical_nan(amax), jnp.float32(np.nan))
 
 
 def quantize_columns(

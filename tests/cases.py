@@ -152,6 +152,7 @@ def ffi_call(
     fp4_layout=fp8norm_ffi.FP4_LAYOUT_CODES["packed_low_first"],
     with_inverse_rms=False,
     columnwise=False,
+    with_amax=False,
 ):
     call = jax.ffi.ffi_call(target, outs)
     return call(
@@ -164,6 +165,7 @@ def ffi_call(
         fp4_layout=np.int64(fp4_layout),
         with_inverse_rms=with_inverse_rms,
         columnwise=columnwise,
+        with_amax=with_amax,
     )
 
 

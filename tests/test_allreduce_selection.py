@@ -340,6 +340,7 @@ else:
             fp4_layout=np.int64(jax_fp8norm._ffi.fp4_layout("cpu")),
             with_inverse_rms=False,
             columnwise=False,
+            with_amax=False,
             call_site=np.int64(np.random.default_rng().integers(1 << 62)),
             devices=np.array([d.id for d in mesh.devices.flat], np.int64),
             group_devices=np.int64(size),
@@ -384,6 +385,7 @@ else:
             (dict(hidden=np.int64(0)), "the all-reduce's rows and hidden size"),
             (dict(devices=others), "has no all-reduce workspace for this call"),
             (dict(with_inverse_rms=True), "only the plain form"),
+            (dict(with_amax=True), "only the plain form"),
             # Decoded as one struct of every attribute: a stray one, or one of another
             # type, is the FFI's refusal.
             (dict(stray=np.int64(0)), "Wrong number of attributes"),

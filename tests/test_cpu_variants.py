@@ -75,11 +75,11 @@ SCRIPT = textwrap.dedent(
             dict(group_size=group),
             dict(group_size=group, scale_dtype=jnp.float8_e8m0fnu),
             dict(group_size=group, power_of_two_scales=True, scale_dtype=jnp.bfloat16),
-            dict(static_scale=0.03, scale_dtype=jnp.float16),
+            dict(static_scale=0.03, scale_dtype=jnp.float16, return_amax=True),
         ):
             key = f"{hidden}-{group}-" + "-".join(f"{k}={v}" for k, v in kw.items())
-            y, s, r = fp8norm.add_rms_norm_fp8(x, residual, gamma.astype(np.float32), **kw)
-            for name, v in (("y", y), ("s", s), ("r", r)):
+            y, s, r, *amax = fp8norm.add_rms_norm_fp8(x, residual, gamma.astype(np.float32), **kw)
+            for name, v in (("y", y), ("s", s), ("r", r), *(("amax", a) for a in amax)):
                 outs[f"{key}-{name}"] = np.asarray(v).view(np.uint8)
     # FP4: NVFP4 (its AVX2 quotient against the baseline's two divisions) and MXFP4, at
     # the compile-time group sizes 16 and 32 and a run-time one, packed.
@@ -139,7 +139,7 @@ SCRIPT = textwrap.dedent(
             dict(recipe="nvfp4", global_scale=0.0037),
             dict(recipe="mxfp4"),
             dict(recipe="fp8_group128", out_dtype=jnp.float8_e4m3fnuz),
-            dict(recipe="fp8_static", static_scale=0.03),
+            dict(recipe="fp8_static", static_scale=0.03, return_amax=True),
         ):
             key = f"columnwise-{hidden}-" + "-".join(f"{k}={v}" for k, v in kw.items())
             outs_cw = fp8norm.rms_norm_fp8(x, gamma.astype(np.float32), columnwise=True, **kw)

@@ -352,3 +352,133 @@ def test_float32_sum_with_16bit_residual(platform, residual_dtype):
     assert out[2].dtype == jnp.dtype(residual_dtype)
     np.testing.assert_array_equal(out[2], h.astype(residual_dtype))
     assert_kernel_matches(platform, out[:2], [np.asarray(r) for r in ref[:2]])
+
+
+# ------------------------------------------------------------------ amax beside a static scale
+def _amax_rows(hidden: int, x_dtype) -> tuple[np.ndarray, list[int]]:
+    """Rows for the amax: finite ones, a row of zeros, a NaN, an Inf and (where the dtype
+    holds such values) a finite row whose sum of squares overflows; and the rows whose
+    outputs are NaN."""
+    x = random_rows(61, (8, hidden), x_dtype)
+    x[1] = 0
+    x[2, hidden // 2] = np.nan
+    x[3, 0] = np.inf
+    non_finite = [2, 3]
+    if float(np.finfo(x.dtype).max) > 1e30:
+        x[4] = x[4].astype(np.float32) * 1e20
+        non_finite.append(4)
+    return x, non_finite
+
+
+@pytest.mark.parametrize(
+    "hidden,x_dtype",
+    [(64, jnp.float32), (1000, jnp.bfloat16), (4104, jnp.float16)],
+    ids=["64-float32", "1000-bfloat16", "4104-float16"],
+)
+def test_static_scale_amax(platform, hidden, x_dtype):
+    # Each row's amax beside a static scale, the reference's bits; y and scales those of
+    # the call without it. For a finite row it is step 4's abs-max: the one a dynamic
+    # float32 scale with no bound divides by FP8_MAX (scale = f32(amax / 448)). A row
+    # whose outputs are NaN gives the one quiet NaN, an overflowing one included.
+    x, non_finite = _amax_rows(hidden, x_dtype)
+    gamma = random_gamma(62, hidden, jnp.float32)
+    kw = dict(static_scale=0.02)
+    (y, scales, amax), _ = check_rms(platform, x, gamma, return_amax=True, **kw)
+    assert amax.dtype == np.float32 and amax.shape == (8, 1)
+    (y_plain, scales_plain), _ = check_rms(platform, x, gamma, **kw)
+    assert_same_bits((y, scales), (y_plain, scales_plain))
+    (_, dynamic), _ = check_rms(platform, x, gamma)
+    finite = [i for i in range(8) if i not in non_finite]
+    assert np.isfinite(amax[finite]).all() and (amax[[i for i in finite if i != 1]] > 0).all()
+    assert_same_bits(amax[finite] / np.float32(448.0), dynamic[finite])
+    assert (amax[non_finite].view(np.uint32) == 0x7FC00000).all() and amax[1, 0] == 0
+    residual = random_rows(63, x.shape, x_dtype)
+    (*_, amax_add), _ = check_add(platform, x, residual, gamma, return_amax=True, **kw)
+    assert amax_add.shape == (8, 1) and np.isnan(amax_add[non_finite]).all()
+    # With the columnwise outputs, after amax: the same amax.
+    outs, _ = check_rms(platform, x, gamma, return_amax=True, columnwise=True, **kw)
+    assert len(outs) == 5 and outs[3].shape == (hidden, 8)
+    assert_same_bits(outs[2], amax)
+
+
+def test_amax_of_empty_rows_and_under_vmap(platform):
+    x = np.zeros((3, 0), np.float32)
+    _, _, amax = run_on(
+        platform,
+        fp8norm.rms_norm_fp8,
+        x,
+        np.ones(0, np.float32),
+        static_scale=0.5,
+        return_amax=True,
+    )
+    assert_same_bits(amax, np.zeros((3, 1), np.float32))
+    x = random_rows(64, (2, 3, 96), jnp.bfloat16)
+    gamma = random_gamma(65, 96, jnp.float32)
+    batched = run_on(
+        platform,
+        jax.vmap(lambda x: fp8norm.rms_norm_fp8(x, gamma, static_scale=0.02, return_amax=True)),
+        x,
+    )
+    want = reference_on_cpu(
+        fp8norm.reference.rms_norm_fp8, x, gamma, static_scale=0.02, return_amax=True
+    )
+    assert_same_bits(batched, want)
+
+
+def test_amax_with_sharded_rows():
+    # Under jit with the rows sharded over two devices: each device's rows' amax.
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:2]), ("rows",))
+    x = random_rows(66, (4, 3, 128), jnp.bfloat16)
+    gamma = random_gamma(67, 128, jnp.float32)
+    sharded = jax.device_put(
+        x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows"))
+    )
+    fn = jax.jit(lambda x: fp8norm.rms_norm_fp8(x, gamma, static_scale=0.02, return_amax=True))
+    got = fn(sharded)
+    assert got[2].sharding.is_equivalent_to(sharded.sharding, 3)
+    want = reference_on_cpu(
+        fp8norm.reference.rms_norm_fp8, x, gamma, static_scale=0.02, return_amax=True
+    )
+    assert_same_bits([np.asarray(o) for o in got], want)
+
+
+@pytest.mark.parametrize("twin", [False, True], ids=["op", "twin"])
+def test_return_amax_needs_a_static_scale(twin):
+    ops = fp8norm.reference if twin else fp8norm
+    x, gamma = np.ones((2, 32), np.float32), np.ones(32, np.float32)
+    for kw in (dict(), dict(recipe="fp8_row"), dict(group_size=8)):
+        with pytest.raises(ValueError, match=r"return_amax=True .* static_scale"):
+            ops.rms_norm_fp8(x, gamma, return_amax=True, **kw)
+        with pytest.raises(ValueError, match="return_amax"):
+            ops.add_rms_norm_fp8(x, x, gamma, return_amax=True, **kw)
+    with pytest.raises(TypeError, match="return_amax must be a bool"):
+        ops.rms_norm_fp8(x, gamma, static_scale=0.1, return_amax=1)
+
+
+@pytest.mark.parametrize("handler", ["cpu", "simt"])
+def test_amax_handler_refusals(handler):
+    # Calls that bypass the Python checks: the handler refuses an amax without a static
+    # scale, of the wrong dtype, or missing among the results its form names.
+    from cases import GAMMA, X, ffi_call, handler_target
+
+    target = handler_target(handler, "rms_norm_fp8")
+    rows = [
+        jax.ShapeDtypeStruct((4, 16), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((4, 1), jnp.float32),
+    ]
+    amax = jax.ShapeDtypeStruct((4, 1), jnp.float32)
+    scale = jnp.full((1,), 0.02, jnp.float32)
+    with jax.default_device(jax.devices("cpu")[0]):
+        good = ffi_call(target, (*rows, amax), X, GAMMA, scale, with_amax=True)
+        np.testing.assert_allclose(good[2], np.ones((4, 1)), rtol=1e-5)
+        for outs, args, message in [
+            ((*rows, amax), (X, GAMMA), "with_amax needs a static scale"),
+            (
+                (*rows, jax.ShapeDtypeStruct((4, 1), jnp.bfloat16)),
+                (X, GAMMA, scale),
+                "amax must be float32",
+            ),
+            (rows, (X, GAMMA, scale), r"with_amax=1.*the form has 1 results"),
+        ]:
+            with pytest.raises(Exception, match=message):
+                jax.block_until_ready(ffi_call(target, outs, *args, with_amax=True))

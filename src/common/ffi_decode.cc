@@ -214,6 +214,19 @@ ffi::Error DecodeInverseRms(ffi::Result<ffi::AnyBuffer>& inverse_rms, RmsNormFp8
   return ffi::Error::Success();
 }
 
+// The amax beside a static scale: float32 with one element per row.
+ffi::Error DecodeAmax(ffi::Result<ffi::AnyBuffer>& amax, RmsNormFp8Args* args) {
+  if (args->static_scale == nullptr) {
+    return Invalid("with_amax needs a static scale: a dynamic scale is its row's own amax");
+  }
+  if (amax->element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(amax->element_count()) != args->rows) {
+    return Invalid("amax must be float32 with one element per row");
+  }
+  args->amax = static_cast<float*>(amax->untyped_data());
+  return ffi::Error::Success();
+}
+
 // The columnwise form's results after r: y_t [hidden, rows] and scales_t [hidden, rows /
 // group_size] ([hidden, 1] for a static scale), group_size a block of rows, in the
 // dtypes of y and scales, which the kernels write them in.
@@ -235,19 +248,22 @@ ffi::Error DecodeColumnOutputs(const ffi::AnyBuffer& x, const ffi::AnyBuffer* re
   return ffi::Error::Success();
 }
 
-// The results the attributes' form adds: 1 (r) with with_inverse_rms, 3 (r, y_t,
-// scales_t) with columnwise, else none.
+// The results the attributes' form adds: r with with_inverse_rms, amax with with_amax,
+// y_t and scales_t with columnwise, in that order.
 ffi::Error CheckFormResults(const NormAttributes& attributes, size_t results) {
   if (attributes.columnwise && !attributes.with_inverse_rms) {
     return Invalid("the columnwise form needs with_inverse_rms: its pass reads each row's r");
   }
-  const size_t expected = attributes.columnwise ? 3 : attributes.with_inverse_rms ? 1 : 0;
+  const size_t expected = (attributes.with_inverse_rms ? 1 : 0) + (attributes.with_amax ? 1 : 0) +
+                          (attributes.columnwise ? 2 : 0);
   if (results == expected) return ffi::Error::Success();
   return Invalid("with_inverse_rms=" + std::to_string(attributes.with_inverse_rms) +
+                 ", with_amax=" + std::to_string(attributes.with_amax) +
                  ", columnwise=" + std::to_string(attributes.columnwise) + ": the form has " +
                  std::to_string(expected) +
                  " results after y, scales[, residual_out] ([inverse_rms] with "
-                 "with_inverse_rms, then [y_t, scales_t] with columnwise), the call " +
+                 "with_inverse_rms, [amax] with with_amax, then [y_t, scales_t] with "
+                 "columnwise), the call " +
                  std::to_string(results));
 }
 
@@ -264,18 +280,21 @@ ffi::Error DecodeNormForm(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residua
   if (status.failure()) return status;
   status = DecodeNormCall(x, residual, gamma, scale_operand, y, scales, residual_out, attributes,
                           false, args);
-  if (status.failure() || !attributes.with_inverse_rms) return status;
-  // The form's results in order: inverse_rms, then y_t and scales_t.
-  std::optional<ffi::Result<ffi::AnyBuffer>> results[3];
+  if (status.failure() || form_results.size() == 0) return status;
+  // The form's results in order: inverse_rms, amax, then y_t and scales_t.
+  std::optional<ffi::Result<ffi::AnyBuffer>> results[4];
   for (size_t i = 0; i < form_results.size(); ++i) {
     auto result = form_results.get<ffi::AnyBuffer>(i);
     if (result.has_error()) return Invalid("the form's results must be buffers");
     results[i].emplace(*result);
   }
-  status = DecodeInverseRms(*results[0], args);
+  size_t next = 0;
+  if (attributes.with_inverse_rms) status = DecodeInverseRms(*results[next++], args);
+  if (status.failure()) return status;
+  if (attributes.with_amax) status = DecodeAmax(*results[next++], args);
   if (status.failure() || !attributes.columnwise) return status;
-  return DecodeColumnOutputs(x, residual, gamma, scale_operand, *results[1], *results[2],
-                             attributes, args);
+  return DecodeColumnOutputs(x, residual, gamma, scale_operand, *results[next],
+                             *results[next + 1], attributes, args);
 }
 
 ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
@@ -284,8 +303,9 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
                             ffi::Result<ffi::AnyBuffer>& y, ffi::Result<ffi::AnyBuffer>& scales,
                             ffi::Result<ffi::AnyBuffer>* residual_out,
                             const NormAttributes& attributes, RmsNormFp8Args* args) {
-  if (attributes.with_inverse_rms || attributes.columnwise) {
-    return Invalid("this target has only the plain form: with_inverse_rms and columnwise unset");
+  if (attributes.with_inverse_rms || attributes.columnwise || attributes.with_amax) {
+    return Invalid(
+        "this target has only the plain form: with_inverse_rms, with_amax and columnwise unset");
   }
   return DecodeNormCall(x, residual, gamma, scale_operand, y, scales, residual_out, attributes,
                         false, args);

@@ -28,10 +28,12 @@ struct NormAttributes {
   // Python lowering knows it; FP4 outputs refuse any other value.
   int64_t fp4_layout;
   // The form, which decides the results after y, scales[, residual_out]: each row's r
-  // (with_inverse_rms, the training form), then y_t and scales_t (columnwise, which needs
-  // r: columnwise without with_inverse_rms is refused).
+  // (with_inverse_rms, the training form), each row's amax (with_amax, beside a static
+  // scale only), then y_t and scales_t (columnwise, which needs r: columnwise without
+  // with_inverse_rms is refused).
   bool with_inverse_rms;
   bool columnwise;
+  bool with_amax;
 };
 
 // The physical layouts of a float4_e2m1fn buffer: one code per byte (in the low nibble),
@@ -50,7 +52,8 @@ constexpr NamedCode<Fp4Layout> kFp4LayoutNames[] = {
 // calibrated scale (FP8 outputs) or NVFP4's global scale (float4_e2m1fn y with
 // float8_e4m3fn scales, where it is required); empty otherwise. `form_results`: the
 // results after y, scales[, residual_out], which the attributes' form names
-// (NormAttributes): [inverse_rms] [y_t, scales_t], checked in number, dtype and shape.
+// (NormAttributes): [inverse_rms] [amax] [y_t, scales_t], checked in number, dtype and
+// shape.
 ffi::Error DecodeNormForm(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
                           const ffi::AnyBuffer& gamma,
                           const std::optional<ffi::AnyBuffer>& scale_operand,
@@ -80,7 +83,7 @@ ffi::Error DecodeRmsNormBackward(const ffi::AnyBuffer& dn, const ffi::AnyBuffer*
 // The signatures of the two norm targets, the same on every platform but for the
 // context (Ctx: the CPU's thread pool, the GPU's stream and device): x, [residual,]
 // gamma, an optional scale operand; y, scales[, residual_out], then the form's results
-// (NormAttributes: [inverse_rms] [y_t, scales_t]); the attributes.
+// (NormAttributes: [inverse_rms] [amax] [y_t, scales_t]); the attributes.
 template <typename Ctx>
 auto RmsNormFp8Binding() {
   return ffi::Ffi::Bind()
@@ -156,6 +159,6 @@ ffi::Error DecodeRound(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& ou
       ::xla::ffi::StructMember<bool>("power_of_two_scales"),                                \
       ::xla::ffi::StructMember<int64_t>("fp4_layout"),                                      \
       ::xla::ffi::StructMember<bool>("with_inverse_rms"),                                   \
-      ::xla::ffi::StructMember<bool>("columnwise")
+      ::xla::ffi::StructMember<bool>("columnwise"), ::xla::ffi::StructMember<bool>("with_amax")
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(fp8norm::NormAttributes, FP8NORM_NORM_ATTRIBUTE_MEMBERS);

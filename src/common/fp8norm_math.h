@@ -417,6 +417,15 @@ FP8NORM_HD float SavedInverseRms(float sum_sq, float r) {
   return IsFinite(sum_sq) ? CanonicalNan(r) : FloatOf(kF32QuietNan);
 }
 
+// The amax a static scale's call returns for a row (return_amax): max_j |n_j| from the
+// abs-max's ordered bits (AbsBits), the one quiet NaN where an n is NaN or the row's sum
+// of squares is not finite. Such a row's y is NaN; its n, made with r = 0, would give an
+// overflowing row an amax of 0, which a delayed-scaling history must not take for a
+// small row.
+FP8NORM_HD float SavedAmax(float sum_sq, uint32_t amax_bits) {
+  return IsFinite(sum_sq) ? CanonicalNan(FloatOf(amax_bits)) : FloatOf(kF32QuietNan);
+}
+
 struct RowScale {
   float scale;  // already rounded to the scale dtype
   float recip;  // multiplier applied before the clamp; NaN for a non-finite row

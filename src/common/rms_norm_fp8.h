@@ -51,6 +51,9 @@ struct RmsNormFp8Args {
   // [rows] float32, each row's r (the training form saves it for the backward); null
   // otherwise.
   float* inverse_rms = nullptr;
+  // [rows] float32, each row's amax (SavedAmax) beside a static scale, for delayed
+  // scaling; null otherwise (only a static scale's call has it: its one group is the row).
+  float* amax = nullptr;
   // The columnwise outputs (columnwise.h), which need inverse_rms; y_t null without them.
   ColumnOutputs columns;
 };

@@ -287,6 +287,8 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
       const float r = InverseRms(0.0f, 0, a.constants.eps);
       for (int64_t row = 0; row < a.rows; ++row) a.inverse_rms[row] = r;
     }
+    // The abs-max of no elements.
+    if (a.amax != nullptr) std::fill(a.amax, a.amax + a.rows, 0.0f);
     if (!PerRowScale(a)) return true;
     const RowScale s = a.static_scale != nullptr
                            ? StaticScale(0.0f, *a.static_scale, a.scale_type)

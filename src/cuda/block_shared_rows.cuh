@@ -144,7 +144,10 @@ __device__ __forceinline__ void ProcessRow(const RmsNormFp8Args& a, int64_t row,
   amax = BlockReduce(
       amax, 0u, [](uint32_t v) { return WarpMax(v); }, scratch.max_partial, &scratch.max_result);
   const RowScale s = RowScaleOf(a, sum_sq, amax);
-  if (threadIdx.x == 0) StoreScale(a, row, s.scale);
+  if (threadIdx.x == 0) {
+    StoreScale(a, row, s.scale);
+    StoreAmax(a, row, sum_sq, amax);
+  }
 
   // Sweep 3: quantise.
   for (int64_t i = threadIdx.x; i < num_vecs; i += blockDim.x) {

@@ -128,10 +128,11 @@ __device__ __forceinline__ void RegisterRow(const RmsNormFp8Args& a, int64_t row
       if (held(k)) amax = max(amax, AbsBits(h[k][e]));
     }
   }
-  // Scales per group, or a calibrated scale, need no block-wide abs-max: the whole launch
-  // skips that reduction. Its barrier stays, when the sum's reduction crossed warps: it
-  // keeps the next row's sum slots from being written before every warp has read these.
-  const bool row_max = PerRowScale(a) && a.static_scale == nullptr;
+  // Scales per group, or a calibrated scale without its amax, need no block-wide abs-max:
+  // the whole launch skips that reduction. Its barrier stays, when the sum's reduction
+  // crossed warps: it keeps the next row's sum slots from being written before every warp
+  // has read these.
+  const bool row_max = PerRowScale(a) && (a.static_scale == nullptr || a.amax != nullptr);
   if (row_max) {
     amax = RowReduce(
         amax, 0u, [](uint32_t v) { return WarpMax(v); }, scratch.max_partial, warps_per_row);
@@ -144,7 +145,10 @@ __device__ __forceinline__ void RegisterRow(const RmsNormFp8Args& a, int64_t row
   }
   if (!valid) return;
   const RowScale s = RowScaleOf(a, sum_sq, amax);
-  if (lane == 0) StoreScale(a, row, s.scale);
+  if (lane == 0) {
+    StoreScale(a, row, s.scale);
+    StoreAmax(a, row, sum_sq, amax);
+  }
 
   // Sweep 3: quantise.
 #pragma unroll

@@ -212,6 +212,13 @@ __device__ __forceinline__ void StoreInverseRms(const RmsNormFp8Args& a, int64_t
   if (a.inverse_rms != nullptr) StoreGlobal(a.inverse_rms + row, SavedInverseRms(sum_sq, r), site);
 }
 
+// The amax beside a static scale of row `row` (SavedAmax), from its abs-max over the
+// whole row; nothing without one.
+__device__ __forceinline__ void StoreAmax(const RmsNormFp8Args& a, int64_t row, float sum_sq,
+                                          uint32_t amax, int site = __builtin_LINE()) {
+  if (a.amax != nullptr) StoreGlobal(a.amax + row, SavedAmax(sum_sq, amax), site);
+}
+
 // The scale of a row with one scale (dynamic per row, or the calibrated one).
 __device__ __forceinline__ RowScale RowScaleOf(const RmsNormFp8Args& a, float sum_sq,
                                                uint32_t amax) {

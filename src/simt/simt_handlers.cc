@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
+#include <string_view>
+#include <vector>
 
 #include "handlers.h"
 #include "simt.h"
@@ -37,13 +39,38 @@ XLA_FFI_Error* CountingStaleErrors(XLA_FFI_CallFrame* frame, XLA_FFI_Handler* ha
   return error;
 }
 
+// The bool attribute `name` of the call (false where it has none): the norm's form,
+// which names its results.
+bool FlagAttribute(const XLA_FFI_CallFrame* frame, std::string_view name) {
+  for (int64_t i = 0; i < frame->attrs.size; ++i) {
+    const XLA_FFI_ByteSpan* attribute = frame->attrs.names[i];
+    if (frame->attrs.types[i] != XLA_FFI_AttrType_SCALAR ||
+        std::string_view(attribute->ptr, attribute->len) != name) {
+      continue;
+    }
+    const auto* scalar = static_cast<const XLA_FFI_Scalar*>(frame->attrs.attrs[i]);
+    return scalar->dtype == XLA_FFI_DataType_PRED && *static_cast<const bool*>(scalar->value);
+  }
+  return false;
+}
+
+// The norm's results in order, as its form (NormAttributes) has them.
+std::vector<const char*> NormResultNames(const XLA_FFI_CallFrame* frame, bool add) {
+  std::vector<const char*> names = {"y", "scales"};
+  if (add) names.push_back("residual_out");
+  if (FlagAttribute(frame, "with_inverse_rms")) names.push_back("inverse_rms");
+  if (FlagAttribute(frame, "with_amax")) names.push_back("amax");
+  if (FlagAttribute(frame, "columnwise")) names.insert(names.end(), {"y_t", "scales_t"});
+  return names;
+}
+
 XLA_FFI_Error* WithBuffers(XLA_FFI_CallFrame* frame, XLA_FFI_Handler* handler,
                            std::initializer_list<const char*> arg_names,
-                           std::initializer_list<const char*> ret_names) {
+                           const std::vector<const char*>& ret_names) {
   std::optional<simt::ScopedCapture> capture;
   if (capture_calls.load()) capture.emplace();
   simt::ScopedBuffers buffers;
-  const auto add = [&](std::initializer_list<const char*> names, int64_t count, const auto* types,
+  const auto add = [&](const auto& names, int64_t count, const auto* types,
                        void* const* buffers_of) {
     auto name = names.begin();
     for (int64_t i = 0; i < count; ++i, ++name) {
@@ -72,15 +99,13 @@ XLA_FFI_Error* WithBuffers(XLA_FFI_CallFrame* frame, XLA_FFI_Handler* handler,
 XLA_FFI_Error* SimtPrepareHandler(XLA_FFI_CallFrame* frame) {
   return CountingStaleErrors(frame, fp8norm::PrepareCudaHandler);
 }
-// The norms' results as the longest form has them: a shorter form's are a prefix.
 XLA_FFI_Error* SimtRmsNormFp8Handler(XLA_FFI_CallFrame* frame) {
   return WithBuffers(frame, fp8norm::RmsNormFp8CudaHandler, {"x", "gamma", "scale_operand"},
-                     {"y", "scales", "inverse_rms", "y_t", "scales_t"});
+                     NormResultNames(frame, false));
 }
 XLA_FFI_Error* SimtAddRmsNormFp8Handler(XLA_FFI_CallFrame* frame) {
   return WithBuffers(frame, fp8norm::AddRmsNormFp8CudaHandler,
-                     {"x", "residual", "gamma", "scale_operand"},
-                     {"y", "scales", "residual_out", "inverse_rms", "y_t", "scales_t"});
+                     {"x", "residual", "gamma", "scale_operand"}, NormResultNames(frame, true));
 }
 XLA_FFI_Error* SimtRmsNormBackwardHandler(XLA_FFI_CallFrame* frame) {
   return WithBuffers(frame, fp8norm::RmsNormBackwardCudaHandler,

@@ -80,6 +80,7 @@ struct Case {
   int64_t group_size = 0;     // 0: one scale per row
   bool power_of_two = false;  // power-of-two scales (set for e8m0)
   float static_scale = 0.0f;  // a calibrated scale when nonzero
+  bool amax = false;          // each row's amax beside the static scale
   bool packed = true;         // FP4: two codes per byte, else one
   float global_scale = 1.0f;  // NVFP4's (e4m3 scales)
 };
@@ -125,7 +126,7 @@ bool RunCase(const Case& c, KernelVariant variant, Coverage& coverage, int* runs
   Fill(gamma, c.gamma, 1, c.hidden, rng, false, 0.3f);
 
   struct Outputs {
-    ExactBuffer y, scales, residual_out;
+    ExactBuffer y, scales, residual_out, amax;
   };
   const int64_t groups = c.group_size > 0 ? c.hidden / c.group_size : 1;
   ExactBuffer static_scale(c.static_scale != 0.0f ? sizeof(float) : 0);
@@ -139,7 +140,8 @@ bool RunCase(const Case& c, KernelVariant variant, Coverage& coverage, int* runs
     // y: one byte per FP8 element, half a byte per packed FP4 one: exactly the buffer.
     return Outputs{ExactBuffer(packed ? elements / 2 : elements),
                    ExactBuffer(static_cast<size_t>(c.rows * groups) * FloatTypeBytes(c.scale)),
-                   ExactBuffer(c.residual ? elements * FloatTypeBytes(residual_type) : 0)};
+                   ExactBuffer(c.residual ? elements * FloatTypeBytes(residual_type) : 0),
+                   ExactBuffer(c.amax ? static_cast<size_t>(c.rows) * sizeof(float) : 0)};
   };
   Outputs emulated = make_outputs(), cpu = make_outputs();
 
@@ -165,19 +167,20 @@ bool RunCase(const Case& c, KernelVariant variant, Coverage& coverage, int* runs
         c.static_scale != 0.0f ? reinterpret_cast<const float*>(static_scale.data) : nullptr;
     a.global_scale = nvfp4 ? reinterpret_cast<const float*>(global_scale.data) : nullptr;
     a.y_packed = packed;
+    a.amax = c.amax ? reinterpret_cast<float*>(o.amax.data) : nullptr;
     return a;
   };
 
   char name_text[300];
   std::snprintf(name_text, sizeof(name_text),
                 "%s %lldx%lld %s residual=%d gamma=%s scale=%s %s misalign=%zu limits=%s%s "
-                "group=%lld pow2=%d static=%g packed=%d global=%g",
+                "group=%lld pow2=%d static=%g amax=%d packed=%d global=%g",
                 VariantName(variant), static_cast<long long>(c.rows),
                 static_cast<long long>(c.hidden), TypeName(c.input), c.residual, TypeName(c.gamma),
                 TypeName(c.scale),
                 fp4 ? "e2m1" : (c.out == OutFormat::kE4M3FN ? "e4m3fn" : "e4m3fnuz"), c.misalign,
                 limits.name, c.specials ? " specials" : "", static_cast<long long>(c.group_size),
-                c.power_of_two, c.static_scale, packed, c.global_scale);
+                c.power_of_two, c.static_scale, c.amax, packed, c.global_scale);
   const std::string name = name_text;
   NameCase(name);
 
@@ -202,6 +205,7 @@ bool RunCase(const Case& c, KernelVariant variant, Coverage& coverage, int* runs
     if (nvfp4) buffers.Add("global_scale", global_scale.data, global_scale.bytes);
     if (c.residual)
       buffers.Add("residual_out", emulated.residual_out.data, emulated.residual_out.bytes);
+    if (c.amax) buffers.Add("amax", emulated.amax.data, emulated.amax.bytes);
     status = LaunchRmsNormFp8(nullptr, 0, emulated_args);
   }
   const std::vector<simt::LaunchRecord> launches = simt::TakeLaunches();
@@ -223,6 +227,7 @@ bool RunCase(const Case& c, KernelVariant variant, Coverage& coverage, int* runs
   ok = SameBytes(emulated.scales, cpu.scales, "scales", name) && ok;
   if (c.residual)
     ok = SameBytes(emulated.residual_out, cpu.residual_out, "residual_out", name) && ok;
+  if (c.amax) ok = SameBytes(emulated.amax, cpu.amax, "amax", name) && ok;
   if (packed) {
     // The same codes one per byte, packed two per byte: the layouts agree.
     Outputs unpacked = make_outputs();
@@ -273,7 +278,7 @@ bool RunCase(const Case& c, KernelVariant variant, Coverage& coverage, int* runs
                                                              : ", groups by shuffles"));
   }
   if (c.power_of_two) coverage.Add(std::string("power-of-two ") + TypeName(c.scale) + " scales");
-  if (c.static_scale != 0.0f) coverage.Add(v + ", static scale");
+  if (c.static_scale != 0.0f) coverage.Add(v + (c.amax ? ", static scale, amax" : ", static scale"));
   if (fp4) coverage.Add(v + (nvfp4 ? ", NVFP4" : ", MXFP4") + (packed ? " packed" : " unpacked"));
   return ok;
 }
@@ -407,6 +412,7 @@ int Main(bool quick, bool allreduce, bool rest) {
     c.specials = true;
     c.scale_ub = INFINITY;
     c.static_scale = static_scales[g % 4];
+    c.amax = true;
     c.limits = g % 4;
     cases.push_back(c);
     ++g;
@@ -451,8 +457,10 @@ int Main(bool quick, bool allreduce, bool rest) {
   }
   // Rows held by several warps (1024 bf16: 2 warps per row in block_registers), strided
   // over a grid of 3 blocks: what the barrier in place of the abs-max reduction a grouped
-  // or static row skips protects. In the quick set too, for ThreadSanitizer.
-  for (const bool calibrated : {false, true}) {
+  // or static row skips protects, and the reduction a static row's amax takes. In the
+  // quick set too, for ThreadSanitizer.
+  for (const int kind : {0, 1, 2}) {
+    const bool calibrated = kind > 0;
     Case c{};
     c.rows = 8;
     c.hidden = 1024;
@@ -464,6 +472,8 @@ int Main(bool quick, bool allreduce, bool rest) {
     c.scale_ub = INFINITY;
     c.group_size = calibrated ? 0 : 64;
     c.static_scale = calibrated ? 0.05f : 0.0f;
+    c.amax = kind == 2;
+    c.specials = kind == 2;
     cases.push_back(c);
   }
   Coverage coverage;
@@ -525,6 +535,9 @@ int Main(bool quick, bool allreduce, bool rest) {
                             "block_shared, static scale",
                             "warp_rows, static scale",
                             "block_registers, static scale",
+                            "block_shared, static scale, amax",
+                            "warp_rows, static scale, amax",
+                            "block_registers, static scale, amax",
                             "block_shared, NVFP4 packed",
                             "block_shared, MXFP4 packed",
                             "block_shared, NVFP4 unpacked",

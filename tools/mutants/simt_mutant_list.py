@@ -352,4 +352,16 @@ MUTANTS = [
         "RegisterRow<TIn, kVecs>(a, first + block_row, row_end, lane",
         "RegisterRow<TIn, kVecs>(a, first + block_row, row_end - 1, lane",
     ),
+    Mutant(
+        "static scale's amax: a row's amax stored at the next row's place",
+        "cuda/row_blocks.cuh",
+        "StoreGlobal(a.amax + row, SavedAmax(sum_sq, amax), site);",
+        "StoreGlobal(a.amax + (row + 1) % a.rows, SavedAmax(sum_sq, amax), site);",
+    ),
+    Mutant(
+        "register rows: a static scale's amax left unreduced across the row's threads",
+        "cuda/register_row.cuh",
+        "PerRowScale(a) && (a.static_scale == nullptr || a.amax != nullptr);",
+        "PerRowScale(a) && a.static_scale == nullptr;",
+    ),
 ]
