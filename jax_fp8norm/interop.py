@@ -142,7 +142,7 @@ def qwix_dot_general(
     )
     try:
         from qwix._src import interception
-    except ImportError:  # a qwix without it intercepts nothing here
+    except ImportError:  # a private module: where it has gone, the call runs as it is
         return call()
     return interception.disable_interceptions(call)()
 
