@@ -1,56 +1,143 @@
 """``RMSNormFP8`` and ``RMSNormDense``: the fused ops and the fused layer as Flax NNX
 modules (needs ``flax``; ``pip install jax_fp8norm[nnx]``).
 
-The module owns the RMSNorm weight and calls :func:`jax_fp8norm.rms_norm_fp8`, or
-:func:`jax_fp8norm.add_rms_norm_fp8` when given a residual. With ``dequantize=True`` it
-returns ``f32(y) * scales`` through the differentiable twins instead, for training with
-the straight-through gradient (:mod:`jax_fp8norm.autodiff`).
+``RMSNormFP8`` is a drop-in for ``flax.nnx.RMSNorm``: it takes the same constructor
+arguments, keeps the same ``scale`` parameter (its metadata and sharding included) and,
+called as ``norm(x)``, returns what ``nnx.RMSNorm`` returns, an array of the dtype nnx gives
+(through the module's ``promote_dtype``), with the values of the FP8 (or FP4) codes: the
+differentiable twins' ``f32(y) * scales`` (straight-through gradient,
+:mod:`jax_fp8norm.autodiff`). ``quantized_output=True`` returns the codes and scales
+themselves (:class:`QuantizedOutput`), for a layer that takes them.
 """
 
 from __future__ import annotations
 
-from typing import Unpack
+import functools
+import math
+import numbers
+from types import MappingProxyType
+from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn import dtypes as nnx_dtypes
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from jax_fp8norm._checks import check_global_scale, check_static_scale, validate
 from jax_fp8norm._params import NORM_KEYWORDS, NormKeywords
+from jax_fp8norm._quantized import QuantizedOutput, quantized_output
 from jax_fp8norm._signatures import norm_keywords
 from jax_fp8norm.autodiff import add_rms_norm_fp8_dequantized, rms_norm_fp8_dequantized
 from jax_fp8norm.dense import add_rms_norm_dense, rms_norm_dense
 from jax_fp8norm.ops import add_rms_norm_fp8, rms_norm_fp8
 from jax_fp8norm.reference import unquantized_rms_norm_dense
 
+__all__ = ["QuantizedOutput", "RMSNormDense", "RMSNormFP8"]
+
+_REMOVED_DEQUANTIZE = (
+    "dequantize= was removed in jax_fp8norm 0.3.0: RMSNormFP8 returns the dequantised "
+    "array by default, as nnx.RMSNorm does (dequantize=True's output); "
+    "quantized_output=True returns the FP8/FP4 codes and their scales (dequantize=False's)"
+)
+
+
+def _axes(value: Any, name: str) -> tuple[int, ...]:
+    if isinstance(value, numbers.Integral):
+        return (int(value),)
+    if isinstance(value, (tuple, list)) and all(isinstance(a, numbers.Integral) for a in value):
+        return tuple(int(a) for a in value)
+    raise TypeError(f"{name} must be an int or a sequence of ints, got {value!r}")
+
+
+def _positive(axes: tuple[int, ...], ndim: int, name: str) -> tuple[int, ...]:
+    for axis in axes:
+        if not -ndim <= axis < ndim:
+            raise ValueError(f"{name}={axes!r}: axis {axis} is out of range for x of rank {ndim}")
+    return tuple(sorted({a % ndim for a in axes}))
+
+
+def _check_feature_axes(feature_axes: tuple[int, ...], ndim: int | None) -> None:
+    """The scale must run along x's last axis: the kernels multiply each normalised row by
+    one gamma of its length, the same for every row, which a scale along another axis (or
+    several) is not. ``ndim`` None: before a call, where a positive axis cannot be told."""
+    if len(feature_axes) == 1:
+        (axis,) = feature_axes
+        if ndim is None and (axis == -1 or axis >= 0):
+            return
+        if ndim is not None and -ndim <= axis < ndim and axis % ndim == ndim - 1:
+            return
+    raise ValueError(
+        f"feature_axes={feature_axes!r}: RMSNormFP8 applies its scale along x's last axis "
+        "only (feature_axes=-1): the kernels multiply every normalised row by one gamma "
+        "along it, which a scale over other axes is not"
+    )
+
+
+def _replicated(gamma: jax.Array) -> jax.Array:
+    """gamma gathered where an Explicit mesh axis shards it: the kernels take whole rows
+    and a whole gamma, and on Explicit axes the gradient must come back in gamma's type
+    (reshard's transpose shards it again). Auto axes need nothing: XLA gathers them."""
+    sharding = getattr(jax.typeof(gamma), "sharding", None)
+    if sharding is None or all(s is None for s in sharding.spec):
+        return gamma
+    return jax.sharding.reshard(gamma, P(*([None] * gamma.ndim)))
+
+
+def _nnx_placement(x: jax.Array, scale: jax.Array | None) -> P | None:
+    """On Explicit mesh axes a sharding is part of an array's type: the placement of
+    nnx.RMSNorm's ``x * scale`` (typically x's batch axes and the scale's feature axis),
+    so that the model's later types are those it has with nnx.RMSNorm. None elsewhere."""
+    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+    if mesh is None or mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
+        return None
+    args = (x,) if scale is None else (x, scale.reshape((1,) * (x.ndim - 1) + (-1,)))
+    return jax.eval_shape(lambda *a: functools.reduce(jnp.multiply, a), *args).sharding.spec
+
 
 class RMSNormFP8(nnx.Module):
-    """RMSNorm over the last axis with FP8 quantisation: dynamic scales per row or per
-    group, or a calibrated static scale; or FP4.
+    """RMSNorm with FP8 quantisation (dynamic scales per row or per group, or a calibrated
+    static scale) or FP4; a drop-in for ``flax.nnx.RMSNorm``.
 
-    A drop-in for ``flax.nnx.RMSNorm``: the same constructor arguments where they mean the
-    same (``num_features``, ``epsilon``, ``dtype``, ``param_dtype``, ``use_scale``,
-    ``scale_init``, ``rngs``) and the same parameter, ``scale``, so that an
-    ``nnx.RMSNorm``'s state loads as it is: ``nnx.update(fp8_norm, nnx.state(norm))``, or
-    :meth:`from_rmsnorm`.
+    Called as ``norm(x)`` it returns what ``nnx.RMSNorm`` returns: an array of ``x``'s shape
+    in the dtype nnx gives (``dtype`` if set, else that of ``x`` and ``scale`` after the
+    module's ``promote_dtype``), with the values of the quantised codes, ``f32(y) *
+    scales`` rounded once to that dtype, and the straight-through gradient. An
+    ``nnx.RMSNorm``'s state loads as it is (``nnx.update(fp8_norm, nnx.state(norm))``), or
+    :meth:`from_rmsnorm` makes the module of a norm, keeping its ``scale`` Variable.
 
-    Args:
-      num_features: N, the size of the last axis.
-      epsilon: ``eps`` by nnx.RMSNorm's name (give one of the two).
-      dtype: the dtype ``x`` (and the residual) are cast to before the norm, and that of
-        a dequantised output; None keeps the input's.
+    Args (``nnx.RMSNorm``'s, in its order):
+      num_features: the size of the scale (x's last axis).
+      epsilon: added to the mean square (nnx's default, 1e-6); ``eps`` is the same (give
+        one of the two).
+      dtype: the result's dtype, and that ``x`` and ``scale`` are promoted to; None: inferred
+        from them, as nnx does.
       param_dtype: the ``scale`` parameter's dtype.
-      use_scale: False for no parameter (gamma 1).
-      scale_init: the parameter's initializer, ``init(key, (N,), param_dtype)``; by
-        default ones, or zeros with ``weight_offset=1.0`` (Gemma), so that a new module is
-        the identity RMSNorm.
-      reduction_axes, feature_axes: -1 only (the kernels normalise the last axis).
-      dequantize: return ``f32(y) * scales`` (differentiable) instead of ``(y, scales)``.
-      rngs: the key of ``scale_init``.
+      use_scale: False for no parameter (weight 1: ``gamma=None`` to the ops).
+      scale_init: ``init(key, (num_features,), param_dtype)``; by default ones, or zeros
+        with ``weight_offset=1.0`` (Gemma), so that a new module is the identity RMSNorm.
+      reduction_axes: the normalised axes: trailing and contiguous, ending at the last
+        (``-1``, ``(-2, -1)``, or ``2`` for a rank-3 ``x``), normalised as one row of their
+        product; other axes are refused (the kernels read a row's elements contiguously).
+      feature_axes: the scale's axis: the last one only (the kernels multiply every row
+        by one gamma along it).
+      axis_name, axis_index_groups: must be None. nnx.RMSNorm averages the mean square
+        over a mapped axis with them (``lax.pmean``, a row split over devices); the kernels
+        normalise a whole row on one device. Under ``jax.jit`` a row sharded over a mesh
+        axis needs neither: it is gathered.
+      use_fast_variance: accepted for nnx's signature, without effect, as in nnx.RMSNorm
+        itself: it only changes how a mean is subtracted, and an RMSNorm subtracts none.
+      promote_dtype: ``promote_dtype((x, scale), dtype=dtype)`` -> ``(x, scale)``, nnx's by
+        default.
+      rngs: the key of ``scale_init`` (one ``rngs.params()`` is drawn with a scale, as nnx
+        draws it, so that the layers made after take the keys they would).
+      scale_metadata: the ``scale`` Param's metadata (``out_sharding``, ...), as nnx's.
+      quantized_output: return the codes and scales (:class:`QuantizedOutput`, the op's
+        outputs) instead of the dequantised array; not differentiable.
       The keywords of :func:`jax_fp8norm.rms_norm_fp8` (checked at construction, except
-      that group_size is checked against N here and against each input's last axis at
-      the call). A ``static_scale`` or ``global_scale`` array is kept as given (data, not
-      a parameter):
+      that group_size is checked against N here and against each input at the call). A
+      ``static_scale`` or ``global_scale`` array is kept as given (data, not a parameter):
       {keywords}
     """
 
@@ -65,30 +152,56 @@ class RMSNormFP8(nnx.Module):
         scale_init=None,
         reduction_axes=-1,
         feature_axes=-1,
-        dequantize: bool = False,
+        axis_name: str | None = None,
+        axis_index_groups: Any = None,
+        use_fast_variance: bool = True,
+        promote_dtype=nnx_dtypes.promote_dtype,
         rngs: nnx.Rngs | None = None,
+        scale_metadata=MappingProxyType({}),
+        quantized_output: bool = False,
         **keywords: Unpack[NormKeywords],
     ):
-        for name, axes in (("reduction_axes", reduction_axes), ("feature_axes", feature_axes)):
-            if axes not in (-1, (-1,), [-1]):
-                raise ValueError(f"{name} must be -1 (the last axis), got {axes!r}")
+        if "dequantize" in keywords:
+            raise TypeError(_REMOVED_DEQUANTIZE)
+        for name, value in (("axis_name", axis_name), ("axis_index_groups", axis_index_groups)):
+            if value is not None:
+                raise ValueError(
+                    f"{name}={value!r}: RMSNormFP8 normalises each row whole on one device; "
+                    "nnx.RMSNorm's cross-device mean over a mapped axis (lax.pmean inside "
+                    "pmap or shard_map) is not what the kernels compute. Under jax.jit a "
+                    "row sharded over a mesh axis needs no axis_name: it is gathered"
+                )
+        reduction = _axes(reduction_axes, "reduction_axes")
+        if all(a < 0 for a in reduction):  # checkable now; positive axes need x's rank
+            _positive(reduction, -min(reduction), "reduction_axes")
+            if sorted(reduction) != list(range(-len(reduction), 0)):
+                raise ValueError(
+                    f"reduction_axes={reduction_axes!r} must be x's trailing axes, "
+                    "contiguous and ending at the last (-1, (-2, -1), ...): the kernels "
+                    "normalise rows whose elements are contiguous"
+                )
+        _check_feature_axes(_axes(feature_axes, "feature_axes"), None)
         if epsilon is not None:
             if "eps" in keywords:
                 raise ValueError("give epsilon or eps, not both")
             keywords["eps"] = epsilon
-        self.dtype = None if dtype is None else jnp.dtype(dtype)
-        # Checked now, so that a bad keyword fails where the module is made.
-        validate(jnp.zeros((1, num_features), jnp.float32), jnp.ones((num_features,)), **keywords)
+        if not isinstance(quantized_output, bool):
+            raise TypeError(f"quantized_output must be a bool, got {quantized_output!r}")
+        # Checked now, so that a bad keyword fails where the module is made. Over several
+        # axes a row's length is known at the call, which checks the group against it.
+        n = num_features if len(reduction) == 1 else 0
+        validate(jnp.zeros((1, n), jnp.float32), jnp.ones((n,)), **keywords)
         offset = keywords.get("weight_offset", NORM_KEYWORDS["weight_offset"][0])
-        identity = jnp.full((num_features,), 0.0 if offset == 1.0 else 1.0, param_dtype)
-        if not use_scale:
-            self.scale = None
-            self.gamma = nnx.data(identity)
-        elif scale_init is None:
-            self.scale = nnx.Param(identity)
-        else:
+        self.scale: nnx.Param | None
+        if use_scale:
             key = rngs.params() if rngs is not None else jax.random.key(0)
-            self.scale = nnx.Param(jnp.asarray(scale_init(key, (num_features,), param_dtype)))
+            if scale_init is None:
+                value = jnp.full((num_features,), 0.0 if offset == 1.0 else 1.0, param_dtype)
+            else:
+                value = jnp.asarray(scale_init(key, (num_features,), param_dtype))
+            self.scale = nnx.Param(value, **scale_metadata)
+        else:
+            self.scale = nnx.data(None)
         # The calibrated and global scales are data (arrays the module carries); the rest
         # are static.
         static_scale = check_static_scale(keywords.pop("static_scale", None))
@@ -96,30 +209,45 @@ class RMSNormFP8(nnx.Module):
         global_scale = check_global_scale(keywords.pop("global_scale", None))
         self.global_scale = nnx.data(global_scale) if global_scale is not None else None
         self.keywords = keywords
-        self.dequantize = dequantize
+        # nnx.RMSNorm's attributes, so that code reading them reads the same.
+        self.num_features = num_features
+        self.epsilon = float(keywords.get("eps", NORM_KEYWORDS["eps"][0]))
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.use_scale = use_scale
+        self.reduction_axes = reduction_axes
+        self.feature_axes = feature_axes
+        self.axis_name = None
+        self.axis_index_groups = None
+        self.use_fast_variance = use_fast_variance
+        self.promote_dtype = promote_dtype
+        self.quantized_output = quantized_output
 
     @classmethod
     def from_rmsnorm(cls, norm: nnx.RMSNorm, **keywords) -> RMSNormFP8:
-        """The module of ``norm`` (an ``nnx.RMSNorm`` over the last axis), with its
-        epsilon, dtypes and scale, quantising as ``keywords`` say. One that reduces over a
-        mesh axis (``axis_name``) is refused: the kernels normalise each row on its own."""
-        if getattr(norm, "axis_name", None) is not None:
-            raise ValueError(
-                f"the nnx.RMSNorm reduces over the mesh axis {norm.axis_name!r}; RMSNormFP8 "
-                "normalises each row on its own device"
-            )
+        """The module of ``norm``: its constructor arguments, and its ``scale`` Variable
+        itself (value, metadata, sharding), shared with ``norm`` (``nnx.clone(norm)``
+        first for a module of its own); quantising as ``keywords`` say (the recipe
+        keywords, ``quantized_output``)."""
+        if "dequantize" in keywords:
+            raise TypeError(_REMOVED_DEQUANTIZE)
         module = cls(
             norm.num_features,
             epsilon=norm.epsilon,
             dtype=norm.dtype,
             param_dtype=norm.param_dtype,
-            use_scale=norm.use_scale,
+            use_scale=False,  # norm's own Variable follows
             reduction_axes=norm.reduction_axes,
             feature_axes=norm.feature_axes,
+            axis_name=norm.axis_name,
+            axis_index_groups=norm.axis_index_groups,
+            use_fast_variance=norm.use_fast_variance,
+            promote_dtype=norm.promote_dtype,
             **keywords,
         )
         if norm.use_scale:
-            module.scale[...] = norm.scale[...]
+            module.scale = norm.scale
+            module.use_scale = True
         return module
 
     def call_keywords(self) -> dict:
@@ -131,27 +259,49 @@ class RMSNormFP8(nnx.Module):
             keywords["global_scale"] = self.global_scale
         return keywords
 
-    def __call__(self, x: jax.Array, residual: jax.Array | None = None):
-        """``x``: ``[..., N]`` (the second argument is a residual, not nnx.RMSNorm's mask,
-        which it has none of). Returns ``(y, scales)``, or ``(y, scales, residual_out)``
-        with a residual; with ``dequantize=True``, ``f32(y) * scales`` (in ``dtype`` if
-        set; and ``residual_out``)."""
-        gamma = self.gamma if self.scale is None else self.scale[...]
-        if self.dtype is not None:
-            x = jnp.asarray(x).astype(self.dtype)
-            residual = None if residual is None else jnp.asarray(residual).astype(self.dtype)
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None, *, residual=None):
+        """``x``: ``[..., N]``. Returns the normalised ``x`` as nnx.RMSNorm does (the
+        dequantised codes); with ``residual=``, ``h = x + residual`` is normalised in the
+        same kernel and ``(out, residual_out)`` returned: ``out`` as without a residual,
+        ``residual_out`` h in x's dtype (x and residual, of one dtype, are not promoted:
+        the residual stream keeps its dtype). With ``quantized_output=True``: a
+        :class:`QuantizedOutput`.
+
+        ``mask`` (nnx.RMSNorm's second argument) must be None: nnx takes the mean square
+        over the masked elements only and normalises every element by it, which the
+        kernels, taking the whole row's, cannot reproduce exactly."""
+        if mask is not None:
+            raise ValueError(
+                "mask: RMSNormFP8 takes no mask. nnx.RMSNorm's mask restricts the mean "
+                "square to the masked elements; the kernels take it over the whole row, so "
+                "the result could not be nnx's. Pass mask=None (a residual goes by its "
+                "keyword, residual=)"
+            )
+        x = jnp.asarray(x)
+        _check_feature_axes(_axes(self.feature_axes, "feature_axes"), x.ndim)
+        scale = self.scale[...] if self.scale is not None else None
+        promoted, scale = self.promote_dtype((x, scale), dtype=self.dtype)
+        # nnx.RMSNorm's result dtype: that of its promoted operands, or dtype.
+        dtype = nnx_dtypes.canonicalize_dtype(promoted, scale, dtype=self.dtype)
+        placement = _nnx_placement(promoted, scale)
+        # With a residual the rows keep their dtype: the residual stream's, which
+        # residual_out carries on (nnx.RMSNorm has no residual to promote).
+        x = promoted if residual is None else x
+        gamma = None if scale is None else _replicated(scale)
         keywords = self.call_keywords()
-        if residual is None:
-            op = rms_norm_fp8_dequantized if self.dequantize else rms_norm_fp8
-            out = op(x, gamma, **keywords)
-        else:
-            op = add_rms_norm_fp8_dequantized if self.dequantize else add_rms_norm_fp8
-            out = op(x, residual, gamma, **keywords)
-        if self.dequantize and self.dtype is not None:
+        keywords["reduction_axes"] = self.reduction_axes
+        if self.quantized_output:
             if residual is None:
-                return out.astype(self.dtype)
-            return out[0].astype(self.dtype), out[1]
-        return out
+                return quantized_output(rms_norm_fp8(x, gamma, **keywords), residual=False)
+            out = add_rms_norm_fp8(x, residual, gamma, **keywords)
+            return quantized_output(out, residual=True)
+        if residual is None:
+            return rms_norm_fp8_dequantized(
+                x, gamma, dtype=dtype, out_sharding=placement, **keywords
+            )
+        return add_rms_norm_fp8_dequantized(
+            x, residual, gamma, dtype=dtype, out_sharding=placement, **keywords
+        )
 
 
 RMSNormFP8 = norm_keywords(RMSNormFP8)
@@ -164,10 +314,10 @@ class RMSNormDense(nnx.Module):
 
     Args:
       in_features: K, the normalised axis.
-      out_features: F.
+      out_features: F, an int or a tuple of output axes (an einsum weight ``(K, 2, H)``).
       epsilon: ``eps`` by nnx.RMSNorm's name (give one of the two).
       param_dtype: the master weights' dtype (float32 by default).
-      kernel_init: ``init(key, (K, F), param_dtype)``; LeCun normal by default, as
+      kernel_init: ``init(key, (K, *F), param_dtype)``; LeCun normal by default, as
         ``nnx.Linear``.
       fused: False runs the same layer unquantised, for comparison:
         :func:`jax_fp8norm.reference.unquantized_rms_norm_dense` (the RMSNorm in float32, the
@@ -178,13 +328,13 @@ class RMSNormDense(nnx.Module):
       {keywords}
 
     Parameters: ``norm.scale`` ([K], the norm's weight, ones; ``norm`` is an
-    :class:`RMSNormFP8`) and ``kernel`` ([K, F]).
+    :class:`RMSNormFP8`) and ``kernel`` ([K, *F]).
     """
 
     def __init__(
         self,
         in_features: int,
-        out_features: int,
+        out_features: int | tuple[int, ...],
         *,
         epsilon: float | None = None,
         param_dtype=jnp.float32,
@@ -193,14 +343,18 @@ class RMSNormDense(nnx.Module):
         rngs: nnx.Rngs,
         **keywords: Unpack[NormKeywords],
     ):
+        features = _axes(out_features, "out_features")
+        if not features or any(f < 1 for f in features):
+            raise ValueError(f"out_features must be positive sizes, got {out_features!r}")
         self.norm = RMSNormFP8(in_features, epsilon=epsilon, param_dtype=param_dtype, **keywords)
         init = kernel_init or nnx.initializers.lecun_normal()
-        kernel = init(rngs.params(), (in_features, out_features), param_dtype)
+        kernel = init(rngs.params(), (in_features, *features), param_dtype)
         self.kernel = nnx.Param(jnp.asarray(kernel))
+        self.out_features = out_features
         self.fused = fused
 
     def __call__(self, x: jax.Array, residual: jax.Array | None = None):
-        """``x``: ``[..., K]``. Returns ``[..., F]`` in x's dtype, and with a residual
+        """``x``: ``[..., K]``. Returns ``[..., *F]`` in x's dtype, and with a residual
         ``(out, residual_out)``."""
         gamma, w = self.norm.scale[...], self.kernel[...]
         keywords = self.norm.call_keywords()
@@ -210,7 +364,11 @@ class RMSNormDense(nnx.Module):
             return add_rms_norm_dense(x, residual, gamma, w, **keywords)
         eps = keywords.get("eps", NORM_KEYWORDS["eps"][0])
         offset = keywords.get("weight_offset", NORM_KEYWORDS["weight_offset"][0])
-        return unquantized_rms_norm_dense(x, gamma, w, residual, eps=eps, weight_offset=offset)
+        features = w.shape[1:]
+        flat = w.reshape(w.shape[0], math.prod(features))
+        out = unquantized_rms_norm_dense(x, gamma, flat, residual, eps=eps, weight_offset=offset)
+        unflat = lambda o: o.reshape(*o.shape[:-1], *features)  # noqa: E731
+        return unflat(out) if residual is None else (unflat(out[0]), out[1])
 
 
 RMSNormDense = norm_keywords(RMSNormDense)

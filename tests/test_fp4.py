@@ -499,7 +499,9 @@ def test_fp4_flax_module():
     from jax_fp8norm.nnx import RMSNormFP8
 
     x = random_rows(8, (4, 256), jnp.bfloat16)
-    module = RMSNormFP8(256, **_format("nvfp4", global_scale=jnp.float32(0.02)))
+    module = RMSNormFP8(
+        256, quantized_output=True, **_format("nvfp4", global_scale=jnp.float32(0.02))
+    )
     y, scales = module(x)
     want = fp8norm.rms_norm_fp8(x, module.scale[...], **_format("nvfp4", global_scale=0.02))
     assert_same_bits((y, scales), want)

@@ -1,5 +1,7 @@
-"""The Flax NNX module: the same outputs as the functional ops, and a gradient that
-reaches its weight through the dequantised path."""
+"""The Flax NNX modules: RMSNormFP8's codes (quantized_output=True) are the functional
+ops' outputs, its default output the differentiable twins' with the gradient reaching its
+weight; RMSNormDense is the layer, for a weight of one or several output axes. The module
+as a drop-in for nnx.RMSNorm is held in test_nnx_drop_in.py."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_same_bits, device_of, random_rows
+from helpers import assert_same_bits, device_of, random_rows, same_bits
 
 nnx = pytest.importorskip("flax.nnx")
 
@@ -19,19 +21,28 @@ def test_module_matches_the_ops(platform):
     x = random_rows(1, (4, 8, 256), jnp.bfloat16)
     residual = random_rows(2, (4, 8, 256), jnp.bfloat16)
     with jax.default_device(device_of(platform)):
-        norm = RMSNormFP8(256, weight_offset=1.0, scale_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        norm = RMSNormFP8(
+            256,
+            weight_offset=1.0,
+            scale_dtype=jnp.bfloat16,
+            param_dtype=jnp.bfloat16,  # x's: no promotion
+            quantized_output=True,
+            rngs=nnx.Rngs(0),
+        )
         np.testing.assert_array_equal(np.asarray(norm.scale[...]), np.zeros(256))
         norm.scale[...] = norm.scale[...] + 0.25
-        gamma = np.full(256, 0.25, np.float32)
+        gamma = np.full(256, 0.25, jnp.bfloat16)
         kw = {"weight_offset": 1.0, "scale_dtype": jnp.bfloat16}
         assert_same_bits(nnx.jit(lambda m, x: m(x))(norm, x), fp8norm.rms_norm_fp8(x, gamma, **kw))
-        assert_same_bits(norm(x, residual), fp8norm.add_rms_norm_fp8(x, residual, gamma, **kw))
+        assert_same_bits(
+            norm(x, residual=residual), fp8norm.add_rms_norm_fp8(x, residual, gamma, **kw)
+        )
 
 
 def test_scale_gets_a_gradient():
     x = random_rows(3, (6, 128), jnp.float32)
     w = jnp.asarray(np.random.default_rng(4).standard_normal((6, 128)), jnp.float32)
-    norm = RMSNormFP8(128, dequantize=True)
+    norm = RMSNormFP8(128)
 
     def loss(module):
         return jnp.sum(w * module(x))
@@ -48,14 +59,17 @@ def test_module_with_block_scales_and_a_static_scale(platform):
     x = random_rows(5, (4, 256), jnp.bfloat16)
     gamma = np.ones(256, np.float32)
     with jax.default_device(device_of(platform)):
-        grouped = RMSNormFP8(256, group_size=128, scale_dtype=jnp.float8_e8m0fnu)
+        grouped = RMSNormFP8(
+            256, group_size=128, scale_dtype=jnp.float8_e8m0fnu, quantized_output=True
+        )
         y, scales = nnx.jit(lambda m, x: m(x))(grouped, x)
         assert scales.shape == (4, 2) and scales.dtype == jnp.float8_e8m0fnu
         want = fp8norm.rms_norm_fp8(x, gamma, group_size=128, scale_dtype=jnp.float8_e8m0fnu)
         assert_same_bits((y, scales), want)
-        calibrated = RMSNormFP8(256, static_scale=jnp.float32(0.02), dequantize=True)
+        calibrated = RMSNormFP8(256, static_scale=jnp.float32(0.02))
         got = nnx.jit(lambda m, x: m(x))(calibrated, x)
-        want = fp8norm.rms_norm_fp8_dequantized(x, gamma, static_scale=0.02)
+        # nnx's dtype: bfloat16 x and a float32 scale promote to float32.
+        want = fp8norm.rms_norm_fp8_dequantized(x.astype(jnp.float32), gamma, static_scale=0.02)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
@@ -73,46 +87,33 @@ def _trained_rmsnorm(n: int, **kwargs) -> nnx.RMSNorm:
 
 
 def test_an_nnx_rmsnorm_state_loads_as_it_is():
-    """The drop-in: nnx.RMSNorm's constructor arguments and its parameter's name, so that
-    nnx.update loads its state; from_rmsnorm does the same in one call."""
+    """nnx.RMSNorm's parameter's name, so that nnx.update loads its state; from_rmsnorm
+    does the same in one call."""
     x = random_rows(7, (4, 256), jnp.bfloat16)
     norm = _trained_rmsnorm(256, epsilon=1e-5, dtype=jnp.float32)
-    loaded = RMSNormFP8(256, epsilon=1e-5, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    loaded = RMSNormFP8(256, epsilon=1e-5, dtype=jnp.float32, quantized_output=True)
     nnx.update(loaded, nnx.state(norm))
     gamma = norm.scale[...]
     want = fp8norm.rms_norm_fp8(x.astype(jnp.float32), gamma, eps=1e-5)
     assert_same_bits(loaded(x), want)
-    converted = RMSNormFP8.from_rmsnorm(norm, dequantize=True)
-    got = converted(x)
+    got = RMSNormFP8.from_rmsnorm(norm)(x)
     assert got.dtype == jnp.float32
-    np.testing.assert_array_equal(
-        np.asarray(got),
-        np.asarray(fp8norm.rms_norm_fp8_dequantized(x.astype(jnp.float32), gamma, eps=1e-5)),
-    )
-    # Within FP8 rounding of the module it replaces: e4m3 keeps 3 mantissa bits.
-    np.testing.assert_allclose(np.asarray(got), np.asarray(norm(x)), rtol=2**-4, atol=1e-6)
-
-
-def test_the_constructor_refuses_what_the_kernels_cannot_do():
-    with pytest.raises(ValueError, match="epsilon or eps"):
-        RMSNormFP8(64, epsilon=1e-5, eps=1e-6)
-    with pytest.raises(ValueError, match="reduction_axes must be -1"):
-        RMSNormFP8(64, reduction_axes=0)
-    with pytest.raises(TypeError, match=r"unexpected keyword.*axis_name"):
-        RMSNormFP8(64, axis_name="tp")
-    with pytest.raises(ValueError, match="reduces over the mesh axis 'tp'"):
-        RMSNormFP8.from_rmsnorm(nnx.RMSNorm(64, axis_name="tp", rngs=nnx.Rngs(0)))
+    want = fp8norm.rms_norm_fp8_dequantized(x.astype(jnp.float32), gamma, eps=1e-5)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_without_a_scale_parameter_and_with_an_initializer():
     x = random_rows(8, (2, 64), jnp.float32)
-    bare = RMSNormFP8(64, use_scale=False)
+    bare = RMSNormFP8(64, use_scale=False, quantized_output=True)
     assert nnx.state(bare, nnx.Param) == nnx.State({})
     assert_same_bits(bare(x), fp8norm.rms_norm_fp8(x, jnp.ones(64)))
     init = lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, 0.5, 1.5)  # noqa: E731
-    made = RMSNormFP8(64, scale_init=init, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(3))
+    made = RMSNormFP8(
+        64, scale_init=init, param_dtype=jnp.bfloat16, quantized_output=True, rngs=nnx.Rngs(3)
+    )
     assert made.scale[...].dtype == jnp.bfloat16
-    assert_same_bits(made(x), fp8norm.rms_norm_fp8(x, made.scale[...]))
+    # nnx's promotion: float32 x and a bfloat16 scale meet in float32.
+    assert_same_bits(made(x), fp8norm.rms_norm_fp8(x, made.scale[...].astype(jnp.float32)))
     assert not np.all(np.asarray(made.scale[...]) == 1)
 
 
@@ -151,3 +152,33 @@ def test_rms_norm_dense_module_is_the_layer():
     out, residual_out = module(x, residual)
     assert out.dtype == jnp.bfloat16 and residual_out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=2e-2, atol=2e-2)
+
+
+def test_rms_norm_dense_module_takes_several_output_axes():
+    """out_features as a tuple: the kernel is (K, *F), an einsum weight, and the module is
+    rms_norm_dense of it, bit for bit, forward and weight gradient; fused=False the
+    unquantised layer of the flattened weight, reshaped."""
+    from jax_fp8norm.nnx import RMSNormDense
+
+    module = RMSNormDense(64, (2, 16), recipe="mxfp8", rngs=nnx.Rngs(1))
+    assert module.kernel[...].shape == (64, 2, 16)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 16, 64)), jnp.bfloat16)
+    gamma, w = module.norm.scale[...], module.kernel[...]
+
+    def loss(out):
+        return jnp.sum(out.astype(jnp.float32) ** 2), out
+
+    step = nnx.jit(nnx.value_and_grad(lambda m: loss(m(x)), has_aux=True))
+    (_, out), grads = step(module)
+    assert out.shape == (2, 16, 2, 16) and out.dtype == jnp.bfloat16
+    same_bits(out, fp8norm.rms_norm_dense(x, gamma, w, recipe="mxfp8"))
+    layer = jax.jit(lambda w: loss(fp8norm.rms_norm_dense(x, gamma, w, recipe="mxfp8"))[0])
+    dw = jax.grad(layer)(w)
+    assert np.any(np.asarray(dw) != 0)
+    same_bits(grads["kernel"][...], dw)
+    module.fused = False
+    flat = RMSNormDense(64, 32, fused=False, rngs=nnx.Rngs(1))
+    flat.kernel[...] = w.reshape(64, 32)
+    same_bits(module(x), flat(x).reshape(2, 16, 2, 16))
+    with pytest.raises(ValueError, match="out_features"):
+        RMSNormDense(64, (2, 0), rngs=nnx.Rngs(1))

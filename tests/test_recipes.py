@@ -110,7 +110,8 @@ def test_every_entry_point_takes_a_recipe(name):
     def module(keywords):
         from jax_fp8norm.nnx import RMSNormFP8
 
-        return RMSNormFP8(HIDDEN, **keywords)(jnp.asarray(x), jnp.asarray(residual))
+        module = RMSNormFP8(HIDDEN, quantized_output=True, **keywords)
+        return module(jnp.asarray(x), residual=jnp.asarray(residual))
 
     for fn in (allreduce, module):
         with_recipe = tuple(map(np.asarray, fn(recipe(name))))
