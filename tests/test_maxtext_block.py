@@ -35,6 +35,9 @@ def test_the_codes_agree_but_for_maxtexts_bfloat16_rounding(scheme):
         assert numbers["scale_relative_difference"] <= 4 * 2.0**-8
         if scheme == "fixed_scale":
             assert numbers["same_scale"]
+            # The amax returned beside the static scale is MaxText's but for its roundings
+            # of the normalised value, the weight and their product.
+            assert numbers["observed_amax_relative_difference"] <= 3 * 2.0**-8
         # Most codes are identical; every one that is not is explained by the rounding to
         # bfloat16 (neighbouring codes, the rounding boundary within it of the exact value).
         assert 0.9 < numbers["identical_codes"] < 1

@@ -197,11 +197,19 @@ def maxtext_fixed_scale(fixed_range: float) -> float:
     return float(q.scale.reshape(()))
 
 
-def observed_amax(norm: RMSNorm, x: jax.Array) -> float:
-    """The largest ``|n|`` of the norm's output over the batch: what delayed scaling records
-    (MaxText's ``fp8`` / ``nanoo_fp8`` keep a history of it)."""
-    _, scales = fp8norm.rms_norm_fp8(x, norm.scale[...], eps=norm.epsilon, recipe="fp8_row")
-    return float(jnp.max(scales.astype(jnp.float32))) * 448.0
+def observed_amax(norm: RMSNorm, x: jax.Array, static_scale: float = 1.0) -> float:
+    """The largest ``|n|`` of the norm's output over the batch, which the kernel returns
+    beside a static scale (``return_amax=True``): what delayed scaling records for the next
+    step's scale (MaxText's ``fp8`` / ``nanoo_fp8`` keep a history of it)."""
+    *_, amax = fp8norm.rms_norm_fp8(
+        x,
+        norm.scale[...],
+        eps=norm.epsilon,
+        recipe="fp8_static",
+        static_scale=static_scale,
+        return_amax=True,
+    )
+    return float(jnp.max(amax))
 
 
 def exact_ratios(norm: RMSNorm, x: jax.Array, scales: jax.Array) -> np.ndarray:
@@ -265,6 +273,10 @@ def compare_part(layer, fused, part: str, x, rules, tile_size, fixed_range) -> d
     result["scale_relative_difference"] = float(np.max(np.abs(ours_scale / their_scale - 1)))
     if fixed_range is not None:  # ours took MaxText's fixed scale
         result["same_scale"] = bool(np.all(ours_scale == their_scale))
+        # This step's amax, for the next step's scale, against MaxText's bfloat16 outputs'
+        amax = observed_amax(maxtext_part.norm, x, float(ours_scale.reshape(-1)[0]))
+        their_amax = float(jnp.max(jnp.abs(maxtext_part.norm(x).astype(jnp.float32))))
+        result["observed_amax_relative_difference"] = abs(amax / their_amax - 1)
     result["activation_relative_difference"] = relative(dequantized(ours), dequantized(theirs))
     replayed, beyond = True, 0.0
     for name in maxtext_part.names:
