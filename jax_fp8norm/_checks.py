@@ -84,19 +84,35 @@ def _round_through(value: float, dtype: np.dtype) -> float:
 
 
 def check_arrays(x: Any, gamma: Any, residual: Any = None) -> None:
-    """Checks the array arguments' dtypes and shapes (x, gamma and, if given, residual)."""
+    """Checks the array arguments' dtypes and shapes as the kernels take them (x, gamma
+    ``[N]`` and, if given, residual)."""
+    check_rows(x, residual)
+    check_gamma_dtype(gamma)
+    if tuple(gamma.shape) != (x.shape[-1],):
+        raise ValueError(
+            f"gamma must have shape (x.shape[-1],) = ({x.shape[-1]},), got {tuple(gamma.shape)}"
+        )
+
+
+def check_gamma_dtype(gamma: Any) -> np.dtype:
+    gamma_dtype = _dtype_of(gamma, "gamma")
+    if gamma_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"gamma must be {_FLOAT_NAMES}, got {gamma_dtype}")
+    return gamma_dtype
+
+
+def check_float_dtype(value: Any, name: str) -> np.dtype:
+    """A dtype argument that must be float32, float16 or bfloat16."""
+    return _as_dtype(value, name, FLOAT_DTYPES, _FLOAT_NAMES)
+
+
+def check_rows(x: Any, residual: Any = None) -> None:
+    """Checks x's and, if given, the residual's dtype and shape."""
     x_dtype = _dtype_of(x, "x")
     if x_dtype not in FLOAT_DTYPES:
         raise TypeError(f"x must be {_FLOAT_NAMES}, got {x_dtype}")
     if len(x.shape) < 1:
         raise ValueError("x must have rank >= 1 (rows of hidden values), got a scalar")
-    gamma_dtype = _dtype_of(gamma, "gamma")
-    if gamma_dtype not in FLOAT_DTYPES:
-        raise TypeError(f"gamma must be {_FLOAT_NAMES}, got {gamma_dtype}")
-    if tuple(gamma.shape) != (x.shape[-1],):
-        raise ValueError(
-            f"gamma must have shape (x.shape[-1],) = ({x.shape[-1]},), got {tuple(gamma.shape)}"
-        )
     if residual is not None:
         residual_dtype = _dtype_of(residual, "residual")
         if residual_dtype != x_dtype:
@@ -242,7 +258,9 @@ def _check_group_size(group_size: Any, hidden: int | None) -> int | None:
     if group <= 0:
         raise ValueError(f"group_size must be positive, got {group}")
     if hidden is not None and hidden % group != 0:
-        raise ValueError(f"group_size={group} must divide N = x.shape[-1] = {hidden}")
+        raise ValueError(
+            f"group_size={group} must divide N = {hidden}, the size of the normalised axes"
+        )
     return group
 
 

@@ -23,6 +23,39 @@ def _keywords_doc(indent: str) -> str:
     )
 
 
+# The arguments every public op shares beyond NORM_KEYWORDS (jax_fp8norm._shapes checks
+# them), each described once: a docstring line ``{name}`` becomes its text.
+ARGUMENT_DOCS: dict[str, str] = {
+    "gamma": (
+        "gamma: the weight, float32, float16 or bfloat16 (need not match ``x``): of the "
+        "normalised axes' shape (``[N]`` for the last axis), or any shape that broadcasts "
+        "to it after dropping leading axes of size 1 (``(1, 1, 1, N)``; ``(16,)`` for a norm "
+        "over ``(4, 16)``); or None for no weight (the weight is 1 exactly, whatever "
+        "``weight_offset``)."
+    ),
+    "reduction_axes": (
+        "reduction_axes: the axes normalised together, an int or a sequence of ints (any "
+        "sign): the trailing axes of ``x``, contiguous, ending at the last. Default -1. "
+        "Several are one row of ``N = prod(normalised shape)`` elements to the kernels: "
+        "``y`` and ``residual_out`` come back in ``x.shape``, ``scales`` as "
+        "``x.shape[:-k] + (N // group_size,)`` (``+ (1,)`` per row), ``y_t`` as "
+        "``[N, rows]``."
+    ),
+    "out_sharding": (
+        "out_sharding: None, or a NamedSharding (or a PartitionSpec under ``jax.set_mesh``) "
+        "for ``y`` and ``residual_out``; ``scales`` take its entries on the batch axes. "
+        "Applied with ``jax.sharding.reshard`` on explicit mesh axes and "
+        "``jax.lax.with_sharding_constraint`` on automatic ones."
+    ),
+}
+
+
+def _argument_doc(name: str, indent: str) -> str:
+    return textwrap.fill(
+        ARGUMENT_DOCS[name], width=88, initial_indent=indent, subsequent_indent=indent + "  "
+    )
+
+
 def _default_repr(value: Any) -> str:
     return getattr(value, "__name__", None) or repr(value)
 
@@ -30,7 +63,8 @@ def _default_repr(value: Any) -> str:
 def norm_keywords(fn: Callable) -> Callable:
     """Gives ``fn(..., **keywords)`` (a function, or a class by its __init__) the signature
     of the keywords in NORM_KEYWORDS (for help() and IDEs) and puts their descriptions
-    where its docstring says ``{keywords}``.
+    where its docstring says ``{keywords}``, and that of a shared argument (ARGUMENT_DOCS)
+    on a line that says ``{gamma}``, ``{reduction_axes}`` or ``{out_sharding}``.
     ``fn`` hands ``keywords`` to :func:`validate`, which applies the defaults and refuses
     unknown names."""
     if isinstance(fn, type):  # a class: its __init__ without self
@@ -44,8 +78,11 @@ def norm_keywords(fn: Callable) -> Callable:
         for name, (default, _) in NORM_KEYWORDS.items()
     ]
     fn.__signature__ = signature.replace(parameters=parameters)
-    if fn.__doc__ and "{keywords}" in fn.__doc__:
-        line = next(t for t in fn.__doc__.splitlines() if "{keywords}" in t)
+    for line in (fn.__doc__ or "").splitlines():
+        name = line.strip()[1:-1]
+        if line.strip() not in ("{keywords}", *(f"{{{a}}}" for a in ARGUMENT_DOCS)):
+            continue
         indent = line[: len(line) - len(line.lstrip())]
-        fn.__doc__ = fn.__doc__.replace(line, _keywords_doc(indent))
+        text = _keywords_doc(indent) if name == "keywords" else _argument_doc(name, indent)
+        fn.__doc__ = fn.__doc__.replace(line, text)
     return fn

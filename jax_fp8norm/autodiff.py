@@ -13,6 +13,11 @@ straight-through rule, the cotangent of the dequantised output arriving as that 
 normalised ``n`` (rounding, clamping, scale_ub and the choice of scales, dynamic or
 calibrated, are treated as the identity), with order-free exact sums for each row's ``c``
 and for ``dgamma``.
+
+The twins take the ops' framework shapes (gamma None or broadcast, ``reduction_axes``,
+``out_sharding``: jax_fp8norm._shapes) and return ``dtype`` if given, else
+``jnp.result_type(x, gamma)`` (``x.dtype`` for gamma None): the float32 product rounded
+once to it.
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ import dataclasses
 from typing import ClassVar, Unpack
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import DTypeLike
 
-from jax_fp8norm._checks import validate
 from jax_fp8norm._params import NormKeywords, NormOutputs, NormParams, global_scale_operand
+from jax_fp8norm._shapes import shaped_call
 from jax_fp8norm._signatures import norm_keywords
 from jax_fp8norm._vjp import differentiable_norm
 from jax_fp8norm.recipes import dequantize
@@ -32,14 +40,16 @@ from jax_fp8norm.recipes import dequantize
 @dataclasses.dataclass(frozen=True)
 class _Dequantize:
     """The head of the differentiable twins: ``f32(y) * f32(scales)`` (times NVFP4's global
-    scale), whose cotangent is that of ``n`` (straight through)."""
+    scale) rounded once to ``dtype``, whose cotangent is that of ``n`` (straight through)."""
 
     params: NormParams
+    dtype: np.dtype
     num_operands: ClassVar[int] = 0
     columnwise: ClassVar[bool] = False
 
     def apply(self, outs: NormOutputs, operands: tuple, static: tuple) -> jax.Array:
-        return dequantize(outs.y, outs.scales, global_scale_operand(self.params, static))
+        value = dequantize(outs.y, outs.scales, global_scale_operand(self.params, static))
+        return value.astype(self.dtype)
 
     def check_training(self, x_shape: tuple, operands: tuple) -> None:
         pass
@@ -48,12 +58,20 @@ class _Dequantize:
         return ()
 
     def backward(self, g, operands: tuple, static: tuple, kept: tuple) -> tuple:
-        return g, ()
+        # In float32 (exactly g's values), so that a psum of dn over devices adds in float32
+        # whatever the value's dtype.
+        return g.astype(jnp.float32), ()
 
 
 @norm_keywords
 def rms_norm_fp8_dequantized(
-    x: jax.Array, gamma: jax.Array, **keywords: Unpack[NormKeywords]
+    x: jax.Array,
+    gamma: jax.Array | None = None,
+    *,
+    reduction_axes: int | tuple[int, ...] = -1,
+    dtype: DTypeLike | None = None,
+    out_sharding=None,
+    **keywords: Unpack[NormKeywords],
 ) -> jax.Array:
     """``f32(y) * f32(scales)`` of :func:`jax_fp8norm.rms_norm_fp8` (each scale repeated
     over its group), differentiable.
@@ -62,32 +80,53 @@ def rms_norm_fp8_dequantized(
     op's outputs. Backward: the straight-through rule (see the module docstring).
 
     Args:
-      x, gamma: as for :func:`jax_fp8norm.rms_norm_fp8`.
+      x, gamma, reduction_axes, out_sharding: as for :func:`jax_fp8norm.rms_norm_fp8`.
+      dtype: the value's dtype (float32, float16 or bfloat16); None for
+        ``jnp.result_type(x, gamma)`` (``x.dtype`` for gamma None).
       {keywords}
 
     Returns:
-      ``[..., N]`` float32.
+      ``x.shape`` in ``dtype``: the float32 product rounded once to it.
     """
-    call = validate(x, gamma, **keywords)
-    head = _Dequantize(call.params)
-    return differentiable_norm(call.params, False, head)(*call.operands(x, gamma))
+    shaped = shaped_call(
+        (x,), gamma, keywords, reduction_axes=reduction_axes, out_sharding=out_sharding
+    )
+    params = shaped.call.params
+    head = _Dequantize(params, shaped.value_dtype(dtype))
+    value = differentiable_norm(params, False, head)(*shaped.operands())
+    return shaped.finish(NormOutputs(y=value, scales=None)).y
 
 
 @norm_keywords
 def add_rms_norm_fp8_dequantized(
-    x: jax.Array, residual: jax.Array, gamma: jax.Array, **keywords: Unpack[NormKeywords]
+    x: jax.Array,
+    residual: jax.Array,
+    gamma: jax.Array | None = None,
+    *,
+    reduction_axes: int | tuple[int, ...] = -1,
+    dtype: DTypeLike | None = None,
+    out_sharding=None,
+    **keywords: Unpack[NormKeywords],
 ) -> tuple[jax.Array, jax.Array]:
     """``(f32(y) * f32(scales), residual_out)`` of :func:`jax_fp8norm.add_rms_norm_fp8`,
     differentiable with the straight-through rule; ``residual_out``'s cotangent flows to
     ``x`` and ``residual`` unchanged.
 
     Args:
-      x, residual, gamma: as for :func:`jax_fp8norm.add_rms_norm_fp8`.
+      x, residual, gamma, reduction_axes, out_sharding: as for
+        :func:`jax_fp8norm.add_rms_norm_fp8`.
+      dtype: as for :func:`rms_norm_fp8_dequantized`.
       {keywords}
 
     Returns:
-      ``[..., N]`` float32 and ``[..., N]`` in ``x.dtype``.
+      ``x.shape`` in ``dtype`` (as for :func:`rms_norm_fp8_dequantized`) and ``x.shape``
+      in ``x.dtype`` (``residual_out``).
     """
-    call = validate(x, gamma, residual, **keywords)
-    head = _Dequantize(call.params)
-    return differentiable_norm(call.params, True, head)(*call.operands(x, residual, gamma))
+    shaped = shaped_call(
+        (x, residual), gamma, keywords, reduction_axes=reduction_axes, out_sharding=out_sharding
+    )
+    params = shaped.call.params
+    head = _Dequantize(params, shaped.value_dtype(dtype))
+    value, residual_out = differentiable_norm(params, True, head)(*shaped.operands())
+    outs = shaped.finish(NormOutputs(y=value, scales=None, residual_out=residual_out))
+    return outs.y, outs.residual_out

@@ -21,34 +21,63 @@ from jax_fp8norm._checks import (
     check_columnwise,
     check_global_scale,
     check_reduce_dtype,
+    check_return_amax,
     check_static_scale,
     validate,
 )
 from jax_fp8norm._dtypes import FLOAT_DTYPES, OUT_DTYPES
-from jax_fp8norm._params import AllReduceKeywords, NormKeywords
+from jax_fp8norm._params import AllReduceKeywords, NormKeywords, named_outputs
 from jax_fp8norm._primitives import (
     allreduce_rms_norm_fp8_p,
     bind_norm,
     round_p,
 )
+from jax_fp8norm._shapes import shaped_call
 from jax_fp8norm._signatures import norm_keywords
 
 
-def checked_norm(rows: tuple, gamma, keywords: dict, *, columnwise, training: bool):
+def checked_norm(
+    rows: tuple,
+    gamma,
+    keywords: dict,
+    *,
+    columnwise,
+    training: bool,
+    return_amax=False,
+    reduction_axes=-1,
+    out_sharding=None,
+):
     """Every norm op's body: the checks (TypeError / ValueError naming the argument), then
     the primitive. ``rows``: x, or x and residual. Returns the checked call's parameters
-    and its outputs (NormOutputs)."""
-    call = validate(rows[0], gamma, *rows[1:], **keywords)
+    and its outputs (NormOutputs).
+
+    The ops take framework shapes (jax_fp8norm._shapes: gamma None or broadcast,
+    reduction_axes, out_sharding); the training forms (``training``) take the kernels'
+    own, gamma ``[N]`` and one normalised axis, since their backward takes the forward's
+    arrays as they are."""
+    if training:
+        call = validate(rows[0], gamma, *rows[1:], **keywords)
+        shaped = None
+    else:
+        shaped = shaped_call(
+            rows, gamma, keywords, reduction_axes=reduction_axes, out_sharding=out_sharding
+        )
+        call, rows, gamma = shaped.call, shaped.rows, shaped.gamma
     columnwise = check_columnwise(columnwise, call.params, rows[0].shape)
-    return call.params, bind_norm(call, rows, gamma, training=training, columnwise=columnwise)
+    amax = check_return_amax(return_amax, call.params)
+    outs = bind_norm(call, rows, gamma, training=training, columnwise=columnwise, amax=amax)
+    return call.params, outs if shaped is None else shaped.finish(outs)
 
 
 @norm_keywords
 def rms_norm_fp8(
     x: jax.Array,
-    gamma: jax.Array,
+    gamma: jax.Array | None = None,
     *,
     columnwise: bool = False,
+    return_amax: bool = False,
+    reduction_axes: int | tuple[int, ...] = -1,
+    out_sharding=None,
     **keywords: Unpack[NormKeywords],
 ) -> tuple[jax.Array, ...]:
     """RMSNorm of each row of ``x``, quantised to FP8 with dynamic scales per row (or per
@@ -59,13 +88,18 @@ def rms_norm_fp8(
     Args:
       x: ``[..., N]`` float32, float16 or bfloat16, rank >= 1; each of the
         ``prod(x.shape[:-1])`` rows is normalised on its own.
-      gamma: ``[N]`` float32, float16 or bfloat16 (need not match ``x``).
+      {gamma}
       columnwise: also return ``n`` quantised along the rows, for a GEMM that contracts
         over them (the weight gradient ``x^T dy``): ``y_t`` ``[N, rows]`` in ``out_dtype``
         and ``scales_t`` ``[N, rows // group_size]``, blocks of ``group_size`` rows with
         the recipe's scale rule (``[N, 1]`` and the codes transposed for a
         ``static_scale``). Needs block scales or a static scale, and rows a multiple of
         ``group_size``.
+      return_amax: also return each row's amax, ``max_j |n_j|`` before any clip, float32
+        ``[..., 1]``, for delayed scaling (the next calibrated scale). Only with a
+        ``static_scale``; NaN for a row whose outputs are NaN.
+      {reduction_axes}
+      {out_sharding}
       {keywords}
 
     Returns:
@@ -73,9 +107,19 @@ def rms_norm_fp8(
       ``[..., N // group_size]`` (``[..., 1]`` per row) in ``scale_dtype``.
       ``f32(y) * repeat(f32(scales), N // scales.shape[-1], axis=-1)`` dequantises
       (times ``global_scale`` for NVFP4: :func:`jax_fp8norm.dequantize`). With
-      ``columnwise``: ``(y, scales, y_t, scales_t)``.
+      ``columnwise``: ``(y, scales, y_t, scales_t)``; ``amax`` after ``scales`` with
+      ``return_amax``.
     """
-    _, outs = checked_norm((x,), gamma, keywords, columnwise=columnwise, training=False)
+    _, outs = checked_norm(
+        (x,),
+        gamma,
+        keywords,
+        columnwise=columnwise,
+        training=False,
+        return_amax=return_amax,
+        reduction_axes=reduction_axes,
+        out_sharding=out_sharding,
+    )
     return outs.returned(training=False)
 
 
@@ -83,25 +127,39 @@ def rms_norm_fp8(
 def add_rms_norm_fp8(
     x: jax.Array,
     residual: jax.Array,
-    gamma: jax.Array,
+    gamma: jax.Array | None = None,
     *,
     columnwise: bool = False,
+    return_amax: bool = False,
+    reduction_axes: int | tuple[int, ...] = -1,
+    out_sharding=None,
     **keywords: Unpack[NormKeywords],
 ) -> tuple[jax.Array, ...]:
     """``h = x + residual`` in float32, then :func:`rms_norm_fp8` of ``h``, in one pass.
 
     Args:
       x, residual: ``[..., N]``, the same shape and dtype (float32, float16 or bfloat16).
-      gamma, columnwise: as for :func:`rms_norm_fp8`.
+      gamma, columnwise, return_amax, reduction_axes, out_sharding: as for
+        :func:`rms_norm_fp8`.
       {keywords}
 
     Returns:
       ``(y, scales, residual_out)``: ``y`` and ``scales`` as for :func:`rms_norm_fp8`,
       computed from the unrounded float32 ``h``; ``residual_out`` is ``h`` rounded to
       ``x.dtype`` (the next layer's residual). With ``columnwise``:
-      ``(y, scales, residual_out, y_t, scales_t)``.
+      ``(y, scales, residual_out, y_t, scales_t)``; ``amax`` after ``residual_out`` with
+      ``return_amax``.
     """
-    _, outs = checked_norm((x, residual), gamma, keywords, columnwise=columnwise, training=False)
+    _, outs = checked_norm(
+        (x, residual),
+        gamma,
+        keywords,
+        columnwise=columnwise,
+        training=False,
+        return_amax=return_amax,
+        reduction_axes=reduction_axes,
+        out_sharding=out_sharding,
+    )
     return outs.returned(training=False)
 
 
@@ -109,12 +167,13 @@ def add_rms_norm_fp8(
 def allreduce_residual_rms_norm_fp8(
     x: jax.Array,
     residual: jax.Array,
-    gamma: jax.Array,
+    gamma: jax.Array | None = None,
     *,
     axis_name,
     reduce_dtype=None,
     method: str = "auto",
     columnwise: bool = False,
+    reduction_axes: int | tuple[int, ...] = -1,
     **keywords: Unpack[NormKeywords],
 ) -> tuple[jax.Array, ...]:
     """Tensor-parallel all-reduce of partial sums, then :func:`add_rms_norm_fp8`, fused.
@@ -132,7 +191,7 @@ def allreduce_residual_rms_norm_fp8(
       x: ``[..., N]`` this device's partial sum (e.g. a row-parallel matmul's output),
         float32, float16 or bfloat16.
       residual: ``[..., N]``, the dtype of ``x``, the same on every device.
-      gamma: ``[N]``, the same on every device.
+      gamma: as for :func:`rms_norm_fp8`, the same on every device.
       axis_name: the mesh axis (or a tuple of axes) to reduce over.
       reduce_dtype: None to all-reduce in ``x.dtype`` (the bytes a tensor-parallel layer
         already moves), or ``jnp.float32`` to all-reduce, and add the residual, in
@@ -145,13 +204,15 @@ def allreduce_residual_rms_norm_fp8(
         so are ``y_t`` and ``scales_t``). The call then sums with ``"xla"`` (``"auto"``
         takes it; a one-kernel method is a ValueError): the columnwise pass reads the
         float32 sum, which the one-kernel methods keep in their registers.
+      reduction_axes: as for :func:`rms_norm_fp8`.
       {keywords}
 
     Returns:
       ``(y, scales, residual_out)`` as for :func:`add_rms_norm_fp8`; ``residual_out``
       has the residual's dtype. With ``columnwise``: then ``y_t, scales_t``.
     """
-    call = validate(x, gamma, residual, **keywords)
+    shaped = shaped_call((x, residual), gamma, keywords, reduction_axes=reduction_axes)
+    call, (x, residual) = shaped.call, shaped.rows
     reduce = check_reduce_dtype(reduce_dtype, x.dtype)
     if check_columnwise(columnwise, call.params, x.shape):
         if check_method(method) not in ("auto", "xla"):
@@ -161,17 +222,17 @@ def allreduce_residual_rms_norm_fp8(
                 "the one-kernel methods do not write"
             )
         h = xla_sum(x, check_axis_name(axis_name), None if reduce == jnp.dtype(x.dtype) else reduce)
-        outs = bind_norm(call, (h, residual), gamma, training=False, columnwise=True)
-        return outs.returned(training=False)
-    return tuple(
-        allreduce_rms_norm_fp8_p.bind(
-            *call.operands(x, residual, gamma),
-            axes=check_axis_name(axis_name),
-            method=check_method(method),
-            reduce_dtype=None if reduce == jnp.dtype(x.dtype) else reduce,
-            **call.params.as_dict(),
-        )
+        outs = bind_norm(call, (h, residual), shaped.gamma, training=False, columnwise=True)
+        return shaped.finish(outs).returned(training=False)
+    results = allreduce_rms_norm_fp8_p.bind(
+        *shaped.operands(),
+        axes=check_axis_name(axis_name),
+        method=check_method(method),
+        reduce_dtype=None if reduce == jnp.dtype(x.dtype) else reduce,
+        **call.params.as_dict(),
     )
+    outs = named_outputs(results, call.params.as_dict(), add=True)
+    return shaped.finish(outs).returned(training=False)
 
 
 def sharded_allreduce_residual_rms_norm_fp8(
@@ -189,7 +250,7 @@ def sharded_allreduce_residual_rms_norm_fp8(
       partials: ``[mesh.shape[axis_name], ..., N]``: device ``i``'s partial sum at index
         ``i`` of the leading axis, which is sharded over ``axis_name`` (placed so if it is
         not already).
-      residual: ``[..., N]``, replicated. gamma: ``[N]``, replicated.
+      residual: ``[..., N]``, replicated. gamma: replicated (or None).
       mesh, axis_name: the mesh and the axis to reduce over.
       kwargs: the keywords of :func:`allreduce_residual_rms_norm_fp8` (a
         ``static_scale`` or ``global_scale`` array is replicated).
@@ -214,25 +275,28 @@ def sharded_allreduce_residual_rms_norm_fp8(
     data = {name: value for name, value in data.items() if value is not None}
     extra = tuple(data.values())
 
-    def per_device(local_partials, residual, gamma, *scales):
-        kwargs.update(zip(data, scales, strict=True))
+    # gamma=None (no weight) is no operand: each device makes the same constant.
+    weights = () if gamma is None else (gamma,)
+
+    def per_device(local_partials, residual, *operands):
+        weight = operands[0] if weights else None
+        kwargs.update(zip(data, operands[len(weights) :], strict=True))
         return allreduce_residual_rms_norm_fp8(
-            local_partials[0], residual, gamma, axis_name=axis_name, **kwargs
+            local_partials[0], residual, weight, axis_name=axis_name, **kwargs
         )
 
     stacked, replicated = NamedSharding(mesh, P(axis_name)), NamedSharding(mesh, P())
     fn = jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(P(axis_name), P(), P()) + (P(),) * len(extra),
+        in_specs=(P(axis_name), P()) + (P(),) * (len(weights) + len(extra)),
         # (y, scales, residual_out), then y_t and scales_t with columnwise
         out_specs=(P(),) * (5 if kwargs.get("columnwise") else 3),
     )
     return fn(
         _place(partials, stacked),
         _place(residual, replicated),
-        _place(gamma, replicated),
-        *(_place(e, replicated) for e in extra),
+        *(_place(e, replicated) for e in weights + extra),
     )
 
 

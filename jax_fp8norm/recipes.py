@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import numbers
 from typing import Any
 
@@ -320,14 +321,28 @@ def dequantize(
     y: jax.Array, scales: jax.Array, global_scale: jax.Array | float | None = None
 ) -> jax.Array:
     """``f32(y) * f32(scales)``, each scale repeated over its group, times NVFP4's
-    ``global_scale`` when given: float32 ``[..., N]`` from the ``(y, scales)`` of any op
-    (per row, per group, e8m0, static, NVFP4 or MXFP4)."""
-    n = y.shape[-1]
+    ``global_scale`` when given: float32 of ``y``'s shape from the ``(y, scales)`` of any
+    op (per row, per group, e8m0, static, NVFP4 or MXFP4). A ``y`` with more trailing axes
+    than ``scales`` (an op's ``reduction_axes`` over several) is read as rows of its
+    trailing axes flattened."""
+    shape = tuple(y.shape)
+    batch = len(scales.shape) - 1
+    if batch < 0 or len(shape) <= batch or shape[:batch] != tuple(scales.shape[:batch]):
+        raise ValueError(
+            f"scales of shape {tuple(scales.shape)} do not fit y of shape {shape}: scales "
+            "must be y's batch axes then one axis of scales per row"
+        )
+    n = math.prod(shape[batch:])
     groups = scales.shape[-1]
+    if (n % groups != 0) if groups else n != 0:
+        raise ValueError(
+            f"scales' last axis ({groups}) must divide the row of y, {n} elements "
+            f"(y's shape {shape})"
+        )
     scales32 = scales.astype(jnp.float32)
     if groups > 1:
         scales32 = jnp.repeat(scales32, n // groups, axis=-1)
-    out = y.astype(jnp.float32) * scales32
+    out = jnp.reshape(y, shape[:batch] + (n,)).astype(jnp.float32) * scales32
     if global_scale is not None:
         out = out * jnp.reshape(jnp.asarray(global_scale, jnp.float32), ())
-    return out
+    return jnp.reshape(out, shape)

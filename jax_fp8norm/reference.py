@@ -19,12 +19,14 @@ from jax_fp8norm._checks import (
     check_backward,
     check_columnwise,
     check_reduce_dtype,
+    check_return_amax,
     validate,
 )
 from jax_fp8norm._dtypes import E8M0
 from jax_fp8norm._exact_sums import exact_sum, sum_of_squares
 from jax_fp8norm._groups import as_bits, divide, fp4_groups, from_bits, power_of_two_exponents
-from jax_fp8norm._params import DEFAULT_EPS, NormKeywords, NormParams
+from jax_fp8norm._params import DEFAULT_EPS, NormKeywords, NormParams, named_outputs
+from jax_fp8norm._shapes import shaped_call
 from jax_fp8norm._signatures import norm_keywords
 from jax_fp8norm.recipes import dequantize
 
@@ -391,24 +393,39 @@ def add_rms_norm_fp8_training(
 
 @norm_keywords
 def rms_norm_fp8(
-    x: jax.Array, gamma: jax.Array, *, columnwise: bool = False, **keywords: Unpack[NormKeywords]
+    x: jax.Array,
+    gamma: jax.Array | None = None,
+    *,
+    columnwise: bool = False,
+    return_amax: bool = False,
+    reduction_axes: int | tuple[int, ...] = -1,
+    out_sharding=None,
+    **keywords: Unpack[NormKeywords],
 ) -> tuple[jax.Array, ...]:
     """Reference of :func:`jax_fp8norm.rms_norm_fp8`; same arguments and results.
 
     Keywords:
       {keywords}
     """
-    call = validate(x, gamma, **keywords)
-    return _outputs(call, jnp.asarray(x), None, jnp.asarray(gamma), False, columnwise)
+    shaped = shaped_call(
+        (x,), gamma, keywords, reduction_axes=reduction_axes, out_sharding=out_sharding
+    )
+    amax = check_return_amax(return_amax, shaped.call.params)
+    x = jnp.asarray(shaped.rows[0])
+    outs = _outputs(shaped.call, x, None, jnp.asarray(shaped.gamma), False, columnwise, amax)
+    return _in_callers_shapes(shaped, outs, columnwise, amax)
 
 
 @norm_keywords
 def add_rms_norm_fp8(
     x: jax.Array,
     residual: jax.Array,
-    gamma: jax.Array,
+    gamma: jax.Array | None = None,
     *,
     columnwise: bool = False,
+    return_amax: bool = False,
+    reduction_axes: int | tuple[int, ...] = -1,
+    out_sharding=None,
     **keywords: Unpack[NormKeywords],
 ) -> tuple[jax.Array, ...]:
     """Reference of :func:`jax_fp8norm.add_rms_norm_fp8`; same arguments and results.
@@ -416,14 +433,29 @@ def add_rms_norm_fp8(
     Keywords:
       {keywords}
     """
-    call = validate(x, gamma, residual, **keywords)
-    return _outputs(
-        call, jnp.asarray(x), jnp.asarray(residual), jnp.asarray(gamma), False, columnwise
+    shaped = shaped_call(
+        (x, residual), gamma, keywords, reduction_axes=reduction_axes, out_sharding=out_sharding
     )
+    amax = check_return_amax(return_amax, shaped.call.params)
+    x, residual = (jnp.asarray(r) for r in shaped.rows)
+    gamma = jnp.asarray(shaped.gamma)
+    outs = _outputs(shaped.call, x, residual, gamma, False, columnwise, amax)
+    return _in_callers_shapes(shaped, outs, columnwise, amax)
 
 
-def _outputs(call, x, residual, gamma, training: bool, columnwise) -> tuple[jax.Array, ...]:
-    """(y, scales[, residual_out][, inverse_rms][, y_t, scales_t]) of one checked call."""
+def _in_callers_shapes(shaped, outs: tuple, columnwise: bool, amax: bool = False) -> tuple:
+    """A public twin's outputs of the kernels' rows in the caller's shapes and placement
+    (jax_fp8norm._shapes), by name as the op's."""
+    form = {"with_inverse_rms": False, "with_amax": amax, "columnwise": bool(columnwise)}
+    named = named_outputs(outs, form, add=len(shaped.rows) == 2)
+    return shaped.finish(named).returned(training=False)
+
+
+def _outputs(
+    call, x, residual, gamma, training: bool, columnwise, amax: bool = False
+) -> tuple[jax.Array, ...]:
+    """(y, scales[, residual_out][, inverse_rms][, amax][, y_t, scales_t]) of one checked
+    call."""
     columnwise = check_columnwise(columnwise, call.params, x.shape)
     if residual is None:
         h = x.astype(jnp.float32)
@@ -431,11 +463,15 @@ def _outputs(call, x, residual, gamma, training: bool, columnwise) -> tuple[jax.
     else:
         outs = add_quantize(x, residual, gamma, call)
         h = x.astype(jnp.float32) + residual.astype(jnp.float32)
+    if amax and not (training or columnwise):
+        return (*outs, row_amax(h, gamma, call.params))
     if not (training or columnwise):
         return outs
     r = inverse_rms(h, call.params.eps)
     if training:
         outs = (*outs, r)
+    if amax:
+        outs = (*outs, row_amax(h, gamma, call.params))
     if columnwise:
         outs = (*outs, *quantize_columns(h, gamma, r, call.params, call.scale_operand))
     return outs
@@ -452,12 +488,13 @@ def add_quantize(x, residual, gamma, call):
 def allreduce_residual_rms_norm_fp8(
     x: jax.Array,
     residual: jax.Array,
-    gamma: jax.Array,
+    gamma: jax.Array | None = None,
     *,
     axis_name,
     reduce_dtype=None,
     method: str = "xla",
     columnwise: bool = False,
+    reduction_axes: int | tuple[int, ...] = -1,
     **keywords: Unpack[NormKeywords],
 ) -> tuple[jax.Array, ...]:
     """Reference of :func:`jax_fp8norm.allreduce_residual_rms_norm_fp8`; same arguments.
@@ -469,7 +506,8 @@ def allreduce_residual_rms_norm_fp8(
     Keywords:
       {keywords}
     """
-    call = validate(x, gamma, residual, **keywords)
+    shaped = shaped_call((x, residual), gamma, keywords, reduction_axes=reduction_axes)
+    x, residual = (jnp.asarray(r) for r in shaped.rows)
     if method not in ("xla", "one_shot", "two_shot"):
         raise ValueError(
             f"method must be 'xla', 'one_shot' or 'two_shot' (the method the op ran), got "
@@ -479,7 +517,9 @@ def allreduce_residual_rms_norm_fp8(
         h = all_reduce(jnp.asarray(x), axis_name, reduce_dtype)
     else:
         h = fixed_order_sum(jnp.asarray(x), axis_name)
-    return _outputs(call, h, jnp.asarray(residual), jnp.asarray(gamma), False, columnwise)
+    gamma = jnp.asarray(shaped.gamma)
+    outs = _outputs(shaped.call, h, residual, gamma, False, columnwise)
+    return _in_callers_shapes(shaped, outs, columnwise)
 
 
 def fixed_order_sum(x: jax.Array, axis_name) -> jax.Array:

@@ -27,8 +27,10 @@ BAD_ARRAYS = [
     (dict(x=[[1.0] * 16] * 4), TypeError, "x must be an array"),
     (dict(x=jnp.float32(1.0)), ValueError, "x must have rank >= 1"),
     (dict(gamma=jnp.ones((17,), jnp.float32)), ValueError, "gamma must have shape"),
-    (dict(gamma=jnp.ones((1, 16), jnp.float32)), ValueError, "gamma must have shape"),
-    (dict(gamma=jnp.float32(1.0)), ValueError, "gamma must have shape"),
+    # (1, 16) and a scalar broadcast to the normalised axis (tests/test_framework_shapes.py)
+    (dict(gamma=jnp.ones((16, 1), jnp.float32)), ValueError, "gamma must have shape"),
+    (dict(gamma=jnp.ones((2, 16), jnp.float32)), ValueError, "gamma must have shape"),
+    (dict(gamma=jnp.ones((4,), jnp.float32)), ValueError, "gamma must have shape"),
     (dict(gamma=jnp.ones((16,), jnp.int8)), TypeError, "gamma must be"),
     (dict(gamma=jnp.ones((16,), jnp.float8_e4m3fn)), TypeError, "gamma must be"),
 ]
