@@ -1,12 +1,17 @@
 """The build backend: scikit-build-core's, plus the CUDA compiler from PyPI where a build
-wants the CUDA kernels and the machine has no CUDA toolkit.
+wants the CUDA kernels and the machine has no CUDA toolkit, and one build at a time in
+each build folder.
 
 A build wants them with ``FP8NORM_CUDA=ON``, or by default (``AUTO``) on a machine with
-an NVIDIA driver. Then, when no nvcc is in ``CUDACXX``, on PATH, under ``CUDA_PATH`` /
-``CUDA_HOME`` or in ``/usr/local/cuda`` (and none is named to CMake), the build asks for
-NVIDIA's compiler wheels (``nvidia-cuda-nvcc`` and the runtime, NVVM, CRT and CCCL
-wheels it needs, which install into one ``nvidia/cu13`` tree) and hands their nvcc to
-CMake. CPU-only machines download nothing. PyPI carries a whole compiler for CUDA 13
+an NVIDIA driver: a CUDA compiler alone (a toolkit in a container or on a CI runner with
+no GPU) does not make ``AUTO`` build them, since nothing there could run them and they
+are most of the build's time (seven GPU architectures). ``AUTO`` without a driver is
+handed to CMake as such (``FP8NORM_NVIDIA_DRIVER=OFF``), which builds the CPU kernels
+and says so. Where the build wants them, when no nvcc is in ``CUDACXX``, on PATH, under
+``CUDA_PATH`` / ``CUDA_HOME`` or in ``/usr/local/cuda`` (and none is named to CMake), the
+build asks for NVIDIA's compiler wheels (``nvidia-cuda-nvcc`` and the runtime, NVVM, CRT
+and CCCL wheels it needs, which install into one ``nvidia/cu13`` tree) and hands their
+nvcc to CMake. CPU-only machines download nothing. PyPI carries a whole compiler for CUDA 13
 only (``nvidia-cuda-nvcc-cu12`` holds ptxas alone), so a machine whose driver or jax
 plugin is CUDA 12 needs a toolkit. The nvcc the build settles on, the wheels' or an
 installed one, is handed to CMake by name. pip's build isolation hides the user's
@@ -16,13 +21,20 @@ packages, so the jax plugin's CUDA major is read only in a build without it
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.metadata
 import os
 import re
 import shutil
 import sys
+import sysconfig
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: builds are not locked
+    fcntl = None
 
 from scikit_build_core import build as _scikit_build
 from scikit_build_core.build import (
@@ -62,6 +74,11 @@ PYPI_NVCC_PATH = {13: Path("nvidia/cu13/bin/nvcc")}
 DEFAULT_TOOLKIT_NVCC = Path("/usr/local/cuda/bin/nvcc")
 _CUDA_SETTING = "cmake.define.FP8NORM_CUDA"
 _COMPILER_SETTING = "cmake.define.CMAKE_CUDA_COMPILER"
+# Whether AUTO found a driver (ON / OFF), for CMake, which cannot ask as this file does.
+_DRIVER_SETTING = "cmake.define.FP8NORM_NVIDIA_DRIVER"
+# pyproject.toml's [tool.scikit-build] build-dir (tests/test_build_backend.py holds the two
+# together): where builds go unless a setting names another folder.
+DEFAULT_BUILD_DIR = "build/{wheel_tag}"
 # The build folder of builds with the wheels' nvcc, whose path changes with every isolated
 # build environment: kept apart from the default one, so that a later build with a toolkit
 # (or none) does not meet a compiler path that no longer exists in its cache.
@@ -153,6 +170,15 @@ def cuda_major(plugin_major: int | None, driver_major: int | None) -> int | None
     return max(usable, default=None)
 
 
+def cuda_wanted(
+    config_settings: dict | None, environ=os.environ, *, driver_present=nvidia_driver_present
+) -> bool:
+    """Whether the build compiles the CUDA kernels: ``ON`` (a wheel builder, a build for
+    another machine), or ``AUTO`` where an NVIDIA driver could run them; never ``OFF``."""
+    setting = cuda_setting(config_settings, environ)
+    return setting == "ON" or (setting == "AUTO" and driver_present())
+
+
 def pypi_nvcc_requirements(
     config_settings: dict | None = None,
     environ=os.environ,
@@ -165,8 +191,7 @@ def pypi_nvcc_requirements(
     """The compiler wheels this build needs from PyPI; [] where it wants no CUDA or has a
     toolkit. A CUDA major without a compiler on PyPI gets [] too, and CMake then says that
     no nvcc was found."""
-    setting = cuda_setting(config_settings, environ)
-    wanted = setting == "ON" or (setting == "AUTO" and driver_present())
+    wanted = cuda_wanted(config_settings, environ, driver_present=driver_present)
     if not wanted or chosen_compiler(config_settings, environ) or find_nvcc(environ):
         return []
     return list(PYPI_NVCC.get(cuda_major(plugin_major(), driver_major()), ()))
@@ -191,13 +216,22 @@ def complete_layout(nvcc: str) -> None:
         (root / "lib64").symlink_to("lib")
 
 
-def _with_compiler(config_settings: dict | None, environ=os.environ) -> dict | None:
+def _with_compiler(
+    config_settings: dict | None, environ=os.environ, *, driver_present=None
+) -> dict | None:
     """The settings with CMake pointed at the nvcc the build found: the wheels' where it
     asked for them (in a build folder of their own), else an installed one; none where CUDA
-    is off or the user named a compiler."""
+    is off or the user named a compiler. ``AUTO`` also tells CMake whether a driver is
+    here: without one it builds no CUDA, whatever compiler it could find."""
+    driver_present = driver_present or nvidia_driver_present
     settings = dict(config_settings or {})
+    if cuda_setting(settings, environ) == "AUTO":
+        driver = driver_present()
+        settings[_DRIVER_SETTING] = "ON" if driver else "OFF"
+        if not driver:
+            return settings
     if cuda_setting(settings, environ) == "OFF" or chosen_compiler(settings, environ):
-        return config_settings
+        return settings if _DRIVER_SETTING in settings else config_settings
     if pypi_nvcc_requirements(settings, environ):
         nvcc = installed_pypi_nvcc()
         if nvcc is None:  # --no-build-isolation without the wheels: CMake decides
@@ -207,8 +241,65 @@ def _with_compiler(config_settings: dict | None, environ=os.environ) -> dict | N
     else:
         nvcc = system_nvcc(environ)
         if nvcc is None:
-            return config_settings
+            return settings if _DRIVER_SETTING in settings else config_settings
     return {**settings, _COMPILER_SETTING: nvcc}
+
+
+class _Placeholders(dict):
+    """A build-dir template's fields: ``wheel_tag`` by the interpreter that decides it, any
+    other field by its name."""
+
+    def __missing__(self, key: str) -> str:
+        return key
+
+
+def interpreter_key() -> str:
+    """What a build's wheel tag depends on here (the interpreter, its ABI flags and the
+    platform), without computing the tag: two builds that share a build folder share it."""
+    return f"{sys.implementation.cache_tag}{sys.abiflags}-{sysconfig.get_platform()}"
+
+
+def build_lock_path(config_settings: dict | None, environ=os.environ) -> Path | None:
+    """The lock of the build folder this build uses (``build-dir`` from the settings, from
+    ``SKBUILD_BUILD_DIR``, else pyproject.toml's), beside it; None for a temporary folder
+    (an empty build-dir)."""
+    template = (
+        (config_settings or {}).get("build-dir")
+        or environ.get("SKBUILD_BUILD_DIR")
+        or DEFAULT_BUILD_DIR
+    )
+    if not str(template).strip():
+        return None
+    folder = str(template).format_map(_Placeholders(wheel_tag=interpreter_key()))
+    return Path(folder.rstrip("/\\") + ".lock")
+
+
+@contextlib.contextmanager
+def build_folder_lock(path: Path | None, *, stream=sys.stderr):
+    """Holds an exclusive lock on ``path`` (created if need be) for the build. A second
+    install of the same checkout waits for the first instead of building beside it in the
+    same folder, where each would delete or rewrite the other's objects mid-build; after
+    the wait it finds the first's objects and rebuilds only what changed. A private folder
+    instead would cost a full build (the CUDA kernels' minutes) on the same cores. The
+    operating system releases the lock when its build ends in any way."""
+    if path is None or fcntl is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(
+                f"jax_fp8norm: another build of this checkout holds {path}; waiting for it",
+                file=stream,
+                flush=True,
+            )
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def get_requires_for_build_wheel(config_settings=None):
@@ -222,12 +313,12 @@ def get_requires_for_build_editable(config_settings=None):
 
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
-    return _scikit_build.build_wheel(
-        wheel_directory, _with_compiler(config_settings), metadata_directory
-    )
+    settings = _with_compiler(config_settings)
+    with build_folder_lock(build_lock_path(settings)):
+        return _scikit_build.build_wheel(wheel_directory, settings, metadata_directory)
 
 
 def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
-    return _scikit_build.build_editable(
-        wheel_directory, _with_compiler(config_settings), metadata_directory
-    )
+    settings = _with_compiler(config_settings)
+    with build_folder_lock(build_lock_path(settings)):
+        return _scikit_build.build_editable(wheel_directory, settings, metadata_directory)

@@ -1,10 +1,13 @@
-"""The build backend's one addition to scikit-build-core: nvcc from PyPI where a build
-wants the CUDA kernels and the machine has no toolkit, nothing anywhere else. The build
-itself with the toolkit hidden is tools/checks/wheel_check.sh (CI)."""
+"""The build backend's additions to scikit-build-core: nvcc from PyPI where a build wants
+the CUDA kernels and the machine has no toolkit, nothing anywhere else; AUTO's CUDA only
+beside a driver; one build at a time per build folder. The build itself with the toolkit
+hidden is tools/checks/wheel_check.sh (CI)."""
 
 from __future__ import annotations
 
+import io
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend"))
 import fp8norm_build
 
 NVCC_13 = list(fp8norm_build.PYPI_NVCC[13])
+COMPILER = "cmake.define.CMAKE_CUDA_COMPILER"
+DRIVER = "cmake.define.FP8NORM_NVIDIA_DRIVER"
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _requirements(setting, *, driver=None, toolkit=None, plugin=None, settings=None):
@@ -88,23 +94,110 @@ def test_the_build_names_the_nvcc_it_settled_on(tmp_path, monkeypatch):
     compiler = "cmake.define.CMAKE_CUDA_COMPILER"
     # The wheels' nvcc, in a build folder of its own (unless one is given).
     monkeypatch.setattr(fp8norm_build, "pypi_nvcc_requirements", lambda s, e: NVCC_13)
-    settings = fp8norm_build._with_compiler({"a": "b"}, {})
+    on = {"FP8NORM_CUDA": "ON"}
+    settings = fp8norm_build._with_compiler({"a": "b"}, on)
     assert settings == {
         "a": "b",
         compiler: str(nvcc),
         "build-dir": fp8norm_build.PYPI_NVCC_BUILD_DIR,
     }
-    given = fp8norm_build._with_compiler({"build-dir": "mine"}, {})
+    given = fp8norm_build._with_compiler({"build-dir": "mine"}, on)
     assert given["build-dir"] == "mine"
     # An installed nvcc, by name: CMake's own search misses /usr/local/cuda and CUDA_HOME.
     monkeypatch.setattr(fp8norm_build, "pypi_nvcc_requirements", lambda s, e: [])
     monkeypatch.setattr(fp8norm_build, "system_nvcc", lambda e: "/opt/cuda/bin/nvcc")
-    assert fp8norm_build._with_compiler({}, {}) == {compiler: "/opt/cuda/bin/nvcc"}
+    assert fp8norm_build._with_compiler({}, on) == {compiler: "/opt/cuda/bin/nvcc"}
+    # AUTO with a driver: the same, and CMake told of the driver.
+    assert fp8norm_build._with_compiler({}, {}, driver_present=lambda: True) == {
+        compiler: "/opt/cuda/bin/nvcc",
+        DRIVER: "ON",
+    }
     # CUDA off, or a compiler the user named: the settings as they are.
     assert fp8norm_build._with_compiler({}, {"FP8NORM_CUDA": "off"}) == {}
     named = {compiler: "/x/nvcc"}
-    assert fp8norm_build._with_compiler(named, {}) == named
-    assert fp8norm_build._with_compiler({}, {"CMAKE_ARGS": "-DCMAKE_CUDA_COMPILER=/y"}) == {}
+    assert fp8norm_build._with_compiler(named, on) == named
+    assert fp8norm_build._with_compiler({}, {**on, "CMAKE_ARGS": "-DCMAKE_CUDA_COMPILER=/y"}) == {}
+
+
+@pytest.mark.parametrize(
+    ("setting", "driver", "wanted"),
+    [
+        (None, False, False),
+        ("auto", False, False),
+        (None, True, True),
+        ("ON", False, True),
+        ("ON", True, True),
+        ("OFF", True, False),
+    ],
+)
+def test_auto_builds_cuda_only_beside_a_driver(monkeypatch, setting, driver, wanted):
+    # A toolkit alone (nvcc on PATH, no driver: a container, a CI runner) does not make
+    # AUTO build the CUDA kernels; ON does, driver or not (wheel builders).
+    environ = {} if setting is None else {"FP8NORM_CUDA": setting}
+    assert fp8norm_build.cuda_wanted({}, environ, driver_present=lambda: driver) is wanted
+    monkeypatch.setattr(fp8norm_build, "system_nvcc", lambda e: "/usr/local/bin/nvcc")
+    settings = fp8norm_build._with_compiler({}, environ, driver_present=lambda: driver)
+    assert (COMPILER in settings) is wanted
+    auto = (setting or "AUTO").upper() == "AUTO"
+    assert settings.get(DRIVER) == ({True: "ON", False: "OFF"}[driver] if auto else None)
+    assert fp8norm_build.pypi_nvcc_requirements(
+        {},
+        environ,
+        driver_present=lambda: driver,
+        find_nvcc=lambda e: None,
+        plugin_major=lambda: None,
+        driver_major=lambda: 13 if driver else None,
+    ) == (NVCC_13 if wanted else [])
+
+
+def test_cmake_builds_no_cuda_for_auto_without_a_driver():
+    # The backend's word reaches CMake's decision: AUTO with FP8NORM_NVIDIA_DRIVER=OFF
+    # skips the compiler search, ahead of it.
+    text = (REPO / "CMakeLists.txt").read_text()
+    skip = text.index('if(_cuda_setting STREQUAL "AUTO" AND _driver STREQUAL "OFF")')
+    assert skip < text.index("check_language(CUDA)")
+    # The wheel check hides every nvcc and expects CUDA kernels from PyPI's: it forces ON.
+    wheel_check = (REPO / "tools" / "checks" / "wheel_check.sh").read_text()
+    assert "env FP8NORM_CUDA=ON python -m pip wheel ." in wheel_check
+
+
+def test_the_lock_is_beside_the_build_folder():
+    import tomllib
+
+    with open(REPO / "pyproject.toml", "rb") as f:
+        build_dir = tomllib.load(f)["tool"]["scikit-build"]["build-dir"]
+    assert build_dir == fp8norm_build.DEFAULT_BUILD_DIR
+    key = fp8norm_build.interpreter_key()
+    assert fp8norm_build.build_lock_path({}, {}) == Path(f"build/{key}.lock")
+    pypi = {"build-dir": fp8norm_build.PYPI_NVCC_BUILD_DIR}
+    assert fp8norm_build.build_lock_path(pypi, {}) == Path(f"build/{key}-pypi-nvcc.lock")
+    environ = {"SKBUILD_BUILD_DIR": "out/{state}/"}
+    assert fp8norm_build.build_lock_path({}, environ) == Path("out/state.lock")
+    assert fp8norm_build.build_lock_path({"build-dir": ""}, {"SKBUILD_BUILD_DIR": " "}) is None
+
+
+def test_a_second_build_of_the_folder_waits_for_the_first(tmp_path):
+    # Two builds of one checkout at once: the second waits (and says so) until the first
+    # lets go of the folder, instead of building beside it.
+    path = tmp_path / "build" / "tag.lock"
+    events, said = [], io.StringIO()
+
+    def second():
+        with fp8norm_build.build_folder_lock(path, stream=said):
+            events.append("second")
+
+    with fp8norm_build.build_folder_lock(path):
+        thread = threading.Thread(target=second)
+        thread.start()
+        thread.join(0.5)
+        assert thread.is_alive() and events == []
+        assert "another build of this checkout holds" in said.getvalue()
+        events.append("first done")
+    thread.join(10)
+    assert events == ["first done", "second"]
+    # Free again, and a temporary folder takes no lock.
+    with fp8norm_build.build_folder_lock(path), fp8norm_build.build_folder_lock(None):
+        pass
 
 
 def test_settings_from_cmake_args_and_in_any_case():
