@@ -225,7 +225,7 @@ if len(jax.devices("cpu")) < 8:
 
     @pytest.mark.parametrize("tier", TIERS)
     def test_on_eight_virtual_cpu_devices(tier):
-        rerun(__file__, 8, tier, "-k", "out_sharding")
+        rerun(__file__, 8, tier, "-k", "out_sharding or allreduce")
 
 else:
 
@@ -263,3 +263,17 @@ else:
             assert scales.shape == (8, 1) and _spec(scales) == P("data")
             value = placed(twin, x, gamma, jit=jit, reduction_axes=(1, 2))
             assert _spec(value) == spec
+
+    def test_allreduce_takes_no_gamma_and_several_axes():
+        # Two devices' partials of x [3, 4, 16], the norm over (4, 16): the op on the
+        # partials' float32 sum (exact for two) with the flattened rows and a weight of 1.
+        mesh = jax.make_mesh((2,), ("tp",), axis_types=(AxisType.Explicit,))
+        partials = random_rows(15, (2, 3, 4, 16), jnp.float32)
+        residual = random_rows(16, (3, 4, 16), jnp.float32)
+        got = fp8norm.sharded_allreduce_residual_rms_norm_fp8(
+            partials, residual, None, mesh=mesh, axis_name="tp", reduction_axes=(-2, -1)
+        )
+        h = (partials[0] + partials[1]).reshape(3, 64)
+        want = fp8norm.add_rms_norm_fp8(h, residual.reshape(3, 64), np.ones(64, np.float32))
+        assert got[0].shape == (3, 4, 16) and got[1].shape == (3, 1)
+        assert_same_bits(got, (want[0].reshape(3, 4, 16), want[1], want[2].reshape(3, 4, 16)))
