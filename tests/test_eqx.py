@@ -48,6 +48,7 @@ CASES = {
     "no_bias_bf16_weight": ((256,), jnp.bfloat16, {"use_bias": False, "dtype": jnp.bfloat16}, {}),
     "no_weight": ((128,), jnp.float16, {"use_weight": False, "use_bias": False}, {}),
     "multi_axis": ((4, 64), jnp.float32, {"eps": 1e-6}, {"recipe": "mxfp8"}),
+    "static": ((256,), jnp.bfloat16, {}, {"recipe": "fp8_static", "static_scale": 0.02}),
 }
 
 
@@ -129,6 +130,10 @@ def test_gradients_reach_the_weight_and_the_bias():
     same_bits(grads.weight, want[0])
     same_bits(grads.bias, want[1])
     assert np.any(np.asarray(grads.weight) != 0)
+    # A calibrated scale is data the module carries, not a parameter the call trains.
+    calibrated = RMSNormFP8.from_rmsnorm(norm, recipe="fp8_static", static_scale=0.02)
+    grads = eqx.filter_grad(lambda m: jnp.sum(w * jax.vmap(m)(x)))(calibrated)
+    assert grads.static_scale.shape == (1,) and float(grads.static_scale[0]) == 0.0
 
 
 REFUSED = {

@@ -16,7 +16,7 @@ import pytest
 from helpers import random_rows, same_bits
 
 import jax_fp8norm as fp8norm
-from jax_fp8norm.linen import QuantizedOutput, RMSNormFP8
+from jax_fp8norm.linen import RECIPE_FIELDS, QuantizedOutput, RMSNormFP8
 
 
 def control(x, gamma, dtype, residual=None, **keywords):
@@ -30,7 +30,7 @@ def control(x, gamma, dtype, residual=None, **keywords):
 def swapped_pair(x, seed=0, **attributes):
     """nn.RMSNorm and RMSNormFP8 with the same attributes and the same trained-looking
     scale; returns the two modules, the variables and nn.RMSNorm's output."""
-    plain = nn.RMSNorm(**{k: v for k, v in attributes.items() if k not in ("recipe",)})
+    plain = nn.RMSNorm(**{k: v for k, v in attributes.items() if k not in RECIPE_FIELDS})
     variables = plain.init(jax.random.key(seed), x)
     variables = jax.tree.map(
         lambda s: s + jnp.asarray(random_rows(seed, s.shape, np.float32, spread=0.5), s.dtype),
@@ -46,6 +46,7 @@ CASES = {
     "explicit_dtype": (jnp.float32, {"dtype": jnp.float16}),
     "no_scale": (jnp.bfloat16, {"use_scale": False}),
     "f16_group128": (jnp.float16, {"recipe": "fp8_group128", "epsilon": 1e-5}),
+    "static": (jnp.bfloat16, {"recipe": "fp8_static", "static_scale": jnp.float32(0.02)}),
 }
 
 
@@ -63,7 +64,7 @@ def test_returns_what_nn_rmsnorm_returns_with_the_control_bits(case):
     )
     got = jax.jit(fp8.apply)(variables, x)
     scale = variables["params"]["scale"] if attributes.get("use_scale", True) else None
-    keywords = {"recipe": attributes["recipe"]} if "recipe" in attributes else {}
+    keywords = {k: v for k, v in attributes.items() if k in RECIPE_FIELDS}
     keywords["eps"] = attributes.get("epsilon", 1e-6)
     same_bits(got, control(x, scale, want_dtype, **keywords))
     assert np.isfinite(np.asarray(got, np.float32)).all()
