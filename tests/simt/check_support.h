@@ -1,6 +1,6 @@
 // What kernel_check's parts share (kernel_check.cc, training_check.cc): the emulated
-// devices' limits, the inputs' random numbers, buffers of exactly their size, and the
-// byte-for-byte comparison with the CPU kernel.
+// devices' limits, the inputs' random numbers, buffers of exactly their size, the
+// byte-for-byte comparison with the CPU kernel, and the launch paths reached.
 #pragma once
 
 #include <cmath>
@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <initializer_list>
+#include <map>
 #include <memory>
 #include <new>
 #include <string>
@@ -116,6 +117,12 @@ inline void AddBuffers(simt::ScopedBuffers& buffers, std::initializer_list<Named
     if (n.buffer != nullptr) buffers.Add(n.name, n.buffer->data, n.buffer->bytes);
   }
 }
+
+// The launch paths a check reached, with how often.
+struct Coverage {
+  std::map<std::string, int> paths;
+  void Add(const std::string& path) { paths[path] += 1; }
+};
 
 inline void UseDevice(const Limits& limits) {
   simt::DeviceLimits device;

@@ -101,11 +101,6 @@ Case GroupedCase(int64_t hidden, int64_t group, FloatType input, int k, bool qui
   return c;
 }
 
-struct Coverage {
-  std::map<std::string, int> paths;
-  void Add(const std::string& path) { paths[path] += 1; }
-};
-
 const char* VariantName(KernelVariant v) { return kKernelVariantNames[static_cast<int>(v)]; }
 
 // False when the case failed. `variant` is the kernel asked for; a register variant that
@@ -278,7 +273,9 @@ bool RunCase(const Case& c, KernelVariant variant, Coverage& coverage, int* runs
                                                              : ", groups by shuffles"));
   }
   if (c.power_of_two) coverage.Add(std::string("power-of-two ") + TypeName(c.scale) + " scales");
-  if (c.static_scale != 0.0f) coverage.Add(v + (c.amax ? ", static scale, amax" : ", static scale"));
+  if (c.static_scale != 0.0f) {
+    coverage.Add(v + (c.amax ? ", static scale, amax" : ", static scale"));
+  }
   if (fp4) coverage.Add(v + (nvfp4 ? ", NVFP4" : ", MXFP4") + (packed ? " packed" : " unpacked"));
   return ok;
 }
@@ -456,11 +453,9 @@ int Main(bool quick, bool allreduce, bool rest) {
     }
   }
   // Rows held by several warps (1024 bf16: 2 warps per row in block_registers), strided
-  // over a grid of 3 blocks: what the barrier in place of the abs-max reduction a grouped
-  // or static row skips protects, and the reduction a static row's amax takes. In the
-  // quick set too, for ThreadSanitizer.
-  for (const int kind : {0, 1, 2}) {
-    const bool calibrated = kind > 0;
+  // over a grid of 3 blocks: the barrier a grouped or static row keeps in place of the
+  // abs-max reduction, and the reduction of a static row's amax. Quick set too, for TSan.
+  for (const int kind : {0, 1, 2}) {  // groups, a static scale, and with its amax
     Case c{};
     c.rows = 8;
     c.hidden = 1024;
@@ -470,8 +465,8 @@ int Main(bool quick, bool allreduce, bool rest) {
     c.out = OutFormat::kE4M3FN;
     c.limits = 3;
     c.scale_ub = INFINITY;
-    c.group_size = calibrated ? 0 : 64;
-    c.static_scale = calibrated ? 0.05f : 0.0f;
+    c.group_size = kind > 0 ? 0 : 64;
+    c.static_scale = kind > 0 ? 0.05f : 0.0f;
     c.amax = kind == 2;
     c.specials = kind == 2;
     cases.push_back(c);
