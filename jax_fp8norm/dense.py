@@ -26,12 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_fp8norm._allreduce import xla_sum
-from jax_fp8norm._checks import (
-    check_axis_name,
-    check_columnwise,
-    check_reduce_dtype,
-    validate,
-)
+from jax_fp8norm._checks import check_axis_name, check_columnwise, check_reduce_dtype
 from jax_fp8norm._dtypes import FLOAT_DTYPES
 from jax_fp8norm._params import (
     NormKeywords,
@@ -40,6 +35,7 @@ from jax_fp8norm._params import (
     as_operand,
     global_scale_operand,
 )
+from jax_fp8norm._shapes import shaped_call
 from jax_fp8norm._signatures import norm_keywords
 from jax_fp8norm._vjp import differentiable_norm, summed_over_devices
 from jax_fp8norm.matmul import fp8_matmul
@@ -174,7 +170,7 @@ def _check_layer(x, w, params: NormParams, result_dtype) -> np.dtype:
 @norm_keywords
 def rms_norm_dense(
     x: jax.Array,
-    gamma: jax.Array,
+    gamma: jax.Array | None,
     w: jax.Array,
     *,
     result_dtype=None,
@@ -193,7 +189,9 @@ def rms_norm_dense(
         returns the caller's rows (docs/training.md, "Rows padded to the blocks"). To
         differentiate with block scales, ``prod(F)`` must be a multiple of the block (the
         dgrad GEMM is blocked along it); a call that is not differentiated takes any.
-      gamma: ``[K]``: the norm's weight.
+      gamma: the norm's weight: ``[K]``, a shape that broadcasts to it (``(1, K)``: its
+        gradient in its shape, as :func:`jax_fp8norm.rms_norm_fp8` takes it), or None
+        for no weight (exactly 1, whatever ``weight_offset``).
       w: ``[K, *F]`` float master weights (one or more output axes, as an einsum weight
         ``(D, 2, H)``), quantised on every call: along K for the forward GEMM, along the
         flattened ``F`` for the gradient's; the call is the ``[K, prod(F)]`` call reshaped,
@@ -204,11 +202,12 @@ def rms_norm_dense(
     Returns:
       ``[..., *F]`` in ``result_dtype``.
     """
-    call = validate(x, gamma, **keywords)
-    dtype = _check_layer(x, w, call.params, result_dtype)
-    operands = call.operands(x, gamma)
+    shaped = shaped_call((x,), gamma, keywords)
+    params = shaped.call.params
+    dtype = _check_layer(x, w, params, result_dtype)
+    operands = shaped.operands()
     w, features = _flat_weight(w)
-    layer = differentiable_norm(call.params, False, _Gemm(call.params, dtype))
+    layer = differentiable_norm(params, False, _Gemm(params, dtype))
     out = layer(*operands[:2], w, *operands[2:])
     return out.reshape(x.shape[:-1] + features)
 
@@ -217,7 +216,7 @@ def rms_norm_dense(
 def add_rms_norm_dense(
     x: jax.Array,
     residual: jax.Array,
-    gamma: jax.Array,
+    gamma: jax.Array | None,
     w: jax.Array,
     *,
     result_dtype=None,
@@ -234,11 +233,12 @@ def add_rms_norm_dense(
     Returns:
       ``(out [..., *F], residual_out [..., K])``.
     """
-    call = validate(x, gamma, residual, **keywords)
-    dtype = _check_layer(x, w, call.params, result_dtype)
-    operands = call.operands(x, residual, gamma)
+    shaped = shaped_call((x, residual), gamma, keywords)
+    params = shaped.call.params
+    dtype = _check_layer(x, w, params, result_dtype)
+    operands = shaped.operands()
     w, features = _flat_weight(w)
-    layer = differentiable_norm(call.params, True, _Gemm(call.params, dtype))
+    layer = differentiable_norm(params, True, _Gemm(params, dtype))
     out, residual_out = layer(*operands[:3], w, *operands[3:])
     return out.reshape(x.shape[:-1] + features), residual_out
 
@@ -247,7 +247,7 @@ def add_rms_norm_dense(
 def allreduce_add_rms_norm_dense(
     x: jax.Array,
     residual: jax.Array,
-    gamma: jax.Array,
+    gamma: jax.Array | None,
     w: jax.Array,
     *,
     axis_name,
@@ -276,13 +276,14 @@ def allreduce_add_rms_norm_dense(
     Returns:
       ``(out [..., *F], residual_out [..., K])``, ``residual_out`` the same on every device.
     """
-    call = validate(x, gamma, residual, **keywords)
+    shaped = shaped_call((x, residual), gamma, keywords)
+    params = shaped.call.params
     reduce = check_reduce_dtype(reduce_dtype, x.dtype)
-    dtype = _check_layer(x, w, call.params, result_dtype)
+    dtype = _check_layer(x, w, params, result_dtype)
     summed_in = None if reduce == np.dtype(x.dtype) else reduce
     h = xla_sum(as_operand(x), check_axis_name(axis_name), summed_in)
-    operands = call.operands(x, residual, gamma)
+    operands = shaped.operands()
     w, features = _flat_weight(w)
-    layer = differentiable_norm(call.params, True, _Gemm(call.params, dtype))
+    layer = differentiable_norm(params, True, _Gemm(params, dtype))
     out, residual_out = layer(h, *operands[1:3], w, *operands[3:])
     return out.reshape(x.shape[:-1] + features), residual_out

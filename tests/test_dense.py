@@ -475,3 +475,35 @@ def test_a_weight_of_several_output_axes_is_the_flattened_call(name):
     ):
         assert np.all(np.isfinite(np.asarray(b))), what
         same_bits(a, b, what)
+
+
+def test_no_gamma_and_a_broadcast_gamma():
+    """gamma=None is a weight of exactly 1 (whatever weight_offset), gamma (1, K) the
+    gamma (K,): the same bits of out, dx, dresidual and dw, and dgamma in gamma's shape."""
+    x, gamma, w, g = _operands(15, rows=48)
+    residual = random_rows(16, x.shape, np.float32)
+
+    def grads(gamma, gamma_grad, **keywords):
+        def loss(x, residual, gamma, w):
+            out, residual_out = fp8norm.add_rms_norm_dense(
+                x, residual, gamma, w, recipe="mxfp8", **keywords
+            )
+            plain = fp8norm.rms_norm_dense(x, gamma, w, recipe="mxfp8", **keywords)
+            return jnp.sum((out + plain) * g) + jnp.sum(residual_out**2), out
+
+        argnums = (0, 1, 2, 3) if gamma_grad else (0, 1, 3)
+        grads, out = jax.jit(jax.grad(loss, argnums, has_aux=True))(x, residual, gamma, w)
+        return [out, *grads]
+
+    ones = grads(np.ones(K, np.float32), False)
+    for what, a, b in zip(["out", "dx", "dres", "dw"], grads(None, False), ones, strict=True):
+        assert np.all(np.isfinite(np.asarray(b))), what
+        same_bits(a, b, what)
+    offset = grads(None, False, weight_offset=1.0)
+    for what, a, b in zip(["out", "dx", "dres", "dw"], offset, ones, strict=True):
+        same_bits(a, b, what)
+    flat = grads(gamma, True)
+    broadcast = grads(gamma.reshape(1, K), True)
+    assert broadcast[3].shape == (1, K)
+    for what, a, b in zip(["out", "dx", "dres", "dgamma", "dw"], broadcast, flat, strict=True):
+        same_bits(np.asarray(a).reshape(np.shape(b)), b, what)
