@@ -13,7 +13,6 @@ themselves (:class:`QuantizedOutput`), for a layer that takes them.
 from __future__ import annotations
 
 import functools
-import math
 import numbers
 from types import MappingProxyType
 from typing import Any, Unpack
@@ -364,11 +363,7 @@ class RMSNormDense(nnx.Module):
             return add_rms_norm_dense(x, residual, gamma, w, **keywords)
         eps = keywords.get("eps", NORM_KEYWORDS["eps"][0])
         offset = keywords.get("weight_offset", NORM_KEYWORDS["weight_offset"][0])
-        features = w.shape[1:]
-        flat = w.reshape(w.shape[0], math.prod(features))
-        out = unquantized_rms_norm_dense(x, gamma, flat, residual, eps=eps, weight_offset=offset)
-        unflat = lambda o: o.reshape(*o.shape[:-1], *features)  # noqa: E731
-        return unflat(out) if residual is None else (unflat(out[0]), out[1])
+        return unquantized_rms_norm_dense(x, gamma, w, residual, eps=eps, weight_offset=offset)
 
 
 RMSNormDense = norm_keywords(RMSNormDense)

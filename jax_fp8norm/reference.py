@@ -565,11 +565,13 @@ def unquantized_rms_norm_dense(
     """:func:`jax_fp8norm.rms_norm_dense` without quantisation, for comparison
     (differentiated by jax): ``h = x (+ residual)`` and its :func:`textbook_rms_norm`, the
     matmul in ``x.dtype`` accumulated in float32 (a plain bfloat16 layer for bfloat16
-    inputs). Returns ``out`` in ``x.dtype``, and with a residual ``(out, h in the
-    residual's dtype)``."""
+    inputs). ``w``: ``[K, *F]``, as the layer's. Returns ``out`` (``[..., *F]``) in
+    ``x.dtype``, and with a residual ``(out, h in the residual's dtype)``."""
     h = x.astype(jnp.float32)
     if residual is not None:
         h = h + residual.astype(jnp.float32)
     n = textbook_rms_norm(h, gamma, eps, weight_offset).astype(x.dtype)
-    out = jnp.matmul(n, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    flat = w.reshape(w.shape[0], -1).astype(x.dtype)
+    out = jnp.matmul(n, flat, preferred_element_type=jnp.float32).astype(x.dtype)
+    out = out.reshape(*out.shape[:-1], *w.shape[1:])
     return out if residual is None else (out, h.astype(residual.dtype))
