@@ -39,8 +39,9 @@ from jax_fp8norm.recipes import RECIPES, Recipe, dequantize
 # What users call: the ops, their differentiable twins, the layers, the building block of
 # a layer of one's own (the *_vjp pair), the recipes, the platform's switches, and the
 # modules of the pure-jnp twins, the emulated CUDA kernels and the test helpers. The
-# modules jax_fp8norm.matmul, jax_fp8norm.quantize, jax_fp8norm.nnx and
-# jax_fp8norm.interop are imported by name.
+# modules jax_fp8norm.matmul, jax_fp8norm.quantize and jax_fp8norm.interop, and the
+# framework modules jax_fp8norm.nnx, jax_fp8norm.linen and jax_fp8norm.eqx (each needing
+# its framework), are imported by name.
 __all__ = [
     "EXPORT_DISABLED_CHECKS",
     "RECIPES",

@@ -55,6 +55,14 @@ README_RESULTS = {
             "dgamma": ((4096,), "float32"),
         },
     ],
+    "In your model": [
+        {
+            "h": ((64, 4096), "bfloat16"),
+            "y": ((64, 4096), "float8_e4m3fn"),
+            "scales": ((64, 128), "float8_e8m0fnu"),
+        },
+        {"q_norm": ((2, 16, 8, 128), "bfloat16")},
+    ],
 }
 
 # docs/recipes.md's blocks: block-scaled, MXFP8 with its matmul, a static scale, NVFP4
