@@ -11,7 +11,7 @@ from typing import Any
 from jax_fp8norm._params import NORM_KEYWORDS
 
 
-def _keywords_doc(indent: str) -> str:
+def _keywords_doc(indent: str, keywords: dict) -> str:
     return "\n".join(
         textwrap.fill(
             f"{name}: {text} Default {_default_repr(default)}.",
@@ -19,7 +19,7 @@ def _keywords_doc(indent: str) -> str:
             initial_indent=indent,
             subsequent_indent=indent + "  ",
         )
-        for name, (default, text) in NORM_KEYWORDS.items()
+        for name, (default, text) in keywords.items()
     )
 
 
@@ -60,13 +60,17 @@ def _default_repr(value: Any) -> str:
     return getattr(value, "__name__", None) or repr(value)
 
 
-def norm_keywords(fn: Callable) -> Callable:
+def norm_keywords(fn: Callable | None = None, *, exclude: tuple[str, ...] = ()) -> Callable:
     """Gives ``fn(..., **keywords)`` (a function, or a class by its __init__) the signature
-    of the keywords in NORM_KEYWORDS (for help() and IDEs) and puts their descriptions
-    where its docstring says ``{keywords}``, and that of a shared argument (ARGUMENT_DOCS)
-    on a line that says ``{gamma}``, ``{reduction_axes}`` or ``{out_sharding}``.
-    ``fn`` hands ``keywords`` to :func:`validate`, which applies the defaults and refuses
-    unknown names."""
+    of the keywords in NORM_KEYWORDS but ``exclude`` (for help() and IDEs) and puts their
+    descriptions where its docstring says ``{keywords}``, and that of a shared argument
+    (ARGUMENT_DOCS) on a line that says ``{gamma}``, ``{reduction_axes}`` or
+    ``{out_sharding}``. ``fn`` hands ``keywords`` to :func:`validate`, which applies the
+    defaults and refuses unknown names. ``norm_keywords(exclude=(...))`` is the decorator
+    that leaves those out (a module whose framework names one of them its own way)."""
+    if fn is None:
+        return lambda fn: norm_keywords(fn, exclude=exclude)
+    keywords = {name: spec for name, spec in NORM_KEYWORDS.items() if name not in exclude}
     if isinstance(fn, type):  # a class: its __init__ without self
         signature = inspect.signature(fn.__init__)
         signature = signature.replace(parameters=list(signature.parameters.values())[1:])
@@ -75,14 +79,21 @@ def norm_keywords(fn: Callable) -> Callable:
     parameters = [p for p in signature.parameters.values() if p.kind != p.VAR_KEYWORD]
     parameters += [
         inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
-        for name, (default, _) in NORM_KEYWORDS.items()
+        for name, (default, _) in keywords.items()
     ]
-    fn.__signature__ = signature.replace(parameters=parameters)
+    try:
+        fn.__signature__ = signature.replace(parameters=parameters)
+    except AttributeError:  # equinox's metaclass gives __init__'s, less self, as the class's
+        self_parameter = next(iter(inspect.signature(fn.__init__).parameters.values()))
+        fn.__init__.__signature__ = signature.replace(parameters=[self_parameter, *parameters])
     for line in (fn.__doc__ or "").splitlines():
         name = line.strip()[1:-1]
         if line.strip() not in ("{keywords}", *(f"{{{a}}}" for a in ARGUMENT_DOCS)):
             continue
         indent = line[: len(line) - len(line.lstrip())]
-        text = _keywords_doc(indent) if name == "keywords" else _argument_doc(name, indent)
+        if name == "keywords":
+            text = _keywords_doc(indent, keywords)
+        else:
+            text = _argument_doc(name, indent)
         fn.__doc__ = fn.__doc__.replace(line, text)
     return fn

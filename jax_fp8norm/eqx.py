@@ -11,10 +11,8 @@ added after it in float32 and the sum rounded to x's dtype, as equinox computes.
 
 from __future__ import annotations
 
-import inspect
 import math
 import numbers
-import textwrap
 from collections.abc import Sequence
 from typing import Any, Unpack
 
@@ -24,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_fp8norm._checks import check_keyword_names, check_scale_operand, validate
-from jax_fp8norm._params import NORM_KEYWORDS, NormKeywords
+from jax_fp8norm._params import NormKeywords
 from jax_fp8norm._quantized import QuantizedOutput, quantized_output
+from jax_fp8norm._signatures import norm_keywords
 from jax_fp8norm.autodiff import rms_norm_fp8_dequantized
 from jax_fp8norm.ops import rms_norm_fp8
 
@@ -179,30 +178,5 @@ class RMSNormFP8(eqx.Module):
         return out if state is _NO_STATE else (out, state)
 
 
-def _signature_and_doc(cls: type) -> type:
-    """The recipe keywords (the ops' but eps, which is equinox's argument here) in the
-    class's signature and docstring, as jax_fp8norm._signatures.norm_keywords gives the
-    ops theirs."""
-    keywords = {name: spec for name, spec in NORM_KEYWORDS.items() if name != "eps"}
-    # equinox's classes give __init__'s signature (less self) as theirs.
-    signature = inspect.signature(cls.__init__)
-    parameters = [p for p in signature.parameters.values() if p.kind != p.VAR_KEYWORD] + [
-        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
-        for name, (default, _) in keywords.items()
-    ]
-    cls.__init__.__signature__ = signature.replace(parameters=parameters)
-    indent = " " * 8
-    text = "\n".join(
-        textwrap.fill(
-            f"{name}: {doc} Default {getattr(default, '__name__', None) or default!r}.",
-            width=88,
-            initial_indent=indent,
-            subsequent_indent=indent + "  ",
-        )
-        for name, (default, doc) in keywords.items()
-    )
-    cls.__doc__ = cls.__doc__.replace(f"{' ' * 6}{{keywords}}", text)
-    return cls
-
-
-RMSNormFP8 = _signature_and_doc(RMSNormFP8)
+# The recipe keywords: the ops' but eps, which is equinox's argument here.
+RMSNormFP8 = norm_keywords(RMSNormFP8, exclude=("eps",))
