@@ -12,7 +12,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.interpreters.mlir import ir
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_fp8norm import _ffi
@@ -48,6 +48,31 @@ def columnwise_row_axes(sharding, shape: tuple, params: dict):
     if not recipe.static and (recipe.block is None or local_rows % recipe.block):
         return None
     return rows[0]
+
+
+def blocks_fit_devices(aval, num_devices, params: dict) -> bool:
+    """Whether the columnwise form of x (``aval``) may be partitioned: its sharding fixed by
+    Explicit mesh axes (the rule then keeps whole blocks on each device or gathers the
+    rows), or its rows a multiple of the block times the device count, so that no
+    sharding XLA may choose splits a block between devices.
+
+    Otherwise XLA, propagating the sharding of a consumer of y_t or scales_t that reshapes
+    the rows into blocks (the layer's weight gradient), may give scales_t a part of a mesh
+    axis, which custom_partitioning cannot take (it fails with an IndivisibleError before
+    the rule runs). Such a call is lowered unpartitioned: XLA gathers its operands and runs
+    it on all the rows, the bits of the unsharded call. The choice is made while lowering,
+    before XLA picks the shardings, so a call whose rows would be whole blocks over the
+    part of the mesh that splits them is gathered too."""
+    recipe = recipe_of(NormParams(**params))
+    if recipe.static or recipe.block is None or not isinstance(num_devices, int):
+        return True
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    kinds = tuple(getattr(mesh, "axis_types", ()))
+    if kinds and all(kind == AxisType.Explicit for kind in kinds):
+        return True
+    shape = tuple(aval.shape)
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    return rows % (recipe.block * num_devices) == 0
 
 
 def _result_shardings(mesh, rows: tuple, num_results: int):
@@ -179,7 +204,16 @@ def partitioned_lowering(kernel: Primitive):
         shape = tuple(ctx.avals_in[0].shape)
         # A columnwise call of one row (x of rank 1) has no row axis to shard.
         one_row = params["columnwise"] and len(shape) < 2
-        if num_devices == 1 or unassigned or for_export or one_row:
+        if (
+            num_devices == 1
+            or unassigned
+            or for_export
+            or one_row
+            or (
+                params["columnwise"]
+                and not blocks_fit_devices(ctx.avals_in[0], num_devices, params)
+            )
+        ):
             call = functools.partial(kernel.bind, **params)
             return mlir.lower_fun(call, multiple_results=True)(ctx, *args)
         key = tuple(sorted(params.items()))

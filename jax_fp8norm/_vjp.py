@@ -24,6 +24,7 @@ from typing import Protocol
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jax_fp8norm._backward import add_backward, rms_backward
 from jax_fp8norm._params import NormCall, NormOutputs, NormParams
@@ -88,6 +89,56 @@ def _first_rows(v: jax.Array, num: int, lead: tuple) -> jax.Array:
     return v[:num].reshape(lead + v.shape[1:])
 
 
+def _explicit_row_shards(v: jax.Array) -> tuple:
+    """``v``'s sharding (None outside Explicit axes) and, for each row dimension, the
+    number of devices its Explicit mesh axes split it over."""
+    sharding = getattr(jax.typeof(v), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not getattr(mesh, "axis_names", ()):
+        return None, ()
+    explicit = {
+        name: size
+        for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types, strict=True)
+        if kind == jax.sharding.AxisType.Explicit
+    }
+    spec = tuple(sharding.spec) + (None,) * (v.ndim - len(sharding.spec))
+    shards = []
+    for entry in spec[:-1]:
+        names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+        shards.append(math.prod(explicit.get(name, 1) for name in names))
+    return sharding, tuple(shards)
+
+
+def _gathers_rows(v: jax.Array, rows: int, block: int) -> bool:
+    """Whether the rows of ``v`` (``rows`` of them once padded) are split over Explicit mesh
+    axes so that a device's share is not whole blocks of ``block`` rows, or not one run of
+    the flattened rows (a row dimension after the first split): then the layer runs on all
+    the rows on each device, the bits of the unsharded call. Under Auto axes the norm's
+    lowering decides alone (jax_fp8norm._partitioning.blocks_fit_devices): the sharding is
+    not known while tracing."""
+    _, shards = _explicit_row_shards(v)
+    if block == 1 or math.prod(shards) == 1:
+        return False
+    return any(n > 1 for n in shards[1:]) or rows % (block * shards[0]) != 0
+
+
+def _with_rows_of(v: jax.Array, like: jax.Array, *, keep_last: bool) -> jax.Array:
+    """``v`` resharded to the Explicit sharding of ``like``'s rows (its last axis too where
+    ``keep_last``, else whole)."""
+    sharding, _ = _explicit_row_shards(like)
+    spec = tuple(sharding.spec) + (None,) * (like.ndim - len(sharding.spec))
+    spec = spec if keep_last else spec[:-1] + (None,)
+    return jax.sharding.reshard(v, jax.sharding.NamedSharding(sharding.mesh, P(*spec)))
+
+
+def _rows_whole(v: jax.Array) -> jax.Array:
+    """``v`` with its row dimensions resharded to whole on every device."""
+    sharding, _ = _explicit_row_shards(v)
+    spec = tuple(sharding.spec) + (None,) * (v.ndim - len(sharding.spec))
+    whole = P(*(None,) * (v.ndim - 1), spec[-1])
+    return jax.sharding.reshard(v, jax.sharding.NamedSharding(sharding.mesh, whole))
+
+
 @functools.cache
 def differentiable_norm(p: NormParams, add: bool, head: Head):
     """``fn(x[, residual], gamma, *head operands, *static)``: the head's value (and with
@@ -120,6 +171,20 @@ def differentiable_norm(p: NormParams, add: bool, head: Head):
         rows, gamma, operands, static = split(args)
         lead = rows[0].shape[:-1]
         num, extra = _padding(lead, block)
+        if _gathers_rows(rows[0], num + extra, block):
+            # A device's share of the rows would split a block: the whole call on every
+            # device, its results back in the caller's sharding.
+            gathered = tuple(_rows_whole(r) for r in rows)
+            value, saved = fwd(*gathered, *args[num_rows:])
+            if add:
+                value = (
+                    _with_rows_of(value[0], rows[0], keep_last=False),
+                    _with_rows_of(value[1], rows[0], keep_last=True),
+                )
+            else:
+                value = _with_rows_of(value, rows[0], keep_last=False)
+            inverse_rms = _with_rows_of(saved[2], rows[0], keep_last=False)
+            return value, (rows, saved[1], inverse_rms, *saved[3:])
         if extra:  # zero rows: the codes, scales and gradients of the real rows unchanged
             padded = tuple(_pad_rows(r, num, extra) for r in rows)
             head.check_training(padded[0].shape, operands)
@@ -136,11 +201,17 @@ def differentiable_norm(p: NormParams, add: bool, head: Head):
         rows, gamma, inverse_rms, operands, static, kept = saved
         g, d_residual_out = cotangent if add else (cotangent, None)
         num, extra = _padding(rows[0].shape[:-1], block)
+        gathered = _gathers_rows(rows[0], num + extra, block)
+        if gathered:  # as the forward: the head's backward on all the rows
+            g = _rows_whole(g)
         if extra:  # the padded rows' cotangent is zero; dn of the real rows alone
             g = _pad_rows(g, num, extra)
         dn, d_operands = head.backward(g, operands, static, kept)
         dn = dn[:num] if extra else dn
-        dn = summed_over_devices(inverse_rms, dn.reshape(rows[0].shape))
+        dn = dn.reshape(rows[0].shape)
+        if gathered:
+            dn = _with_rows_of(dn, rows[0], keep_last=True)
+        dn = summed_over_devices(inverse_rms, dn)
         if add:
             x, residual = rows
             dx, dresidual, dgamma = add_backward(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -106,6 +107,85 @@ else:
         _close(dx, dx1, "dx")
         _close(dgamma, dgamma1, "dgamma")
         _close(dw, dw1, "dw")
+
+    # Rows sharded under jit so that a device's share is not whole blocks of the norm's
+    # columnwise codes: 64 rows of MXFP8 over 8 devices, 8 rows each, and 32-row blocks.
+    SPLIT_ROWS, WHOLE_ROWS, SPLIT_F = 64, 256, 128
+
+    def _layer_grads(add: bool):
+        def loss(x, gamma, w, g):
+            if add:
+                out, residual_out = fp8norm.add_rms_norm_dense(x, x, gamma, w, recipe="mxfp8")
+                extra = jnp.sum(residual_out.astype(jnp.float32) * x.astype(jnp.float32))
+                outs = (out, residual_out)
+            else:
+                out = fp8norm.rms_norm_dense(x, gamma, w, recipe="mxfp8")
+                extra, outs = 0.0, (out,)
+            return jnp.sum(out.astype(jnp.float32) * g) + extra, outs
+
+        return jax.grad(loss, (0, 1, 2), has_aux=True)
+
+    def _rows_sharded_layer(rows: int, axis_type, add: bool = False):
+        """The layer's gradients and outputs with x's and g's rows over 8 devices, and the
+        compiled program's text."""
+        mesh = jax.make_mesh((NUM_DEVICES,), ("data",), axis_types=(axis_type,))
+        _, x, gamma, w, g = _sum_operands(9)
+        x, w, g = x[:rows], w[:, :SPLIT_F], g[:rows, :SPLIT_F]
+        spec = NamedSharding(mesh, P("data", None))
+        args = (jax.device_put(x, spec), gamma, w, jax.device_put(g, spec))
+        context = jax.set_mesh(mesh) if axis_type == AxisType.Explicit else contextlib.nullcontext()
+        fn = jax.jit(_layer_grads(add))
+        with context:
+            got = fn(*args)
+            hlo = fn.lower(*args).compile().as_text()
+        want = _single_device(_layer_grads(add), x, gamma, w, g)
+        return got, want, hlo
+
+    def _norm_kernel_rows(hlo: str) -> int:
+        """The rows of x in the compiled program's norm call (a device's or all of them)."""
+        target = re.compile(r'custom_call_target="fp8norm_(add_)?rms_norm_fp8"')
+        (line,) = [ln for ln in hlo.splitlines() if target.search(ln)]
+        return int(re.search(r"operand_layout_constraints=\{bf16\[(\d+),", line).group(1))
+
+    @pytest.mark.parametrize(
+        ("axis_type", "add"),
+        [
+            (AxisType.Auto, False),
+            (AxisType.Explicit, False),
+            (AxisType.Explicit, True),
+            pytest.param(AxisType.Auto, True, marks=EXTENDED),
+        ],
+    )
+    def test_rows_sharded_in_parts_of_blocks_are_gathered(axis_type, add):
+        """A device's share of the rows not whole blocks: the norm runs on all the rows (on
+        every device), and every output and gradient has the unsharded call's bits. Under
+        Explicit axes the layer gathers the rows itself, dw included; under Auto axes the
+        norm's lowering does, and XLA may still split dw's GEMM over the rows, summing the
+        devices' parts in its own order (docs/spec.md, "The layer")."""
+        (grads, outs), (grads1, outs1), hlo = _rows_sharded_layer(SPLIT_ROWS, axis_type, add)
+        assert _norm_kernel_rows(hlo) == SPLIT_ROWS
+        for what, a, b in zip(("out", "residual_out")[: len(outs)], outs, outs1, strict=True):
+            _same_bits(a, b, what)
+        _same_bits(grads[0], grads1[0], "dx")
+        _same_bits(grads[1], grads1[1], "dgamma")
+        if axis_type == AxisType.Explicit:  # the caller's sharding, the unsharded bits
+            _same_bits(grads[2], grads1[2], "dw")
+            assert outs[0].sharding.spec == P("data", None), outs[0].sharding
+            assert grads[0].sharding.spec == P("data", None), grads[0].sharding
+        else:
+            _summed_over_devices(grads[2], grads1[2], "dw")
+
+    @pytest.mark.parametrize(
+        "axis_type", [AxisType.Auto, pytest.param(AxisType.Explicit, marks=EXTENDED)]
+    )
+    def test_rows_sharded_in_whole_blocks_stay_sharded(axis_type):
+        """256 rows over 8 devices, 32 each: each device's norm call takes its own rows (a
+        gather of the rows would cost the devices' work and an all-gather)."""
+        (grads, (out,)), (grads1, (out1,)), hlo = _rows_sharded_layer(WHOLE_ROWS, axis_type)
+        assert _norm_kernel_rows(hlo) == WHOLE_ROWS // NUM_DEVICES
+        _same_bits(out, out1, "out")
+        _same_bits(grads[0], grads1[0], "dx")
+        _summed_over_devices(grads[2], grads1[2], "dw")
 
     @pytest.mark.extended  # the default tier's tensor-parallel MLP has a column-parallel layer
     @pytest.mark.parametrize("name", ["mxfp8", "mxfp4"])

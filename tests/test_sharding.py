@@ -168,6 +168,7 @@ else:
         "nvfp4_3d_blocks_unnamed": ((8,), (8, 32, 64), P("a", None, None), "nvfp4", "scales"),
         "static_2d_mesh": ((2, 4), (64, 256), P(("a", "b"), None), "fp8_static", "sharded"),
         "group128_block_spans_devices": ((8,), (512, 256), P("a", None), "fp8_group128", ""),
+        "mxfp8_8_rows_a_device": ((8,), (64, 256), P("a", None), "mxfp8", ""),
         "mxfp8_second_row_dim": ((8,), (4, 64, 128), P(None, "a", None), "mxfp8", ""),
     }
 
@@ -205,6 +206,34 @@ else:
             assert scales_t.sharding.is_equivalent_to(NamedSharding(mesh, P(None, blocks)), 2)
         for out in outs[:-2]:
             assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec), out.ndim)
+
+    def test_columnwise_blocks_split_between_devices_beside_a_blocked_consumer():
+        """64 rows of MXFP8 over 8 Auto devices (8 rows each, blocks of 32), y_t and
+        scales_t read by a consumer that splits the rows into blocks, as the layer's weight
+        gradient does, beside an operand sharded by rows: XLA would give scales_t a part of
+        the mesh axis, which the partitioner cannot take. The call runs on all the rows: the
+        bits of the unsharded call. (Under Explicit axes the types fix every sharding, and
+        the consumer's reshape of rows split in parts of blocks is the user's to place.)"""
+        mesh = _mesh((8,), ("a",))
+        x, gamma = _args(fp8norm.rms_norm_fp8, (64, 256))
+        g = random_rows(4, (64, 128), jnp.float32)
+        kw = dict(layout("mxfp8"), columnwise=True)
+
+        def op(x, gamma, g):
+            y, scales, y_t, scales_t = fp8norm.rms_norm_fp8(x, gamma, **kw)
+            blocks = y_t.astype(jnp.float32).reshape(256, 2, 32)
+            blocks = blocks * scales_t.astype(jnp.float32)[..., None]
+            weighted = jnp.einsum("kbr,brf->kf", blocks, g.reshape(2, 32, 128))
+            return y, scales, y_t, scales_t, weighted
+
+        rows = NamedSharding(mesh, P("a", None))
+        got = jax.jit(op)(jax.device_put(x, rows), gamma, jax.device_put(g, rows))
+        want = _single_device(op, x, gamma, g)
+        assert_same_bits(got[:4], want[:4])
+        assert np.all(np.isfinite(np.asarray(want[4])))
+        # XLA's own einsum, its float32 sums split over the devices as it chooses.
+        tol = 2.0**-18
+        np.testing.assert_allclose(got[4], want[4], rtol=tol, atol=tol * np.abs(want[4]).max())
 
     @pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
     def test_columnwise_inside_a_user_shard_map(name):
