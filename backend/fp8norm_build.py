@@ -263,11 +263,11 @@ def build_lock_path(config_settings: dict | None, environ=os.environ) -> Path | 
     """The lock of the build folder this build uses (``build-dir`` from the settings, from
     ``SKBUILD_BUILD_DIR``, else pyproject.toml's), beside it; None for a temporary folder
     (an empty build-dir)."""
-    template = (
-        (config_settings or {}).get("build-dir")
-        or environ.get("SKBUILD_BUILD_DIR")
-        or DEFAULT_BUILD_DIR
-    )
+    settings = config_settings or {}
+    if "build-dir" in settings:  # given, even empty (a temporary folder)
+        template = settings["build-dir"]
+    else:
+        template = environ.get("SKBUILD_BUILD_DIR", DEFAULT_BUILD_DIR)
     if not str(template).strip():
         return None
     folder = str(template).format_map(_Placeholders(wheel_tag=interpreter_key()))

@@ -174,6 +174,8 @@ def test_the_lock_is_beside_the_build_folder():
     environ = {"SKBUILD_BUILD_DIR": "out/{state}/"}
     assert fp8norm_build.build_lock_path({}, environ) == Path("out/state.lock")
     assert fp8norm_build.build_lock_path({"build-dir": ""}, {"SKBUILD_BUILD_DIR": " "}) is None
+    # An empty build-dir given is a temporary folder, whatever the default: no lock.
+    assert fp8norm_build.build_lock_path({"build-dir": ""}, {}) is None
 
 
 def test_a_second_build_of_the_folder_waits_for_the_first(tmp_path):
