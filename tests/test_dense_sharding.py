@@ -112,33 +112,34 @@ else:
     # columnwise codes: 64 rows of MXFP8 over 8 devices, 8 rows each, and 32-row blocks.
     SPLIT_ROWS, WHOLE_ROWS, SPLIT_F = 64, 256, 128
 
-    def _layer_grads(add: bool):
+    def _layer_grads(add: bool, keywords: dict):
         def loss(x, gamma, w, g):
             if add:
-                out, residual_out = fp8norm.add_rms_norm_dense(x, x, gamma, w, recipe="mxfp8")
+                out, residual_out = fp8norm.add_rms_norm_dense(x, x, gamma, w, **keywords)
                 extra = jnp.sum(residual_out.astype(jnp.float32) * x.astype(jnp.float32))
                 outs = (out, residual_out)
             else:
-                out = fp8norm.rms_norm_dense(x, gamma, w, recipe="mxfp8")
+                out = fp8norm.rms_norm_dense(x, gamma, w, **keywords)
                 extra, outs = 0.0, (out,)
             return jnp.sum(out.astype(jnp.float32) * g) + extra, outs
 
         return jax.grad(loss, (0, 1, 2), has_aux=True)
 
-    def _rows_sharded_layer(rows: int, axis_type, add: bool = False):
+    def _rows_sharded_layer(rows: int, axis_type, add: bool = False, name: str = "mxfp8"):
         """The layer's gradients and outputs with x's and g's rows over 8 devices, and the
         compiled program's text."""
+        keywords = {"recipe": name, **({"global_scale": 0.0021} if name == "nvfp4" else {})}
         mesh = jax.make_mesh((NUM_DEVICES,), ("data",), axis_types=(axis_type,))
         _, x, gamma, w, g = _sum_operands(9)
         x, w, g = x[:rows], w[:, :SPLIT_F], g[:rows, :SPLIT_F]
         spec = NamedSharding(mesh, P("data", None))
         args = (jax.device_put(x, spec), gamma, w, jax.device_put(g, spec))
         context = jax.set_mesh(mesh) if axis_type == AxisType.Explicit else contextlib.nullcontext()
-        fn = jax.jit(_layer_grads(add))
+        fn = jax.jit(_layer_grads(add, keywords))
         with context:
             got = fn(*args)
             hlo = fn.lower(*args).compile().as_text()
-        want = _single_device(_layer_grads(add), x, gamma, w, g)
+        want = _single_device(_layer_grads(add, keywords), x, gamma, w, g)
         return got, want, hlo
 
     def _norm_kernel_rows(hlo: str) -> int:
@@ -147,23 +148,36 @@ else:
         (line,) = [ln for ln in hlo.splitlines() if target.search(ln)]
         return int(re.search(r"operand_layout_constraints=\{bf16\[(\d+),", line).group(1))
 
+    BLOCK_ROWS = {"mxfp8": 32, "fp8_group128": 128, "nvfp4": 16, "mxfp4": 32}
+
     @pytest.mark.parametrize(
-        ("axis_type", "add"),
+        ("axis_type", "add", "name"),
         [
-            (AxisType.Auto, False),
-            (AxisType.Explicit, False),
-            (AxisType.Explicit, True),
-            pytest.param(AxisType.Auto, True, marks=EXTENDED),
+            (AxisType.Auto, False, "mxfp8"),
+            (AxisType.Explicit, False, "mxfp8"),
+            (AxisType.Explicit, True, "mxfp8"),
+            *(
+                pytest.param(axis_type, add, name, marks=EXTENDED)
+                for axis_type, add, name in [
+                    (AxisType.Auto, True, "mxfp8"),
+                    *(
+                        (axis_type, False, name)
+                        for axis_type in (AxisType.Auto, AxisType.Explicit)
+                        for name in ("fp8_group128", "nvfp4", "mxfp4")
+                    ),
+                ]
+            ),
         ],
     )
-    def test_rows_sharded_in_parts_of_blocks_are_gathered(axis_type, add):
+    def test_rows_sharded_in_parts_of_blocks_are_gathered(axis_type, add, name):
         """A device's share of the rows not whole blocks: the norm runs on all the rows (on
         every device), and every output and gradient has the unsharded call's bits. Under
         Explicit axes the layer gathers the rows itself, dw included; under Auto axes the
         norm's lowering does, and XLA may still split dw's GEMM over the rows, summing the
         devices' parts in its own order (docs/spec.md, "The layer")."""
-        (grads, outs), (grads1, outs1), hlo = _rows_sharded_layer(SPLIT_ROWS, axis_type, add)
-        assert _norm_kernel_rows(hlo) == SPLIT_ROWS
+        (grads, outs), (grads1, outs1), hlo = _rows_sharded_layer(SPLIT_ROWS, axis_type, add, name)
+        block = BLOCK_ROWS[name]  # the norm's rows: all of them, padded to the block
+        assert _norm_kernel_rows(hlo) == -(-SPLIT_ROWS // block) * block
         for what, a, b in zip(("out", "residual_out")[: len(outs)], outs, outs1, strict=True):
             _same_bits(a, b, what)
         _same_bits(grads[0], grads1[0], "dx")

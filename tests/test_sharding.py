@@ -207,33 +207,41 @@ else:
         for out in outs[:-2]:
             assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec), out.ndim)
 
-    def test_columnwise_blocks_split_between_devices_beside_a_blocked_consumer():
-        """64 rows of MXFP8 over 8 Auto devices (8 rows each, blocks of 32), y_t and
-        scales_t read by a consumer that splits the rows into blocks, as the layer's weight
-        gradient does, beside an operand sharded by rows: XLA would give scales_t a part of
-        the mesh axis, which the partitioner cannot take. The call runs on all the rows: the
-        bits of the unsharded call. (Under Explicit axes the types fix every sharding, and
-        the consumer's reshape of rows split in parts of blocks is the user's to place.)"""
-        mesh = _mesh((8,), ("a",))
+    @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+    def test_columnwise_blocks_split_between_devices_beside_a_blocked_consumer(axis_type):
+        """rms_norm_fp8_vjp of 64 rows of MXFP8 over 8 devices (8 rows each, blocks of 32),
+        y_t and scales_t read by a consumer that splits the rows into blocks, as the layer's
+        weight gradient does, beside an operand sharded by rows: under Auto axes XLA would
+        give scales_t a part of the mesh axis, which the partitioner cannot take. The call
+        runs on all the rows: the outputs and the backward's have the unsharded call's bits.
+        (Under Explicit axes the consumer's reshape of rows split in parts of blocks is the
+        user's to place: its operand there comes whole.)"""
+        mesh = _mesh((8,), ("a",), axis_type)
         x, gamma = _args(fp8norm.rms_norm_fp8, (64, 256))
         g = random_rows(4, (64, 128), jnp.float32)
-        kw = dict(layout("mxfp8"), columnwise=True)
+        dn = random_rows(5, (64, 256), jnp.float32)
+        kw = layout("mxfp8")
 
-        def op(x, gamma, g):
-            y, scales, y_t, scales_t = fp8norm.rms_norm_fp8(x, gamma, **kw)
+        def op(x, gamma, g, dn):
+            outs, backward = _training.rms_norm_fp8_vjp(x, gamma, columnwise=True, **kw)
+            y_t, scales_t = outs[2:]
             blocks = y_t.astype(jnp.float32).reshape(256, 2, 32)
             blocks = blocks * scales_t.astype(jnp.float32)[..., None]
             weighted = jnp.einsum("kbr,brf->kf", blocks, g.reshape(2, 32, 128))
-            return y, scales, y_t, scales_t, weighted
+            return (*outs, *backward(dn), weighted)
 
         rows = NamedSharding(mesh, P("a", None))
-        got = jax.jit(op)(jax.device_put(x, rows), gamma, jax.device_put(g, rows))
-        want = _single_device(op, x, gamma, g)
-        assert_same_bits(got[:4], want[:4])
-        assert np.all(np.isfinite(np.asarray(want[4])))
+        g_spec = rows if axis_type == AxisType.Auto else NamedSharding(mesh, P())
+        context = jax.set_mesh(mesh) if axis_type == AxisType.Explicit else contextlib.nullcontext()
+        with context:
+            placed = (jax.device_put(x, rows), gamma, jax.device_put(g, g_spec))
+            got = jax.jit(op)(*placed, jax.device_put(dn, rows))
+        want = _single_device(op, x, gamma, g, dn)
+        assert_same_bits(got[:6], want[:6])
+        assert np.all(np.isfinite(np.asarray(want[6])))
         # XLA's own einsum, its float32 sums split over the devices as it chooses.
         tol = 2.0**-18
-        np.testing.assert_allclose(got[4], want[4], rtol=tol, atol=tol * np.abs(want[4]).max())
+        np.testing.assert_allclose(got[6], want[6], rtol=tol, atol=tol * np.abs(want[6]).max())
 
     @pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
     def test_columnwise_inside_a_user_shard_map(name):
