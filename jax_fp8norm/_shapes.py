@@ -33,23 +33,24 @@ _X_SHAPED = ("y", "residual_out")
 _COLUMNWISE = ("y_t", "scales_t")
 
 
+def check_axes(value: Any, name: str) -> tuple[int, ...]:
+    """An axes argument (``reduction_axes``, ``feature_axes``): an int or a sequence of ints,
+    any sign; a bool is refused (True is not axis 1)."""
+    ints = (numbers.Integral,)
+    if isinstance(value, ints) and not isinstance(value, (bool, np.bool_)):
+        return (int(value),)
+    if isinstance(value, (tuple, list)) and all(
+        isinstance(a, ints) and not isinstance(a, (bool, np.bool_)) for a in value
+    ):
+        return tuple(int(a) for a in value)
+    raise TypeError(f"{name} must be an int or a sequence of ints, got {value!r}")
+
+
 def check_reduction_axes(reduction_axes: Any, ndim: int) -> int:
     """How many trailing axes of an ``ndim``-rank x are normalised: ``reduction_axes`` (an
     int or a sequence of ints, any sign) must name the trailing axes, contiguous, ending at
     the last."""
-    if isinstance(reduction_axes, numbers.Integral) and not isinstance(
-        reduction_axes, (bool, np.bool_)
-    ):
-        axes = (int(reduction_axes),)
-    elif isinstance(reduction_axes, (tuple, list)) and all(
-        isinstance(a, numbers.Integral) and not isinstance(a, (bool, np.bool_))
-        for a in reduction_axes
-    ):
-        axes = tuple(int(a) for a in reduction_axes)
-    else:
-        raise TypeError(
-            f"reduction_axes must be an int or a sequence of ints, got {reduction_axes!r}"
-        )
+    axes = check_axes(reduction_axes, "reduction_axes")
     if not axes:
         raise ValueError("reduction_axes must name at least one axis, got an empty sequence")
     for axis in axes:
@@ -127,6 +128,42 @@ def flat_gamma(gamma: Any, normalised: tuple) -> jax.Array:
     return _broadcaster(shape, normalised)(jnp.reshape(gamma, shape).astype(jnp.float32))
 
 
+def _explicit_sharding(array: Any) -> NamedSharding | None:
+    """The sharding in ``array``'s type where it names a mesh axis (Explicit axes: Auto
+    ones are not part of a type), on the abstract mesh of that type; None elsewhere."""
+    if not isinstance(array, jax.Array):
+        return None
+    sharding = getattr(jax.typeof(array), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None or all(entry is None for entry in spec):
+        return None
+    return sharding
+
+
+def _gathered(gamma: Any, x: Any, normalised: tuple) -> tuple[Any, OutSharding | None]:
+    """gamma whole (the kernels take a whole gamma beside whole rows) where an Explicit
+    mesh axis shards it, gathered through its own type's mesh, so that no mesh context is
+    needed; reshard's transpose gives its cotangent gamma's sharding back. Also the
+    placement of ``y`` that the framework's ``x * gamma`` would have (x's entries, and
+    gamma's on the normalised axes x leaves unsharded), so that a model's later types
+    are those it has with its framework's norm. Auto axes need neither: XLA places them."""
+    sharding = _explicit_sharding(gamma)
+    if sharding is None:
+        return gamma, None
+    gathered = jax.sharding.reshard(gamma, sharding.update(spec=P()))
+    ndim, k = len(x.shape), len(normalised)
+    x_sharding = _explicit_sharding(x)
+    spec = list(x_sharding.spec) if x_sharding is not None else []
+    spec += [None] * (ndim - len(spec))
+    gamma_spec = list(sharding.spec) + [None] * (gamma.ndim - len(sharding.spec))
+    # gamma's trailing axes meet the normalised axes (broadcasting aligns on the right).
+    for axis in range(1, min(k, gamma.ndim) + 1):
+        if spec[-axis] is None and gamma.shape[-axis] != 1:
+            spec[-axis] = gamma_spec[-axis]
+    spec = P(*spec)
+    return gathered, OutSharding(spec, NamedSharding(sharding.mesh, spec), explicit=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class OutSharding:
     """A checked ``out_sharding``: the spec of x-shaped outputs and the mesh it names (a
@@ -195,6 +232,8 @@ class ShapedCall:
     axes: int  # how many trailing axes of x are normalised
     dtype: np.dtype  # result_type(x, gamma); x's dtype for gamma=None
     out_sharding: OutSharding | None
+    # y's placement where out_sharding is None and an Explicit axis shards gamma.
+    y_sharding: OutSharding | None = None
 
     def operands(self) -> tuple:
         """The norm's operands: rows, gamma, then the scale operand if any."""
@@ -220,6 +259,8 @@ class ShapedCall:
                 if value is None or name in _COLUMNWISE:
                     continue
                 values[name] = placing.place(value, placing.spec if name in _X_SHAPED else row_spec)
+        elif self.y_sharding is not None and values["y"] is not None:
+            values["y"] = self.y_sharding.place(values["y"], self.y_sharding.spec)
         return NormOutputs(**values)
 
 
@@ -237,6 +278,7 @@ def shaped_call(
     flat_shape = shape[: len(shape) - k] + (n,)
     rows = tuple(as_operand(r) if k == 1 else jnp.reshape(as_operand(r), flat_shape) for r in rows)
     x_dtype = np.dtype(x.dtype)
+    y_sharding = None
     if gamma is None:
         # No weight: 1 exactly, whatever weight_offset (checked as given, then 0).
         flat = jnp.ones((n,), x_dtype)
@@ -246,8 +288,9 @@ def shaped_call(
         dtype = x_dtype
     else:
         gamma_dtype = check_gamma_dtype(gamma)
+        gamma, y_sharding = _gathered(gamma, x, normalised)
         flat = flat_gamma(gamma, normalised)
         call = validate(rows[0], flat, *rows[1:], **keywords)
         dtype = np.dtype(jnp.result_type(x_dtype, gamma_dtype))
     placing = check_out_sharding(out_sharding, len(shape))
-    return ShapedCall(call, rows, flat, shape, k, dtype, placing)
+    return ShapedCall(call, rows, flat, shape, k, dtype, placing, y_sharding)

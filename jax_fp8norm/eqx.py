@@ -21,9 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fp8norm._checks import check_keyword_names, check_scale_operand, validate
+from jax_fp8norm._modules import QuantizedOutput, module_keywords, quantized_output
 from jax_fp8norm._params import NormKeywords
-from jax_fp8norm._quantized import QuantizedOutput, quantized_output
 from jax_fp8norm._signatures import norm_keywords
 from jax_fp8norm.autodiff import rms_norm_fp8_dequantized
 from jax_fp8norm.ops import rms_norm_fp8
@@ -32,8 +31,6 @@ __all__ = ["QuantizedOutput", "RMSNormFP8"]
 
 # ``state`` not given (equinox's own sentinel is private).
 _NO_STATE = object()
-# The arrays among the keywords: data the module carries (leaves), not static fields.
-_DATA = ("static_scale", "global_scale")
 
 
 def _shape(shape: Any) -> tuple[int, ...]:
@@ -65,9 +62,11 @@ class RMSNormFP8(eqx.Module):
       quantized_output: return a :class:`QuantizedOutput` (the codes ``y`` and their
         ``scales``) instead of the dequantised array, for a next layer that consumes
         codes; not differentiable, and not with a bias (which is added after dequantising).
-      The keywords of :func:`jax_fp8norm.rms_norm_fp8` but ``eps``, checked here (a
-      ``static_scale`` or ``global_scale`` is kept as a float32 array, a leaf of the module
-      that the call does not differentiate: leave it out of the optimiser's parameters):
+      The keywords of :func:`jax_fp8norm.rms_norm_fp8` but ``eps`` (``epsilon=`` is
+      refused, naming eps), checked here (a ``static_scale`` or ``global_scale`` is kept
+      as a static Python float, its float32 value: a calibrated constant, not a leaf, so
+      that ``eqx.filter(model, eqx.is_inexact_array)`` and the optimiser leave it alone;
+      a new value makes a new module):
       {keywords}
     """
 
@@ -77,10 +76,13 @@ class RMSNormFP8(eqx.Module):
     use_bias: bool = eqx.field(static=True)
     quantized_output: bool = eqx.field(static=True)
     keywords: tuple[tuple[str, Any], ...] = eqx.field(static=True)
+    # Calibrated constants, not parameters: static Python floats (the float32 values), so
+    # that eqx.filter(model, eqx.is_inexact_array) leaves them out of an optimiser's
+    # parameters (adamw's weight decay would shrink an array leaf every step).
+    static_scale: float | None = eqx.field(static=True)
+    global_scale: float | None = eqx.field(static=True)
     weight: jax.Array | None
     bias: jax.Array | None
-    static_scale: jax.Array | None
-    global_scale: jax.Array | None
 
     def __init__(
         self,
@@ -101,21 +103,19 @@ class RMSNormFP8(eqx.Module):
         ):
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
-        if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-            raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-        if not math.isfinite(eps) or eps < 0:
-            raise ValueError(f"eps must be finite and >= 0, got {eps}")
         if quantized_output and use_bias:
             raise ValueError(
                 "quantized_output=True needs use_bias=False: the bias is added to the "
                 "dequantised values, which the codes are not"
             )
-        if "eps" in keywords:
-            raise TypeError("eps is given twice")
-        check_keyword_names(keywords)
-        n = math.prod(shape)
         # Checked now, so that a bad keyword fails where the module is made.
-        validate(np.zeros((1, n), np.float32), np.ones((n,), np.float32), eps=eps, **keywords)
+        keywords, scales = module_keywords(keywords, eps=eps, eps_name="eps", n=math.prod(shape))
+        for name, value in scales.items():
+            if isinstance(value, jax.core.Tracer):
+                raise TypeError(
+                    f"{name} must be concrete (a float, or an array outside jax.jit): the "
+                    "module keeps it as a static float, out of the optimiser's parameters"
+                )
         dtype = jax.dtypes.canonicalize_dtype(jnp.float64) if dtype is None else dtype
         self.shape = shape
         self.eps = float(eps)
@@ -124,9 +124,9 @@ class RMSNormFP8(eqx.Module):
         self.quantized_output = bool(quantized_output)
         self.weight = jnp.ones(shape, dtype) if use_weight else None
         self.bias = jnp.zeros(shape, dtype) if use_bias else None
-        data = {name: keywords.pop(name, None) for name in _DATA}
-        self.static_scale = check_scale_operand(data["static_scale"], "static_scale", False)
-        self.global_scale = check_scale_operand(data["global_scale"], "global_scale", True)
+        for name, value in scales.items():
+            setattr(self, name, None if value is None else float(value[0]))
+        keywords.pop("eps")
         self.keywords = tuple(sorted(keywords.items()))
 
     @classmethod
@@ -144,12 +144,12 @@ class RMSNormFP8(eqx.Module):
 
     def op_keywords(self) -> dict[str, Any]:
         """The ops' keywords of a call: the static ones, eps, the normalised axes and the
-        module's scale arrays (not differentiated)."""
+        module's calibrated scales."""
         keywords = dict(self.keywords, eps=self.eps)
         keywords["reduction_axes"] = tuple(range(-len(self.shape), 0))
-        for name in _DATA:
+        for name in ("static_scale", "global_scale"):
             if getattr(self, name) is not None:
-                keywords[name] = jax.lax.stop_gradient(getattr(self, name))
+                keywords[name] = getattr(self, name)
         return keywords
 
     def __call__(self, x: jax.Array, state: Any = _NO_STATE, *, key: Any = None):

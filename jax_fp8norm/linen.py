@@ -12,9 +12,7 @@ the normalised values rounded through the FP8 (or FP4) codes: ``f32(y) * scales`
 
 from __future__ import annotations
 
-import math
-import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -22,27 +20,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from jax_fp8norm._checks import validate
+from jax_fp8norm._modules import (
+    QuantizedOutput,
+    keywords_given,
+    module_axes,
+    module_keywords,
+    quantized_output,
+    scale_as_gamma,
+)
 from jax_fp8norm._params import NORM_KEYWORDS
-from jax_fp8norm._quantized import QuantizedOutput, keywords_given, quantized_output
 from jax_fp8norm.autodiff import add_rms_norm_fp8_dequantized, rms_norm_fp8_dequantized
 from jax_fp8norm.ops import add_rms_norm_fp8, rms_norm_fp8
-from jax_fp8norm.recipes import apply_recipe
 
 __all__ = ["QuantizedOutput", "RMSNormFP8"]
 
 # The recipe's attributes: the ops' keywords but eps, which is nn.RMSNorm's epsilon here.
 RECIPE_FIELDS = tuple(name for name in NORM_KEYWORDS if name != "eps")
-
-
-def _axes(value: Any, name: str) -> tuple[int, ...]:
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return (int(value),)
-    if isinstance(value, Sequence) and all(
-        isinstance(a, numbers.Integral) and not isinstance(a, bool) for a in value
-    ):
-        return tuple(int(a) for a in value)
-    raise TypeError(f"{name} must be an int or a sequence of ints, got {value!r}")
 
 
 class RMSNormFP8(nn.Module):
@@ -103,6 +96,8 @@ class RMSNormFP8(nn.Module):
     static_scale: Any = None
     global_scale: Any = None
     quantized_output: bool = False
+    # Not nn.RMSNorm's: there only to refuse eps= by name (this module's is epsilon).
+    eps: Any = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -126,40 +121,26 @@ class RMSNormFP8(nn.Module):
         for name in ("use_scale", "use_fast_variance", "quantized_output"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        _axes(self.reduction_axes, "reduction_axes")
-        _axes(self.feature_axes, "feature_axes")
-        eps = self.epsilon
-        if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-            raise TypeError(f"epsilon must be a float, got {type(eps).__name__}")
-        if not math.isfinite(eps) or eps < 0:
-            raise ValueError(f"epsilon must be finite and >= 0, got {eps}")
-        keywords = keywords_given({name: getattr(self, name) for name in RECIPE_FIELDS})
-        keywords["eps"] = float(eps)
-        group = apply_recipe(keywords).get("group_size")
-        n = group if isinstance(group, int) and not isinstance(group, bool) and group > 0 else 2
-        validate(np.zeros((1, n), np.float32), np.ones((n,), np.float32), **keywords)
-        return keywords
+        module_axes(self.reduction_axes, self.feature_axes, None)
+        given = keywords_given({name: getattr(self, name) for name in RECIPE_FIELDS})
+        if self.eps is not None:
+            given["eps"] = self.eps  # refused by name: nn.RMSNorm's is epsilon
+        keywords, scales = module_keywords(given, eps=self.epsilon, eps_name="epsilon")
+        return keywords | {k: v for k, v in scales.items() if v is not None}
 
-    def _gamma(self, x: jax.Array, reduction: tuple[int, ...]):
+    def _gamma(self, x: jax.Array):
         """The ``scale`` parameter (shaped by ``feature_axes``, as nn.RMSNorm's) as the
         op's gamma over the normalised axes; None without one."""
+        _, features = module_axes(self.reduction_axes, self.feature_axes, x.ndim)
         if not self.use_scale:
             return None
-        features = sorted({a % x.ndim for a in _axes(self.feature_axes, "feature_axes")})
-        outside = [a for a in features if a not in reduction]
-        if outside:
-            raise ValueError(
-                f"feature_axes={self.feature_axes!r} must be among reduction_axes="
-                f"{self.reduction_axes!r} for x of rank {x.ndim}: the kernel's weight is one "
-                "over the normalised values"
-            )
         init = self.scale_init
         if init is None:
             offset = self.weight_offset
             init = nn.initializers.zeros if offset == 1.0 else nn.initializers.ones
         shape = tuple(x.shape[a] for a in features)
         scale = self.param("scale", init, shape, self.param_dtype)
-        return jnp.reshape(scale, tuple(x.shape[a] if a in features else 1 for a in reduction))
+        return scale_as_gamma(scale, x.shape, self.reduction_axes, self.feature_axes)
 
     @nn.compact
     def __call__(self, x, *, mask=None, residual=None):
@@ -178,12 +159,9 @@ class RMSNormFP8(nn.Module):
         x = jnp.asarray(x)
         if x.ndim == 0:
             raise ValueError("x must have rank >= 1, got a scalar")
-        reduction = tuple(
-            sorted({a % x.ndim for a in _axes(self.reduction_axes, "reduction_axes")})
-        )
         keywords = self.op_keywords()
-        gamma = self._gamma(x, reduction)
-        axes = {"reduction_axes": tuple(a - x.ndim for a in reduction)}
+        gamma = self._gamma(x)
+        axes = {"reduction_axes": self.reduction_axes}
         if self.quantized_output:
             if residual is None:
                 return quantized_output(rms_norm_fp8(x, gamma, **axes, **keywords), False)

@@ -12,8 +12,6 @@ themselves (:class:`QuantizedOutput`), for a layer that takes them.
 
 from __future__ import annotations
 
-import functools
-import numbers
 from types import MappingProxyType
 from typing import Any, Unpack
 
@@ -21,12 +19,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
-from jax.sharding import AxisType
-from jax.sharding import PartitionSpec as P
 
-from jax_fp8norm._checks import check_global_scale, check_static_scale, validate
+from jax_fp8norm._modules import (
+    REMOVED_DEQUANTIZE,
+    QuantizedOutput,
+    module_axes,
+    module_keywords,
+    quantized_output,
+    scale_as_gamma,
+)
 from jax_fp8norm._params import NORM_KEYWORDS, NormKeywords
-from jax_fp8norm._quantized import QuantizedOutput, quantized_output
+from jax_fp8norm._shapes import check_axes
 from jax_fp8norm._signatures import norm_keywords
 from jax_fp8norm.autodiff import add_rms_norm_fp8_dequantized, rms_norm_fp8_dequantized
 from jax_fp8norm.dense import add_rms_norm_dense, rms_norm_dense
@@ -34,65 +37,6 @@ from jax_fp8norm.ops import add_rms_norm_fp8, rms_norm_fp8
 from jax_fp8norm.reference import unquantized_rms_norm_dense
 
 __all__ = ["QuantizedOutput", "RMSNormDense", "RMSNormFP8"]
-
-_REMOVED_DEQUANTIZE = (
-    "dequantize= was removed in jax_fp8norm 0.3.0: RMSNormFP8 returns the dequantised "
-    "array by default, as nnx.RMSNorm does (dequantize=True's output); "
-    "quantized_output=True returns the FP8/FP4 codes and their scales (dequantize=False's)"
-)
-
-
-def _axes(value: Any, name: str) -> tuple[int, ...]:
-    if isinstance(value, numbers.Integral):
-        return (int(value),)
-    if isinstance(value, (tuple, list)) and all(isinstance(a, numbers.Integral) for a in value):
-        return tuple(int(a) for a in value)
-    raise TypeError(f"{name} must be an int or a sequence of ints, got {value!r}")
-
-
-def _positive(axes: tuple[int, ...], ndim: int, name: str) -> tuple[int, ...]:
-    for axis in axes:
-        if not -ndim <= axis < ndim:
-            raise ValueError(f"{name}={axes!r}: axis {axis} is out of range for x of rank {ndim}")
-    return tuple(sorted({a % ndim for a in axes}))
-
-
-def _check_feature_axes(feature_axes: tuple[int, ...], ndim: int | None) -> None:
-    """The scale must run along x's last axis: the kernels multiply each normalised row by
-    one gamma of its length, the same for every row, which a scale along another axis (or
-    several) is not. ``ndim`` None: before a call, where a positive axis cannot be told."""
-    if len(feature_axes) == 1:
-        (axis,) = feature_axes
-        if ndim is None and (axis == -1 or axis >= 0):
-            return
-        if ndim is not None and -ndim <= axis < ndim and axis % ndim == ndim - 1:
-            return
-    raise ValueError(
-        f"feature_axes={feature_axes!r}: RMSNormFP8 applies its scale along x's last axis "
-        "only (feature_axes=-1): the kernels multiply every normalised row by one gamma "
-        "along it, which a scale over other axes is not"
-    )
-
-
-def _replicated(gamma: jax.Array) -> jax.Array:
-    """gamma gathered where an Explicit mesh axis shards it: the kernels take whole rows
-    and a whole gamma, and on Explicit axes the gradient must come back in gamma's type
-    (reshard's transpose shards it again). Auto axes need nothing: XLA gathers them."""
-    sharding = getattr(jax.typeof(gamma), "sharding", None)
-    if sharding is None or all(s is None for s in sharding.spec):
-        return gamma
-    return jax.sharding.reshard(gamma, P(*([None] * gamma.ndim)))
-
-
-def _nnx_placement(x: jax.Array, scale: jax.Array | None) -> P | None:
-    """On Explicit mesh axes a sharding is part of an array's type: the placement of
-    nnx.RMSNorm's ``x * scale`` (typically x's batch axes and the scale's feature axis),
-    so that the model's later types are those it has with nnx.RMSNorm. None elsewhere."""
-    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
-    if mesh is None or mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
-        return None
-    args = (x,) if scale is None else (x, scale.reshape((1,) * (x.ndim - 1) + (-1,)))
-    return jax.eval_shape(lambda *a: functools.reduce(jnp.multiply, a), *args).sharding.spec
 
 
 class RMSNormFP8(nnx.Module):
@@ -108,8 +52,8 @@ class RMSNormFP8(nnx.Module):
 
     Args (``nnx.RMSNorm``'s, in its order):
       num_features: the size of the scale (x's last axis).
-      epsilon: added to the mean square (nnx's default, 1e-6); ``eps`` is the same (give
-        one of the two).
+      epsilon: added to the mean square (nnx's default, 1e-6): the ops' ``eps``, by nnx's
+        name (``eps=`` is refused, naming epsilon).
       dtype: the result's dtype, and that ``x`` and ``scale`` are promoted to; None: inferred
         from them, as nnx does.
       param_dtype: the ``scale`` parameter's dtype.
@@ -119,8 +63,9 @@ class RMSNormFP8(nnx.Module):
       reduction_axes: the normalised axes: trailing and contiguous, ending at the last
         (``-1``, ``(-2, -1)``, or ``2`` for a rank-3 ``x``), normalised as one row of their
         product; other axes are refused (the kernels read a row's elements contiguously).
-      feature_axes: the scale's axis: the last one only (the kernels multiply every row
-        by one gamma along it).
+      feature_axes: the scale's axes, among the reduction axes (the kernels multiply every
+        row by one weight over its values): ``(num_features,)`` laid along them and
+        broadcast over the other normalised axes, as nnx reshapes it.
       axis_name, axis_index_groups: must be None. nnx.RMSNorm averages the mean square
         over a mapped axis with them (``lax.pmean``, a row split over devices); the kernels
         normalise a whole row on one device. Under ``jax.jit`` a row sharded over a mesh
@@ -144,7 +89,7 @@ class RMSNormFP8(nnx.Module):
         self,
         num_features: int,
         *,
-        epsilon: float | None = None,
+        epsilon: float = 1e-6,
         dtype=None,
         param_dtype=jnp.float32,
         use_scale: bool = True,
@@ -160,8 +105,6 @@ class RMSNormFP8(nnx.Module):
         quantized_output: bool = False,
         **keywords: Unpack[NormKeywords],
     ):
-        if "dequantize" in keywords:
-            raise TypeError(_REMOVED_DEQUANTIZE)
         for name, value in (("axis_name", axis_name), ("axis_index_groups", axis_index_groups)):
             if value is not None:
                 raise ValueError(
@@ -170,26 +113,15 @@ class RMSNormFP8(nnx.Module):
                     "pmap or shard_map) is not what the kernels compute. Under jax.jit a "
                     "row sharded over a mesh axis needs no axis_name: it is gathered"
                 )
-        reduction = _axes(reduction_axes, "reduction_axes")
-        if all(a < 0 for a in reduction):  # checkable now; positive axes need x's rank
-            _positive(reduction, -min(reduction), "reduction_axes")
-            if sorted(reduction) != list(range(-len(reduction), 0)):
-                raise ValueError(
-                    f"reduction_axes={reduction_axes!r} must be x's trailing axes, "
-                    "contiguous and ending at the last (-1, (-2, -1), ...): the kernels "
-                    "normalise rows whose elements are contiguous"
-                )
-        _check_feature_axes(_axes(feature_axes, "feature_axes"), None)
-        if epsilon is not None:
-            if "eps" in keywords:
-                raise ValueError("give epsilon or eps, not both")
-            keywords["eps"] = epsilon
+        # Checked now as far as x's rank is not needed (negative axes).
+        axes = module_axes(reduction_axes, feature_axes, None)
         if not isinstance(quantized_output, bool):
             raise TypeError(f"quantized_output must be a bool, got {quantized_output!r}")
-        # Checked now, so that a bad keyword fails where the module is made. Over several
-        # axes a row's length is known at the call, which checks the group against it.
-        n = num_features if len(reduction) == 1 else 0
-        validate(jnp.zeros((1, n), jnp.float32), jnp.ones((n,)), **keywords)
+        # Over several axes a row's length is known at the call, which checks the group.
+        single = axes is not None and len(axes[0]) == 1
+        keywords, scales = module_keywords(
+            keywords, eps=epsilon, eps_name="epsilon", n=num_features if single else None
+        )
         offset = keywords.get("weight_offset", NORM_KEYWORDS["weight_offset"][0])
         self.scale: nnx.Param | None
         if use_scale:
@@ -201,16 +133,14 @@ class RMSNormFP8(nnx.Module):
             self.scale = nnx.Param(value, **scale_metadata)
         else:
             self.scale = nnx.data(None)
-        # The calibrated and global scales are data (arrays the module carries); the rest
-        # are static.
-        static_scale = check_static_scale(keywords.pop("static_scale", None))
-        self.static_scale = nnx.data(static_scale) if static_scale is not None else None
-        global_scale = check_global_scale(keywords.pop("global_scale", None))
-        self.global_scale = nnx.data(global_scale) if global_scale is not None else None
+        # The calibrated and global scales are data (arrays the module carries, not
+        # parameters: nnx.Optimizer(wrt=nnx.Param) leaves them); the rest are static.
+        for name, value in scales.items():
+            setattr(self, name, nnx.data(value) if value is not None else None)
         self.keywords = keywords
         # nnx.RMSNorm's attributes, so that code reading them reads the same.
         self.num_features = num_features
-        self.epsilon = float(keywords.get("eps", NORM_KEYWORDS["eps"][0]))
+        self.epsilon = keywords["eps"]
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.use_scale = use_scale
@@ -229,7 +159,7 @@ class RMSNormFP8(nnx.Module):
         first for a module of its own); quantising as ``keywords`` say (the recipe
         keywords, ``quantized_output``)."""
         if "dequantize" in keywords:
-            raise TypeError(_REMOVED_DEQUANTIZE)
+            raise TypeError(REMOVED_DEQUANTIZE)
         module = cls(
             norm.num_features,
             epsilon=norm.epsilon,
@@ -277,16 +207,17 @@ class RMSNormFP8(nnx.Module):
                 "keyword, residual=)"
             )
         x = jnp.asarray(x)
-        _check_feature_axes(_axes(self.feature_axes, "feature_axes"), x.ndim)
         scale = self.scale[...] if self.scale is not None else None
         promoted, scale = self.promote_dtype((x, scale), dtype=self.dtype)
         # nnx.RMSNorm's result dtype: that of its promoted operands, or dtype.
         dtype = nnx_dtypes.canonicalize_dtype(promoted, scale, dtype=self.dtype)
-        placement = _nnx_placement(promoted, scale)
         # With a residual the rows keep their dtype: the residual stream's, which
         # residual_out carries on (nnx.RMSNorm has no residual to promote).
         x = promoted if residual is None else x
-        gamma = None if scale is None else _replicated(scale)
+        # The scale along feature_axes, broadcast over the other normalised axes, as nnx
+        # reshapes it; on Explicit mesh axes the op gathers a sharded one and places the
+        # output as nnx's x * scale is placed.
+        gamma = scale_as_gamma(scale, x.shape, self.reduction_axes, self.feature_axes)
         keywords = self.call_keywords()
         keywords["reduction_axes"] = self.reduction_axes
         if self.quantized_output:
@@ -295,15 +226,11 @@ class RMSNormFP8(nnx.Module):
             out = add_rms_norm_fp8(x, residual, gamma, **keywords)
             return quantized_output(out, residual=True)
         if residual is None:
-            return rms_norm_fp8_dequantized(
-                x, gamma, dtype=dtype, out_sharding=placement, **keywords
-            )
-        return add_rms_norm_fp8_dequantized(
-            x, residual, gamma, dtype=dtype, out_sharding=placement, **keywords
-        )
+            return rms_norm_fp8_dequantized(x, gamma, dtype=dtype, **keywords)
+        return add_rms_norm_fp8_dequantized(x, residual, gamma, dtype=dtype, **keywords)
 
 
-RMSNormFP8 = norm_keywords(RMSNormFP8)
+RMSNormFP8 = norm_keywords(RMSNormFP8, exclude=("eps",))
 
 
 class RMSNormDense(nnx.Module):
@@ -314,7 +241,7 @@ class RMSNormDense(nnx.Module):
     Args:
       in_features: K, the normalised axis.
       out_features: F, an int or a tuple of output axes (an einsum weight ``(K, 2, H)``).
-      epsilon: ``eps`` by nnx.RMSNorm's name (give one of the two).
+      epsilon: the ops' ``eps``, by nnx.RMSNorm's name (``eps=`` is refused).
       param_dtype: the master weights' dtype (float32 by default).
       kernel_init: ``init(key, (K, *F), param_dtype)``; LeCun normal by default, as
         ``nnx.Linear``.
@@ -335,14 +262,14 @@ class RMSNormDense(nnx.Module):
         in_features: int,
         out_features: int | tuple[int, ...],
         *,
-        epsilon: float | None = None,
+        epsilon: float = 1e-6,
         param_dtype=jnp.float32,
         kernel_init=None,
         fused: bool = True,
         rngs: nnx.Rngs,
         **keywords: Unpack[NormKeywords],
     ):
-        features = _axes(out_features, "out_features")
+        features = check_axes(out_features, "out_features")
         if not features or any(f < 1 for f in features):
             raise ValueError(f"out_features must be positive sizes, got {out_features!r}")
         self.norm = RMSNormFP8(in_features, epsilon=epsilon, param_dtype=param_dtype, **keywords)
@@ -366,4 +293,4 @@ class RMSNormDense(nnx.Module):
         return unquantized_rms_norm_dense(x, gamma, w, residual, eps=eps, weight_offset=offset)
 
 
-RMSNormDense = norm_keywords(RMSNormDense)
+RMSNormDense = norm_keywords(RMSNormDense, exclude=("eps",))

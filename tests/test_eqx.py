@@ -26,7 +26,8 @@ def control(x, weight, bias, **keywords):
     the op's codes dequantised, the bias added in float32, rounded once to x's dtype."""
     rows = x.reshape(x.shape[0], -1)
     gamma = None if weight is None else weight.reshape(-1)
-    out = fp8norm.dequantize(*fp8norm.rms_norm_fp8(rows, gamma, **keywords))
+    codes = fp8norm.rms_norm_fp8(rows, gamma, **keywords)
+    out = fp8norm.dequantize(*codes, global_scale=keywords.get("global_scale"))
     if bias is not None:
         out = out + bias.reshape(-1).astype(jnp.float32)
     return out.astype(x.dtype).reshape(x.shape)
@@ -130,10 +131,31 @@ def test_gradients_reach_the_weight_and_the_bias():
     same_bits(grads.weight, want[0])
     same_bits(grads.bias, want[1])
     assert np.any(np.asarray(grads.weight) != 0)
-    # A calibrated scale is data the module carries, not a parameter the call trains.
-    calibrated = RMSNormFP8.from_rmsnorm(norm, recipe="fp8_static", static_scale=0.02)
-    grads = eqx.filter_grad(lambda m: jnp.sum(w * jax.vmap(m)(x)))(calibrated)
-    assert grads.static_scale.shape == (1,) and float(grads.static_scale[0]) == 0.0
+
+
+def test_adamw_on_the_inexact_arrays_leaves_a_calibrated_scale_alone():
+    """equinox's usual training step (the model's inexact arrays through optax.adamw,
+    whose weight decay shrinks every parameter it is given) trains the weight and leaves
+    the calibrated static_scale and NVFP4's global_scale as they were: constants, not
+    parameters, so the call keeps the calibration's codes."""
+    optax = pytest.importorskip("optax")
+    x = jnp.asarray(random_rows(8, (4, 32), jnp.float32))
+    for name, keywords in (
+        ("static_scale", {"recipe": "fp8_static", "static_scale": 0.02}),
+        ("global_scale", {"recipe": "nvfp4", "global_scale": 0.0021}),
+    ):
+        model = RMSNormFP8(32, **keywords)
+        before = float(np.float32(keywords[name]))
+        optimizer = optax.adamw(1e-2, weight_decay=0.5)
+        state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+        for _ in range(2):
+            grads = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(x) ** 2))(model)
+            params = eqx.filter(model, eqx.is_inexact_array)
+            updates, state = optimizer.update(grads, state, params)
+            model = eqx.apply_updates(model, updates)
+        assert float(np.asarray(getattr(model, name)).reshape(-1)[0]) == before, name
+        assert np.any(np.asarray(model.weight) != 1), "the weight trained"
+        same_bits(jax.vmap(model)(x), control(x, model.weight, model.bias, **keywords))
 
 
 REFUSED = {
@@ -143,7 +165,9 @@ REFUSED = {
     "use_bias": ({"shape": 8, "quantized_output": True}, ValueError),
     "use_weight": ({"shape": 8, "use_weight": 1}, TypeError),
     "recipe": ({"shape": 64, "recipe": "mxfp9"}, ValueError),
-    "unexpected": ({"shape": 8, "epsilon": 1e-6}, TypeError),
+    "unexpected": ({"shape": 8, "bogus": 1e-6}, TypeError),
+    # Flax's name for eps: refused by name, saying to use equinox's (eps=).
+    "epsilon=: .* eps=": ({"shape": 8, "epsilon": 1e-6}, TypeError),
 }
 
 

@@ -6,6 +6,7 @@ module is made and what it cannot honour refused by name."""
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 
 import flax.linen as nn
@@ -13,7 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import random_rows, same_bits
+from helpers import TIERS, random_rows, rerun_with_virtual_cpu_devices, same_bits
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jax_fp8norm as fp8norm
 from jax_fp8norm.linen import RECIPE_FIELDS, QuantizedOutput, RMSNormFP8
@@ -131,6 +134,52 @@ def test_gradient_through_the_module():
     assert np.any(np.asarray(grads["params"]["scale"]) != 0)
 
 
+if len(jax.devices("cpu")) < 8:
+
+    @pytest.mark.parametrize("tier", TIERS)
+    def test_on_eight_virtual_cpu_devices(tier):
+        rerun_with_virtual_cpu_devices(__file__, 8, tier, "-k", "mesh")
+
+else:
+
+    def test_a_scale_sharded_over_an_explicit_mesh_axis():
+        """On an Explicit (data, model) mesh, with the scale sharded over model as a
+        sharded model holds it: the output has nn.RMSNorm's type (x's rows on data, the
+        features on model, as its x * scale), the scale's gradient the scale's type, and
+        both the unsharded call's bits; inside and outside the mesh context."""
+        x0 = jnp.asarray(random_rows(9, (8, 32), jnp.float32))
+        w = jnp.asarray(random_rows(10, (8, 32), jnp.float32))
+        plain, fp8, variables = swapped_pair(x0, recipe="fp8_row")
+        loss = lambda v, x: jnp.sum(w * fp8.apply(v, x))  # noqa: E731
+        want, want_grad = fp8.apply(variables, x0), jax.grad(loss)(variables, x0)
+        mesh = jax.make_mesh(
+            (2, 4), ("data", "model"), (AxisType.Explicit,) * 2, devices=jax.devices("cpu")[:8]
+        )
+        x = jax.device_put(x0, NamedSharding(mesh, P("data", None)))
+        sharded = jax.device_put(variables, NamedSharding(mesh, P("model")))
+        got = jax.jit(fp8.apply)(sharded, x)
+        same_bits(got, want)
+        assert jax.typeof(got) == jax.typeof(plain.apply(sharded, x))
+        assert jax.typeof(got).sharding.spec == P("data", "model")
+        same_bits(fp8.apply(sharded, x), want)  # eager, outside the mesh context
+        with jax.set_mesh(mesh):
+            grad = jax.jit(jax.grad(loss))(sharded, x)["params"]["scale"]
+        assert jax.typeof(grad) == jax.typeof(sharded["params"]["scale"])
+        same_bits(grad, want_grad["params"]["scale"])
+        assert np.all(np.isfinite(np.asarray(want)))
+
+
+def test_the_call_takes_nn_rmsnorm_s_arguments_as_it_does():
+    """x positional and mask keyword-only, as nn.RMSNorm.__call__ takes them (flax 0.12);
+    residual= is the one addition, keyword-only too."""
+    ours = inspect.signature(RMSNormFP8.__call__).parameters
+    theirs = inspect.signature(nn.RMSNorm.__call__).parameters
+    assert [(p.name, p.kind) for p in theirs.values()] == [
+        (p.name, p.kind) for p in ours.values() if p.name != "residual"
+    ]
+    assert ours["residual"].kind == inspect.Parameter.KEYWORD_ONLY
+
+
 REFUSED = {
     "axis_name": ({"axis_name": "batch"}, ValueError),
     "axis_index_groups": ({"axis_index_groups": [[0, 1]]}, ValueError),
@@ -141,6 +190,10 @@ REFUSED = {
     "epsilon": ({"epsilon": -1.0}, ValueError),
     "use_scale": ({"use_scale": "yes"}, TypeError),
     "scale_dtype": ({"recipe": "mxfp8", "scale_dtype": jnp.float16}, ValueError),
+    "feature_axes": ({"feature_axes": -2}, ValueError),
+    "reduction_axes": ({"reduction_axes": True}, TypeError),
+    # The ops' name for epsilon: refused by name, saying to use nn.RMSNorm's (epsilon=).
+    "eps=: .* epsilon=": ({"eps": 1e-6}, TypeError),
 }
 
 
@@ -156,7 +209,7 @@ def test_refused_at_the_call():
     with pytest.raises(ValueError, match="mask"):
         RMSNormFP8().init(jax.random.key(0), x, mask=jnp.ones(x.shape, bool))
     with pytest.raises(ValueError, match="feature_axes"):
-        RMSNormFP8(feature_axes=-2).init(jax.random.key(0), x)
+        RMSNormFP8(feature_axes=0).init(jax.random.key(0), x)  # positive: needs x's rank
     with pytest.raises(ValueError, match="reduction_axes"):
         RMSNormFP8(reduction_axes=(0, 2)).init(jax.random.key(0), x)
     with pytest.raises(ValueError, match="group_size"):

@@ -149,6 +149,16 @@ def test_every_nnx_constructor_argument_is_taken():
         assert getattr(converted, name) == getattr(norm, name), name
 
 
+def test_the_call_takes_nnx_rmsnorm_s_arguments_as_it_does():
+    """x and mask positional, as nnx.RMSNorm.__call__ takes them; residual= keyword-only."""
+    ours = inspect.signature(RMSNormFP8.__call__).parameters
+    theirs = inspect.signature(nnx.RMSNorm.__call__).parameters
+    assert [(p.name, p.kind) for p in theirs.values()] == [
+        (p.name, p.kind) for p in ours.values() if p.name != "residual"
+    ]
+    assert ours["residual"].kind == inspect.Parameter.KEYWORD_ONLY
+
+
 def test_the_scale_draws_the_key_nnx_draws():
     """The layers made after the norm get the keys they would after nnx.RMSNorm."""
     ours, theirs = nnx.Rngs(0), nnx.Rngs(0)
@@ -168,16 +178,19 @@ def test_what_the_kernels_cannot_honour_is_refused_by_name():
             RMSNormFP8(N, **{name: value})
     with pytest.raises(ValueError, match="axis_name='tp'"):
         RMSNormFP8.from_rmsnorm(nnx.RMSNorm(N, axis_name="tp", rngs=nnx.Rngs(0)))
-    with pytest.raises(ValueError, match=r"feature_axes=\(-2,\).*last axis"):
+    with pytest.raises(ValueError, match=r"feature_axes=-2 must be among reduction_axes"):
         RMSNormFP8(N, feature_axes=-2)
-    with pytest.raises(ValueError, match=r"feature_axes=.*last axis"):
+    with pytest.raises(ValueError, match=r"feature_axes=0 must be among reduction_axes"):
         RMSNormFP8(N, feature_axes=0)(jnp.ones((2, N)))
+    with pytest.raises(TypeError, match=r"reduction_axes must be an int or a sequence"):
+        RMSNormFP8(N, reduction_axes=True)
     with pytest.raises(ValueError, match=r"reduction_axes=\(-3, -1\).*trailing"):
         RMSNormFP8(N, reduction_axes=(-3, -1))
     with pytest.raises(ValueError, match=r"reduction_axes=0.*trailing"):
         RMSNormFP8(N, reduction_axes=0)(jnp.ones((2, 3, N)))
-    with pytest.raises(ValueError, match="epsilon or eps"):
-        RMSNormFP8(N, epsilon=1e-5, eps=1e-6)
+    # One rule for the three modules: the framework's own name, the other refused by name.
+    with pytest.raises(TypeError, match=r"eps=: this RMSNormFP8 takes .* epsilon="):
+        RMSNormFP8(N, eps=1e-6)
 
 
 def test_dequantize_is_gone_and_says_what_replaces_it():
@@ -234,6 +247,26 @@ def test_a_norm_over_two_axes_is_one_row_of_their_product():
     _, scales = fp8norm.rms_norm_fp8(rows, gamma)
     scales = np.asarray(scales, np.float64).reshape(3, 1, 1)
     assert_within_fp8_rounding_of(out, norm(x), scales)
+
+
+def test_a_scale_along_another_normalised_axis():
+    """nnx.RMSNorm(4, reduction_axes=(-2, -1), feature_axes=-2), legal in nnx: the scale
+    along the rows' first normalised axis, broadcast along the last (nnx reshapes it to
+    (4, 1)). The control: rows of 64, the scale repeated 16 times each; the gradient
+    the control's (the broadcast's exact sum)."""
+    x = random_rows(9, (3, 4, 16), jnp.float32)
+    norm = nnx.RMSNorm(4, reduction_axes=(-2, -1), feature_axes=-2, rngs=nnx.Rngs(0))
+    norm.scale[...] = jnp.asarray([0.5, 0.75, 1.25, 1.5], jnp.float32)
+    rows, gamma = x.reshape(3, 64), jnp.repeat(norm.scale[...], 16)
+    want = fp8_control(rows, gamma, jnp.float32).reshape(x.shape)
+    made = RMSNormFP8(4, reduction_axes=(-2, -1), feature_axes=-2)
+    nnx.update(made, nnx.state(norm))
+    for module in (RMSNormFP8.from_rmsnorm(norm), made):
+        same_bits(module(x), want)
+    loss = lambda g: jnp.sum(fp8norm.rms_norm_fp8_dequantized(x, g, reduction_axes=(-2, -1)))  # noqa: E731
+    grad = nnx.grad(lambda m: jnp.sum(m(x)))(made).scale[...]
+    same_bits(grad, jax.grad(loss)(norm.scale[...][:, None]).reshape(4))
+    assert np.all(np.isfinite(np.asarray(want)))
 
 
 def test_without_a_scale_as_nnx():
@@ -340,6 +373,12 @@ else:
                 grad = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x) ** 2)))(m).scale[...]
                 assert jax.typeof(grad) == jax.typeof(m.scale[...])
                 same_bits(grad, want_grad)
+        # Outside the mesh context, where nnx.RMSNorm runs too: the mesh is the arrays'
+        # own (their types'), eager and under jit.
+        for m in (module, made):
+            for out in (m(x), nnx.jit(lambda m, x: m(x))(m, x)):
+                same_bits(out, want)
+                assert jax.typeof(out) == jax.typeof(norm(x))
 
 
 class _ControlNorm(nnx.Module):
