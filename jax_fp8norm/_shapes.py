@@ -128,6 +128,10 @@ def flat_gamma(gamma: Any, normalised: tuple) -> jax.Array:
     return _broadcaster(shape, normalised)(jnp.reshape(gamma, shape).astype(jnp.float32))
 
 
+def _names(entry: Any) -> tuple:
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
 def _explicit_sharding(array: Any) -> NamedSharding | None:
     """The sharding in ``array``'s type where it names a mesh axis (Explicit axes: Auto
     ones are not part of a type), on the abstract mesh of that type; None elsewhere."""
@@ -157,9 +161,14 @@ def _gathered(gamma: Any, x: Any, normalised: tuple) -> tuple[Any, OutSharding |
     spec += [None] * (ndim - len(spec))
     gamma_spec = list(sharding.spec) + [None] * (gamma.ndim - len(sharding.spec))
     # gamma's trailing axes meet the normalised axes (broadcasting aligns on the right).
+    used = {name for entry in spec if entry is not None for name in _names(entry)}
     for axis in range(1, min(k, gamma.ndim) + 1):
-        if spec[-axis] is None and gamma.shape[-axis] != 1:
-            spec[-axis] = gamma_spec[-axis]
+        entry = gamma_spec[-axis]
+        if spec[-axis] is None and gamma.shape[-axis] != 1 and entry is not None:
+            # A mesh axis x already uses stays x's (a spec names each axis once).
+            if not used & set(_names(entry)):
+                spec[-axis] = entry
+                used |= set(_names(entry))
     spec = P(*spec)
     return gathered, OutSharding(spec, NamedSharding(sharding.mesh, spec), explicit=True)
 
