@@ -178,6 +178,47 @@ def test_the_lock_is_beside_the_build_folder():
     assert fp8norm_build.build_lock_path({"build-dir": ""}, {}) is None
 
 
+def test_the_lock_key_follows_the_interpreter_and_platform(monkeypatch):
+    # Builds whose wheel tags differ (a free-threaded or debug build's ABI flags, another
+    # platform) use other folders, and so other locks.
+    first = fp8norm_build.build_lock_path({}, {})
+    monkeypatch.setattr(fp8norm_build.sysconfig, "get_platform", lambda: "other-platform")
+    second = fp8norm_build.build_lock_path({}, {})
+    monkeypatch.setattr(fp8norm_build.sys, "abiflags", "tdx", raising=False)
+    third = fp8norm_build.build_lock_path({}, {})
+    monkeypatch.setattr(fp8norm_build.sys.implementation, "cache_tag", "other-314")
+    fourth = fp8norm_build.build_lock_path({}, {})
+    assert len({first, second, third, fourth}) == 4, (first, second, third, fourth)
+    assert "other-platform" in str(second) and "tdx" in str(third) and "other-314" in str(fourth)
+
+
+@pytest.mark.parametrize("hook", ["build_wheel", "build_editable"])
+def test_the_build_holds_the_lock_of_the_folder_it_builds_in(tmp_path, monkeypatch, hook):
+    # The folder the compiler choice settled on (the wheels' nvcc: a folder of its own),
+    # not the caller's, is locked while scikit-build-core builds.
+    import fcntl
+
+    monkeypatch.chdir(tmp_path)
+    chosen = {"build-dir": fp8norm_build.PYPI_NVCC_BUILD_DIR, COMPILER: "/wheels/nvcc"}
+    monkeypatch.setattr(fp8norm_build, "_with_compiler", lambda settings: dict(chosen))
+    held = []
+
+    def build(wheel_directory, settings, metadata_directory=None):
+        path = fp8norm_build.build_lock_path(settings)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a+") as lock, pytest.raises(BlockingIOError):
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.append((settings, path))
+        return "built.whl"
+
+    monkeypatch.setattr(fp8norm_build._scikit_build, hook, build)
+    assert getattr(fp8norm_build, hook)(str(tmp_path), {"build-dir": "mine"}) == "built.whl"
+    key = fp8norm_build.interpreter_key()
+    assert held == [(chosen, Path(f"build/{key}-pypi-nvcc.lock"))]
+    with open(held[0][1], "a+") as lock:  # let go once the build returns
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
 def test_a_second_build_of_the_folder_waits_for_the_first(tmp_path):
     # Two builds of one checkout at once: the second waits (and says so) until the first
     # lets go of the folder, instead of building beside it.

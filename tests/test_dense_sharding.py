@@ -189,9 +189,7 @@ else:
         else:
             _summed_over_devices(grads[2], grads1[2], "dw")
 
-    @pytest.mark.parametrize(
-        "axis_type", [AxisType.Auto, pytest.param(AxisType.Explicit, marks=EXTENDED)]
-    )
+    @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
     def test_rows_sharded_in_whole_blocks_stay_sharded(axis_type):
         """256 rows over 8 devices, 32 each: each device's norm call takes its own rows (a
         gather of the rows would cost the devices' work and an all-gather)."""

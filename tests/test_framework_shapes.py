@@ -68,6 +68,16 @@ def test_several_axes_are_the_flattened_row(where, add, kw):
     assert_same_bits([fp8norm.dequantize(*got[:2])], [fp8norm.dequantize(*want[:2]).reshape(SHAPE)])
 
 
+def test_dequantize_refuses_scales_that_do_not_fit_y():
+    # Neither broadcast (one scale for every row) nor cut short (groups that leave part of
+    # a row without a scale): a clear refusal naming both shapes.
+    y = jnp.zeros((4, 64), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"scales of shape \(1, 1\) do not fit y of shape"):
+        fp8norm.dequantize(y, jnp.ones((1, 1), jnp.float32))
+    with pytest.raises(ValueError, match=r"scales' last axis \(3\) must divide the row of y"):
+        fp8norm.dequantize(y, jnp.ones((4, 3), jnp.float32))
+
+
 @pytest.mark.parametrize("gamma_shape", [(16,), (1, 16), (4, 1), (1, 1, 1, 4, 16), ()])
 def test_a_broadcast_gamma_is_the_tiled_one(gamma_shape):
     x = random_rows(4, SHAPE, jnp.float32)

@@ -159,6 +159,9 @@ def test_rows_padded_to_the_blocks_have_the_twins_bits(platform, name, rows):
     # A large element in each row: a padding row that is not zero would raise the
     # columnwise blocks' scales over the others' small normalised values.
     x[np.arange(rows), (np.arange(rows) * 7) % K] *= 1000.0
+    # The last partial block's cotangent small: a padding of g that is not zero would raise
+    # that block's amax in dw's GEMM.
+    g[rows - rows % fp8norm.RECIPES[name].block :] *= 1e-3
     residual = random_rows(5, x.shape, np.float32, spread=0.5)
     d_residual_out = random_rows(6, x.shape, np.float32, spread=0.5)
 
