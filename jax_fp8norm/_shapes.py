@@ -144,33 +144,43 @@ def _explicit_sharding(array: Any) -> NamedSharding | None:
     return sharding
 
 
-def _gathered(gamma: Any, x: Any, normalised: tuple) -> tuple[Any, OutSharding | None]:
+def _gathered(gamma: Any) -> Any:
     """gamma whole (the kernels take a whole gamma beside whole rows) where an Explicit
     mesh axis shards it, gathered through its own type's mesh, so that no mesh context is
-    needed; reshard's transpose gives its cotangent gamma's sharding back. Also the
-    placement of ``y`` that the framework's ``x * gamma`` would have (x's entries, and
-    gamma's on the normalised axes x leaves unsharded), so that a model's later types
-    are those it has with its framework's norm. Auto axes need neither: XLA places them."""
+    needed; reshard's transpose gives its cotangent gamma's sharding back. Auto axes need
+    nothing: XLA places them."""
     sharding = _explicit_sharding(gamma)
     if sharding is None:
-        return gamma, None
-    gathered = jax.sharding.reshard(gamma, sharding.update(spec=P()))
-    ndim, k = len(x.shape), len(normalised)
-    x_sharding = _explicit_sharding(x)
+        return gamma
+    return jax.sharding.reshard(gamma, sharding.update(spec=P()))
+
+
+def product_sharding(x: Any, gamma: Any, reduction_axes: Any = -1) -> NamedSharding | None:
+    """The placement jnp gives ``x * gamma`` on Explicit mesh axes (gamma broadcast over
+    the normalised axes): x's entries, and gamma's on the normalised axes x leaves whole (a
+    mesh axis x already uses stays x's: a spec names each axis once); None where neither
+    names an Explicit axis. The ops place ``y`` as x's rows with the normalised axes whole;
+    the framework modules pass this as ``out_sharding`` instead, so that a model's later
+    types are those its framework's norm gives."""
+    x_sharding, g_sharding = _explicit_sharding(x), _explicit_sharding(gamma)
+    if x_sharding is None and g_sharding is None:
+        return None
+    ndim = len(x.shape)
+    k = check_reduction_axes(reduction_axes, ndim)
     spec = list(x_sharding.spec) if x_sharding is not None else []
     spec += [None] * (ndim - len(spec))
-    gamma_spec = list(sharding.spec) + [None] * (gamma.ndim - len(sharding.spec))
-    # gamma's trailing axes meet the normalised axes (broadcasting aligns on the right).
-    used = {name for entry in spec if entry is not None for name in _names(entry)}
-    for axis in range(1, min(k, gamma.ndim) + 1):
-        entry = gamma_spec[-axis]
-        if spec[-axis] is None and gamma.shape[-axis] != 1 and entry is not None:
-            # A mesh axis x already uses stays x's (a spec names each axis once).
-            if not used & set(_names(entry)):
-                spec[-axis] = entry
-                used |= set(_names(entry))
-    spec = P(*spec)
-    return gathered, OutSharding(spec, NamedSharding(sharding.mesh, spec), explicit=True)
+    if g_sharding is not None:
+        gamma_spec = list(g_sharding.spec) + [None] * (gamma.ndim - len(g_sharding.spec))
+        # gamma's trailing axes meet the normalised axes (broadcasting aligns on the right).
+        used = {name for entry in spec if entry is not None for name in _names(entry)}
+        for axis in range(1, min(k, gamma.ndim) + 1):
+            entry = gamma_spec[-axis]
+            if spec[-axis] is None and gamma.shape[-axis] != 1 and entry is not None:
+                if not used & set(_names(entry)):
+                    spec[-axis] = entry
+                    used |= set(_names(entry))
+    mesh = (x_sharding or g_sharding).mesh
+    return NamedSharding(mesh, P(*spec))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,8 +251,6 @@ class ShapedCall:
     axes: int  # how many trailing axes of x are normalised
     dtype: np.dtype  # result_type(x, gamma); x's dtype for gamma=None
     out_sharding: OutSharding | None
-    # y's placement where out_sharding is None and an Explicit axis shards gamma.
-    y_sharding: OutSharding | None = None
 
     def operands(self) -> tuple:
         """The norm's operands: rows, gamma, then the scale operand if any."""
@@ -268,8 +276,6 @@ class ShapedCall:
                 if value is None or name in _COLUMNWISE:
                     continue
                 values[name] = placing.place(value, placing.spec if name in _X_SHAPED else row_spec)
-        elif self.y_sharding is not None and values["y"] is not None:
-            values["y"] = self.y_sharding.place(values["y"], self.y_sharding.spec)
         return NormOutputs(**values)
 
 
@@ -287,7 +293,6 @@ def shaped_call(
     flat_shape = shape[: len(shape) - k] + (n,)
     rows = tuple(as_operand(r) if k == 1 else jnp.reshape(as_operand(r), flat_shape) for r in rows)
     x_dtype = np.dtype(x.dtype)
-    y_sharding = None
     if gamma is None:
         # No weight: 1 exactly, whatever weight_offset (checked as given, then 0).
         flat = jnp.ones((n,), x_dtype)
@@ -297,9 +302,9 @@ def shaped_call(
         dtype = x_dtype
     else:
         gamma_dtype = check_gamma_dtype(gamma)
-        gamma, y_sharding = _gathered(gamma, x, normalised)
+        gamma = _gathered(gamma)
         flat = flat_gamma(gamma, normalised)
         call = validate(rows[0], flat, *rows[1:], **keywords)
         dtype = np.dtype(jnp.result_type(x_dtype, gamma_dtype))
     placing = check_out_sharding(out_sharding, len(shape))
-    return ShapedCall(call, rows, flat, shape, k, dtype, placing, y_sharding)
+    return ShapedCall(call, rows, flat, shape, k, dtype, placing)

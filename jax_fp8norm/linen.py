@@ -29,6 +29,7 @@ from jax_fp8norm._modules import (
     scale_as_gamma,
 )
 from jax_fp8norm._params import NORM_KEYWORDS
+from jax_fp8norm._shapes import product_sharding
 from jax_fp8norm.autodiff import add_rms_norm_fp8_dequantized, rms_norm_fp8_dequantized
 from jax_fp8norm.ops import add_rms_norm_fp8, rms_norm_fp8
 
@@ -161,7 +162,10 @@ class RMSNormFP8(nn.Module):
             raise ValueError("x must have rank >= 1, got a scalar")
         keywords = self.op_keywords()
         gamma = self._gamma(x)
-        axes = {"reduction_axes": self.reduction_axes}
+        axes = {
+            "reduction_axes": self.reduction_axes,
+            "out_sharding": product_sharding(x, gamma, self.reduction_axes),
+        }
         if self.quantized_output:
             if residual is None:
                 return quantized_output(rms_norm_fp8(x, gamma, **axes, **keywords), False)

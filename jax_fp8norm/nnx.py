@@ -29,7 +29,7 @@ from jax_fp8norm._modules import (
     scale_as_gamma,
 )
 from jax_fp8norm._params import NORM_KEYWORDS, NormKeywords
-from jax_fp8norm._shapes import check_axes
+from jax_fp8norm._shapes import check_axes, product_sharding
 from jax_fp8norm._signatures import norm_keywords
 from jax_fp8norm.autodiff import add_rms_norm_fp8_dequantized, rms_norm_fp8_dequantized
 from jax_fp8norm.dense import add_rms_norm_dense, rms_norm_dense
@@ -220,6 +220,7 @@ class RMSNormFP8(nnx.Module):
         gamma = scale_as_gamma(scale, x.shape, self.reduction_axes, self.feature_axes)
         keywords = self.call_keywords()
         keywords["reduction_axes"] = self.reduction_axes
+        keywords["out_sharding"] = product_sharding(x, gamma, self.reduction_axes)
         if self.quantized_output:
             if residual is None:
                 return quantized_output(rms_norm_fp8(x, gamma, **keywords), residual=False)
