@@ -123,11 +123,14 @@ def _gathers_rows(v: jax.Array, rows: int, block: int) -> bool:
 
 
 def _with_rows_of(v: jax.Array, like: jax.Array, *, keep_last: bool) -> jax.Array:
-    """``v`` resharded to the Explicit sharding of ``like``'s rows (its last axis too where
-    ``keep_last``, else whole)."""
+    """``v`` resharded to the Explicit sharding of ``like``'s rows; its last axis as
+    ``like``'s where ``keep_last``, else as ``v``'s own (the head's value keeps the
+    columns its GEMM gave it: the type the call has undifferentiated)."""
     sharding, _ = _explicit_row_shards(like)
     spec = tuple(sharding.spec) + (None,) * (like.ndim - len(sharding.spec))
-    spec = spec if keep_last else spec[:-1] + (None,)
+    if not keep_last:
+        own = tuple(jax.typeof(v).sharding.spec)
+        spec = spec[:-1] + ((own + (None,) * (v.ndim - len(own)))[-1],)
     return jax.sharding.reshard(v, jax.sharding.NamedSharding(sharding.mesh, P(*spec)))
 
 
@@ -137,6 +140,15 @@ def _rows_whole(v: jax.Array) -> jax.Array:
     spec = tuple(sharding.spec) + (None,) * (v.ndim - len(sharding.spec))
     whole = P(*(None,) * (v.ndim - 1), spec[-1])
     return jax.sharding.reshard(v, jax.sharding.NamedSharding(sharding.mesh, whole))
+
+
+def _in_type_of(d: jax.Array, operand: jax.Array) -> jax.Array:
+    """``d`` resharded to ``operand``'s sharding where that is on a mesh (the head's
+    backward on gathered rows leaves a gradient whole that its operand splits)."""
+    sharding = jax.typeof(operand).sharding
+    if not getattr(sharding.mesh, "axis_names", ()) or jax.typeof(d).sharding == sharding:
+        return d
+    return jax.sharding.reshard(d, sharding)
 
 
 @functools.cache
@@ -207,6 +219,8 @@ def differentiable_norm(p: NormParams, add: bool, head: Head):
         if extra:  # the padded rows' cotangent is zero; dn of the real rows alone
             g = _pad_rows(g, num, extra)
         dn, d_operands = head.backward(g, operands, static, kept)
+        if gathered:  # each gradient in its operand's type, as custom_vjp requires
+            d_operands = tuple(_in_type_of(d, o) for d, o in zip(d_operands, operands, strict=True))
         dn = dn[:num] if extra else dn
         dn = dn.reshape(rows[0].shape)
         if gathered:
