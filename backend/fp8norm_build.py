@@ -183,14 +183,16 @@ def pypi_nvcc_requirements(
     config_settings: dict | None = None,
     environ=os.environ,
     *,
-    driver_present=nvidia_driver_present,
-    find_nvcc=system_nvcc,
+    driver_present=None,
+    find_nvcc=None,
     plugin_major=_jax_plugin_major,
     driver_major=_driver_major,
 ) -> list[str]:
     """The compiler wheels this build needs from PyPI; [] where it wants no CUDA or has a
     toolkit. A CUDA major without a compiler on PyPI gets [] too, and CMake then says that
-    no nvcc was found."""
+    no nvcc was found. ``driver_present`` and ``find_nvcc`` default to this machine's."""
+    driver_present = driver_present or nvidia_driver_present
+    find_nvcc = find_nvcc or system_nvcc
     wanted = cuda_wanted(config_settings, environ, driver_present=driver_present)
     if not wanted or chosen_compiler(config_settings, environ) or find_nvcc(environ):
         return []
@@ -232,7 +234,7 @@ def _with_compiler(
             return settings
     if cuda_setting(settings, environ) == "OFF" or chosen_compiler(settings, environ):
         return settings if _DRIVER_SETTING in settings else config_settings
-    if pypi_nvcc_requirements(settings, environ):
+    if pypi_nvcc_requirements(settings, environ, driver_present=driver_present):
         nvcc = installed_pypi_nvcc()
         if nvcc is None:  # --no-build-isolation without the wheels: CMake decides
             return config_settings

@@ -93,7 +93,7 @@ def test_the_build_names_the_nvcc_it_settled_on(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
     compiler = "cmake.define.CMAKE_CUDA_COMPILER"
     # The wheels' nvcc, in a build folder of its own (unless one is given).
-    monkeypatch.setattr(fp8norm_build, "pypi_nvcc_requirements", lambda s, e: NVCC_13)
+    monkeypatch.setattr(fp8norm_build, "pypi_nvcc_requirements", lambda s, e, **k: NVCC_13)
     on = {"FP8NORM_CUDA": "ON"}
     settings = fp8norm_build._with_compiler({"a": "b"}, on)
     assert settings == {
@@ -104,7 +104,7 @@ def test_the_build_names_the_nvcc_it_settled_on(tmp_path, monkeypatch):
     given = fp8norm_build._with_compiler({"build-dir": "mine"}, on)
     assert given["build-dir"] == "mine"
     # An installed nvcc, by name: CMake's own search misses /usr/local/cuda and CUDA_HOME.
-    monkeypatch.setattr(fp8norm_build, "pypi_nvcc_requirements", lambda s, e: [])
+    monkeypatch.setattr(fp8norm_build, "pypi_nvcc_requirements", lambda s, e, **k: [])
     monkeypatch.setattr(fp8norm_build, "system_nvcc", lambda e: "/opt/cuda/bin/nvcc")
     assert fp8norm_build._with_compiler({}, on) == {compiler: "/opt/cuda/bin/nvcc"}
     # AUTO with a driver: the same, and CMake told of the driver.
