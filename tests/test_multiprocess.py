@@ -105,7 +105,9 @@ def test_two_processes_on_one_mesh(tmp_path):
     assert not timed_out, f"no result within {TIMEOUT_S} s; both processes killed\n{report}"
     assert codes == [0] * NUM_PROCESSES, f"after {elapsed:.0f} s\n{report}"
     for i, out in enumerate(outputs):
-        assert re.search(rf"^PASS process {i}\b", out, re.MULTILINE), report
+        # Not anchored to a line: the collectives library writes to the same stream
+        # unsynchronised, and a line of its may run into ours.
+        assert re.search(rf"PASS process {i}: all checks", out), report
         assert "FAIL" not in out, report
 
 
