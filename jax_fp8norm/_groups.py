@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_fp8norm._dtypes import E4M3, E8M0, FP4_MAX
+from jax_fp8norm._fp4_parts import round_fp4
 from jax_fp8norm._params import NormParams
 
 
@@ -59,7 +60,11 @@ def power_of_two(a: jax.Array, out_max: float, *, e8m0: bool) -> tuple[jax.Array
 
 
 def fp4_groups(
-    grouped: jax.Array, row_finite: jax.Array, p: NormParams, global_scale: jax.Array | None
+    grouped: jax.Array,
+    row_finite: jax.Array,
+    p: NormParams,
+    global_scale: jax.Array | None,
+    bits: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """FP4 codes and scales of float32 normalised groups [..., groups, G] (docs/spec.md,
     "FP4 outputs"). NVFP4: t = n / gs, scale = e4m3(min(max|t| / 6, 448)), y =
@@ -67,7 +72,9 @@ def fp4_groups(
     e2m1(clip(n * (1 / scale), -6, 6)). A group that is not finite (in a row that is not,
     or holding NaN or Inf), or NVFP4 under a global scale that is not a positive normal
     float32, gets a NaN scale and zero codes; a zero NVFP4 scale gives zero codes. NVFP4
-    values that overflow when divided by gs take the formula (scale 448, codes +-6)."""
+    values that overflow when divided by gs take the formula (scale 448, codes +-6). The
+    codes are rounded to nearest, or stochastically with ``bits`` (uint32 of ``grouped``'s
+    shape: jax_fp8norm._fp4_parts.round_fp4)."""
     if p.nvfp4 and global_scale is None:
         raise ValueError("NVFP4 (float8_e4m3fn scales) needs its global_scale operand")
     f32 = jnp.float32
@@ -99,4 +106,4 @@ def fp4_groups(
         exponent = jnp.where(zero, jnp.uint32(0xFF), exponent).astype(jnp.uint8)
         scale = jax.lax.bitcast_convert_type(exponent, E8M0)
     q = jnp.clip(jnp.where(zero[..., None], f32(0), q), -FP4_MAX, FP4_MAX)
-    return q.astype(p.out_dtype), scale
+    return round_fp4(q, bits), scale

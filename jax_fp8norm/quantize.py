@@ -19,6 +19,7 @@ import numpy as np
 from jax_fp8norm import _checks
 from jax_fp8norm._checks import check_float32_scalar
 from jax_fp8norm._dtypes import E8M0, FP4, FP4_MAX
+from jax_fp8norm._fp4_parts import hadamard_rows, random_bits
 from jax_fp8norm._groups import divide, fp4_groups, power_of_two
 from jax_fp8norm._params import NORM_KEYWORDS
 from jax_fp8norm.recipes import NVFP4, RECIPES, OperandFormat, recipe_keywords
@@ -37,35 +38,97 @@ _RECIPE_DEFAULTS = {
 SMALLEST_NORMAL = np.float32(2.0**-126)
 
 
-def quantize_columns(v: jax.Array, fmt: OperandFormat, global_scale=None):
+def quantize_columns(v: jax.Array, fmt: OperandFormat, global_scale=None, bits=None):
     """``v [R, C]`` quantised along R in the format ``fmt``, as
     :func:`jax_fp8norm.matmul.fp8_matmul` takes its ``w``: ``(codes [R, C], scales [C] or
     [R // block, C], global scale or None)``; NVFP4's global scale is ``global_scale``,
-    or by default ``max|v| / (448 * 6)``."""
-    if fmt.rule == NVFP4:
-        return quantize_weights_nvfp4(v, global_scale)
+    or by default ``max|v| / (448 * 6)``. FP4 codes are rounded stochastically with
+    ``bits`` (uint32 ``[R, C]``, the random bits of each element)."""
     if fmt.element == FP4:
-        return (*quantize_weights_mxfp4(v), None)
+        blocks = _fp4_blocks(v, fmt.block, "NVFP4" if fmt.rule == NVFP4 else "MXFP4")
+        if fmt.rule != NVFP4:
+            return (*_fp4_columns(blocks, "mxfp4", None, bits), None)
+        gs = nvfp4_global_scale(jnp.max(jnp.abs(blocks))) if global_scale is None else global_scale
+        gs = check_float32_scalar(gs, "global_scale")
+        return (*_fp4_columns(blocks, "nvfp4", gs, bits), gs)
     if fmt.block is None:
         return (*quantize_per_channel(v, fmt.element), None)
     return (*quantize_blocks(v, fmt.block, fmt.element), None)
 
 
-def quantize_rows(v: jax.Array, fmt: OperandFormat):
+def quantize_rows(v: jax.Array, fmt: OperandFormat, bits=None):
     """``v [R, C]`` quantised along C in the format ``fmt``, as
     :func:`jax_fp8norm.matmul.fp8_matmul` takes its ``a``: ``(codes [R, C], scales [R, 1]
     or [R, C // block], row_scales [R, 1] or None)``. Every row is quantised on its own:
     NVFP4 gives each row its global scale, ``max|row| / (448 * 6)`` (1 for a zero row),
     returned as ``row_scales``, by which the GEMM's rows are multiplied; one global scale
-    for the whole would tie a row's bits to the batch."""
+    for the whole would tie a row's bits to the batch. FP4 codes are rounded
+    stochastically with ``bits`` (uint32 ``[R, C]``)."""
     if fmt.rule == NVFP4:
         row_scales = nvfp4_global_scale(jnp.max(jnp.abs(v), axis=1, keepdims=True))
-        return (*quantize_fp4_rows(divide(v, row_scales), "nvfp4"), row_scales)
+        return (*quantize_fp4_rows(divide(v, row_scales), "nvfp4", bits=bits), row_scales)
     if fmt.element == FP4:
-        return (*quantize_fp4_rows(v, "mxfp4"), None)
+        return (*quantize_fp4_rows(v, "mxfp4", bits=bits), None)
     if fmt.block is None:
         return (*quantize_per_channel(v, fmt.element, axis=1), None)
     return (*quantize_blocks(v, fmt.block, fmt.element, axis=1), None)
+
+
+def quantize_gradient_rows(g: jax.Array, fmt: OperandFormat, stream_words=None):
+    """The output gradient's dgrad copy: ``g [R, F]`` float32 quantised along F
+    (:func:`quantize_rows`), rounded stochastically where ``stream_words`` (the caller's
+    key folded with the dgrad stream) is given, element ``(i, j)`` with the random bits of
+    ``(i, j)``."""
+    bits = None if stream_words is None else random_bits(stream_words, *g.shape)
+    return quantize_rows(g, fmt, bits)
+
+
+def quantize_gradient_columns(
+    g: jax.Array, fmt: OperandFormat, stream_words=None, hadamard_mask: int | None = None
+):
+    """The output gradient's wgrad copy: ``g [R, F]`` float32, Hadamard-transformed over
+    blocks of ``fmt.block`` rows where ``hadamard_mask`` is given (its signs; the wgrad
+    GEMM's result then takes ``1 / block``), quantised along R (:func:`quantize_columns`),
+    rounded stochastically where ``stream_words`` is given, element ``(i, j)`` of ``g``
+    with the random bits of ``(i, j)``."""
+    if hadamard_mask is not None:
+        g = hadamard_rows(g, fmt.block, hadamard_mask)
+    bits = None if stream_words is None else random_bits(stream_words, *g.shape)
+    return quantize_columns(g, fmt, bits=bits)
+
+
+def quantize_weight_tiles(w: jax.Array, fmt: OperandFormat):
+    """``w [K, F]`` FP4 in square tiles of ``fmt.block`` (docs/spec.md, "2-D weight
+    scales"): one scale per ``block x block`` tile by the format's rule (NVFP4: e4m3 under
+    the tensor's global scale ``max|w| / (448 * 6)``; MXFP4: e8m0), so that the forward
+    GEMM (blocks along K) and the dgrad GEMM (blocks along F) read the same codes. A
+    partial tile at F's end is quantised as that tile padded with zeros. Returns ``(codes
+    [K, F], tile scales [K // block, ceil(F / block)], global scale or None)``; see
+    :func:`tile_scales`."""
+    block = fmt.block
+    nvfp4 = fmt.rule == NVFP4
+    if fmt.element != FP4:
+        raise ValueError(f"2-D weight tiles are FP4's; got {np.dtype(fmt.element).name}")
+    _fp4_blocks(w, block, "NVFP4" if nvfp4 else "MXFP4")  # the checks of w
+    k, f = w.shape
+    fp = f + (-f % block)
+    v = jnp.pad(jnp.asarray(w, jnp.float32), ((0, 0), (0, fp - f)))
+    tiles = v.reshape(k // block, block, fp // block, block).transpose(0, 2, 1, 3)
+    tiles = tiles.reshape(k // block, fp // block, block * block)
+    gs = nvfp4_global_scale(jnp.max(jnp.abs(v))) if nvfp4 else None
+    y, scales = _fp4_groups(tiles, "nvfp4" if nvfp4 else "mxfp4", gs)
+    codes = y.reshape(k // block, fp // block, block, block).transpose(0, 2, 1, 3)
+    return codes.reshape(k, fp)[:, :f], scales, gs
+
+
+def tile_scales(scales: jax.Array, block: int, features: int, *, transposed: bool) -> jax.Array:
+    """A tiled weight's scales ``[K // block, ceil(F / block)]`` as a GEMM of
+    :func:`jax_fp8norm.matmul.fp8_matmul` takes them: ``[K // block, F]`` for the codes
+    ``[K, F]`` (forward), or with ``transposed`` ``[F // block, K]`` for ``codes.T``
+    (dgrad)."""
+    if transposed:
+        return jnp.repeat(scales.T, block, axis=1)
+    return jnp.repeat(scales, block, axis=1)[:, :features]
 
 
 def _check_axis(axis: int) -> int:
@@ -180,30 +243,33 @@ def quantize_weights_mxfp4(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     return _fp4_columns(_fp4_blocks(w, MXFP4_BLOCK, "MXFP4"), "mxfp4")
 
 
-def _fp4_columns(blocks: jax.Array, recipe: str, global_scale=None):
+def _fp4_columns(blocks: jax.Array, recipe: str, global_scale=None, bits=None):
     """FP4 codes ``[K, N]`` and scales ``[K // block, N]`` of weight blocks ``[K // block,
     block, N]``, by the rule of the norm ops' groups (jax_fp8norm._groups.fp4_groups): each
-    column's blocks are a row's groups."""
+    column's blocks are a row's groups; ``bits`` ``[K, N]`` round them stochastically."""
     kb, block, n = blocks.shape
     groups = jnp.transpose(blocks, (2, 0, 1))  # [N, K // block, block]
-    y, scales = _fp4_groups(groups, recipe, global_scale)
+    if bits is not None:
+        bits = jnp.transpose(bits.reshape(kb, block, n), (2, 0, 1))
+    y, scales = _fp4_groups(groups, recipe, global_scale, bits)
     return jnp.transpose(y, (1, 2, 0)).reshape(kb * block, n), jnp.transpose(scales)
 
 
-def _fp4_groups(groups: jax.Array, recipe: str, global_scale=None):
+def _fp4_groups(groups: jax.Array, recipe: str, global_scale=None, bits=None):
     """FP4 codes ``[R, groups, block]`` and scales ``[R, groups]`` of float32 groups."""
     layout = {k: v for k, v in recipe_keywords(recipe).items() if k != "static_scale"}
     params = _checks.make_params(
         np.float32, **{**_RECIPE_DEFAULTS, **layout}, has_global_scale=global_scale is not None
     )
     operand = None if global_scale is None else jnp.reshape(global_scale, (1,))
-    return fp4_groups(groups, jnp.ones((groups.shape[0], 1), bool), params, operand)
+    return fp4_groups(groups, jnp.ones((groups.shape[0], 1), bool), params, operand, bits)
 
 
-def quantize_fp4_rows(v: jax.Array, recipe: str, global_scale=None):
+def quantize_fp4_rows(v: jax.Array, recipe: str, global_scale=None, bits=None):
     """``[M, K]`` activations to FP4 along their rows, by the weights' rule (NVFP4 with
     ``global_scale``, 1.0 when None; or MXFP4): ``(codes [M, K], scales [M, K // block])``,
-    the ``a`` and ``a_scales`` of :func:`fp8_matmul`."""
+    the ``a`` and ``a_scales`` of :func:`fp8_matmul`; ``bits`` ``[M, K]`` round them
+    stochastically."""
     block = NVFP4_BLOCK if recipe == "nvfp4" else MXFP4_BLOCK
     m, k = v.shape
     if k % block:
@@ -211,5 +277,7 @@ def quantize_fp4_rows(v: jax.Array, recipe: str, global_scale=None):
     if recipe == "nvfp4" and global_scale is None:
         global_scale = jnp.float32(1.0)
     groups = jnp.asarray(v, jnp.float32).reshape(m, k // block, block)
-    y, scales = _fp4_groups(groups, recipe, global_scale)
+    if bits is not None:
+        bits = bits.reshape(m, k // block, block)
+    y, scales = _fp4_groups(groups, recipe, global_scale, bits)
     return y.reshape(m, k), scales
