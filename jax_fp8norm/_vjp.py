@@ -35,12 +35,13 @@ from jax_fp8norm.recipes import recipe_of
 class Head(Protocol):
     """What follows the norm. Hashable: one custom_vjp per (params, form, head)."""
 
-    num_operands: int  # its own operands, after gamma (the layer's w)
+    num_operands: int  # its own operands, after gamma (the layer's w, its key)
     columnwise: bool  # whether its backward reads the norm's columnwise codes
 
-    def apply(self, outs: NormOutputs, operands: tuple, static: tuple) -> jax.Array:
-        """Its value from the norm's outputs, its operands and the norm's operands after
-        gamma (a calibrated or global scale)."""
+    def apply(self, outs: NormOutputs, operands: tuple, static: tuple) -> tuple:
+        """``(value, residuals)``: its value from the norm's outputs, its operands and the
+        norm's operands after gamma (a calibrated or global scale), and what its backward
+        keeps of its own work (the layer's quantised weight)."""
 
     def check_training(self, x_shape: tuple, operands: tuple) -> None:
         """Refuses what its backward cannot take, when the function is differentiated."""
@@ -48,7 +49,7 @@ class Head(Protocol):
     def kept(self, outs: NormOutputs) -> tuple:
         """What its backward keeps of the norm's outputs."""
 
-    def backward(self, g, operands: tuple, static: tuple, kept: tuple) -> tuple:
+    def backward(self, g, operands: tuple, static: tuple, kept: tuple, residuals: tuple) -> tuple:
         """``(dn, gradients of its operands)`` from the cotangent ``g`` of its value."""
 
 
@@ -172,8 +173,8 @@ def differentiable_norm(p: NormParams, add: bool, head: Head):
         call = NormCall(p, static[0] if static else None)
         columnwise = training and head.columnwise
         outs = bind_norm(call, rows, gamma, training=training, columnwise=columnwise)
-        value = head.apply(outs, operands, static)
-        return ((value, outs.residual_out) if add else value), outs
+        value, residuals = head.apply(outs, operands, static)
+        return ((value, outs.residual_out) if add else value), outs, residuals
 
     @jax.custom_vjp
     def fn(*args):
@@ -200,17 +201,18 @@ def differentiable_norm(p: NormParams, add: bool, head: Head):
         if extra:  # zero rows: the codes, scales and gradients of the real rows unchanged
             padded = tuple(_pad_rows(r, num, extra) for r in rows)
             head.check_training(padded[0].shape, operands)
-            value, outs = run((*padded, *args[num_rows:]), training=True)
+            value, outs, residuals = run((*padded, *args[num_rows:]), training=True)
             value = jax.tree.map(lambda v: _first_rows(v, num, lead), value)
             inverse_rms = _first_rows(outs.inverse_rms, num, lead)
         else:
             head.check_training(rows[0].shape, operands)
-            value, outs = run(args, training=True)
+            value, outs, residuals = run(args, training=True)
             inverse_rms = outs.inverse_rms
-        return value, (rows, gamma, inverse_rms, operands, static, head.kept(outs))
+        kept = head.kept(outs)
+        return value, (rows, gamma, inverse_rms, operands, static, kept, residuals)
 
     def bwd(saved, cotangent):
-        rows, gamma, inverse_rms, operands, static, kept = saved
+        rows, gamma, inverse_rms, operands, static, kept, residuals = saved
         g, d_residual_out = cotangent if add else (cotangent, None)
         num, extra = _padding(rows[0].shape[:-1], block)
         gathered = _gathers_rows(rows[0], num + extra, block)
@@ -218,7 +220,7 @@ def differentiable_norm(p: NormParams, add: bool, head: Head):
             g = _rows_whole(g)
         if extra:  # the padded rows' cotangent is zero; dn of the real rows alone
             g = _pad_rows(g, num, extra)
-        dn, d_operands = head.backward(g, operands, static, kept)
+        dn, d_operands = head.backward(g, operands, static, kept, residuals)
         if gathered:  # each gradient in its operand's type, as custom_vjp requires
             d_operands = tuple(_in_type_of(d, o) for d, o in zip(d_operands, operands, strict=True))
         dn = dn[:num] if extra else dn

@@ -47,9 +47,9 @@ class _Dequantize:
     num_operands: ClassVar[int] = 0
     columnwise: ClassVar[bool] = False
 
-    def apply(self, outs: NormOutputs, operands: tuple, static: tuple) -> jax.Array:
+    def apply(self, outs: NormOutputs, operands: tuple, static: tuple) -> tuple:
         value = dequantize(outs.y, outs.scales, global_scale_operand(self.params, static))
-        return value.astype(self.dtype)
+        return value.astype(self.dtype), ()
 
     def check_training(self, x_shape: tuple, operands: tuple) -> None:
         pass
@@ -57,7 +57,7 @@ class _Dequantize:
     def kept(self, outs: NormOutputs) -> tuple:
         return ()
 
-    def backward(self, g, operands: tuple, static: tuple, kept: tuple) -> tuple:
+    def backward(self, g, operands: tuple, static: tuple, kept: tuple, residuals: tuple) -> tuple:
         # In float32 (exactly g's values), so that a psum of dn over devices adds in float32
         # whatever the value's dtype.
         return g.astype(jnp.float32), ()

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar, Unpack
+import numbers
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ import numpy as np
 from jax_fp8norm._allreduce import xla_sum
 from jax_fp8norm._checks import check_axis_name, check_columnwise, check_reduce_dtype
 from jax_fp8norm._dtypes import FLOAT_DTYPES
+from jax_fp8norm._fp4_parts import DGRAD_STREAM, WGRAD_STREAM, key_words, stream_key
 from jax_fp8norm._params import (
     NormKeywords,
     NormOutputs,
@@ -39,22 +41,89 @@ from jax_fp8norm._shapes import shaped_call
 from jax_fp8norm._signatures import norm_keywords
 from jax_fp8norm._vjp import differentiable_norm, summed_over_devices
 from jax_fp8norm.matmul import fp8_matmul
-from jax_fp8norm.quantize import quantize_columns, quantize_rows
+from jax_fp8norm.quantize import (
+    quantize_columns,
+    quantize_gradient_columns,
+    quantize_gradient_rows,
+    quantize_weight_tiles,
+    tile_scales,
+)
 from jax_fp8norm.recipes import recipe_of
+from jax_fp8norm.reference import unquantized_rms_norm_dense
 
 __all__ = ["add_rms_norm_dense", "allreduce_add_rms_norm_dense", "rms_norm_dense"]
 
 
 @dataclasses.dataclass(frozen=True)
+class TrainingParts:
+    """The parts of FP4 training one layer call uses (docs/spec.md, "FP4 training"):
+    stochastic rounding of the output gradient, the Hadamard transform of the wgrad
+    GEMM's operands (its sign mask; None for none) and the weight's 2-D tiles. The FP8
+    recipes use none."""
+
+    stochastic_rounding: bool = False
+    hadamard: int | None = None
+    weight_tiles: bool = False
+
+
+def training_parts(recipe, stochastic_rounding, hadamard, weight_tiles) -> TrainingParts:
+    """The parts of a call of ``recipe`` from its keywords: None is the recipe's default
+    (every part on for FP4, none for FP8); True where the recipe has no such part, or a
+    value that is not a bool (or a sign mask for ``hadamard``), is a ValueError."""
+    given = {
+        "stochastic_rounding": stochastic_rounding,
+        "hadamard": hadamard,
+        "weight_tiles": weight_tiles,
+    }
+    for name, value in given.items():
+        ok = value is None or isinstance(value, (bool, np.bool_))
+        if name == "hadamard" and isinstance(value, numbers.Integral):
+            ok = True
+        if not ok:
+            raise ValueError(f"{name} must be None, True or False, got {value!r}")
+    if not recipe.fp4:
+        for name, value in given.items():
+            if value is True or (name == "hadamard" and value not in (None, False)):
+                raise ValueError(
+                    f"{name} is a part of the FP4 recipes' training (nvfp4, mxfp4); "
+                    f"{recipe.name} rounds to nearest: drop {name}"
+                )
+        return TrainingParts()
+    mask = recipe.hadamard_signs
+    if hadamard is False:
+        mask = None
+    elif hadamard is not None and hadamard is not True:
+        mask = int(hadamard)
+        if not 0 <= mask < 2**recipe.block:
+            raise ValueError(
+                f"hadamard must be True, False or a sign mask of {recipe.block} bits (the "
+                f"recipe's block), got {hadamard!r}"
+            )
+    return TrainingParts(
+        stochastic_rounding=stochastic_rounding is not False,
+        hadamard=mask,
+        weight_tiles=weight_tiles is not False,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class _Gemm:
     """The head of the layer: the GEMM of the norm's codes with the weight ``w``, quantised
-    along K by the recipe's weight format on every call. Its backward quantises the output
-    gradient twice by the recipe's gradient format (blocked along the output features for
-    dgrad, along the rows for wgrad) and ``w`` again along its output features."""
+    on every call by the recipe's weight format (along K, or in 2-D tiles that the dgrad
+    GEMM reads too). Its backward quantises the output gradient twice by the recipe's
+    gradient format (blocked along the output features for dgrad, along the rows for
+    wgrad; stochastically rounded with the call's key, the wgrad copy Hadamard-transformed
+    as the norm's columnwise codes are), and ``w`` along its output features unless its
+    tiles serve both GEMMs."""
 
     params: NormParams
     result_dtype: np.dtype
-    num_operands: ClassVar[int] = 1
+    parts: TrainingParts = TrainingParts()
+    keyed: bool = False  # whether the call has a key, the operand after w
+
+    @property
+    def num_operands(self) -> int:
+        return 2 if self.keyed else 1
 
     @property
     def columnwise(self) -> bool:
@@ -62,10 +131,25 @@ class _Gemm:
         rows); a recipe without that form folds its row scales into the gradient."""
         return recipe_of(self.params).columnwise
 
-    def apply(self, outs: NormOutputs, operands: tuple, static: tuple) -> jax.Array:
-        (w,) = operands
-        w_codes, w_scales, w_global = quantize_columns(w, recipe_of(self.params).weight)
-        return fp8_matmul(
+    @property
+    def hadamard(self) -> int | None:
+        """The sign mask of the norm's columnwise codes' transform (None: none)."""
+        return self.parts.hadamard
+
+    def _weight(self, w: jax.Array):
+        """``(codes [K, F], scales along K, global scale, residuals)``: the weight as the
+        forward GEMM takes it, and what the dgrad GEMM reads of it (its 2-D tiles)."""
+        fmt = recipe_of(self.params).weight
+        if not self.parts.weight_tiles:
+            return (*quantize_columns(w, fmt), ())
+        codes, tiles, gs = quantize_weight_tiles(w, fmt)
+        scales = tile_scales(tiles, fmt.block, w.shape[1], transposed=False)
+        return codes, scales, gs, (codes, tiles, gs)
+
+    def apply(self, outs: NormOutputs, operands: tuple, static: tuple) -> tuple:
+        w = operands[0]
+        w_codes, w_scales, w_global, residuals = self._weight(w)
+        out = fp8_matmul(
             outs.y,
             outs.scales,
             w_codes,
@@ -74,36 +158,59 @@ class _Gemm:
             a_global_scale=global_scale_operand(self.params, static),
             w_global_scale=w_global,
         )
+        return out, residuals
 
     def check_training(self, x_shape: tuple, operands: tuple) -> None:
         """What the backward needs beyond the forward, checked when the layer is
         differentiated: the rows come padded to the columnwise blocks (jax_fp8norm._vjp),
-        the output features must be whole blocks of dgrad's."""
+        the output features must be whole blocks of dgrad's, and stochastic rounding
+        needs the caller's key."""
         recipe = recipe_of(self.params)
         check_columnwise(recipe.columnwise, self.params, x_shape)
-        (w,) = operands
+        w = operands[0]
         block = recipe.gradient.block
         if block is not None and w.shape[1] % block:
             raise ValueError(
                 f"w's output features (prod(w.shape[1:]) = {w.shape[1]}) must be a multiple of "
                 f"the recipe's block ({block}): the gradient's dgrad GEMM is blocked along them"
             )
+        if self.parts.stochastic_rounding and not self.keyed:
+            raise ValueError(
+                f"key is required to differentiate the {recipe.name} layer with "
+                "stochastic_rounding (an FP4 recipe's default): pass key=, a JAX PRNG key, a "
+                'fresh one each step (docs/training.md, "The key"), or '
+                "stochastic_rounding=False"
+            )
 
     def kept(self, outs: NormOutputs) -> tuple:
         """The columnwise codes, or the rowwise ones whose scales go into the gradient."""
         return (outs.y_t, outs.scales_t) if self.columnwise else (outs.y, outs.scales)
 
-    def backward(self, g, operands: tuple, static: tuple, kept: tuple) -> tuple:
-        """``(dn [rows, K], (dw [K, F],))`` from the cotangent ``g [..., F]``, dn float32 and
-        dw summed over the devices that share ``w``, in ``w``'s dtype."""
-        (w,) = operands
+    def _stream(self, operands: tuple, stream: int):
+        """The key folded with ``stream`` where the gradient is rounded stochastically."""
+        if not self.parts.stochastic_rounding:
+            return None
+        return stream_key(operands[1], stream)
+
+    def backward(self, g, operands: tuple, static: tuple, kept: tuple, residuals: tuple) -> tuple:
+        """``(dn [rows, K], (dw [K, F], ...))`` from the cotangent ``g [..., F]``, dn float32
+        and dw summed over the devices that share ``w``, in ``w``'s dtype."""
+        w = operands[0]
         recipe = recipe_of(self.params)
         k, f = w.shape
+        no_key = (np.zeros((2,), jax.dtypes.float0),) if self.keyed else ()
         g = g.reshape(-1, f).astype(jnp.float32)
         if g.shape[0] == 0:  # no rows: nothing to quantise, nothing summed
-            return jnp.zeros((0, k), jnp.float32), (jnp.zeros((k, f), w.dtype),)
-        g_codes, g_scales, g_row_scales = quantize_rows(g, recipe.gradient)
-        wt_codes, wt_scales, wt_global = quantize_columns(w.T, recipe.weight)
+            return jnp.zeros((0, k), jnp.float32), (jnp.zeros((k, f), w.dtype), *no_key)
+        g_codes, g_scales, g_row_scales = quantize_gradient_rows(
+            g, recipe.gradient, self._stream(operands, DGRAD_STREAM)
+        )
+        if residuals:  # the forward's tiles, transposed
+            codes, tiles, wt_global = residuals
+            wt_codes = codes.T
+            wt_scales = tile_scales(tiles, recipe.weight.block, f, transposed=True)
+        else:
+            wt_codes, wt_scales, wt_global = quantize_columns(w.T, recipe.weight)
         dn = fp8_matmul(
             g_codes,
             g_scales,
@@ -121,7 +228,9 @@ class _Gemm:
         else:  # the rows' codes; their scales go into the gradient
             gw = g * scales.reshape(-1, 1).astype(jnp.float32)
             codes, scales = codes.reshape(-1, k).T, jnp.ones((k, 1), jnp.float32)
-        gw_codes, gw_scales, gw_global = quantize_columns(gw, recipe.gradient)
+        gw_codes, gw_scales, gw_global = quantize_gradient_columns(
+            gw, recipe.gradient, self._stream(operands, WGRAD_STREAM), self.hadamard
+        )
         dw = fp8_matmul(
             codes,
             scales,
@@ -131,7 +240,9 @@ class _Gemm:
             a_global_scale=global_scale_operand(self.params, static),
             w_global_scale=gw_global,
         )
-        return dn, (summed_over_devices(w, dw).astype(w.dtype),)
+        if self.hadamard is not None:  # (M X)^T (M G) = d X^T G; 1 / d is exact
+            dw = dw * jnp.float32(1.0 / recipe.gradient.block)
+        return dn, (summed_over_devices(w, dw).astype(w.dtype), *no_key)
 
 
 def _flat_weight(w) -> tuple[jax.Array, tuple[int, ...]]:
@@ -143,7 +254,7 @@ def _flat_weight(w) -> tuple[jax.Array, tuple[int, ...]]:
     return jnp.reshape(w, (w.shape[0], math.prod(features))), features
 
 
-def _check_layer(x, w, params: NormParams, result_dtype) -> np.dtype:
+def _check_layer(x, w, params: NormParams, result_dtype, unquantized: bool = False) -> np.dtype:
     """Checks ``w`` against ``x`` and the recipe; returns the result's dtype."""
     w_dtype = np.dtype(w.dtype) if hasattr(w, "dtype") else np.asarray(w).dtype
     if w_dtype not in FLOAT_DTYPES:
@@ -156,7 +267,7 @@ def _check_layer(x, w, params: NormParams, result_dtype) -> np.dtype:
             f"axis; got {tuple(np.shape(w))}"
         )
     recipe = recipe_of(params)
-    if recipe.fp4 and recipe.block != recipe.base.block:
+    if not unquantized and recipe.fp4 and recipe.block != recipe.base.block:
         raise ValueError(
             f"the layer's {recipe.base.name.upper()} GEMMs take blocks of {recipe.base.block} "
             f"(the format's); got group_size={params.group_size}"
@@ -167,6 +278,48 @@ def _check_layer(x, w, params: NormParams, result_dtype) -> np.dtype:
     return dtype
 
 
+# The layer's unquantised recipe: the norm in float32, the GEMMs in the input's dtype.
+UNQUANTIZED = "bfloat16"
+# The keywords an unquantised call takes of the norm's: the rest quantise.
+_UNQUANTIZED_KEYWORDS = ("eps", "weight_offset")
+
+
+def _unquantized(rows: tuple, gamma, w, keywords: dict, result_dtype):
+    """The layer of ``recipe="bfloat16"``: :func:`jax_fp8norm.reference.
+    unquantized_rms_norm_dense` (differentiated by jax) with the norm's gamma and shape
+    rules; a quantising keyword is a ValueError."""
+    keywords = {k: v for k, v in keywords.items() if k != "recipe"}
+    for name in keywords:
+        if name not in _UNQUANTIZED_KEYWORDS:
+            raise ValueError(
+                f"recipe={UNQUANTIZED!r} quantises nothing, which contradicts the explicit "
+                f"{name}: drop one of the two"
+            )
+    shaped = shaped_call(rows, gamma, keywords)
+    params = shaped.call.params
+    dtype = _check_layer(rows[0], w, params, result_dtype, unquantized=True)
+    x, *residual = shaped.rows
+    w, features = _flat_weight(w)
+    value = unquantized_rms_norm_dense(
+        x,
+        shaped.gamma,
+        w,
+        residual[0] if residual else None,
+        eps=params.eps,
+        weight_offset=params.weight_offset,
+    )
+    out, residual_out = value if residual else (value, None)
+    out = out.astype(dtype).reshape(rows[0].shape[:-1] + features)
+    return out if residual_out is None else (out, residual_out)
+
+
+def _head(params: NormParams, dtype, key, parts: dict) -> tuple[_Gemm, tuple]:
+    """The layer's GEMM head for a call, and its key operand (none without a key)."""
+    resolved = training_parts(recipe_of(params), **parts)
+    words = () if key is None else (key_words(key),)
+    return _Gemm(params, dtype, resolved, bool(words)), words
+
+
 @norm_keywords
 def rms_norm_dense(
     x: jax.Array,
@@ -174,6 +327,10 @@ def rms_norm_dense(
     w: jax.Array,
     *,
     result_dtype=None,
+    key=None,
+    stochastic_rounding: bool | None = None,
+    hadamard: bool | int | None = None,
+    weight_tiles: bool | None = None,
     **keywords: Unpack[NormKeywords],
 ) -> jax.Array:
     """``einsum("...k,kf->...f", RMSNorm(x) * gamma, w)`` through the fused norm and an
@@ -202,13 +359,21 @@ def rms_norm_dense(
     Returns:
       ``[..., *F]`` in ``result_dtype``.
     """
+    if keywords.get("recipe") == UNQUANTIZED:
+        return _unquantized((x,), gamma, w, keywords, result_dtype)
+    parts = {
+        "stochastic_rounding": stochastic_rounding,
+        "hadamard": hadamard,
+        "weight_tiles": weight_tiles,
+    }
     shaped = shaped_call((x,), gamma, keywords)
     params = shaped.call.params
     dtype = _check_layer(x, w, params, result_dtype)
     operands = shaped.operands()
     w, features = _flat_weight(w)
-    layer = differentiable_norm(params, False, _Gemm(params, dtype))
-    out = layer(*operands[:2], w, *operands[2:])
+    head, key_operand = _head(params, dtype, key, parts)
+    layer = differentiable_norm(params, False, head)
+    out = layer(*operands[:2], w, *key_operand, *operands[2:])
     return out.reshape(x.shape[:-1] + features)
 
 
@@ -220,6 +385,10 @@ def add_rms_norm_dense(
     w: jax.Array,
     *,
     result_dtype=None,
+    key=None,
+    stochastic_rounding: bool | None = None,
+    hadamard: bool | int | None = None,
+    weight_tiles: bool | None = None,
     **keywords: Unpack[NormKeywords],
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`rms_norm_dense` of ``h = x + residual``, also returning ``residual_out`` (``h``
@@ -233,13 +402,21 @@ def add_rms_norm_dense(
     Returns:
       ``(out [..., *F], residual_out [..., K])``.
     """
+    if keywords.get("recipe") == UNQUANTIZED:
+        return _unquantized((x, residual), gamma, w, keywords, result_dtype)
+    parts = {
+        "stochastic_rounding": stochastic_rounding,
+        "hadamard": hadamard,
+        "weight_tiles": weight_tiles,
+    }
     shaped = shaped_call((x, residual), gamma, keywords)
     params = shaped.call.params
     dtype = _check_layer(x, w, params, result_dtype)
     operands = shaped.operands()
     w, features = _flat_weight(w)
-    layer = differentiable_norm(params, True, _Gemm(params, dtype))
-    out, residual_out = layer(*operands[:3], w, *operands[3:])
+    head, key_operand = _head(params, dtype, key, parts)
+    layer = differentiable_norm(params, True, head)
+    out, residual_out = layer(*operands[:3], w, *key_operand, *operands[3:])
     return out.reshape(x.shape[:-1] + features), residual_out
 
 
@@ -253,6 +430,10 @@ def allreduce_add_rms_norm_dense(
     axis_name,
     reduce_dtype=None,
     result_dtype=None,
+    key=None,
+    stochastic_rounding: bool | None = None,
+    hadamard: bool | int | None = None,
+    weight_tiles: bool | None = None,
     **keywords: Unpack[NormKeywords],
 ) -> tuple[jax.Array, jax.Array]:
     """The tensor-parallel form of :func:`add_rms_norm_dense`, inside ``jax.shard_map``:
@@ -276,14 +457,22 @@ def allreduce_add_rms_norm_dense(
     Returns:
       ``(out [..., *F], residual_out [..., K])``, ``residual_out`` the same on every device.
     """
-    shaped = shaped_call((x, residual), gamma, keywords)
-    params = shaped.call.params
     reduce = check_reduce_dtype(reduce_dtype, x.dtype)
-    dtype = _check_layer(x, w, params, result_dtype)
     summed_in = None if reduce == np.dtype(x.dtype) else reduce
     h = xla_sum(as_operand(x), check_axis_name(axis_name), summed_in)
+    if keywords.get("recipe") == UNQUANTIZED:
+        return _unquantized((h.astype(x.dtype), residual), gamma, w, keywords, result_dtype)
+    parts = {
+        "stochastic_rounding": stochastic_rounding,
+        "hadamard": hadamard,
+        "weight_tiles": weight_tiles,
+    }
+    shaped = shaped_call((x, residual), gamma, keywords)
+    params = shaped.call.params
+    dtype = _check_layer(x, w, params, result_dtype)
     operands = shaped.operands()
     w, features = _flat_weight(w)
-    layer = differentiable_norm(params, True, _Gemm(params, dtype))
-    out, residual_out = layer(h, *operands[1:3], w, *operands[3:])
+    head, key_operand = _head(params, dtype, key, parts)
+    layer = differentiable_norm(params, True, head)
+    out, residual_out = layer(h, *operands[1:3], w, *key_operand, *operands[3:])
     return out.reshape(x.shape[:-1] + features), residual_out

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_fp8norm._fp4_parts import HADAMARD_SIGNS
+
 __all__ = [
     "RECIPES",
     "OperandFormat",
@@ -98,6 +100,10 @@ class Recipe:
     rule: str
     gradient_element: np.dtype | None = None
     family: str | None = None  # the named recipe a call's layout derives from
+    # The sign mask of the layer's Hadamard transform of the wgrad GEMM's operands, in
+    # blocks of ``block`` rows (jax_fp8norm._fp4_parts.HADAMARD_SIGNS; 0: every sign +1);
+    # None for a recipe without the transform (FP8).
+    hadamard_signs: int | None = None
 
     @property
     def base(self) -> Recipe:
@@ -208,12 +214,12 @@ RECIPES: dict[str, Recipe] = {
         Recipe(
             "nvfp4",
             "NVFP4: e2m1 codes, one float8_e4m3fn scale per 1x16 group, a global_scale.",
-            (_FP4,), 16, _E4M3FN, NVFP4,
+            (_FP4,), 16, _E4M3FN, NVFP4, hadamard_signs=HADAMARD_SIGNS[16],
         ),
         Recipe(
             "mxfp4",
             "MXFP4 (OCP): e2m1 codes, one float8_e8m0fnu scale per 1x32 group.",
-            (_FP4,), 32, _E8M0, POWER_OF_TWO,
+            (_FP4,), 32, _E8M0, POWER_OF_TWO, hadamard_signs=HADAMARD_SIGNS[32],
         ),
     )
 }  # fmt: skip
