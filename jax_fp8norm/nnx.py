@@ -32,7 +32,7 @@ from jax_fp8norm._params import NORM_KEYWORDS, NormKeywords
 from jax_fp8norm._shapes import check_axes, product_sharding
 from jax_fp8norm._signatures import norm_keywords
 from jax_fp8norm.autodiff import add_rms_norm_fp8_dequantized, rms_norm_fp8_dequantized
-from jax_fp8norm.dense import add_rms_norm_dense, rms_norm_dense
+from jax_fp8norm.dense import UNQUANTIZED, add_rms_norm_dense, rms_norm_dense
 from jax_fp8norm.ops import add_rms_norm_fp8, rms_norm_fp8
 from jax_fp8norm.reference import unquantized_rms_norm_dense
 
@@ -248,8 +248,13 @@ class RMSNormDense(nnx.Module):
         ``nnx.Linear``.
       fused: False runs the same layer unquantised, for comparison:
         :func:`jax_fp8norm.reference.unquantized_rms_norm_dense` (the RMSNorm in float32, the
-        matmul in the input's dtype), differentiated by jax.
-      rngs: the key of ``kernel_init`` (required, as for ``nnx.Linear``).
+        matmul in the input's dtype), differentiated by jax; so does ``recipe="bfloat16"``.
+      stochastic_rounding, hadamard, weight_tiles: the layer's parts of FP4 training
+        (:func:`jax_fp8norm.rms_norm_dense`; None: the recipe's defaults).
+      rng_collection: the stream of ``rngs`` that gives the stochastic rounding a fresh key
+        on every call (as ``nnx.Dropout``'s ``"dropout"``); a key passed to the call wins.
+      rngs: the key of ``kernel_init`` (required, as for ``nnx.Linear``) and the stream
+        ``rng_collection`` (forked: the module keeps its own).
       The keywords of :func:`jax_fp8norm.rms_norm_fp8` (the recipe's; a ``static_scale`` or
       ``global_scale`` array is kept as given, data rather than a parameter):
       {keywords}
@@ -267,10 +272,17 @@ class RMSNormDense(nnx.Module):
         param_dtype=jnp.float32,
         kernel_init=None,
         fused: bool = True,
+        stochastic_rounding: bool | None = None,
+        hadamard: bool | int | None = None,
+        weight_tiles: bool | None = None,
+        rng_collection: str = "rounding",
         rngs: nnx.Rngs,
         **keywords: Unpack[NormKeywords],
     ):
         features = check_axes(out_features, "out_features")
+        if keywords.get("recipe") == UNQUANTIZED:  # the unquantised layer
+            keywords.pop("recipe")
+            fused = False
         if not features or any(f < 1 for f in features):
             raise ValueError(f"out_features must be positive sizes, got {out_features!r}")
         self.norm = RMSNormFP8(in_features, epsilon=epsilon, param_dtype=param_dtype, **keywords)
@@ -279,16 +291,24 @@ class RMSNormDense(nnx.Module):
         self.kernel = nnx.Param(jnp.asarray(kernel))
         self.out_features = out_features
         self.fused = fused
+        self.parts = {
+            "stochastic_rounding": stochastic_rounding,
+            "hadamard": hadamard,
+            "weight_tiles": weight_tiles,
+        }
+        self.rounding = rngs[rng_collection].fork()
 
-    def __call__(self, x: jax.Array, residual: jax.Array | None = None):
-        """``x``: ``[..., K]``. Returns ``[..., *F]`` in x's dtype, and with a residual
-        ``(out, residual_out)``."""
+    def __call__(self, x: jax.Array, residual: jax.Array | None = None, *, key=None):
+        """``x``: ``[..., K]``; ``key``: the stochastic rounding's (default: the next of the
+        module's ``rng_collection`` stream). Returns ``[..., *F]`` in x's dtype, and with a
+        residual ``(out, residual_out)``."""
         gamma, w = self.norm.scale[...], self.kernel[...]
         keywords = self.norm.call_keywords()
         if self.fused:
+            parts = dict(self.parts, key=self.rounding() if key is None else key)
             if residual is None:
-                return rms_norm_dense(x, gamma, w, **keywords)
-            return add_rms_norm_dense(x, residual, gamma, w, **keywords)
+                return rms_norm_dense(x, gamma, w, **keywords, **parts)
+            return add_rms_norm_dense(x, residual, gamma, w, **keywords, **parts)
         eps = keywords.get("eps", NORM_KEYWORDS["eps"][0])
         offset = keywords.get("weight_offset", NORM_KEYWORDS["weight_offset"][0])
         return unquantized_rms_norm_dense(x, gamma, w, residual, eps=eps, weight_offset=offset)
