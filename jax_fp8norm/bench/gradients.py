@@ -285,10 +285,13 @@ def report(
                             {"recipe": recipe, "parts": label, "site": site, "step": step}
                         )
                         continue
+                    began = time.perf_counter()
                     for row in measure(recipe, label, operands, draw_keys):
                         rows.append(
                             {"recipe": recipe, "parts": label, "site": site, "step": step, **row}
                         )
+                    took = time.perf_counter() - began
+                    log(f"  {recipe} {label} at {site}, step {step}: {took:.0f} s")
     seconds = time.perf_counter() - start
     return {
         "steps": config.steps,
