@@ -41,6 +41,18 @@ if len(jax.devices("cpu")) < NUM_DEVICES:
 
 else:
 
+    def _keywords(name: str, *, keyed: bool = True) -> dict:
+        """The recipe's keywords (NVFP4's global scale). An FP4 recipe's gradient rounded
+        stochastically with one key where ``keyed`` (its bits at the element's global row
+        under jit's partitioning), to nearest otherwise (inside shard_map, whose rows and
+        columns are a device's own); the Hadamard transform off until the norm's
+        columnwise codes take it."""
+        keywords = {"recipe": name, **({"global_scale": 0.0021} if name == "nvfp4" else {})}
+        if fp8norm.RECIPES[name].fp4:
+            parts = {"key": jax.random.key(7)} if keyed else {"stochastic_rounding": False}
+            keywords.update(parts, hadamard=False)
+        return keywords
+
     def _operands(seed=0):
         x = random_rows(seed, (ROWS, K), jnp.bfloat16)
         gamma = random_gamma(seed, K, jnp.float32)
@@ -87,7 +99,7 @@ else:
         ],
     )
     def test_data_parallel_rows(axis_type, name):
-        keywords = {"recipe": name, **({"global_scale": 0.0021} if name == "nvfp4" else {})}
+        keywords = _keywords(name)
         mesh = jax.make_mesh((NUM_DEVICES,), ("data",), axis_types=(axis_type,))
         x, gamma, w, g = _operands()
         rows = NamedSharding(mesh, P("data", None))
@@ -128,7 +140,7 @@ else:
     def _rows_sharded_layer(rows: int, axis_type, add: bool = False, name: str = "mxfp8"):
         """The layer's gradients and outputs with x's and g's rows over 8 devices, and the
         compiled program's text."""
-        keywords = {"recipe": name, **({"global_scale": 0.0021} if name == "nvfp4" else {})}
+        keywords = _keywords(name)
         mesh = jax.make_mesh((NUM_DEVICES,), ("data",), axis_types=(axis_type,))
         _, x, gamma, w, g = _sum_operands(9)
         x, w, g = x[:rows], w[:, :SPLIT_F], g[:rows, :SPLIT_F]
@@ -251,7 +263,7 @@ else:
 
         def loss(x, gamma, w, g):
             def local(x, gamma, w, g):
-                out = fp8norm.rms_norm_dense(x, gamma, w, recipe=name)
+                out = fp8norm.rms_norm_dense(x, gamma, w, **_keywords(name, keyed=False))
                 return jax.lax.psum(jnp.sum(out.astype(jnp.float32) * g), "tp")
 
             return jax.shard_map(
@@ -262,7 +274,7 @@ else:
             )(x, gamma, w, g)
 
         dx, dgamma, dw = jax.jit(jax.grad(loss, (0, 1, 2)))(x, gamma, w, g)
-        whole = _grads({"recipe": name})
+        whole = _grads(_keywords(name, keyed=False))
         (dx1, dgamma1, dw1), _ = _single_device(whole, x, gamma, w, g)
         # w's columns are quantised per device as on one (blocks along K; w^T's blocks along
         # F lie within a device's columns); dx is the sum of the devices' parts of dn.
@@ -278,7 +290,7 @@ else:
         allreduce_add_rms_norm_dense into the next layer's column-parallel projection. The
         gradients of every parameter and of the input against the same block on one
         device (add_rms_norm_dense of the whole sum)."""
-        keywords = {"recipe": name, **({"global_scale": 0.0021} if name == "nvfp4" else {})}
+        keywords = _keywords(name, keyed=False)
         mesh = jax.make_mesh((NUM_DEVICES,), ("tp",), axis_types=(AxisType.Auto,))
         rng = np.random.default_rng(4)
         x = jnp.asarray(rng.standard_normal((128, K)), jnp.bfloat16)

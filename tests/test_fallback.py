@@ -167,16 +167,24 @@ def _dequantized_grads(x, gamma, dn):
     return jax.grad(loss, (0, 1))(x, gamma)
 
 
+def _parts(name):
+    """An FP4 layer's gradient rounded stochastically with a fixed key (the same bits on
+    either path); the Hadamard transform off until the norm's columnwise codes take it."""
+    return {"key": jax.random.key(3), "hadamard": False} if fp8norm.RECIPES[name].fp4 else {}
+
+
 def _layer_grads(x, gamma, w, name):
     def loss(x, gamma, w):
-        return jnp.sum(fp8norm.rms_norm_dense(x, gamma, w, **recipe(name)) ** 2)
+        return jnp.sum(fp8norm.rms_norm_dense(x, gamma, w, **recipe(name), **_parts(name)) ** 2)
 
     return jax.value_and_grad(loss, (0, 1, 2))(x, gamma, w)
 
 
 def _add_layer_grads(x, residual, gamma, w):
     def loss(x, residual, gamma, w):
-        out, residual_out = fp8norm.add_rms_norm_dense(x, residual, gamma, w, recipe="nvfp4")
+        out, residual_out = fp8norm.add_rms_norm_dense(
+            x, residual, gamma, w, recipe="nvfp4", **_parts("nvfp4")
+        )
         return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(residual_out * w[:, 0])
 
     return jax.value_and_grad(loss, (0, 1, 2, 3))(x, residual, gamma, w)
