@@ -75,6 +75,10 @@ def training_parts(recipe, stochastic_rounding, hadamard, weight_tiles) -> Train
         "hadamard": hadamard,
         "weight_tiles": weight_tiles,
     }
+    # NumPy's booleans as Python's: the identity tests below would take np.False_ for a
+    # part switched on and np.True_ for the sign mask 1.
+    given = {k: bool(v) if isinstance(v, np.bool_) else v for k, v in given.items()}
+    stochastic_rounding, hadamard, weight_tiles = given.values()
     for name, value in given.items():
         ok = value is None or isinstance(value, (bool, np.bool_))
         if name == "hadamard" and isinstance(value, numbers.Integral):
