@@ -23,6 +23,7 @@ from test_layer_bits import NEEDS_THE_NORMS_TRANSFORM
 import jax_fp8norm as fp8norm
 from jax_fp8norm import _fp4_parts as parts
 from jax_fp8norm import quantize
+from jax_fp8norm.dense import training_parts
 from jax_fp8norm.reference import unquantized_rms_norm_dense
 
 ROWS, K, F = 64, 64, 64
@@ -454,3 +455,14 @@ def test_the_bfloat16_recipe_is_the_unquantised_layer(add):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(ValueError, match="out_dtype"):
         fp8norm.rms_norm_dense(x, gamma, w, recipe="bfloat16", out_dtype=jnp.float8_e4m3fn)
+
+
+def test_numpy_booleans_are_booleans():
+    """np.False_ switches a part off and np.True_ takes the recipe's signs, as Python's."""
+    r = fp8norm.RECIPES["nvfp4"]
+    off = training_parts(r, np.False_, np.False_, np.False_)
+    assert off == training_parts(r, False, False, False)
+    on = training_parts(r, np.True_, np.True_, np.True_)
+    assert on == training_parts(r, True, True, True) and on.hadamard == r.hadamard_signs
+    with pytest.raises(ValueError, match="stochastic_rounding"):
+        training_parts(fp8norm.RECIPES["mxfp8"], np.True_, None, None)
