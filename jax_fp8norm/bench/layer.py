@@ -64,7 +64,10 @@ def by_hand_layer(recipe: str):
 
 
 def fused_layer(recipe: str):
-    return lambda x, gamma, w: fp8norm.rms_norm_dense(x, gamma, w, recipe=recipe)
+    # An FP4 layer's gradient is rounded stochastically with the caller's key: a fixed one
+    # here, which costs what a fresh one each step does.
+    key = {"key": jax.random.key(0)} if fp8norm.RECIPES[recipe].fp4 else {}
+    return lambda x, gamma, w: fp8norm.rms_norm_dense(x, gamma, w, recipe=recipe, **key)
 
 
 def bfloat16_layer(x, gamma, w):
