@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fp8norm import _checks
+from jax_fp8norm import _checks, _quantize_weight_kernel
 from jax_fp8norm._checks import check_float32_scalar
 from jax_fp8norm._dtypes import E8M0, FP4, FP4_MAX
 from jax_fp8norm._fp4_parts import hadamard_rows, random_bits
@@ -104,12 +104,26 @@ def quantize_weight_tiles(w: jax.Array, fmt: OperandFormat):
     GEMM (blocks along K) and the dgrad GEMM (blocks along F) read the same codes. A
     partial tile at F's end is quantised as that tile padded with zeros. Returns ``(codes
     [K, F], tile scales [K // block, ceil(F / block)], global scale or None)``; see
-    :func:`tile_scales`."""
+    :func:`tile_scales`. A kernel (CPU or CUDA) quantises float32, bfloat16 and float16
+    weights; its bits are those of :func:`weight_tiles_reference`."""
     block = fmt.block
     nvfp4 = fmt.rule == NVFP4
     if fmt.element != FP4:
         raise ValueError(f"2-D weight tiles are FP4's; got {np.dtype(fmt.element).name}")
     _fp4_blocks(w, block, "NVFP4" if nvfp4 else "MXFP4")  # the checks of w
+    if np.dtype(w.dtype) not in _KERNEL_WEIGHT_DTYPES:
+        return weight_tiles_reference(w, block, nvfp4)
+    return _quantize_weight_kernel.quantize_weight_tiles(w, block, nvfp4)
+
+
+# The master weights' dtypes the weight quantiser's kernel reads; others take the jnp
+# statement.
+_KERNEL_WEIGHT_DTYPES = tuple(np.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16))
+
+
+def weight_tiles_reference(w: jax.Array, block: int, nvfp4: bool):
+    """:func:`quantize_weight_tiles` in jnp, the statement its kernel gives the bits of
+    (and runs as where a build has no kernel), ``w`` already checked."""
     k, f = w.shape
     fp = f + (-f % block)
     v = jnp.pad(jnp.asarray(w, jnp.float32), ((0, 0), (0, fp - f)))

@@ -422,4 +422,60 @@ ffi::Error DecodeRound(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& ou
   return ffi::Error::Success();
 }
 
+ffi::Error DecodeQuantizeWeight(const ffi::AnyBuffer& w, ffi::Result<ffi::AnyBuffer>& codes,
+                                ffi::Result<ffi::AnyBuffer>& scales,
+                                ffi::Result<ffi::AnyBuffer>& global_scale, int64_t format,
+                                int64_t block, int64_t fp4_layout, QuantizeWeightArgs* args) {
+  const std::optional<FloatType> w_type = FloatTypeOf(w.element_type());
+  if (!w_type) return Invalid("quantize_weight: w must be float32, float16 or bfloat16");
+  const auto dims = w.dimensions();
+  if (dims.size() != 2) return Invalid("quantize_weight: w must have rank 2");
+  const bool nvfp4 = format == static_cast<int64_t>(WeightFormat::kNvfp4Tiles);
+  if (!nvfp4 && format != static_cast<int64_t>(WeightFormat::kMxfp4Tiles)) {
+    return Invalid("quantize_weight: unknown format " + std::to_string(format));
+  }
+  // Even: a band of block rows starts on a byte of packed codes.
+  if (block <= 0 || block % 2 != 0) {
+    return Invalid("quantize_weight: block must be positive and even, got " +
+                   std::to_string(block));
+  }
+  const int64_t rows = dims[0];
+  const int64_t cols = dims[1];
+  if (rows % block != 0) {
+    return Invalid("quantize_weight: K = " + std::to_string(rows) + " is not a multiple of " +
+                   std::to_string(block));
+  }
+  const std::optional<bool> packed = Fp4Packed(fp4_layout);
+  if (!packed) {
+    return Invalid("quantize_weight: fp4_layout " + std::to_string(fp4_layout) +
+                   " is not a float4_e2m1fn layout this build knows");
+  }
+  if (codes->element_type() != ffi::DataType::F4E2M1FN || !(codes->dimensions() == dims)) {
+    return Invalid("quantize_weight: codes must be float4_e2m1fn of w's shape");
+  }
+  const int64_t tiles = (cols + block - 1) / block;
+  const auto scale_dims = scales->dimensions();
+  const ffi::DataType scale_type = nvfp4 ? ffi::DataType::F8E4M3FN : ffi::DataType::F8E8M0FNU;
+  if (scales->element_type() != scale_type || scale_dims.size() != 2 ||
+      scale_dims[0] != rows / block || scale_dims[1] != tiles) {
+    return Invalid(
+        "quantize_weight: scales must be [K / block, ceil(F / block)] of the format's "
+        "scale type");
+  }
+  if (global_scale->element_type() != ffi::DataType::F32 || global_scale->element_count() != 1) {
+    return Invalid("quantize_weight: global_scale must be one float32");
+  }
+  *args = QuantizeWeightArgs{w.untyped_data(),
+                             *w_type,
+                             rows,
+                             cols,
+                             block,
+                             nvfp4,
+                             codes->untyped_data(),
+                             *packed,
+                             static_cast<uint8_t*>(scales->untyped_data()),
+                             static_cast<float*>(global_scale->untyped_data())};
+  return ffi::Error::Success();
+}
+
 }  // namespace fp8norm

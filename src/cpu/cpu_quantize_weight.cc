@@ -1,0 +1,109 @@
+#include "cpu_quantize_weight.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_config.h"
+
+namespace fp8norm {
+namespace {
+
+float LoadWeight(const QuantizeWeightArgs& a, int64_t i) {
+  switch (a.w_type) {
+    case FloatType::kF16:
+      return ToFloat(static_cast<const F16*>(a.w)[i]);
+    case FloatType::kBF16:
+      return ToFloat(static_cast<const BF16*>(a.w)[i]);
+    default:
+      return static_cast<const float*>(a.w)[i];
+  }
+}
+
+// Bands of `block` rows per task: about kTasksPerCall tasks of at least
+// kMinElementsPerTask elements, as the norm's rows are split.
+int64_t BandsPerTask(const QuantizeWeightArgs& a) {
+  const int64_t bands = a.rows / a.block;
+  const int64_t band_elements = std::max<int64_t>(1, a.block * a.cols);
+  const int64_t by_count = (bands + kTasksPerCall - 1) / kTasksPerCall;
+  const int64_t by_size = (kMinElementsPerTask + band_elements - 1) / band_elements;
+  return std::max<int64_t>(1, std::max(by_count, by_size));
+}
+
+uint32_t BandAbsMax(const QuantizeWeightArgs& a, int64_t band) {
+  uint32_t amax = 0;
+  const int64_t begin = band * a.block * a.cols;
+  const int64_t end = begin + a.block * a.cols;
+  for (int64_t i = begin; i < end; ++i) amax = std::max(amax, AbsBits(LoadWeight(a, i)));
+  return amax;
+}
+
+// The tile scales of one band (written to a.scales) and the element rule of each tile.
+void BandScales(const QuantizeWeightArgs& a, int64_t band, float gs, uint32_t* amax,
+                Fp4Scale* rules) {
+  const int64_t tiles = TileColumns(a);
+  std::fill(amax, amax + tiles, 0u);
+  for (int64_t i = band * a.block; i < (band + 1) * a.block; ++i) {
+    for (int64_t j = 0; j < a.cols; ++j) {
+      uint32_t& m = amax[j / a.block];
+      m = std::max(m, AbsBits(LoadWeight(a, i * a.cols + j)));
+    }
+  }
+  for (int64_t t = 0; t < tiles; ++t) {
+    const uint8_t code = WeightTileScaleCode(a.nvfp4, amax[t], gs);
+    a.scales[band * tiles + t] = code;
+    rules[t] = WeightTileScale(a.nvfp4, code, gs);
+  }
+}
+
+void BandCodes(const QuantizeWeightArgs& a, int64_t band, const Fp4Scale* rules) {
+  auto* out = static_cast<uint8_t*>(a.codes);
+  uint8_t even = 0;
+  for (int64_t i = band * a.block; i < (band + 1) * a.block; ++i) {
+    for (int64_t j = 0; j < a.cols; ++j) {
+      const int64_t e = i * a.cols + j;
+      const uint8_t code = QuantizeFp4Element(LoadWeight(a, e), rules[j / a.block]);
+      if (!a.codes_packed) {
+        out[e] = code;
+      } else if (e % 2 == 0) {
+        even = code;
+      } else {
+        out[e / 2] = PackFp4(even, code);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void QuantizeWeightCpu(const QuantizeWeightArgs& a, const ParallelFor& parallel_for) {
+  const int64_t bands = a.rows / a.block;
+  const int64_t per_task = BandsPerTask(a);
+  const int64_t tasks = (bands + per_task - 1) / per_task;
+  float gs = 1.0f;
+  if (a.nvfp4) {
+    std::vector<uint32_t> task_amax(tasks, 0u);
+    parallel_for(tasks, [&](int64_t task) {
+      uint32_t m = 0;
+      for (int64_t b = task * per_task; b < std::min(bands, (task + 1) * per_task); ++b) {
+        m = std::max(m, BandAbsMax(a, b));
+      }
+      task_amax[task] = m;
+    });
+    uint32_t amax = 0;
+    for (const uint32_t m : task_amax) amax = std::max(amax, m);
+    gs = Nvfp4GlobalScale(amax);
+  }
+  *a.global_scale = gs;
+  const int64_t tiles = TileColumns(a);
+  parallel_for(tasks, [&](int64_t task) {
+    std::vector<uint32_t> amax(tiles);
+    std::vector<Fp4Scale> rules(tiles);
+    for (int64_t b = task * per_task; b < std::min(bands, (task + 1) * per_task); ++b) {
+      BandScales(a, b, gs, amax.data(), rules.data());
+      BandCodes(a, b, rules.data());
+    }
+  });
+}
+
+}  // namespace fp8norm
