@@ -129,10 +129,16 @@ def weight_tiles_reference(w: jax.Array, block: int, nvfp4: bool):
     v = jnp.pad(jnp.asarray(w, jnp.float32), ((0, 0), (0, fp - f)))
     tiles = v.reshape(k // block, block, fp // block, block).transpose(0, 2, 1, 3)
     tiles = tiles.reshape(k // block, fp // block, block * block)
-    gs = nvfp4_global_scale(jnp.max(jnp.abs(v))) if nvfp4 else None
+    gs = nvfp4_global_scale(_abs_max(v)) if nvfp4 else None
     y, scales = _fp4_groups(tiles, "nvfp4" if nvfp4 else "mxfp4", gs)
     codes = y.reshape(k // block, fp // block, block, block).transpose(0, 2, 1, 3)
     return codes.reshape(k, fp)[:, :f], scales, gs
+
+
+def _abs_max(v: jax.Array) -> jax.Array:
+    """max|v|, NaN where v holds a NaN: XLA's max reductions need not carry one through,
+    and a NaN's place would then decide the global scale."""
+    return jnp.where(jnp.any(jnp.isnan(v)), jnp.float32(np.nan), jnp.max(jnp.abs(v)))
 
 
 def tile_scales(scales: jax.Array, block: int, features: int, *, transposed: bool) -> jax.Array:

@@ -1,0 +1,199 @@
+"""The weight quantiser's kernel (jax_fp8norm.quantize.quantize_weight_tiles: FP4 square
+tiles, docs/spec.md "2-D weight scales"): its bits against the jnp statement
+(weight_tiles_reference) on every platform, the forward's and the dgrad's views of one
+set of codes, the edge tiles, its argument checks and a global scale whose bits do not
+depend on how many threads reduce it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import EXTENDED, outputs_of_script, run_on, same_bits
+
+from jax_fp8norm.quantize import quantize_weight_tiles, tile_scales, weight_tiles_reference
+from jax_fp8norm.recipes import RECIPES
+
+FORMATS = {name: RECIPES[name].weight for name in ("nvfp4", "mxfp4")}
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _weights(k: int, f: int, dtype, seed: int = 0) -> np.ndarray:
+    """Normal weights whose magnitude changes from element to element over a few binades
+    (so that each tile's scale differs from its neighbours'), with one zero tile."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((k, f)) * 2.0 ** rng.integers(-6, 7, (k, f))
+    w[:16, :16] = 0.0
+    return jnp.asarray(w.astype(np.float32)).astype(dtype)
+
+
+def _reference(w, fmt):
+    with jax.default_device(jax.devices("cpu")[0]):
+        fn = jax.jit(lambda v: weight_tiles_reference(v, fmt.block, fmt is FORMATS["nvfp4"]))
+        return tuple(None if o is None else np.asarray(o) for o in fn(w))
+
+
+def _kernel(platform, w, fmt):
+    def quantize(v):
+        codes, scales, gs = quantize_weight_tiles(v, fmt)
+        return codes, scales, jnp.float32(1.0) if gs is None else gs
+
+    codes, scales, gs = run_on(platform, quantize, w)
+    return codes, scales, gs if fmt is FORMATS["nvfp4"] else None
+
+
+def _assert_matches_twin(platform, w, fmt):
+    got, want = _kernel(platform, w, fmt), _reference(w, fmt)
+    for name, g, r in zip(("codes", "scales", "global scale"), got, want, strict=True):
+        if r is None:
+            assert g is None
+        else:
+            same_bits(g, r, name)
+    return got
+
+
+# Both formats, F a multiple of the tile and not, every dtype of the master weights; the
+# default tier keeps the cases a 64-row weight covers in one dtype each.
+CASES = [
+    pytest.param(name, f, dtype, marks=() if default else EXTENDED)
+    for name in FORMATS
+    for f in (64, 70)
+    for dtype in DTYPES
+    for default in [
+        (name, f, dtype)
+        in {
+            ("nvfp4", 64, jnp.float32),
+            ("nvfp4", 70, jnp.bfloat16),
+            ("mxfp4", 64, jnp.float16),
+            ("mxfp4", 70, jnp.float32),
+        }
+    ]
+]
+
+
+@pytest.mark.parametrize(("name", "f", "dtype"), CASES, ids=str)
+def test_tiles_match_the_twin(platform, name, f, dtype):
+    _assert_matches_twin(platform, _weights(64, f, dtype), FORMATS[name])
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_forward_and_dgrad_views_read_the_same_codes(name):
+    """The codes dequantised with the forward's scales (blocks along K) equal, transposed,
+    the same codes dequantised with the dgrad's (blocks along F) exactly; a tile's scale
+    taken from its neighbour's tile (along F or along K) changes them, so the bits test
+    above catches a kernel that reads the wrong tile."""
+    fmt = FORMATS[name]
+    block = fmt.block
+    k, f = 2 * block, 3 * block
+    codes, scales, _ = _kernel("cpu", _weights(k, f, jnp.float32), fmt)
+    values = codes.astype(np.float32)
+
+    def forward(s):
+        return values * np.asarray(tile_scales(s, block, f, transposed=False)).astype(
+            np.float32
+        ).repeat(block, axis=0)
+
+    dgrad = values.T * np.asarray(tile_scales(scales, block, f, transposed=True)).astype(
+        np.float32
+    ).repeat(block, axis=0)
+    np.testing.assert_array_equal(forward(scales), dgrad.T)
+    assert np.isfinite(dgrad).all()
+    for axis in (0, 1):
+        assert not np.array_equal(forward(np.roll(scales, 1, axis=axis)), forward(scales))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("special", [np.nan, -np.inf])
+def test_a_non_finite_tile(platform, name, special):
+    """MXFP4: the tile holding NaN or Inf gets a NaN scale and zero codes, the others
+    theirs. NVFP4: the global scale is NaN or Inf, and no tile scale takes it."""
+    fmt = FORMATS[name]
+    w = np.array(_weights(64, 70, jnp.float32))
+    w[fmt.block + 3, 2 * fmt.block - 1] = special
+    codes, scales, gs = _assert_matches_twin(platform, jnp.asarray(w), fmt)
+    nan_scale = 0x7F if name == "nvfp4" else 0xFF
+    bad = (1, 1)
+    assert scales.view(np.uint8)[bad] == nan_scale
+    tile = codes.view(np.uint8)[fmt.block : 2 * fmt.block, fmt.block : 2 * fmt.block]
+    assert not tile.any()
+    others = np.delete(scales.view(np.uint8).reshape(-1), bad[0] * scales.shape[1] + bad[1])
+    if name == "nvfp4":
+        assert (others == nan_scale).all() and not codes.view(np.uint8).any()
+        assert np.isnan(gs) if np.isnan(special) else np.isinf(gs)
+    else:
+        assert (others != nan_scale).all()
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_zero_tiles(platform, name):
+    """A zero tile: scale 0 (NVFP4) or 2^-127 (MXFP4, e8m0's byte 0) and zero codes; an
+    all-zero weight's global scale is 1."""
+    fmt = FORMATS[name]
+    codes, scales, gs = _assert_matches_twin(platform, jnp.zeros((64, 40), jnp.bfloat16), fmt)
+    assert not codes.view(np.uint8).any() and not scales.view(np.uint8).any()
+    if name == "nvfp4":
+        assert gs == 1.0
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_k_not_a_multiple_of_the_tile(name):
+    fmt = FORMATS[name]
+    with pytest.raises(ValueError, match=f"K a multiple of {fmt.block}; got K = {fmt.block + 2}"):
+        quantize_weight_tiles(jnp.ones((fmt.block + 2, 64)), fmt)
+
+
+def test_an_fp8_format_is_refused():
+    with pytest.raises(ValueError, match="2-D weight tiles are FP4's"):
+        quantize_weight_tiles(jnp.ones((64, 64)), RECIPES["mxfp8"].weight)
+
+
+def test_vmap_quantises_each_weight_alone():
+    fmt = FORMATS["nvfp4"]
+    ws = jnp.stack([_weights(32, 48, jnp.float32, seed) for seed in (1, 2)])
+    batched = jax.vmap(lambda w: quantize_weight_tiles(w, fmt))(ws)
+    for i in range(2):
+        for got, want in zip(batched, quantize_weight_tiles(ws[i], fmt), strict=True):
+            same_bits(got[i], want)
+
+
+_ONE_THREAD_SCRIPT = """
+import sys
+import jax.numpy as jnp, numpy as np
+from test_quantize_weight import FORMATS, threads_case
+from jax_fp8norm.quantize import quantize_weight_tiles
+codes, scales, gs = quantize_weight_tiles(jnp.asarray(threads_case()), FORMATS["nvfp4"])
+np.savez(sys.argv[1], codes=np.asarray(codes).view(np.uint8),
+         scales=np.asarray(scales).view(np.uint8), gs=np.asarray(gs))
+"""
+
+
+def threads_case() -> np.ndarray:
+    """A weight the CPU kernel splits into 16 tasks, with NaNs of different signs and
+    payloads in different tasks' bands: a reduction that kept the first NaN it met would
+    give bits that depend on the order of the tasks."""
+    w = np.array(_weights(1024, 256, jnp.float32, seed=3))
+    nans = np.array([0x7FC00001, 0xFFC00002, 0x7F800003, 0xFFFFFFFF], np.uint32).view(np.float32)
+    for i, nan in enumerate(nans):
+        w[100 + 250 * i, 7 * i] = nan
+    return w
+
+
+@pytest.mark.parametrize("nan", [False, True])
+def test_the_global_scale_does_not_depend_on_the_thread_count(nan, tmp_path):
+    w = threads_case()
+    if not nan:
+        w = np.nan_to_num(w, nan=1.0)
+        script = _ONE_THREAD_SCRIPT.replace(
+            "jnp.asarray(threads_case())", "jnp.asarray(np.nan_to_num(threads_case(), nan=1.0))"
+        )
+    else:
+        script = _ONE_THREAD_SCRIPT
+    codes, scales, gs = (
+        np.asarray(o) for o in quantize_weight_tiles(jnp.asarray(w), FORMATS["nvfp4"])
+    )
+    one_thread = outputs_of_script(script, tmp_path / "one.npz", FP8NORM_CPU_THREADS="1")
+    same_bits(one_thread["gs"], gs, "global scale")
+    same_bits(one_thread["codes"], codes.view(np.uint8), "codes")
+    same_bits(one_thread["scales"], scales.view(np.uint8), "scales")
+    same_bits(gs, _reference(jnp.asarray(w), FORMATS["nvfp4"])[2], "the twin's global scale")
