@@ -22,7 +22,14 @@ from jax_fp8norm._dtypes import E8M0, FP4, FP4_MAX
 from jax_fp8norm._fp4_parts import hadamard_rows, random_bits
 from jax_fp8norm._groups import divide, fp4_groups, power_of_two
 from jax_fp8norm._params import NORM_KEYWORDS
-from jax_fp8norm.recipes import NVFP4, RECIPES, OperandFormat, recipe_keywords
+from jax_fp8norm.recipes import (
+    NEAREST,
+    NVFP4,
+    POWER_OF_TWO,
+    RECIPES,
+    OperandFormat,
+    recipe_keywords,
+)
 
 E4M3_MAX = 448.0
 NVFP4_BLOCK = RECIPES["nvfp4"].block
@@ -51,9 +58,25 @@ def quantize_columns(v: jax.Array, fmt: OperandFormat, global_scale=None, bits=N
         gs = nvfp4_global_scale(jnp.max(jnp.abs(blocks))) if global_scale is None else global_scale
         gs = check_float32_scalar(gs, "global_scale")
         return (*_fp4_columns(blocks, "nvfp4", gs, bits), gs)
+    if _fp8_kernel_takes(v, fmt):
+        return (*_quantize_weight_kernel.quantize_fp8_columns(v, fmt.block), None)
     if fmt.block is None:
         return (*quantize_per_channel(v, fmt.element), None)
     return (*quantize_blocks(v, fmt.block, fmt.element), None)
+
+
+def _fp8_kernel_takes(v, fmt: OperandFormat) -> bool:
+    """Whether the weight quantiser's kernel quantises ``v`` along its rows in the FP8
+    format ``fmt``: E4M3 per channel (nearest) or in e8m0 blocks (power of two), of a
+    dtype the kernel reads, with rows (and whole blocks of them; others get the jnp
+    functions' errors)."""
+    if np.ndim(v) != 2 or np.dtype(fmt.element) != np.dtype(jnp.float8_e4m3fn):
+        return False
+    if np.dtype(v.dtype) not in _KERNEL_WEIGHT_DTYPES or v.shape[0] == 0:
+        return False
+    if fmt.block is None:
+        return fmt.rule == NEAREST
+    return fmt.rule == POWER_OF_TWO and v.shape[0] % fmt.block == 0
 
 
 def quantize_rows(v: jax.Array, fmt: OperandFormat, bits=None):
@@ -135,10 +158,11 @@ def weight_tiles_reference(w: jax.Array, block: int, nvfp4: bool):
     return codes.reshape(k, fp)[:, :f], scales, gs
 
 
-def _abs_max(v: jax.Array) -> jax.Array:
-    """max|v|, NaN where v holds a NaN: XLA's max reductions need not carry one through,
-    and a NaN's place would then decide the global scale."""
-    return jnp.where(jnp.any(jnp.isnan(v)), jnp.float32(np.nan), jnp.max(jnp.abs(v)))
+def _abs_max(v: jax.Array, axis=None, keepdims: bool = False) -> jax.Array:
+    """max|v| (over ``axis``), NaN where v holds a NaN: XLA's max reductions need not carry
+    one through, and a NaN's place would then decide the scale."""
+    nan = jnp.any(jnp.isnan(v), axis=axis, keepdims=keepdims)
+    return jnp.where(nan, jnp.float32(np.nan), jnp.max(jnp.abs(v), axis=axis, keepdims=keepdims))
 
 
 def tile_scales(scales: jax.Array, block: int, features: int, *, transposed: bool) -> jax.Array:
@@ -168,7 +192,7 @@ def quantize_per_channel(
     axis = _check_axis(axis)
     fp8_max = float(jnp.finfo(out_dtype).max)
     w32 = w.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(w32), axis=axis, keepdims=True)
+    amax = _abs_max(w32, axis=axis, keepdims=True)
     # At least the smallest normal float32: amax / FP8_MAX of a tiny nonzero column would
     # flush to zero and its codes to Inf.
     scales = jnp.where(amax > 0, jnp.maximum(divide(amax, fp8_max), SMALLEST_NORMAL), 1.0)

@@ -74,9 +74,52 @@ void BandCodes(const QuantizeWeightArgs& a, int64_t band, const Fp4Scale* rules)
   }
 }
 
+// FP8 along K: tasks of strips of kStripColumns columns, each over every band of `block`
+// rows (one band per channel), read row by row along the strip.
+constexpr int64_t kStripColumns = 256;
+
+void Fp8Strip(const QuantizeWeightArgs& a, int64_t j0, int64_t j1) {
+  const bool blocks = a.format == WeightFormat::kFp8Blocks;
+  std::vector<uint32_t> amax(j1 - j0);
+  std::vector<Fp8ColumnScale> rules(j1 - j0);
+  auto* out = static_cast<uint8_t*>(a.codes);
+  for (int64_t band = 0; band < a.rows / a.block; ++band) {
+    const int64_t i0 = band * a.block;
+    std::fill(amax.begin(), amax.end(), 0u);
+    for (int64_t i = i0; i < i0 + a.block; ++i) {
+      for (int64_t j = j0; j < j1; ++j) {
+        amax[j - j0] = std::max(amax[j - j0], AbsBits(LoadWeight(a, i * a.cols + j)));
+      }
+    }
+    for (int64_t j = j0; j < j1; ++j) {
+      rules[j - j0] = Fp8ColumnScaleOf(blocks, amax[j - j0]);
+      StoreAs(blocks ? FloatType::kE8M0 : FloatType::kF32, a.scales, band * a.cols + j,
+              rules[j - j0].scale);
+    }
+    for (int64_t i = i0; i < i0 + a.block; ++i) {
+      for (int64_t j = j0; j < j1; ++j) {
+        out[i * a.cols + j] = Fp8ColumnCode(LoadWeight(a, i * a.cols + j), rules[j - j0]);
+      }
+    }
+  }
+}
+
+void QuantizeFp8Columns(const QuantizeWeightArgs& a, const ParallelFor& parallel_for) {
+  *a.global_scale = 1.0f;
+  if (a.block == 0) return;  // no rows: per channel, the scales are 1
+  const int64_t strips = (a.cols + kStripColumns - 1) / kStripColumns;
+  parallel_for(strips, [&](int64_t strip) {
+    Fp8Strip(a, strip * kStripColumns, std::min(a.cols, (strip + 1) * kStripColumns));
+  });
+}
+
 }  // namespace
 
 void QuantizeWeightCpu(const QuantizeWeightArgs& a, const ParallelFor& parallel_for) {
+  if (!IsFp4(a)) {
+    QuantizeFp8Columns(a, parallel_for);
+    return;
+  }
   const int64_t bands = a.rows / a.block;
   const int64_t per_task = BandsPerTask(a);
   const int64_t tasks = (bands + per_task - 1) / per_task;

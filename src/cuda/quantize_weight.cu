@@ -1,7 +1,8 @@
-// The weight quantiser's kernels (src/common/quantize_weight.h): NVFP4's global scale,
-// the tile scales, then the codes, three launches on one stream. The codes are written one
-// output byte per thread (two packed codes), each looking up its tile's scale byte, so that
-// no two threads write one byte whatever F's parity.
+// The weight quantiser's kernels (src/common/quantize_weight.h). FP4 tiles: NVFP4's global
+// scale, the tile scales, then the codes, three launches on one stream; the codes are
+// written one output byte per thread (two packed codes), each looking up its tile's scale
+// byte, so that no two threads write one byte whatever F's parity. FP8 along K: one thread
+// per column of a band of rows, reading the band twice (its abs-max, then its codes).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -84,12 +85,43 @@ __global__ void __launch_bounds__(kQuantizeWeightThreads)
   }
 }
 
+// grid: any number of blocks (a band's strips of blockDim.x columns are strided over them);
+// block: any size.
+__global__ void __launch_bounds__(kQuantizeWeightThreads)
+    WeightFp8ColumnsKernel(const QuantizeWeightArgs a) {
+  const bool blocks = a.format == WeightFormat::kFp8Blocks;
+  const int64_t strips = (a.cols + blockDim.x - 1) / blockDim.x;
+  const int64_t groups = a.rows / a.block * strips;
+  auto* out = static_cast<uint8_t*>(a.codes);
+  for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {
+    const int64_t band = g / strips;
+    const int64_t j = g % strips * blockDim.x + threadIdx.x;
+    if (j >= a.cols) continue;
+    const int64_t first = band * a.block * a.cols + j;
+    uint32_t amax = 0;
+    for (int64_t i = 0; i < a.block; ++i) {
+      amax = max(amax, AbsBits(LoadElement(a.w, a.w_type, first + i * a.cols)));
+    }
+    const Fp8ColumnScale s = Fp8ColumnScaleOf(blocks, amax);
+    if (blocks) {
+      StoreGlobal(a.scales + band * a.cols + j, E8M0Code(s.scale));
+    } else {
+      StoreGlobal(reinterpret_cast<float*>(a.scales) + j, s.scale);
+    }
+    for (int64_t i = 0; i < a.block; ++i) {
+      const int64_t e = first + i * a.cols;
+      StoreGlobal(out + e, Fp8ColumnCode(LoadElement(a.w, a.w_type, e), s));
+    }
+  }
+}
+
 void DeclareQuantizeWeightKernels() {
   DeclareKernel(WeightGlobalScaleKernel, "weight_global_scale", sizeof(AmaxScratch),
                 kQuantizeWeightThreads);
   DeclareKernel(WeightTileScalesKernel, "weight_tile_scales", sizeof(AmaxScratch),
                 kQuantizeWeightThreads);
   DeclareKernel(WeightCodesKernel, "weight_codes", 0, kQuantizeWeightThreads);
+  DeclareKernel(WeightFp8ColumnsKernel, "weight_fp8_columns", 0, kQuantizeWeightThreads);
 }
 
 }  // namespace
@@ -105,6 +137,10 @@ cudaError_t LoadQuantizeWeightKernels() {
   if (err == cudaSuccess) {
     err = LoadKernel(WeightCodesKernel, "weight_codes", 0, kQuantizeWeightThreads, &attributes);
   }
+  if (err == cudaSuccess) {
+    err = LoadKernel(WeightFp8ColumnsKernel, "weight_fp8_columns", 0, kQuantizeWeightThreads,
+                     &attributes);
+  }
   return err;
 }
 
@@ -112,6 +148,15 @@ cudaError_t LaunchQuantizeWeight(cudaStream_t stream, const QuantizeWeightArgs& 
   // What the emulation knows of the kernels: a launch needs no preparation first.
   DeclareQuantizeWeightKernels();
   cudaError_t err = LaunchKernel(WeightGlobalScaleKernel, 1, kQuantizeWeightThreads, 0, stream, a);
+  if (!IsFp4(a)) {
+    const int64_t strips = (a.cols + kQuantizeWeightThreads - 1) / kQuantizeWeightThreads;
+    const int64_t groups = a.block > 0 ? a.rows / a.block * strips : 0;
+    if (err == cudaSuccess && groups > 0) {
+      err = LaunchKernel(WeightFp8ColumnsKernel, StridingGrid(groups), kQuantizeWeightThreads, 0,
+                         stream, a);
+    }
+    return err;
+  }
   const int64_t tiles = a.rows / a.block * TileColumns(a);
   if (err == cudaSuccess && tiles > 0) {
     err = LaunchKernel(WeightTileScalesKernel, StridingGrid(tiles), kQuantizeWeightThreads, 0,
