@@ -1,8 +1,9 @@
 """The weight quantiser's kernel (jax_fp8norm.quantize.quantize_weight_tiles: FP4 square
-tiles, docs/spec.md "2-D weight scales"): its bits against the jnp statement
-(weight_tiles_reference) on every platform, the forward's and the dgrad's views of one
-set of codes, the edge tiles, its argument checks and a global scale whose bits do not
-depend on how many threads reduce it."""
+tiles, docs/spec.md "2-D weight scales"; and quantize_columns's FP8 E4M3 along K): its bits
+against the jnp statements (weight_tiles_reference, quantize_per_channel, quantize_blocks)
+on every platform, the forward's and the dgrad's views of one set of codes, the edge
+tiles, its argument checks and a global scale whose bits do not depend on how many
+threads reduce it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ import numpy as np
 import pytest
 from helpers import EXTENDED, outputs_of_script, run_on, same_bits
 
-from jax_fp8norm.quantize import quantize_weight_tiles, tile_scales, weight_tiles_reference
+from jax_fp8norm.quantize import (
+    quantize_blocks,
+    quantize_columns,
+    quantize_per_channel,
+    quantize_weight_tiles,
+    tile_scales,
+    weight_tiles_reference,
+)
 from jax_fp8norm.recipes import RECIPES
 
 FORMATS = {name: RECIPES[name].weight for name in ("nvfp4", "mxfp4")}
@@ -197,3 +205,59 @@ def test_the_global_scale_does_not_depend_on_the_thread_count(nan, tmp_path):
     same_bits(one_thread["codes"], codes.view(np.uint8), "codes")
     same_bits(one_thread["scales"], scales.view(np.uint8), "scales")
     same_bits(gs, _reference(jnp.asarray(w), FORMATS["nvfp4"])[2], "the twin's global scale")
+
+
+FP8_RECIPES = ("fp8_row", "mxfp8", "fp8_group128")
+FP8_CASES = [
+    pytest.param(name, f, dtype, marks=() if default else EXTENDED)
+    for name in FP8_RECIPES
+    for f in (48, 300)
+    for dtype in DTYPES
+    for default in [
+        (name, f, dtype)
+        in {
+            ("fp8_row", 300, jnp.bfloat16),
+            ("mxfp8", 48, jnp.float32),
+            ("fp8_group128", 300, jnp.float16),
+        }
+    ]
+]
+
+
+def _fp8_reference(w, fmt):
+    with jax.default_device(jax.devices("cpu")[0]):
+        if fmt.block is None:
+            fn = jax.jit(lambda v: quantize_per_channel(v, fmt.element))
+        else:
+            fn = jax.jit(lambda v: quantize_blocks(v, fmt.block, fmt.element))
+        return tuple(np.asarray(o) for o in fn(w))
+
+
+@pytest.mark.parametrize(("name", "f", "dtype"), FP8_CASES, ids=str)
+@pytest.mark.parametrize("special", [False, True])
+def test_fp8_columns_match_the_twin(platform, name, f, dtype, special):
+    """quantize_columns in an FP8 weight format (per channel, e8m0 blocks of 32 and 128
+    rows) against quantize_per_channel and quantize_blocks; with a NaN in one column and
+    an Inf in another (the block's scale NaN and its codes zero; per channel, a NaN
+    column's scale 1, an Inf column's Inf)."""
+    fmt = RECIPES[name].weight
+    w = np.array(_weights(256, f, jnp.float32, seed=f))
+    if special:
+        w[5, 0], w[200, f - 1] = np.nan, np.inf
+    w = jnp.asarray(w).astype(dtype)
+    got = run_on(platform, lambda v: quantize_columns(v, fmt)[:2], w)
+    want = _fp8_reference(w, fmt)
+    for what, g, r in zip(("codes", "scales"), got, want, strict=True):
+        same_bits(g, r, what)
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [RECIPES[n].weight for n in ("nvfp4", "mxfp4", "fp8_row", "mxfp8")],
+    ids=["nvfp4", "mxfp4", "fp8_row", "mxfp8"],
+)
+def test_the_quantisers_lower_to_the_kernel(fmt):
+    """The weight's quantisers call the kernel, not their jnp statements."""
+    quantize = quantize_weight_tiles if fmt.element == jnp.float4_e2m1fn else quantize_columns
+    hlo = jax.jit(lambda v: quantize(v, fmt)).lower(jnp.ones((64, 64), jnp.bfloat16)).as_text()
+    assert "fp8norm_quantize_weight" in hlo

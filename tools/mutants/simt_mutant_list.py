@@ -383,4 +383,16 @@ MUTANTS = [
         "      if (j < a.cols) {\n",
         "      if (true) {\n",
     ),
+    Mutant(
+        "FP8 weight columns: a column's scale stored at the next column's place",
+        "cuda/quantize_weight.cu",
+        "StoreGlobal(reinterpret_cast<float*>(a.scales) + j, s.scale);",
+        "StoreGlobal(reinterpret_cast<float*>(a.scales) + (j + 1) % a.cols, s.scale);",
+    ),
+    Mutant(
+        "FP8 weight blocks: a block's abs-max over one row fewer",
+        "cuda/quantize_weight.cu",
+        "    for (int64_t i = 0; i < a.block; ++i) {\n      amax = max(",
+        "    for (int64_t i = 0; i < a.block - 1; ++i) {\n      amax = max(",
+    ),
 ]
