@@ -170,41 +170,36 @@ import sys
 import jax.numpy as jnp, numpy as np
 from test_quantize_weight import FORMATS, threads_case
 from jax_fp8norm.quantize import quantize_weight_tiles
-codes, scales, gs = quantize_weight_tiles(jnp.asarray(threads_case()), FORMATS["nvfp4"])
+codes, scales, gs = quantize_weight_tiles(jnp.asarray(threads_case({nan})), FORMATS["nvfp4"])
 np.savez(sys.argv[1], codes=np.asarray(codes).view(np.uint8),
          scales=np.asarray(scales).view(np.uint8), gs=np.asarray(gs))
 """
 
 
-def threads_case() -> np.ndarray:
-    """A weight the CPU kernel splits into 16 tasks, with NaNs of different signs and
-    payloads in different tasks' bands: a reduction that kept the first NaN it met would
-    give bits that depend on the order of the tasks."""
+def threads_case(nan: bool) -> np.ndarray:
+    """A weight the CPU kernel splits into 16 tasks; with ``nan``, NaNs of different signs
+    and payloads in different tasks' bands: a reduction that kept the first NaN it met
+    would give bits that depend on the order of the tasks."""
     w = np.array(_weights(1024, 256, jnp.float32, seed=3))
-    nans = np.array([0x7FC00001, 0xFFC00002, 0x7F800003, 0xFFFFFFFF], np.uint32).view(np.float32)
-    for i, nan in enumerate(nans):
-        w[100 + 250 * i, 7 * i] = nan
+    if nan:
+        nans = np.array([0x7FC00001, 0xFFC00002, 0x7F800003, 0xFFFFFFFF], np.uint32)
+        for i, value in enumerate(nans.view(np.float32)):
+            w[100 + 250 * i, 7 * i] = value
     return w
 
 
 @pytest.mark.parametrize("nan", [False, True])
 def test_the_global_scale_does_not_depend_on_the_thread_count(nan, tmp_path):
-    w = threads_case()
-    if not nan:
-        w = np.nan_to_num(w, nan=1.0)
-        script = _ONE_THREAD_SCRIPT.replace(
-            "jnp.asarray(threads_case())", "jnp.asarray(np.nan_to_num(threads_case(), nan=1.0))"
-        )
-    else:
-        script = _ONE_THREAD_SCRIPT
-    codes, scales, gs = (
-        np.asarray(o) for o in quantize_weight_tiles(jnp.asarray(w), FORMATS["nvfp4"])
-    )
+    """One thread (FP8NORM_CPU_THREADS=1, in a process of its own) and the pool's give the
+    same bits, the twin's global scale among them."""
+    w = jnp.asarray(threads_case(nan))
+    codes, scales, gs = (np.asarray(o) for o in quantize_weight_tiles(w, FORMATS["nvfp4"]))
+    script = _ONE_THREAD_SCRIPT.format(nan=nan)
     one_thread = outputs_of_script(script, tmp_path / "one.npz", FP8NORM_CPU_THREADS="1")
     same_bits(one_thread["gs"], gs, "global scale")
     same_bits(one_thread["codes"], codes.view(np.uint8), "codes")
     same_bits(one_thread["scales"], scales.view(np.uint8), "scales")
-    same_bits(gs, _reference(jnp.asarray(w), FORMATS["nvfp4"])[2], "the twin's global scale")
+    same_bits(gs, _reference(w, FORMATS["nvfp4"])[2], "the twin's global scale")
 
 
 FP8_RECIPES = ("fp8_row", "mxfp8", "fp8_group128")
