@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from helpers import EXTENDED, outputs_of_script, run_on, same_bits
 
+from jax_fp8norm import _ffi
+from jax_fp8norm._dtypes import E4M3, E8M0, FP4
 from jax_fp8norm.quantize import (
     quantize_blocks,
     quantize_columns,
@@ -256,3 +258,41 @@ def test_the_quantisers_lower_to_the_kernel(fmt):
     quantize = quantize_weight_tiles if fmt.element == jnp.float4_e2m1fn else quantize_columns
     hlo = jax.jit(lambda v: quantize(v, fmt)).lower(jnp.ones((64, 64), jnp.bfloat16)).as_text()
     assert "fp8norm_quantize_weight" in hlo
+
+
+def _handler_call(handler: str, w, results, **attributes):
+    target = (_ffi.EMULATED_TARGETS if handler == "simt" else _ffi.TARGETS)["quantize_weight"]
+    attributes = {k: np.int64(v) for k, v in attributes.items()}
+    return jax.jit(lambda v: jax.ffi.ffi_call(target, results)(v, **attributes))(w)
+
+
+# Calls that bypass the Python checks: each handler refuses them with an error naming what
+# is wrong, before any kernel runs.
+HANDLER_CASES = {
+    "K": ((24, 32), "nvfp4_tiles", 16, ((24, 32), FP4), ((1, 2), E4M3), "K = 24"),
+    "format": ((32, 32), 7, 16, ((32, 32), FP4), ((2, 2), E4M3), "unknown format 7"),
+    "scales": ((32, 32), "mxfp4_tiles", 32, ((32, 32), FP4), ((1, 2), E8M0), "scales must"),
+    "codes": ((32, 32), "fp8_blocks", 32, ((32, 32), FP4), ((1, 32), E8M0), "codes must"),
+    "block": ((32, 32), "nvfp4_tiles", 15, ((32, 32), FP4), ((2, 3), E4M3), "block must"),
+}
+
+
+@pytest.mark.parametrize("handler", ["cpu", "simt"])
+@pytest.mark.parametrize("case", HANDLER_CASES)
+def test_the_handlers_refuse_bad_calls(handler, case):
+    shape, fmt, block, codes, scales, message = HANDLER_CASES[case]
+    code = _ffi.WEIGHT_FORMAT_CODES.get(fmt, fmt)
+    results = [
+        jax.ShapeDtypeStruct(*codes),
+        jax.ShapeDtypeStruct(*scales),
+        jax.ShapeDtypeStruct((), jnp.float32),
+    ]
+    with pytest.raises(Exception, match=message):
+        _handler_call(
+            handler,
+            jnp.ones(shape, jnp.float32),
+            results,
+            format=code,
+            block=block,
+            fp4_layout=_ffi.fp4_layout("cpu"),
+        )
