@@ -164,13 +164,9 @@ ffi::Error QuantizeWeightImpl(ffi::ThreadPool pool, ffi::AnyBuffer w,
   ffi::Error status =
       DecodeQuantizeWeight(w, codes, scales, global_scale, format, block, fp4_layout, &args);
   if (status.failure()) return status;
-  try {
-    QuantizeWeightCpu(args, PoolParallelFor(pool));
-  } catch (const std::bad_alloc&) {
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      "jax_fp8norm: out of host memory for a weight's tile scales");
-  }
-  return ffi::Error::Success();
+  if (QuantizeWeightCpu(args, PoolParallelFor(pool))) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                    "jax_fp8norm: out of host memory for a weight's scales");
 }
 
 }  // namespace

@@ -1,8 +1,10 @@
 #include "cpu_quantize_weight.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
-#include <vector>
+#include <memory>
+#include <new>
 
 #include "cpu_config.h"
 
@@ -18,6 +20,13 @@ float LoadWeight(const QuantizeWeightArgs& a, int64_t i) {
     default:
       return static_cast<const float*>(a.w)[i];
   }
+}
+
+// Scratch of n Ts, null where the host is out of memory: the tasks run on the pool's
+// threads too, where an exception would end the process.
+template <typename T>
+std::unique_ptr<T[]> Scratch(int64_t n) {
+  return std::unique_ptr<T[]>(new (std::nothrow) T[n]);
 }
 
 // Bands of `block` rows per task: about kTasksPerCall tasks of at least
@@ -78,14 +87,15 @@ void BandCodes(const QuantizeWeightArgs& a, int64_t band, const Fp4Scale* rules)
 // rows (one band per channel), read row by row along the strip.
 constexpr int64_t kStripColumns = 256;
 
-void Fp8Strip(const QuantizeWeightArgs& a, int64_t j0, int64_t j1) {
+bool Fp8Strip(const QuantizeWeightArgs& a, int64_t j0, int64_t j1) {
   const bool blocks = a.format == WeightFormat::kFp8Blocks;
-  std::vector<uint32_t> amax(j1 - j0);
-  std::vector<Fp8ColumnScale> rules(j1 - j0);
+  const auto amax = Scratch<uint32_t>(j1 - j0);
+  const auto rules = Scratch<Fp8ColumnScale>(j1 - j0);
+  if (amax == nullptr || rules == nullptr) return false;
   auto* out = static_cast<uint8_t*>(a.codes);
   for (int64_t band = 0; band < a.rows / a.block; ++band) {
     const int64_t i0 = band * a.block;
-    std::fill(amax.begin(), amax.end(), 0u);
+    std::fill(amax.get(), amax.get() + (j1 - j0), 0u);
     for (int64_t i = i0; i < i0 + a.block; ++i) {
       for (int64_t j = j0; j < j1; ++j) {
         amax[j - j0] = std::max(amax[j - j0], AbsBits(LoadWeight(a, i * a.cols + j)));
@@ -102,30 +112,32 @@ void Fp8Strip(const QuantizeWeightArgs& a, int64_t j0, int64_t j1) {
       }
     }
   }
+  return true;
 }
 
-void QuantizeFp8Columns(const QuantizeWeightArgs& a, const ParallelFor& parallel_for) {
+bool QuantizeFp8Columns(const QuantizeWeightArgs& a, const ParallelFor& parallel_for) {
   *a.global_scale = 1.0f;
-  if (a.block == 0) return;  // no rows: per channel, the scales are 1
   const int64_t strips = (a.cols + kStripColumns - 1) / kStripColumns;
+  std::atomic<bool> out_of_memory{false};
   parallel_for(strips, [&](int64_t strip) {
-    Fp8Strip(a, strip * kStripColumns, std::min(a.cols, (strip + 1) * kStripColumns));
+    if (!Fp8Strip(a, strip * kStripColumns, std::min(a.cols, (strip + 1) * kStripColumns))) {
+      out_of_memory.store(true);
+    }
   });
+  return !out_of_memory.load();
 }
 
 }  // namespace
 
-void QuantizeWeightCpu(const QuantizeWeightArgs& a, const ParallelFor& parallel_for) {
-  if (!IsFp4(a)) {
-    QuantizeFp8Columns(a, parallel_for);
-    return;
-  }
+bool QuantizeWeightCpu(const QuantizeWeightArgs& a, const ParallelFor& parallel_for) {
+  if (!IsFp4(a)) return QuantizeFp8Columns(a, parallel_for);
   const int64_t bands = a.rows / a.block;
   const int64_t per_task = BandsPerTask(a);
   const int64_t tasks = (bands + per_task - 1) / per_task;
   float gs = 1.0f;
   if (a.nvfp4) {
-    std::vector<uint32_t> task_amax(tasks, 0u);
+    const auto task_amax = Scratch<uint32_t>(tasks);
+    if (task_amax == nullptr) return false;
     parallel_for(tasks, [&](int64_t task) {
       uint32_t m = 0;
       for (int64_t b = task * per_task; b < std::min(bands, (task + 1) * per_task); ++b) {
@@ -134,19 +146,25 @@ void QuantizeWeightCpu(const QuantizeWeightArgs& a, const ParallelFor& parallel_
       task_amax[task] = m;
     });
     uint32_t amax = 0;
-    for (const uint32_t m : task_amax) amax = std::max(amax, m);
+    for (int64_t task = 0; task < tasks; ++task) amax = std::max(amax, task_amax[task]);
     gs = Nvfp4GlobalScale(amax);
   }
   *a.global_scale = gs;
   const int64_t tiles = TileColumns(a);
+  std::atomic<bool> out_of_memory{false};
   parallel_for(tasks, [&](int64_t task) {
-    std::vector<uint32_t> amax(tiles);
-    std::vector<Fp4Scale> rules(tiles);
+    const auto amax = Scratch<uint32_t>(tiles);
+    const auto rules = Scratch<Fp4Scale>(tiles);
+    if (amax == nullptr || rules == nullptr) {
+      out_of_memory.store(true);
+      return;
+    }
     for (int64_t b = task * per_task; b < std::min(bands, (task + 1) * per_task); ++b) {
-      BandScales(a, b, gs, amax.data(), rules.data());
-      BandCodes(a, b, rules.data());
+      BandScales(a, b, gs, amax.get(), rules.get());
+      BandCodes(a, b, rules.get());
     }
   });
+  return !out_of_memory.load();
 }
 
 }  // namespace fp8norm
