@@ -87,30 +87,59 @@ void BandCodes(const QuantizeWeightArgs& a, int64_t band, const Fp4Scale* rules)
 // rows (one band per channel), read row by row along the strip.
 constexpr int64_t kStripColumns = 256;
 
-bool Fp8Strip(const QuantizeWeightArgs& a, int64_t j0, int64_t j1) {
-  const bool blocks = a.format == WeightFormat::kFp8Blocks;
-  const auto amax = Scratch<uint32_t>(j1 - j0);
-  const auto rules = Scratch<Fp8ColumnScale>(j1 - j0);
-  if (amax == nullptr || rules == nullptr) return false;
+// A strip's loops for one weight type and rule, the rules held as one array per field, so
+// that the compiler vectorises the loops along the strip.
+template <typename T, bool kBlocks>
+void Fp8StripOf(const QuantizeWeightArgs& a, int64_t j0, int64_t n, uint32_t* amax, float* scale,
+                float* recip, uint32_t* zero) {
+  const T* w = static_cast<const T*>(a.w);
   auto* out = static_cast<uint8_t*>(a.codes);
   for (int64_t band = 0; band < a.rows / a.block; ++band) {
     const int64_t i0 = band * a.block;
-    std::fill(amax.get(), amax.get() + (j1 - j0), 0u);
+    std::fill(amax, amax + n, 0u);
     for (int64_t i = i0; i < i0 + a.block; ++i) {
-      for (int64_t j = j0; j < j1; ++j) {
-        amax[j - j0] = std::max(amax[j - j0], AbsBits(LoadWeight(a, i * a.cols + j)));
+      const T* row = w + i * a.cols + j0;
+      for (int64_t k = 0; k < n; ++k) amax[k] = std::max(amax[k], AbsBits(ToFloat(row[k])));
+    }
+    for (int64_t k = 0; k < n; ++k) {
+      const Fp8ColumnScale s = Fp8ColumnScaleOf(kBlocks, amax[k]);
+      StoreAs(kBlocks ? FloatType::kE8M0 : FloatType::kF32, a.scales, band * a.cols + j0 + k,
+              s.scale);
+      scale[k] = s.scale;
+      recip[k] = s.recip;
+      zero[k] = s.zero ? 1u : 0u;
+    }
+    for (int64_t i = i0; i < i0 + a.block; ++i) {
+      const T* row = w + i * a.cols + j0;
+      uint8_t* codes = out + i * a.cols + j0;
+      for (int64_t k = 0; k < n; ++k) {
+        codes[k] = Fp8ColumnCode(ToFloat(row[k]),
+                                 Fp8ColumnScale{scale[k], recip[k], kBlocks, zero[k] != 0});
       }
     }
-    for (int64_t j = j0; j < j1; ++j) {
-      rules[j - j0] = Fp8ColumnScaleOf(blocks, amax[j - j0]);
-      StoreAs(blocks ? FloatType::kE8M0 : FloatType::kF32, a.scales, band * a.cols + j,
-              rules[j - j0].scale);
-    }
-    for (int64_t i = i0; i < i0 + a.block; ++i) {
-      for (int64_t j = j0; j < j1; ++j) {
-        out[i * a.cols + j] = Fp8ColumnCode(LoadWeight(a, i * a.cols + j), rules[j - j0]);
-      }
-    }
+  }
+}
+
+bool Fp8Strip(const QuantizeWeightArgs& a, int64_t j0, int64_t j1) {
+  const int64_t n = j1 - j0;
+  const auto amax = Scratch<uint32_t>(n);
+  const auto scale = Scratch<float>(n);
+  const auto recip = Scratch<float>(n);
+  const auto zero = Scratch<uint32_t>(n);
+  if (amax == nullptr || scale == nullptr || recip == nullptr || zero == nullptr) return false;
+  const auto run = [&](auto loops) {
+    loops(a, j0, n, amax.get(), scale.get(), recip.get(), zero.get());
+  };
+  const bool blocks = a.format == WeightFormat::kFp8Blocks;
+  switch (a.w_type) {
+    case FloatType::kF16:
+      run(blocks ? Fp8StripOf<F16, true> : Fp8StripOf<F16, false>);
+      break;
+    case FloatType::kBF16:
+      run(blocks ? Fp8StripOf<BF16, true> : Fp8StripOf<BF16, false>);
+      break;
+    default:
+      run(blocks ? Fp8StripOf<float, true> : Fp8StripOf<float, false>);
   }
   return true;
 }
