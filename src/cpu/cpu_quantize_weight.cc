@@ -11,17 +11,6 @@
 namespace fp8norm {
 namespace {
 
-float LoadWeight(const QuantizeWeightArgs& a, int64_t i) {
-  switch (a.w_type) {
-    case FloatType::kF16:
-      return ToFloat(static_cast<const F16*>(a.w)[i]);
-    case FloatType::kBF16:
-      return ToFloat(static_cast<const BF16*>(a.w)[i]);
-    default:
-      return static_cast<const float*>(a.w)[i];
-  }
-}
-
 // Scratch of n Ts, null where the host is out of memory: the tasks run on the pool's
 // threads too, where an exception would end the process.
 template <typename T>
@@ -39,23 +28,30 @@ int64_t BandsPerTask(const QuantizeWeightArgs& a) {
   return std::max<int64_t>(1, std::max(by_count, by_size));
 }
 
+template <typename T>
 uint32_t BandAbsMax(const QuantizeWeightArgs& a, int64_t band) {
+  const T* w = static_cast<const T*>(a.w) + band * a.block * a.cols;
   uint32_t amax = 0;
-  const int64_t begin = band * a.block * a.cols;
-  const int64_t end = begin + a.block * a.cols;
-  for (int64_t i = begin; i < end; ++i) amax = std::max(amax, AbsBits(LoadWeight(a, i)));
+  for (int64_t i = 0; i < a.block * a.cols; ++i) amax = std::max(amax, AbsBits(ToFloat(w[i])));
   return amax;
 }
 
-// The tile scales of one band (written to a.scales) and the element rule of each tile.
-void BandScales(const QuantizeWeightArgs& a, int64_t band, float gs, uint32_t* amax,
-                Fp4Scale* rules) {
+// One band of FP4 tiles: its tile scales (written to a.scales), then its codes, one per
+// byte in `codes` (the band's block * F elements in order), then stored packed or not.
+// Each tile's loops take one rule, so that the compiler vectorises them.
+template <typename T>
+void Fp4Band(const QuantizeWeightArgs& a, int64_t band, float gs, uint32_t* amax, Fp4Scale* rules,
+             uint8_t* codes) {
   const int64_t tiles = TileColumns(a);
+  const T* w = static_cast<const T*>(a.w) + band * a.block * a.cols;
   std::fill(amax, amax + tiles, 0u);
-  for (int64_t i = band * a.block; i < (band + 1) * a.block; ++i) {
-    for (int64_t j = 0; j < a.cols; ++j) {
-      uint32_t& m = amax[j / a.block];
-      m = std::max(m, AbsBits(LoadWeight(a, i * a.cols + j)));
+  for (int64_t r = 0; r < a.block; ++r) {
+    for (int64_t t = 0; t < tiles; ++t) {
+      const T* tile_row = w + r * a.cols + t * a.block;
+      const int64_t n = std::min(a.block, a.cols - t * a.block);
+      uint32_t m = amax[t];
+      for (int64_t k = 0; k < n; ++k) m = std::max(m, AbsBits(ToFloat(tile_row[k])));
+      amax[t] = m;
     }
   }
   for (int64_t t = 0; t < tiles; ++t) {
@@ -63,23 +59,38 @@ void BandScales(const QuantizeWeightArgs& a, int64_t band, float gs, uint32_t* a
     a.scales[band * tiles + t] = code;
     rules[t] = WeightTileScale(a.nvfp4, code, gs);
   }
+  for (int64_t r = 0; r < a.block; ++r) {
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t j0 = r * a.cols + t * a.block;
+      const int64_t n = std::min(a.block, a.cols - t * a.block);
+      const Fp4Scale s = rules[t];
+      for (int64_t k = 0; k < n; ++k) codes[j0 + k] = QuantizeFp4Element(ToFloat(w[j0 + k]), s);
+    }
+  }
+  const int64_t count = a.block * a.cols;  // even: block is
+  auto* out = static_cast<uint8_t*>(a.codes);
+  if (!a.codes_packed) {
+    std::copy(codes, codes + count, out + band * count);
+    return;
+  }
+  uint8_t* packed = out + band * count / 2;
+  for (int64_t k = 0; k < count / 2; ++k) packed[k] = PackFp4(codes[2 * k], codes[2 * k + 1]);
 }
 
-void BandCodes(const QuantizeWeightArgs& a, int64_t band, const Fp4Scale* rules) {
-  auto* out = static_cast<uint8_t*>(a.codes);
-  uint8_t even = 0;
-  for (int64_t i = band * a.block; i < (band + 1) * a.block; ++i) {
-    for (int64_t j = 0; j < a.cols; ++j) {
-      const int64_t e = i * a.cols + j;
-      const uint8_t code = QuantizeFp4Element(LoadWeight(a, e), rules[j / a.block]);
-      if (!a.codes_packed) {
-        out[e] = code;
-      } else if (e % 2 == 0) {
-        even = code;
-      } else {
-        out[e / 2] = PackFp4(even, code);
-      }
-    }
+// f(TypeTag<T>{}) for the C++ type T of the weight's type.
+template <typename T>
+struct TypeTag {
+  using Type = T;
+};
+template <typename F>
+void WithWeightType(FloatType type, F f) {
+  switch (type) {
+    case FloatType::kF16:
+      return f(TypeTag<F16>{});
+    case FloatType::kBF16:
+      return f(TypeTag<BF16>{});
+    default:
+      return f(TypeTag<float>{});
   }
 }
 
@@ -127,20 +138,12 @@ bool Fp8Strip(const QuantizeWeightArgs& a, int64_t j0, int64_t j1) {
   const auto recip = Scratch<float>(n);
   const auto zero = Scratch<uint32_t>(n);
   if (amax == nullptr || scale == nullptr || recip == nullptr || zero == nullptr) return false;
-  const auto run = [&](auto loops) {
-    loops(a, j0, n, amax.get(), scale.get(), recip.get(), zero.get());
-  };
   const bool blocks = a.format == WeightFormat::kFp8Blocks;
-  switch (a.w_type) {
-    case FloatType::kF16:
-      run(blocks ? Fp8StripOf<F16, true> : Fp8StripOf<F16, false>);
-      break;
-    case FloatType::kBF16:
-      run(blocks ? Fp8StripOf<BF16, true> : Fp8StripOf<BF16, false>);
-      break;
-    default:
-      run(blocks ? Fp8StripOf<float, true> : Fp8StripOf<float, false>);
-  }
+  WithWeightType(a.w_type, [&](auto tag) {
+    using T = typename decltype(tag)::Type;
+    (blocks ? Fp8StripOf<T, true> : Fp8StripOf<T, false>)(a, j0, n, amax.get(), scale.get(),
+                                                          recip.get(), zero.get());
+  });
   return true;
 }
 
@@ -167,12 +170,15 @@ bool QuantizeWeightCpu(const QuantizeWeightArgs& a, const ParallelFor& parallel_
   if (a.nvfp4) {
     const auto task_amax = Scratch<uint32_t>(tasks);
     if (task_amax == nullptr) return false;
-    parallel_for(tasks, [&](int64_t task) {
-      uint32_t m = 0;
-      for (int64_t b = task * per_task; b < std::min(bands, (task + 1) * per_task); ++b) {
-        m = std::max(m, BandAbsMax(a, b));
-      }
-      task_amax[task] = m;
+    WithWeightType(a.w_type, [&](auto tag) {
+      using T = typename decltype(tag)::Type;
+      parallel_for(tasks, [&](int64_t task) {
+        uint32_t m = 0;
+        for (int64_t b = task * per_task; b < std::min(bands, (task + 1) * per_task); ++b) {
+          m = std::max(m, BandAbsMax<T>(a, b));
+        }
+        task_amax[task] = m;
+      });
     });
     uint32_t amax = 0;
     for (int64_t task = 0; task < tasks; ++task) amax = std::max(amax, task_amax[task]);
@@ -181,17 +187,20 @@ bool QuantizeWeightCpu(const QuantizeWeightArgs& a, const ParallelFor& parallel_
   *a.global_scale = gs;
   const int64_t tiles = TileColumns(a);
   std::atomic<bool> out_of_memory{false};
-  parallel_for(tasks, [&](int64_t task) {
-    const auto amax = Scratch<uint32_t>(tiles);
-    const auto rules = Scratch<Fp4Scale>(tiles);
-    if (amax == nullptr || rules == nullptr) {
-      out_of_memory.store(true);
-      return;
-    }
-    for (int64_t b = task * per_task; b < std::min(bands, (task + 1) * per_task); ++b) {
-      BandScales(a, b, gs, amax.get(), rules.get());
-      BandCodes(a, b, rules.get());
-    }
+  WithWeightType(a.w_type, [&](auto tag) {
+    using T = typename decltype(tag)::Type;
+    parallel_for(tasks, [&](int64_t task) {
+      const auto amax = Scratch<uint32_t>(tiles);
+      const auto rules = Scratch<Fp4Scale>(tiles);
+      const auto codes = Scratch<uint8_t>(a.block * a.cols);
+      if (amax == nullptr || rules == nullptr || codes == nullptr) {
+        out_of_memory.store(true);
+        return;
+      }
+      for (int64_t b = task * per_task; b < std::min(bands, (task + 1) * per_task); ++b) {
+        Fp4Band<T>(a, b, gs, amax.get(), rules.get(), codes.get());
+      }
+    });
   });
   return !out_of_memory.load();
 }
