@@ -46,8 +46,11 @@ OPS = ("rms_norm_fp8", "add_rms_norm_fp8", "round")
 PEER_OPS = ("allreduce_rms_norm_fp8",)
 # The backward kernels (docs/spec.md, "Training: the backward pass").
 BACKWARD_OPS = ("rms_norm_backward", "add_rms_norm_backward")
-TARGETS = {op: f"fp8norm_{op}" for op in OPS + PEER_OPS + BACKWARD_OPS}
-EMULATED_TARGETS = {op: f"fp8norm_simt_{op}" for op in OPS + PEER_OPS + BACKWARD_OPS}
+# The quantisers of the operands a layer makes itself (jax_fp8norm/quantize.py).
+QUANTIZER_OPS = ("quantize_weight",)
+_ALL_OPS = OPS + PEER_OPS + BACKWARD_OPS + QUANTIZER_OPS
+TARGETS = {op: f"fp8norm_{op}" for op in _ALL_OPS}
+EMULATED_TARGETS = {op: f"fp8norm_simt_{op}" for op in _ALL_OPS}
 
 # How each platform's XLA holds a float4_e2m1fn buffer, by the name of the layout the
 # handlers' fp4_layout attribute gives as a code (src/common/ffi_decode.h, Fp4Layout; the
@@ -83,7 +86,7 @@ def _register(module, targets: dict[str, str], platform: str, ops: tuple = OPS) 
         jax.ffi.register_ffi_target(targets[op], handler, platform=platform)
 
 
-_register(_fp8norm_cpu, TARGETS, "cpu", OPS + BACKWARD_OPS)
+_register(_fp8norm_cpu, TARGETS, "cpu", OPS + BACKWARD_OPS + QUANTIZER_OPS)
 
 try:
     from jax_fp8norm_kernels import _fp8norm_cuda
@@ -95,7 +98,7 @@ except ImportError as _error:
         "takes nvcc from PyPI)"
     )
 else:
-    _register(_fp8norm_cuda, TARGETS, "CUDA", OPS + PEER_OPS + BACKWARD_OPS)
+    _register(_fp8norm_cuda, TARGETS, "CUDA", _ALL_OPS)
     CUDA_UNAVAILABLE_REASON = ""
 
 # The CUDA kernels and handlers compiled for the host against the SIMT emulation
@@ -106,7 +109,7 @@ except ImportError as _error:
     simt_module = None
     SIMT_ERROR = str(_error)
 else:
-    _register(simt_module, EMULATED_TARGETS, "cpu", OPS + PEER_OPS + BACKWARD_OPS)
+    _register(simt_module, EMULATED_TARGETS, "cpu", _ALL_OPS)
     SIMT_ERROR = ""
 
 EMULATE_CUDA_ENV = "FP8NORM_EMULATE_CUDA"
@@ -206,6 +209,11 @@ def _agreed(name: str, modules: list):
 # copies here). Every module's: the fp4_layout codes by layout name (kFp4LayoutNames in
 # src/common/ffi_decode.h).
 FP4_LAYOUT_CODES: dict[str, int] = dict(_agreed("fp4_layouts", [_fp8norm_cpu, *_kernel_modules()]))
+# The format codes of the quantize_weight target by name (kWeightFormatNames in
+# src/common/quantize_weight.h).
+WEIGHT_FORMAT_CODES: dict[str, int] = dict(
+    _agreed("weight_formats", [_fp8norm_cpu, *_kernel_modules()])
+)
 # The one-kernel all-reduce's, which the CUDA modules (real and emulated) carry
 # (src/cuda/peer_allreduce.h: kAllReduceMethodNames, kMaxPeers): the method codes by
 # name and the most devices of a group; empty and None in a build with neither module,

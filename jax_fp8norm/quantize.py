@@ -16,13 +16,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fp8norm import _checks
+from jax_fp8norm import _checks, _quantize_weight_kernel
 from jax_fp8norm._checks import check_float32_scalar
 from jax_fp8norm._dtypes import E8M0, FP4, FP4_MAX
 from jax_fp8norm._fp4_parts import hadamard_rows, random_bits
 from jax_fp8norm._groups import divide, fp4_groups, power_of_two
 from jax_fp8norm._params import NORM_KEYWORDS
-from jax_fp8norm.recipes import NVFP4, RECIPES, OperandFormat, recipe_keywords
+from jax_fp8norm.recipes import (
+    NEAREST,
+    NVFP4,
+    POWER_OF_TWO,
+    RECIPES,
+    OperandFormat,
+    recipe_keywords,
+)
 
 E4M3_MAX = 448.0
 NVFP4_BLOCK = RECIPES["nvfp4"].block
@@ -51,9 +58,25 @@ def quantize_columns(v: jax.Array, fmt: OperandFormat, global_scale=None, bits=N
         gs = nvfp4_global_scale(jnp.max(jnp.abs(blocks))) if global_scale is None else global_scale
         gs = check_float32_scalar(gs, "global_scale")
         return (*_fp4_columns(blocks, "nvfp4", gs, bits), gs)
+    if _fp8_kernel_takes(v, fmt):
+        return (*_quantize_weight_kernel.quantize_fp8_columns(v, fmt.block), None)
     if fmt.block is None:
         return (*quantize_per_channel(v, fmt.element), None)
     return (*quantize_blocks(v, fmt.block, fmt.element), None)
+
+
+def _fp8_kernel_takes(v, fmt: OperandFormat) -> bool:
+    """Whether the weight quantiser's kernel quantises ``v`` along its rows in the FP8
+    format ``fmt``: E4M3 per channel (nearest) or in e8m0 blocks (power of two), of a
+    dtype the kernel reads, with rows (and whole blocks of them; others get the jnp
+    functions' errors)."""
+    if np.ndim(v) != 2 or np.dtype(fmt.element) != np.dtype(jnp.float8_e4m3fn):
+        return False
+    if np.dtype(v.dtype) not in _KERNEL_WEIGHT_DTYPES or v.shape[0] == 0:
+        return False
+    if fmt.block is None:
+        return fmt.rule == NEAREST
+    return fmt.rule == POWER_OF_TWO and v.shape[0] % fmt.block == 0
 
 
 def quantize_rows(v: jax.Array, fmt: OperandFormat, bits=None):
@@ -104,21 +127,42 @@ def quantize_weight_tiles(w: jax.Array, fmt: OperandFormat):
     GEMM (blocks along K) and the dgrad GEMM (blocks along F) read the same codes. A
     partial tile at F's end is quantised as that tile padded with zeros. Returns ``(codes
     [K, F], tile scales [K // block, ceil(F / block)], global scale or None)``; see
-    :func:`tile_scales`."""
+    :func:`tile_scales`. A kernel (CPU or CUDA) quantises float32, bfloat16 and float16
+    weights; its bits are those of :func:`weight_tiles_reference`."""
     block = fmt.block
     nvfp4 = fmt.rule == NVFP4
     if fmt.element != FP4:
         raise ValueError(f"2-D weight tiles are FP4's; got {np.dtype(fmt.element).name}")
     _fp4_blocks(w, block, "NVFP4" if nvfp4 else "MXFP4")  # the checks of w
+    if np.dtype(w.dtype) not in _KERNEL_WEIGHT_DTYPES:
+        return weight_tiles_reference(w, block, nvfp4)
+    return _quantize_weight_kernel.quantize_weight_tiles(w, block, nvfp4)
+
+
+# The master weights' dtypes the weight quantiser's kernel reads; others take the jnp
+# statement.
+_KERNEL_WEIGHT_DTYPES = tuple(np.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16))
+
+
+def weight_tiles_reference(w: jax.Array, block: int, nvfp4: bool):
+    """:func:`quantize_weight_tiles` in jnp, the statement its kernel gives the bits of
+    (and runs as where a build has no kernel), ``w`` already checked."""
     k, f = w.shape
     fp = f + (-f % block)
     v = jnp.pad(jnp.asarray(w, jnp.float32), ((0, 0), (0, fp - f)))
     tiles = v.reshape(k // block, block, fp // block, block).transpose(0, 2, 1, 3)
     tiles = tiles.reshape(k // block, fp // block, block * block)
-    gs = nvfp4_global_scale(jnp.max(jnp.abs(v))) if nvfp4 else None
+    gs = nvfp4_global_scale(_abs_max(v)) if nvfp4 else None
     y, scales = _fp4_groups(tiles, "nvfp4" if nvfp4 else "mxfp4", gs)
     codes = y.reshape(k // block, fp // block, block, block).transpose(0, 2, 1, 3)
     return codes.reshape(k, fp)[:, :f], scales, gs
+
+
+def _abs_max(v: jax.Array, axis=None, keepdims: bool = False) -> jax.Array:
+    """max|v| (over ``axis``), NaN where v holds a NaN: XLA's max reductions need not carry
+    one through, and a NaN's place would then decide the scale."""
+    nan = jnp.any(jnp.isnan(v), axis=axis, keepdims=keepdims)
+    return jnp.where(nan, jnp.float32(np.nan), jnp.max(jnp.abs(v), axis=axis, keepdims=keepdims))
 
 
 def tile_scales(scales: jax.Array, block: int, features: int, *, transposed: bool) -> jax.Array:
@@ -148,7 +192,7 @@ def quantize_per_channel(
     axis = _check_axis(axis)
     fp8_max = float(jnp.finfo(out_dtype).max)
     w32 = w.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(w32), axis=axis, keepdims=True)
+    amax = _abs_max(w32, axis=axis, keepdims=True)
     # At least the smallest normal float32: amax / FP8_MAX of a tiny nonzero column would
     # flush to zero and its codes to Inf.
     scales = jnp.where(amax > 0, jnp.maximum(divide(amax, fp8_max), SMALLEST_NORMAL), 1.0)

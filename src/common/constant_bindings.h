@@ -25,4 +25,9 @@ inline void AddFp4Layouts(nanobind::module_& m) {
   m.def("fp4_layouts", []() { return CodesByName(kFp4LayoutNames); });
 }
 
+// Every module's: the format codes of the quantize_weight target (WeightFormat).
+inline void AddWeightFormats(nanobind::module_& m) {
+  m.def("weight_formats", []() { return CodesByName(kWeightFormatNames); });
+}
+
 }  // namespace fp8norm

@@ -293,8 +293,8 @@ ffi::Error DecodeNormForm(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residua
   if (status.failure()) return status;
   if (attributes.with_amax) status = DecodeAmax(*results[next++], args);
   if (status.failure() || !attributes.columnwise) return status;
-  return DecodeColumnOutputs(x, residual, gamma, scale_operand, *results[next],
-                             *results[next + 1], attributes, args);
+  return DecodeColumnOutputs(x, residual, gamma, scale_operand, *results[next], *results[next + 1],
+                             attributes, args);
 }
 
 ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
@@ -419,6 +419,80 @@ ffi::Error DecodeRound(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& ou
   *args = RoundArgs{static_cast<const float*>(in.untyped_data()), out->untyped_data(),
                     static_cast<int64_t>(in.element_count()), target,
                     target == RoundTarget::kE2M1 && *packed};
+  return ffi::Error::Success();
+}
+
+ffi::Error DecodeQuantizeWeight(const ffi::AnyBuffer& w, ffi::Result<ffi::AnyBuffer>& codes,
+                                ffi::Result<ffi::AnyBuffer>& scales,
+                                ffi::Result<ffi::AnyBuffer>& global_scale, int64_t format,
+                                int64_t block, int64_t fp4_layout, QuantizeWeightArgs* args) {
+  const std::optional<FloatType> w_type = FloatTypeOf(w.element_type());
+  if (!w_type) return Invalid("quantize_weight: w must be float32, float16 or bfloat16");
+  const auto dims = w.dimensions();
+  if (dims.size() != 2) return Invalid("quantize_weight: w must have rank 2");
+  if (format < 0 || format > static_cast<int64_t>(WeightFormat::kFp8Blocks)) {
+    return Invalid("quantize_weight: unknown format " + std::to_string(format));
+  }
+  const auto weight_format = static_cast<WeightFormat>(format);
+  const bool fp4 =
+      weight_format == WeightFormat::kNvfp4Tiles || weight_format == WeightFormat::kMxfp4Tiles;
+  const bool nvfp4 = weight_format == WeightFormat::kNvfp4Tiles;
+  const int64_t rows = dims[0];
+  const int64_t cols = dims[1];
+  // Per channel, one band of every row.
+  if (weight_format == WeightFormat::kFp8Channels) block = rows;
+  // FP4's even: a band of block rows starts on a byte of packed codes.
+  if (block <= 0 || (fp4 && block % 2 != 0)) {
+    return Invalid(
+        "quantize_weight: block must be positive (even for FP4; K > 0 per channel), "
+        "got " +
+        std::to_string(block));
+  }
+  if (rows % block != 0) {
+    return Invalid("quantize_weight: K = " + std::to_string(rows) + " is not a multiple of " +
+                   std::to_string(block));
+  }
+  const std::optional<bool> packed = Fp4Packed(fp4_layout);
+  if (!packed) {
+    return Invalid("quantize_weight: fp4_layout " + std::to_string(fp4_layout) +
+                   " is not a float4_e2m1fn layout this build knows");
+  }
+  const ffi::DataType code_type = fp4 ? ffi::DataType::F4E2M1FN : ffi::DataType::F8E4M3FN;
+  if (codes->element_type() != code_type || !(codes->dimensions() == dims)) {
+    return Invalid(
+        "quantize_weight: codes must be float4_e2m1fn (FP4) or float8_e4m3fn (FP8) "
+        "of w's shape");
+  }
+  const auto scale_dims = scales->dimensions();
+  if (weight_format == WeightFormat::kFp8Channels) {
+    if (scales->element_type() != ffi::DataType::F32 || scale_dims.size() != 1 ||
+        scale_dims[0] != cols) {
+      return Invalid("quantize_weight: per channel, scales must be float32 [F]");
+    }
+  } else {
+    const int64_t scale_cols = fp4 ? (cols + block - 1) / block : cols;
+    const ffi::DataType scale_type = nvfp4 ? ffi::DataType::F8E4M3FN : ffi::DataType::F8E8M0FNU;
+    if (scales->element_type() != scale_type || scale_dims.size() != 2 ||
+        scale_dims[0] != rows / block || scale_dims[1] != scale_cols) {
+      return Invalid(
+          "quantize_weight: scales must be [K / block, ceil(F / block)] (FP4) or "
+          "[K / block, F] (FP8 blocks) of the format's scale type");
+    }
+  }
+  if (global_scale->element_type() != ffi::DataType::F32 || global_scale->element_count() != 1) {
+    return Invalid("quantize_weight: global_scale must be one float32");
+  }
+  *args = QuantizeWeightArgs{w.untyped_data(),
+                             *w_type,
+                             rows,
+                             cols,
+                             block,
+                             weight_format,
+                             nvfp4,
+                             codes->untyped_data(),
+                             *packed,
+                             static_cast<uint8_t*>(scales->untyped_data()),
+                             static_cast<float*>(global_scale->untyped_data())};
   return ffi::Error::Success();
 }
 

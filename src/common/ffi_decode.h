@@ -8,6 +8,7 @@
 
 #include "columnwise.h"
 #include "named_codes.h"
+#include "quantize_weight.h"
 #include "rms_norm_backward.h"
 #include "rms_norm_fp8.h"
 #include "xla/ffi/api/ffi.h"
@@ -146,6 +147,28 @@ auto AddRmsNormBackwardBinding() {
 // fp4_layout: as NormAttributes::fp4_layout, for a float4_e2m1fn output.
 ffi::Error DecodeRound(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out,
                        int64_t fp4_layout, RoundArgs* args);
+
+// The quantize_weight target (src/common/quantize_weight.h): w [K, F] float32, float16 or
+// bfloat16; codes [K, F] float4_e2m1fn, tile scales [K / block, ceil(F / block)] (e4m3
+// or e8m0 by the format) and the global scale [] float32; the attributes format (a
+// WeightFormat), block (the tile's side) and fp4_layout.
+template <typename Ctx>
+auto QuantizeWeightBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<Ctx>()
+      .template Arg<ffi::AnyBuffer>()  // w
+      .template Ret<ffi::AnyBuffer>()  // codes
+      .template Ret<ffi::AnyBuffer>()  // scales
+      .template Ret<ffi::AnyBuffer>()  // global_scale
+      .template Attr<int64_t>("format")
+      .template Attr<int64_t>("block")
+      .template Attr<int64_t>("fp4_layout");
+}
+
+ffi::Error DecodeQuantizeWeight(const ffi::AnyBuffer& w, ffi::Result<ffi::AnyBuffer>& codes,
+                                ffi::Result<ffi::AnyBuffer>& scales,
+                                ffi::Result<ffi::AnyBuffer>& global_scale, int64_t format,
+                                int64_t block, int64_t fp4_layout, QuantizeWeightArgs* args);
 
 }  // namespace fp8norm
 

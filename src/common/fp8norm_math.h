@@ -459,6 +459,13 @@ FP8NORM_HD uint32_t PowerOfTwoExponent(float a, float fp8_max, uint32_t floor) {
   return exponent > floor ? exponent : floor;
 }
 
+// The multiplier of a power-of-two scale of biased exponent e (e8m0's byte): 1 / 2^(e - 127)
+// = 2^(127 - e), exactly: biased exponent 254 - e while normal. Past that (a scale of 2^127
+// or Inf, from an infinite abs-max) it is 0.
+FP8NORM_HD float PowerOfTwoReciprocal(uint32_t e) {
+  return e <= 253u ? FloatOf((254u - e) << 23) : 0.0f;
+}
+
 // Steps 5 and 6 of the spec with power-of-two scales, for a finite row: the scale of an
 // abs-max (ordered bits) bounded by ub = f32(scale_ub).
 FP8NORM_HD RowScale PowerOfTwoScale(uint32_t amax_bits, OutFormat format, FloatType scale_type,
@@ -466,11 +473,8 @@ FP8NORM_HD RowScale PowerOfTwoScale(uint32_t amax_bits, OutFormat format, FloatT
   // The floor: e8m0's smallest value 2^-127 (byte 0), else float32's smallest normal.
   const uint32_t floor = scale_type == FloatType::kE8M0 ? 0u : 1u;
   const uint32_t e = PowerOfTwoExponent(NanMin(FloatOf(amax_bits), ub), OutMax(format), floor);
-  // 1 / 2^(e - 127) = 2^(127 - e), exactly: biased exponent 254 - e while normal. Past
-  // that (a scale of 2^127 or Inf, from an infinite abs-max) the reciprocal is 0.
-  const float recip = e <= 253u ? FloatOf((254u - e) << 23) : 0.0f;
   const float scale = e == 0 ? FloatOf(0x00400000u) : FloatOf(e << 23);
-  return RowScale{scale, recip};
+  return RowScale{scale, PowerOfTwoReciprocal(e)};
 }
 
 // Steps 5 and 6 with nearest-rounded scales, for a finite row; ub = f32(S(scale_ub)).

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "cpu_config.h"
+#include "cpu_quantize_weight.h"
 #include "ffi_decode.h"
 #include "handlers.h"
 #include "rms_norm_backward.h"
@@ -155,6 +156,19 @@ ffi::Error RoundImpl(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out, int64_t
   return ffi::Error::Success();
 }
 
+ffi::Error QuantizeWeightImpl(ffi::ThreadPool pool, ffi::AnyBuffer w,
+                              ffi::Result<ffi::AnyBuffer> codes, ffi::Result<ffi::AnyBuffer> scales,
+                              ffi::Result<ffi::AnyBuffer> global_scale, int64_t format,
+                              int64_t block, int64_t fp4_layout) {
+  QuantizeWeightArgs args;
+  ffi::Error status =
+      DecodeQuantizeWeight(w, codes, scales, global_scale, format, block, fp4_layout, &args);
+  if (status.failure()) return status;
+  if (QuantizeWeightCpu(args, PoolParallelFor(pool))) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                    "jax_fp8norm: out of host memory for a weight's scales");
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8CpuHandler, RmsNormFp8Impl,
@@ -172,5 +186,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormBackwardCpuHandler, AddRmsNormBackwardIm
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     RoundCpuHandler, RoundImpl,
     ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int64_t>("fp4_layout"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeWeightCpuHandler, QuantizeWeightImpl,
+                              QuantizeWeightBinding<ffi::ThreadPool>());
 
 }  // namespace fp8norm

@@ -15,10 +15,12 @@ NB_MODULE(_fp8norm_cpu, m) {
   m.def("registrations", []() {
     return fp8norm::Registrations({fp8norm::RmsNormFp8CpuHandler, fp8norm::AddRmsNormFp8CpuHandler,
                                    fp8norm::RoundCpuHandler, fp8norm::RmsNormBackwardCpuHandler,
-                                   fp8norm::AddRmsNormBackwardCpuHandler});
+                                   fp8norm::AddRmsNormBackwardCpuHandler,
+                                   fp8norm::QuantizeWeightCpuHandler});
   });
   m.def("cpu_kernel_variant", []() { return fp8norm::CpuKernelVariant(); });
   m.def("cpu_backward_rows_per_task", &fp8norm::CpuBackwardRowsPerTask, nanobind::arg("rows"),
         nanobind::arg("hidden"));
   fp8norm::AddFp4Layouts(m);
+  fp8norm::AddWeightFormats(m);
 }

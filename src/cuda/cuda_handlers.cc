@@ -179,6 +179,18 @@ ffi::Error RoundImpl(GpuTarget gpu, ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffe
                      [&](int) { return LaunchRound(gpu.stream, args); });
 }
 
+ffi::Error QuantizeWeightImpl(GpuTarget gpu, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> codes,
+                              ffi::Result<ffi::AnyBuffer> scales,
+                              ffi::Result<ffi::AnyBuffer> global_scale, int64_t format,
+                              int64_t block, int64_t fp4_layout) {
+  QuantizeWeightArgs args;
+  ffi::Error status =
+      DecodeQuantizeWeight(w, codes, scales, global_scale, format, block, fp4_layout, &args);
+  if (status.failure()) return status;
+  return RunOnDevice(gpu.device, "quantize_weight launch",
+                     [&](int) { return LaunchQuantizeWeight(gpu.stream, args); });
+}
+
 // What the all-reduce's attributes say about the call (AllReduceAttributes, checked): the
 // call site, every group's devices (group after group), the devices per group, the
 // method, and the rows and hidden size the workspaces are laid out for.
@@ -299,6 +311,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     ffi::Ffi::Bind().Ctx<CallGpu>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int64_t>(
         "fp4_layout"),
     {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeWeightCudaHandler, QuantizeWeightImpl,
+                              QuantizeWeightBinding<CallGpu>(),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceNormCudaHandler, AllReduceNormImpl,
                               ffi::Ffi::Bind()

@@ -49,6 +49,7 @@ inline void AddAllReduceConstants(nanobind::module_& m) {
 // Everything the two CUDA modules share.
 inline void AddCudaModuleBindings(nanobind::module_& m) {
   AddFp4Layouts(m);
+  AddWeightFormats(m);
   AddAllReduceConstants(m);
   AddKernelVariantControls(m);
 }

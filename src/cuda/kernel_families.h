@@ -8,6 +8,7 @@
 
 #include "columnwise.h"
 #include "cuda_launch_plan.h"
+#include "quantize_weight.h"
 #include "rms_norm_backward.h"
 #include "rms_norm_fp8.h"
 
@@ -28,6 +29,10 @@ cudaError_t LaunchRegisterRows(cudaStream_t stream, const RmsNormFp8Args& args,
 // round.cu.
 cudaError_t LoadRoundKernel();
 cudaError_t LaunchRound(cudaStream_t stream, const RoundArgs& args);
+
+// quantize_weight.cu: the weight's FP4 tiles, global scale first.
+cudaError_t LoadQuantizeWeightKernels();
+cudaError_t LaunchQuantizeWeight(cudaStream_t stream, const QuantizeWeightArgs& args);
 
 // backward.cu: the backward of both ops (args.residual == null for rms_norm_fp8).
 cudaError_t LoadBackwardKernels();

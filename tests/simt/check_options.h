@@ -21,4 +21,8 @@ struct Shard {
 };
 extern Shard shard;
 
+// The checks kernel_check.cc runs beside its own from files it declares no others of:
+// the weight quantiser's (quantize_weight_check.cc).
+int CheckQuantizeWeight(bool quick);
+
 }  // namespace fp8norm

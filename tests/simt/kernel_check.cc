@@ -473,9 +473,9 @@ int Main(bool quick, bool allreduce, bool rest) {
   }
   Coverage coverage;
   int failures = 0;
-  const std::function<int()> checks[] = {CheckEmulator, CheckRound,
-                                         [quick] { return CheckBackward(quick); },
-                                         [quick] { return CheckColumnwise(quick); }};
+  const std::function<int()> checks[] = {
+      CheckEmulator, CheckRound, [quick] { return CheckBackward(quick); },
+      [quick] { return CheckColumnwise(quick); }, [quick] { return CheckQuantizeWeight(quick); }};
   for (const auto& check : checks) {
     if (shard.Takes()) failures += check();
   }

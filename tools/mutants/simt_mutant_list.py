@@ -364,4 +364,35 @@ MUTANTS = [
         "PerRowScale(a) && (a.static_scale == nullptr || a.amax != nullptr);",
         "PerRowScale(a) && a.static_scale == nullptr;",
     ),
+    Mutant(
+        "weight tiles' codes: a tile's scale taken from the next tile along F",
+        "cuda/quantize_weight.cu",
+        "const int64_t tile = i / a.block * TileColumns(a) + j / a.block;",
+        "const int64_t tile = i / a.block * TileColumns(a) + (j / a.block + 1) % TileColumns(a);",
+    ),
+    Mutant(
+        "weight tiles' scales: a tile's scale stored at the tile below's place",
+        "cuda/quantize_weight.cu",
+        "StoreGlobal(a.scales + tile, WeightTileScaleCode(a.nvfp4, amax, gs));",
+        "StoreGlobal(a.scales + (tile + tile_columns) % tiles,"
+        " WeightTileScaleCode(a.nvfp4, amax, gs));",
+    ),
+    Mutant(
+        "weight tiles' scales: a partial tile's abs-max read past F, from the next row",
+        "cuda/quantize_weight.cu",
+        "      if (j < a.cols) {\n",
+        "      if (true) {\n",
+    ),
+    Mutant(
+        "FP8 weight columns: a column's scale stored at the next column's place",
+        "cuda/quantize_weight.cu",
+        "StoreGlobal(reinterpret_cast<float*>(a.scales) + j, s.scale);",
+        "StoreGlobal(reinterpret_cast<float*>(a.scales) + (j + 1) % a.cols, s.scale);",
+    ),
+    Mutant(
+        "FP8 weight blocks: a block's abs-max over one row fewer",
+        "cuda/quantize_weight.cu",
+        "    for (int64_t i = 0; i < a.block; ++i) {\n      amax = max(",
+        "    for (int64_t i = 0; i < a.block - 1; ++i) {\n      amax = max(",
+    ),
 ]
