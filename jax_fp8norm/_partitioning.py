@@ -36,6 +36,9 @@ def columnwise_row_axes(sharding, shape: tuple, params: dict):
     device's call makes its own rows' part of y_t and scales_t, the same bits as one call
     over all rows (each block depends on its own rows alone)."""
     rows = row_spec(sharding, len(shape))
+    # Per-column global scales take every row: each device's rows alone would give others.
+    if params.get("per_row_global_scale"):
+        return None
     if not rows or rows[0] is None or any(axis is not None for axis in rows[1:]):
         return None
     mesh = getattr(sharding, "mesh", None)
@@ -98,7 +101,9 @@ def _partitioned(kernel: Primitive, params: tuple, num_operands: int, columns: t
     # The rowwise results (y, scales[, residual_out][, inverse_rms][, amax]), then the
     # columnwise.
     names = result_names(kwargs, add=num_rows == 2)
-    num_results = len([name for name in names if name not in ("y_t", "scales_t")])
+    num_results = len(
+        [name for name in names if name not in ("y_t", "scales_t", "global_scales_t")]
+    )
     columnwise = kwargs["columnwise"]
 
     @custom_partitioning
@@ -118,6 +123,8 @@ def _partitioned(kernel: Primitive, params: tuple, num_operands: int, columns: t
         if columnwise:
             blocks = None if recipe.static else columns_axes
             outs += tuple(NamedSharding(mesh, P(None, axes)) for axes in (columns_axes, blocks))
+            if "global_scales_t" in names:
+                outs += (NamedSharding(mesh, P(None, None)),)
         return outs
 
     def partition(mesh, arg_shapes, result_shape):
@@ -161,13 +168,15 @@ def _partitioned(kernel: Primitive, params: tuple, num_operands: int, columns: t
             blocks = "blocks"
         else:
             blocks = names[0] if len(names) == 1 else f"({' '.join(names)})"
-        results += f", {row_dims} j" * (1 + int(kwargs["with_amax"]))
-        results += f", n {flat_rows}, n {blocks}"
+        per_row = int(kwargs["per_row_global_scale"])
+        results += f", {row_dims} j" * (1 + int(kwargs["with_amax"]) + per_row)
+        results += f", n {flat_rows}, n {blocks}" + (", n j" if per_row else "")
     else:
         rows = "... n, " * num_rows
         results = "... n, ... k" + (", ... n" if num_rows == 2 else "")
         results += ", ... j" if kwargs["with_inverse_rms"] else ""
         results += ", ... j" if kwargs["with_amax"] else ""
+        results += ", ... j" if kwargs["per_row_global_scale"] else ""
     shared = "n" + (", s" if num_shared == 2 else "")
     call.def_partition(
         partition,

@@ -214,7 +214,13 @@ def allreduce_residual_rms_norm_fp8(
     shaped = shaped_call((x, residual), gamma, keywords, reduction_axes=reduction_axes)
     call, (x, residual) = shaped.call, shaped.rows
     reduce = check_reduce_dtype(reduce_dtype, x.dtype)
-    if check_columnwise(columnwise, call.params, x.shape):
+    columnwise = check_columnwise(columnwise, call.params, x.shape)
+    if call.params.per_row_global_scale and check_method(method) not in ("auto", "xla"):
+        raise ValueError(
+            f"global_scale='per_row' sums the partials with method='xla' ('auto' takes it), "
+            f"got method={method!r}: the one-kernel methods exchange no per-row global scales"
+        )
+    if columnwise or call.params.per_row_global_scale:
         if check_method(method) not in ("auto", "xla"):
             raise ValueError(
                 f"columnwise=True sums the partials with method='xla' ('auto' takes it), "
@@ -222,7 +228,7 @@ def allreduce_residual_rms_norm_fp8(
                 "the one-kernel methods do not write"
             )
         h = xla_sum(x, check_axis_name(axis_name), None if reduce == jnp.dtype(x.dtype) else reduce)
-        outs = bind_norm(call, (h, residual), shaped.gamma, training=False, columnwise=True)
+        outs = bind_norm(call, (h, residual), shaped.gamma, training=False, columnwise=columnwise)
         return shaped.finish(outs).returned(training=False)
     results = allreduce_rms_norm_fp8_p.bind(
         *shaped.operands(),
@@ -272,6 +278,8 @@ def sharded_allreduce_residual_rms_norm_fp8(
         "static_scale": check_static_scale(kwargs.pop("static_scale", None)),
         "global_scale": check_global_scale(kwargs.pop("global_scale", None)),
     }
+    if isinstance(data["global_scale"], str):  # "per_row": a keyword, not an operand
+        kwargs["global_scale"] = data.pop("global_scale")
     data = {name: value for name, value in data.items() if value is not None}
     extra = tuple(data.values())
 
@@ -285,13 +293,16 @@ def sharded_allreduce_residual_rms_norm_fp8(
             local_partials[0], residual, weight, axis_name=axis_name, **kwargs
         )
 
+    columnwise = int(bool(kwargs.get("columnwise")))
+    per_row = int(isinstance(kwargs.get("global_scale"), str))
     stacked, replicated = NamedSharding(mesh, P(axis_name)), NamedSharding(mesh, P())
     fn = jax.shard_map(
         per_device,
         mesh=mesh,
         in_specs=(P(axis_name), P()) + (P(),) * (len(weights) + len(extra)),
-        # (y, scales, residual_out), then y_t and scales_t with columnwise
-        out_specs=(P(),) * (5 if kwargs.get("columnwise") else 3),
+        # (y, scales, residual_out), global_scales with global_scale="per_row", then y_t
+        # and scales_t (and global_scales_t) with columnwise
+        out_specs=(P(),) * (3 + 2 * columnwise + per_row * (1 + columnwise)),
     )
     return fn(
         _place(partials, stacked),
