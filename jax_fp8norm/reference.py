@@ -470,12 +470,7 @@ def add_rms_norm_fp8(
 def _in_callers_shapes(shaped, outs: tuple, columnwise: bool, amax: bool = False) -> tuple:
     """A public twin's outputs of the kernels' rows in the caller's shapes and placement
     (jax_fp8norm._shapes), by name as the op's."""
-    form = {
-        "with_inverse_rms": False,
-        "with_amax": amax,
-        "columnwise": bool(columnwise),
-        "per_row_global_scale": shaped.call.params.per_row_global_scale,
-    }
+    form = shaped.call.params.as_dict() | {"with_amax": amax, "columnwise": bool(columnwise)}
     named = named_outputs(outs, form, add=len(shaped.rows) == 2)
     return shaped.finish(named).returned(training=False)
 
