@@ -36,9 +36,6 @@ def columnwise_row_axes(sharding, shape: tuple, params: dict):
     device's call makes its own rows' part of y_t and scales_t, the same bits as one call
     over all rows (each block depends on its own rows alone)."""
     rows = row_spec(sharding, len(shape))
-    # Per-column global scales take every row: each device's rows alone would give others.
-    if params.get("per_row_global_scale"):
-        return None
     if not rows or rows[0] is None or any(axis is not None for axis in rows[1:]):
         return None
     mesh = getattr(sharding, "mesh", None)
@@ -65,7 +62,10 @@ def blocks_fit_devices(aval, num_devices, params: dict) -> bool:
     the rule runs). Such a call is lowered unpartitioned: XLA gathers its operands and runs
     it on all the rows, the bits of the unsharded call. The choice is made while lowering,
     before XLA picks the shardings, so a call whose rows would be whole blocks over the
-    part of the mesh that splits them is gathered too."""
+    part of the mesh that splits them is gathered too. Never with per-row global scales:
+    each column's takes every row, which one device's rows alone would not give."""
+    if params.get("per_row_global_scale"):
+        return False
     recipe = recipe_of(NormParams(**params))
     if recipe.static or recipe.block is None or not isinstance(num_devices, int):
         return True
@@ -101,9 +101,7 @@ def _partitioned(kernel: Primitive, params: tuple, num_operands: int, columns: t
     # The rowwise results (y, scales[, residual_out][, inverse_rms][, amax]), then the
     # columnwise.
     names = result_names(kwargs, add=num_rows == 2)
-    num_results = len(
-        [name for name in names if name not in ("y_t", "scales_t", "global_scales_t")]
-    )
+    num_results = len([name for name in names if name not in ("y_t", "scales_t")])
     columnwise = kwargs["columnwise"]
 
     @custom_partitioning
@@ -123,8 +121,6 @@ def _partitioned(kernel: Primitive, params: tuple, num_operands: int, columns: t
         if columnwise:
             blocks = None if recipe.static else columns_axes
             outs += tuple(NamedSharding(mesh, P(None, axes)) for axes in (columns_axes, blocks))
-            if "global_scales_t" in names:
-                outs += (NamedSharding(mesh, P(None, None)),)
         return outs
 
     def partition(mesh, arg_shapes, result_shape):
@@ -168,9 +164,8 @@ def _partitioned(kernel: Primitive, params: tuple, num_operands: int, columns: t
             blocks = "blocks"
         else:
             blocks = names[0] if len(names) == 1 else f"({' '.join(names)})"
-        per_row = int(kwargs["per_row_global_scale"])
-        results += f", {row_dims} j" * (1 + int(kwargs["with_amax"]) + per_row)
-        results += f", n {flat_rows}, n {blocks}" + (", n j" if per_row else "")
+        results += f", {row_dims} j" * (1 + int(kwargs["with_amax"]))
+        results += f", n {flat_rows}, n {blocks}"
     else:
         rows = "... n, " * num_rows
         results = "... n, ... k" + (", ... n" if num_rows == 2 else "")
