@@ -310,7 +310,7 @@ def check_global_scale(global_scale: Any) -> jax.Array | str | None:
     array (concrete or traced) of shape () or (1,); or the string ``"per_row"`` as it is."""
     if isinstance(global_scale, str):
         if global_scale != PER_ROW:
-            raise ValueError(
+            raise TypeError(
                 f"global_scale must be a float, a float32 array or {PER_ROW!r}, got "
                 f"{global_scale!r}"
             )

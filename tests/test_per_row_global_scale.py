@@ -248,7 +248,7 @@ def test_bad_input():
         for kw in ({"recipe": "mxfp4"}, {}, {"recipe": "fp8_group128"}):
             with pytest.raises(ValueError, match="global_scale='per_row' is NVFP4's"):
                 op(x, gamma, global_scale="per_row", **kw)
-        with pytest.raises(ValueError, match="global_scale must be a float, a float32 array"):
+        with pytest.raises(TypeError, match="global_scale must be a float, a float32 array"):
             op(x, gamma, recipe="nvfp4", global_scale="per_tensor")
     mesh = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",))
     with pytest.raises(ValueError, match="global_scale='per_row' sums the partials"):
@@ -261,3 +261,34 @@ def test_bad_input():
             method="one_shot",
             **PER_ROW,
         )
+
+
+@pytest.mark.parametrize("handler", ["cpu", "simt"])
+def test_handler_refusals(handler):
+    # Calls that bypass the Python checks: the handler refuses per-row global scales beside
+    # a global scale operand, with MXFP4 or FP8, and without their result (or with one of
+    # the wrong dtype).
+    from cases import ffi_call, handler_target
+
+    target = handler_target(handler, "rms_norm_fp8")
+    x, gamma = jnp.ones((4, 32), jnp.bfloat16), jnp.ones((32,), jnp.float32)
+    f4, e4m3, e8m0 = jnp.float4_e2m1fn, jnp.float8_e4m3fn, jnp.float8_e8m0fnu
+    sds = jax.ShapeDtypeStruct
+    rows = [sds((4, 32), f4), sds((4, 2), e4m3)]
+    gs = sds((4, 1), jnp.float32)
+    kw = dict(group_size=16, per_row_global_scale=True)
+    with jax.default_device(jax.devices("cpu")[0]):
+        good = ffi_call(target, (*rows, gs), x, gamma, **kw)
+        twin = fp8norm.reference.rms_norm_fp8(x, gamma, **PER_ROW)
+        assert_same_bits([np.asarray(o) for o in good], [np.asarray(o) for o in twin])
+        one = jnp.ones((1,), jnp.float32)
+        mxfp4 = [sds((4, 32), f4), sds((4, 1), e8m0)]
+        for outs, args, extra, message in [
+            ((*rows, gs), (x, gamma, one), {}, "takes no global_scale operand"),
+            ((*mxfp4, gs), (x, gamma), {"power_of_two_scales": True, "group_size": 32},
+             "per_row_global_scale is NVFP4's"),
+            (rows, (x, gamma), {}, r"per_row_global_scale=1.*the form has 1 results"),
+            ((*rows, sds((4, 1), jnp.bfloat16)), (x, gamma), {}, "global_scales must be float32"),
+        ]:  # fmt: skip
+            with pytest.raises(Exception, match=message):
+                jax.block_until_ready(ffi_call(target, outs, *args, **{**kw, **extra}))

@@ -124,6 +124,9 @@ struct Coverage {
   void Add(const std::string& path) { paths[path] += 1; }
 };
 
+// NVFP4 with per-row global scales against the CPU kernel (per_row_check.cc).
+int CheckPerRowGlobalScales(bool quick);
+
 inline void UseDevice(const Limits& limits) {
   simt::DeviceLimits device;
   device.shared_per_block = limits.shared_per_block;

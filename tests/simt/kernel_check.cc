@@ -4,13 +4,12 @@
 // the launch is told the same sizes, so one element past the end is an error of the
 // emulation and of AddressSanitizer.
 //
-// Built plain, with AddressSanitizer + UndefinedBehaviorSanitizer, and with
-// ThreadSanitizer by tools/checks/simt_check.sh; with planted bugs by
-// tools/mutants/simt_mutants.py. Checks the emulator's own promises first (emulator_check.cc);
-// the training kernels' checks are training_check.cc's.
-// Prints one line per failure and a summary of the launch paths reached; exits non-zero on any
-// mismatch, launch error or path of the list below not reached. Checks 64-bit indexing
-// (index_check.cc) in the full run.
+// Built plain, with AddressSanitizer + UndefinedBehaviorSanitizer, and with ThreadSanitizer by
+// tools/checks/simt_check.sh; with planted bugs by tools/mutants/simt_mutants.py. Checks the
+// emulator's own promises first (emulator_check.cc); the training kernels' checks are
+// training_check.cc's, per-row global scales' per_row_check.cc's. Prints one line per failure
+// and a summary of the launch paths reached; exits non-zero on any mismatch, launch error or path
+// of the list below not reached. Checks 64-bit indexing (index_check.cc) in the full run.
 //
 //   kernel_check [--quick] [--only-allreduce | --no-allreduce] [--name-cases] [--stop-at-failure]
 //                [--shard K/N]
@@ -475,7 +474,8 @@ int Main(bool quick, bool allreduce, bool rest) {
   int failures = 0;
   const std::function<int()> checks[] = {CheckEmulator, CheckRound,
                                          [quick] { return CheckBackward(quick); },
-                                         [quick] { return CheckColumnwise(quick); }};
+                                         [quick] { return CheckColumnwise(quick); },
+                                         [quick] { return CheckPerRowGlobalScales(quick); }};
   for (const auto& check : checks) {
     if (shard.Takes()) failures += check();
   }
