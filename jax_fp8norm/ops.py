@@ -108,7 +108,9 @@ def rms_norm_fp8(
       ``f32(y) * repeat(f32(scales), N // scales.shape[-1], axis=-1)`` dequantises
       (times ``global_scale`` for NVFP4: :func:`jax_fp8norm.dequantize`). With
       ``columnwise``: ``(y, scales, y_t, scales_t)``; ``amax`` after ``scales`` with
-      ``return_amax``.
+      ``return_amax``. With ``global_scale="per_row"``: each row's global scale,
+      ``global_scales`` float32 ``[..., 1]``, after ``scales``, and with ``columnwise``
+      each column's, ``global_scales_t`` ``[N, 1]``, after ``scales_t``.
     """
     _, outs = checked_norm(
         (x,),
@@ -148,7 +150,8 @@ def add_rms_norm_fp8(
       computed from the unrounded float32 ``h``; ``residual_out`` is ``h`` rounded to
       ``x.dtype`` (the next layer's residual). With ``columnwise``:
       ``(y, scales, residual_out, y_t, scales_t)``; ``amax`` after ``residual_out`` with
-      ``return_amax``.
+      ``return_amax``; ``global_scales`` (and ``global_scales_t``) as for
+      :func:`rms_norm_fp8`, after ``residual_out``.
     """
     _, outs = checked_norm(
         (x, residual),
@@ -209,7 +212,9 @@ def allreduce_residual_rms_norm_fp8(
 
     Returns:
       ``(y, scales, residual_out)`` as for :func:`add_rms_norm_fp8`; ``residual_out``
-      has the residual's dtype. With ``columnwise``: then ``y_t, scales_t``.
+      has the residual's dtype. With ``columnwise``: then ``y_t, scales_t``. With
+      ``global_scale="per_row"`` (which sums with ``"xla"``), ``global_scales`` after
+      ``residual_out`` (and ``global_scales_t`` after ``scales_t``).
     """
     shaped = shaped_call((x, residual), gamma, keywords, reduction_axes=reduction_axes)
     call, (x, residual) = shaped.call, shaped.rows
