@@ -165,6 +165,13 @@ def test_edge_rows(platform):
         platform, "rms_norm_fp8", x, np.full((hidden,), at_floor, np.float32), eps=0.0, **PER_ROW
     )
     assert (scales[0].astype(np.float32) == 448.0).all()
+    # A finite row whose n overflows (a huge gamma): NaN as a row that is not finite.
+    x = np.zeros((2, hidden), np.float32)
+    x[:, 0] = 8.0  # r = 1 with eps=0, so n_0 = 8 * gamma_0 = +Inf
+    (y, scales, gs), _ = check(
+        platform, "rms_norm_fp8", x, np.full((hidden,), 3e38, np.float32), eps=0.0, **PER_ROW
+    )
+    assert np.isnan(gs).all() and (scales.view(np.uint8) == 0x7F).all() and not y.any()
 
 
 def test_columnwise_nan_row_makes_every_columns_global_scale_nan(platform):
