@@ -135,11 +135,13 @@ def make_params(
     power_of_two_scales: Any = False,
     has_static_scale: bool = False,
     has_global_scale: bool = False,
+    per_row_global_scale: bool = False,
     hidden: int | None = None,
 ) -> NormParams:
     """Checks the static arguments and rounds the constants as the spec says.
     ``has_static_scale`` / ``has_global_scale`` say whether a calibrated scale / a global
-    scale was given; ``hidden`` (N) is what ``group_size`` must divide."""
+    scale was given, ``per_row_global_scale`` whether it is ``"per_row"``; ``hidden`` (N)
+    is what ``group_size`` must divide."""
     x_dtype = np.dtype(x_dtype)
     out = _as_dtype(out_dtype, "out_dtype", OUT_DTYPES, _OUT_NAMES)
     scale = _as_dtype(scale_dtype, "scale_dtype", SCALE_DTYPES, _SCALE_NAMES)
@@ -156,9 +158,10 @@ def make_params(
     group = _check_group_size(group_size, hidden)
     _check_fp4(out, scale, group, scale_ub, power_of_two_scales, has_static_scale)
     nvfp4 = out == FP4 and scale == E4M3
-    if has_global_scale and not nvfp4:
+    if (has_global_scale or per_row_global_scale) and not nvfp4:
+        given = "global_scale='per_row'" if per_row_global_scale else "global_scale"
         raise ValueError(
-            "global_scale is NVFP4's (out_dtype=float4_e2m1fn, scale_dtype=float8_e4m3fn); "
+            f"{given} is NVFP4's (out_dtype=float4_e2m1fn, scale_dtype=float8_e4m3fn); "
             f"got out_dtype={out}, scale_dtype={scale}"
         )
     if has_static_scale:
@@ -210,7 +213,8 @@ def make_params(
         group_size=group,
         power_of_two_scales=power_of_two,
         has_static_scale=bool(has_static_scale),
-        has_global_scale=nvfp4,
+        has_global_scale=nvfp4 and not per_row_global_scale,
+        per_row_global_scale=bool(per_row_global_scale),
     )
 
 
@@ -297,9 +301,20 @@ def check_static_scale(static_scale: Any) -> jax.Array | None:
     return check_scale_operand(static_scale, "static_scale", float32_only=False)
 
 
-def check_global_scale(global_scale: Any) -> jax.Array | None:
+# global_scale's one string value: each row's own NVFP4 global scale, computed by the op.
+PER_ROW = "per_row"
+
+
+def check_global_scale(global_scale: Any) -> jax.Array | str | None:
     """NVFP4's global scale as a float32 ``(1,)`` array: from a Python float, or a float32
-    array (concrete or traced) of shape () or (1,)."""
+    array (concrete or traced) of shape () or (1,); or the string ``"per_row"`` as it is."""
+    if isinstance(global_scale, str):
+        if global_scale != PER_ROW:
+            raise TypeError(
+                f"global_scale must be a float, a float32 array or {PER_ROW!r}, got "
+                f"{global_scale!r}"
+            )
+        return PER_ROW
     return check_scale_operand(global_scale, "global_scale", float32_only=True)
 
 
@@ -313,11 +328,13 @@ def validate(x: Any, gamma: Any, residual: Any = None, **keywords: Any) -> NormC
     check_arrays(x, gamma, residual)
     static_scale = check_static_scale(given.pop("static_scale"))
     global_scale = check_global_scale(given.pop("global_scale"))
+    per_row = isinstance(global_scale, str)
     params = make_params(
         x.dtype,
         **given,
         has_static_scale=static_scale is not None,
-        has_global_scale=global_scale is not None,
+        has_global_scale=global_scale is not None and not per_row,
+        per_row_global_scale=per_row,
         hidden=int(x.shape[-1]),
     )
     if params.has_global_scale:

@@ -59,6 +59,30 @@ def power_of_two(a: jax.Array, out_max: float, *, e8m0: bool) -> tuple[jax.Array
     return exponent, recip
 
 
+# The per-row (or per-column) NVFP4 global scale maps a row's amax onto the top of the
+# format's range, 448 * 6: the largest e4m3 block scale times the largest e2m1 code.
+PER_ROW_GLOBAL_DIVISOR = 448.0 * FP4_MAX
+# Its floor, the smallest normal float32: a global scale must be a positive normal number.
+PER_ROW_GLOBAL_FLOOR = 2.0**-126
+
+
+def abs_max(v: jax.Array, axis: int) -> jax.Array:
+    """max |v| along ``axis`` (kept, of size 1), on the magnitudes' bits, which order as the
+    floats do (every NaN above +inf): no float comparison flushes or drops a NaN."""
+    magnitudes = as_bits(v) & jnp.uint32(0x7FFFFFFF)
+    return from_bits(jnp.max(magnitudes, axis=axis, keepdims=True, initial=jnp.uint32(0)))
+
+
+def per_row_global_scale(amax: jax.Array, finite: jax.Array) -> jax.Array:
+    """NVFP4's per-row global scale of rows with abs-max ``amax`` (float32): ``max(amax /
+    2688, 2^-126)`` by a float32 division; the one quiet NaN where ``finite`` is false (a
+    row that is not finite) or ``amax`` is not finite. A quotient below the floor (a
+    subnormal one, which may be flushed, included) takes the floor."""
+    gs = divide(amax, PER_ROW_GLOBAL_DIVISOR)
+    gs = jnp.where(as_bits(gs) < jnp.uint32(0x00800000), jnp.float32(PER_ROW_GLOBAL_FLOOR), gs)
+    return jnp.where(finite & jnp.isfinite(amax), gs, jnp.float32(np.nan))
+
+
 def fp4_groups(
     grouped: jax.Array,
     row_finite: jax.Array,
@@ -72,14 +96,19 @@ def fp4_groups(
     e2m1(clip(n * (1 / scale), -6, 6)). A group that is not finite (in a row that is not,
     or holding NaN or Inf), or NVFP4 under a global scale that is not a positive normal
     float32, gets a NaN scale and zero codes; a zero NVFP4 scale gives zero codes. NVFP4
-    values that overflow when divided by gs take the formula (scale 448, codes +-6). The
-    codes are rounded to nearest, or stochastically with ``bits`` (uint32 of ``grouped``'s
-    shape: jax_fp8norm._fp4_parts.round_fp4)."""
+    values that overflow when divided by gs take the formula (scale 448, codes +-6).
+    ``global_scale``: the one operand (shape (1,)), or with per-row global scales one per
+    leading index, ``[..., 1]`` (``grouped.shape[:-2] + (1,)``). The codes are rounded to
+    nearest, or stochastically with ``bits`` (uint32 of ``grouped``'s shape:
+    jax_fp8norm._fp4_parts.round_fp4)."""
     if p.nvfp4 and global_scale is None:
         raise ValueError("NVFP4 (float8_e4m3fn scales) needs its global_scale operand")
     f32 = jnp.float32
     if p.nvfp4:
-        gs = global_scale.astype(f32).reshape(())
+        if p.per_row_global_scale:
+            gs = global_scale.astype(f32).reshape(grouped.shape[:-2] + (1, 1))
+        else:
+            gs = global_scale.astype(f32).reshape(())
         gs_bits = as_bits(gs)
         gs_valid = (gs_bits >= 0x00800000) & (gs_bits < 0x7F800000)
         # The barrier keeps XLA from folding (n / gs) / scale into n / (gs * scale).
@@ -87,7 +116,7 @@ def fp4_groups(
         # Read from every element: XLA's max reductions need not carry a NaN through.
         holds_non_finite = ~jnp.all(jnp.isfinite(grouped), axis=-1)
         amax = jnp.max(jnp.abs(t), axis=-1, initial=f32(0))  # [..., groups]
-        finite = row_finite & gs_valid & ~holds_non_finite
+        finite = row_finite & (gs_valid[..., 0] if gs.ndim else gs_valid) & ~holds_non_finite
         # The barrier keeps XLA from dropping the round trip through e4m3 (as jax.nn's
         # quantiser does too).
         scale = jax.lax.optimization_barrier(

@@ -45,7 +45,8 @@ def _error(what: str) -> str:
 class QuantizedOutput(tuple):
     """What a norm module made with ``quantized_output=True`` returns: a named tuple of the
     op's outputs (``y``, ``scales``, and ``residual_out`` with a residual), in the op's
-    order, so that ``y, scales = norm(x)`` unpacks as the op's tuple does. Used as an
+    order (then ``global_scales`` with ``global_scale="per_row"``), so that it unpacks as
+    the op's tuple does. Used as an
     array (``jnp`` functions, ``.shape``, ``.astype``, arithmetic, indexing by anything
     but an int or a slice) it raises an error naming ``quantized_output``: a tuple of
     codes reaching the next layer by mistake would otherwise fail there naming nothing,
@@ -96,9 +97,11 @@ def _quantized_type(fields: tuple[str, ...]) -> type:
 
 
 def quantized_output(outputs: tuple, residual: bool) -> QuantizedOutput:
-    """An op's ``(y, scales)`` (``(y, scales, residual_out)`` with a residual) as the
-    QuantizedOutput of its fields."""
+    """An op's ``(y, scales)`` (``(y, scales, residual_out)`` with a residual, then
+    ``global_scales`` with ``global_scale="per_row"``) as the QuantizedOutput of its
+    fields."""
     fields = ("y", "scales", "residual_out") if residual else ("y", "scales")
+    fields += ("global_scales",) if len(outputs) > len(fields) else ()
     return _quantized_type(fields)(*outputs)
 
 

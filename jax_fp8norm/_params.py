@@ -41,6 +41,10 @@ class NormParams:
     # Each row's amax (float32 [..., 1], SPEC step 4 before any clip) beside a static
     # scale, for delayed scaling: after r, before the columnwise outputs.
     with_amax: bool = False
+    # NVFP4's global scale per row (global_scale="per_row"): no operand; each row's gs is
+    # computed from its own amax and returned after amax (and, columnwise, each column's
+    # after scales_t).
+    per_row_global_scale: bool = False
 
     @property
     def out_max(self) -> float:
@@ -116,7 +120,10 @@ NORM_KEYWORDS: dict[str, tuple[Any, str]] = {
         "NVFP4's global decode scale (a float, or a float32 array of shape () or (1,), "
         "possibly traced; None means 1.0): each group is quantised from ``n / global_scale`` "
         "and dequantises as ``f32(y) * f32(scale) * global_scale``. NVFP4 only. Not finite "
-        "and positive: every scale is NaN.",
+        'and positive: every scale is NaN. ``"per_row"``: each row\'s own global scale, '
+        "``max(amax_row / 2688, 2^-126)``, returned as ``global_scales`` (float32 "
+        "``[..., 1]``) after ``scales`` (and ``residual_out``); with ``columnwise`` each "
+        "column's, ``global_scales_t`` ``[N, 1]``, after ``scales_t``.",
     ),
 }
 
@@ -133,7 +140,7 @@ class NormKeywords(TypedDict, total=False):
     group_size: int | None
     power_of_two_scales: bool
     static_scale: float | jax.Array | None
-    global_scale: float | jax.Array | None
+    global_scale: float | jax.Array | str | None
 
 
 class AllReduceKeywords(NormKeywords, total=False):
@@ -182,16 +189,20 @@ def num_row_operands(num_operands: int, scale_operand: bool) -> int:
 class NormOutputs(NamedTuple):
     """A norm call's results by name, None where its form has none: ``residual_out`` with
     the residual add, ``inverse_rms`` (each row's r) in the training form, ``amax`` (each
-    row's abs-max) beside a static scale when asked, ``y_t`` and ``scales_t`` in the
-    columnwise form (docs/spec.md, "Columnwise outputs")."""
+    row's abs-max) beside a static scale when asked, ``global_scales`` (each row's NVFP4
+    global scale) with ``global_scale="per_row"``, ``y_t`` and ``scales_t`` in the
+    columnwise form (docs/spec.md, "Columnwise outputs"), and ``global_scales_t`` (each
+    column's) in the columnwise form with ``global_scale="per_row"``."""
 
     y: jax.Array
     scales: jax.Array
     residual_out: jax.Array | None = None
     inverse_rms: jax.Array | None = None
     amax: jax.Array | None = None
+    global_scales: jax.Array | None = None
     y_t: jax.Array | None = None
     scales_t: jax.Array | None = None
+    global_scales_t: jax.Array | None = None
 
     def returned(self, *, training: bool) -> tuple[jax.Array, ...]:
         """What an op returns: its outputs in this order, ``inverse_rms`` only from a
@@ -209,7 +220,11 @@ def result_names(params: dict, add: bool) -> tuple[str, ...]:
     names = ("y", "scales") + (("residual_out",) if add else ())
     names += ("inverse_rms",) if params["with_inverse_rms"] else ()
     names += ("amax",) if params["with_amax"] else ()
-    return names + (("y_t", "scales_t") if params["columnwise"] else ())
+    per_row = params.get("per_row_global_scale", False)
+    names += ("global_scales",) if per_row else ()
+    if params["columnwise"]:
+        names += ("y_t", "scales_t") + (("global_scales_t",) if per_row else ())
+    return names
 
 
 def named_outputs(results, params: dict, add: bool) -> NormOutputs:
@@ -219,7 +234,8 @@ def named_outputs(results, params: dict, add: bool) -> NormOutputs:
 
 def global_scale_operand(params: NormParams, static: tuple):
     """NVFP4's global scale, the operand after gamma (``static``: the operands after
-    gamma), 1.0 when the call gives none; None for every other format."""
-    if not params.nvfp4:
+    gamma), 1.0 when the call gives none; None for every other format and for per-row
+    global scales (an output, not an operand)."""
+    if not params.nvfp4 or params.per_row_global_scale:
         return None
     return static[0] if params.has_global_scale else jnp.float32(1.0)

@@ -62,7 +62,10 @@ def blocks_fit_devices(aval, num_devices, params: dict) -> bool:
     the rule runs). Such a call is lowered unpartitioned: XLA gathers its operands and runs
     it on all the rows, the bits of the unsharded call. The choice is made while lowering,
     before XLA picks the shardings, so a call whose rows would be whole blocks over the
-    part of the mesh that splits them is gathered too."""
+    part of the mesh that splits them is gathered too. Never with per-row global scales:
+    each column's takes every row, which one device's rows alone would not give."""
+    if params.get("per_row_global_scale"):
+        return False
     recipe = recipe_of(NormParams(**params))
     if recipe.static or recipe.block is None or not isinstance(num_devices, int):
         return True
@@ -168,6 +171,7 @@ def _partitioned(kernel: Primitive, params: tuple, num_operands: int, columns: t
         results = "... n, ... k" + (", ... n" if num_rows == 2 else "")
         results += ", ... j" if kwargs["with_inverse_rms"] else ""
         results += ", ... j" if kwargs["with_amax"] else ""
+        results += ", ... j" if kwargs["per_row_global_scale"] else ""
     shared = "n" + (", s" if num_shared == 2 else "")
     call.def_partition(
         partition,

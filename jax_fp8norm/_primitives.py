@@ -19,6 +19,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jax_fp8norm import _allreduce, _fallback, _ffi, reference
+from jax_fp8norm._groups import PER_ROW_GLOBAL_FLOOR
 from jax_fp8norm._lowering import (
     batch_size,
     eager_impl,
@@ -73,6 +74,7 @@ def norm_attributes(params: dict, platform: str) -> dict:
         with_inverse_rms=bool(params["with_inverse_rms"]),
         columnwise=bool(params["columnwise"]),
         with_amax=bool(params["with_amax"]),
+        per_row_global_scale=bool(params["per_row_global_scale"]),
     )
 
 
@@ -126,6 +128,10 @@ def _lower_empty_rows(ctx, args, params: dict):
         if "inverse_rms" in avals:
             empty = reference.inverse_rms(jnp.zeros((1, 0), jnp.float32), params["eps"])
             outs["inverse_rms"] = jnp.broadcast_to(empty.reshape(()), avals["inverse_rms"].shape)
+        if "global_scales" in avals:
+            # A row of no elements has amax 0: the floor.
+            floor = jnp.float32(PER_ROW_GLOBAL_FLOOR)
+            outs["global_scales"] = jnp.broadcast_to(floor, avals["global_scales"].shape)
         return list(outs.values())
 
     return mlir.lower_fun(outputs, multiple_results=True)(ctx, *args)
@@ -150,9 +156,11 @@ def _twin(*operands, **params):
         outs["inverse_rms"] = reference.inverse_rms(h, p.eps)
     if p.with_amax:
         outs["amax"] = reference.row_amax(h, gamma, p)
+    if p.per_row_global_scale:
+        outs["global_scales"] = reference.row_global_scales(h, gamma, p)
     if p.columnwise:
         columns = reference.quantize_columns(h, gamma, outs["inverse_rms"], p, scale_operand)
-        outs["y_t"], outs["scales_t"] = columns
+        outs.update(zip(("y_t", "scales_t", "global_scales_t"), columns, strict=False))
     return [outs[name] for name in result_names(params, num_rows == 2)]
 
 
@@ -229,11 +237,12 @@ def _norm_abstract_eval(*avals, reduced_axes: tuple = (), **params):
         "residual_out": x.update(shape=x.shape, dtype=avals[1].dtype, **types),
         "inverse_rms": x.update(shape=x.shape[:-1] + (1,), dtype=np.dtype(np.float32), **types),
         "amax": x.update(shape=x.shape[:-1] + (1,), dtype=np.dtype(np.float32), **types),
+        "global_scales": x.update(shape=x.shape[:-1] + (1,), dtype=np.dtype(np.float32), **types),
     }
     if params["columnwise"]:
         # [N, rows] and [N, blocks]: the last axis sharded as _partitioned makes it (where
         # x's first row dimension alone is sharded by whole blocks), else replicated.
-        y_t_types = scales_t_types = types
+        y_t_types = scales_t_types = replicated_types = types
         if "sharding" in types and getattr(x.sharding, "spec", None) is not None:
             axes = columnwise_row_axes(x.sharding, x.shape, params)
 
@@ -246,6 +255,7 @@ def _norm_abstract_eval(*avals, reduced_axes: tuple = (), **params):
             y_t_types = last_axis(axes)
             # A static scale's scales_t [N, 1] is replicated.
             scales_t_types = last_axis(None if recipe.static else axes)
+            replicated_types = last_axis(None)
         rows = int(np.prod(x.shape[:-1], dtype=np.int64))
         y_t_shape = (x.shape[-1], rows)
         outs["y_t"] = x.update(shape=y_t_shape, dtype=np.dtype(params["out_dtype"]), **y_t_types)
@@ -253,6 +263,10 @@ def _norm_abstract_eval(*avals, reduced_axes: tuple = (), **params):
             shape=recipe.columnwise_scales_shape(x.shape),
             dtype=np.dtype(params["scale_dtype"]),
             **scales_t_types,
+        )
+        # Each column's global scale, from every row: replicated.
+        outs["global_scales_t"] = x.update(
+            shape=(x.shape[-1], 1), dtype=np.dtype(np.float32), **replicated_types
         )
     add = num_row_operands(len(avals), scale_operand) == 2
     return [outs[name] for name in result_names(params, add)]

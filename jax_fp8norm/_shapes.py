@@ -30,7 +30,7 @@ from jax_fp8norm._params import NormCall, NormOutputs, as_operand
 # The outputs of x's shape; the columnwise ones ([N, rows], [N, blocks]) keep theirs and
 # their placement; every other output is one or more values per row, [..., k].
 _X_SHAPED = ("y", "residual_out")
-_COLUMNWISE = ("y_t", "scales_t")
+_COLUMNWISE = ("y_t", "scales_t", "global_scales_t")
 
 
 def check_axes(value: Any, name: str) -> tuple[int, ...]:

@@ -48,7 +48,9 @@ class _Dequantize:
     columnwise: ClassVar[bool] = False
 
     def apply(self, outs: NormOutputs, operands: tuple, static: tuple) -> tuple:
-        value = dequantize(outs.y, outs.scales, global_scale_operand(self.params, static))
+        gs = outs.global_scales  # each row's, with global_scale="per_row"
+        gs = global_scale_operand(self.params, static) if gs is None else gs
+        value = dequantize(outs.y, outs.scales, gs)
         return value.astype(self.dtype), ()
 
     def check_training(self, x_shape: tuple, operands: tuple) -> None:

@@ -80,7 +80,7 @@ class RMSNormFP8(eqx.Module):
     # that eqx.filter(model, eqx.is_inexact_array) leaves them out of an optimiser's
     # parameters (adamw's weight decay would shrink an array leaf every step).
     static_scale: float | None = eqx.field(static=True)
-    global_scale: float | None = eqx.field(static=True)
+    global_scale: float | str | None = eqx.field(static=True)
     weight: jax.Array | None
     bias: jax.Array | None
 
@@ -125,7 +125,9 @@ class RMSNormFP8(eqx.Module):
         self.weight = jnp.ones(shape, dtype) if use_weight else None
         self.bias = jnp.zeros(shape, dtype) if use_bias else None
         for name, value in scales.items():
-            setattr(self, name, None if value is None else float(value[0]))
+            # A scale as a float; global_scale="per_row" as its string.
+            kept = value if value is None or isinstance(value, str) else float(value[0])
+            setattr(self, name, kept)
         keywords.pop("eps")
         self.keywords = tuple(sorted(keywords.items()))
 

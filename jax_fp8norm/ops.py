@@ -108,7 +108,9 @@ def rms_norm_fp8(
       ``f32(y) * repeat(f32(scales), N // scales.shape[-1], axis=-1)`` dequantises
       (times ``global_scale`` for NVFP4: :func:`jax_fp8norm.dequantize`). With
       ``columnwise``: ``(y, scales, y_t, scales_t)``; ``amax`` after ``scales`` with
-      ``return_amax``.
+      ``return_amax``. With ``global_scale="per_row"``: each row's global scale,
+      ``global_scales`` float32 ``[..., 1]``, after ``scales``, and with ``columnwise``
+      each column's, ``global_scales_t`` ``[N, 1]``, after ``scales_t``.
     """
     _, outs = checked_norm(
         (x,),
@@ -148,7 +150,8 @@ def add_rms_norm_fp8(
       computed from the unrounded float32 ``h``; ``residual_out`` is ``h`` rounded to
       ``x.dtype`` (the next layer's residual). With ``columnwise``:
       ``(y, scales, residual_out, y_t, scales_t)``; ``amax`` after ``residual_out`` with
-      ``return_amax``.
+      ``return_amax``; ``global_scales`` (and ``global_scales_t``) as for
+      :func:`rms_norm_fp8`, after ``residual_out``.
     """
     _, outs = checked_norm(
         (x, residual),
@@ -209,12 +212,20 @@ def allreduce_residual_rms_norm_fp8(
 
     Returns:
       ``(y, scales, residual_out)`` as for :func:`add_rms_norm_fp8`; ``residual_out``
-      has the residual's dtype. With ``columnwise``: then ``y_t, scales_t``.
+      has the residual's dtype. With ``columnwise``: then ``y_t, scales_t``. With
+      ``global_scale="per_row"`` (which sums with ``"xla"``), ``global_scales`` after
+      ``residual_out`` (and ``global_scales_t`` after ``scales_t``).
     """
     shaped = shaped_call((x, residual), gamma, keywords, reduction_axes=reduction_axes)
     call, (x, residual) = shaped.call, shaped.rows
     reduce = check_reduce_dtype(reduce_dtype, x.dtype)
-    if check_columnwise(columnwise, call.params, x.shape):
+    columnwise = check_columnwise(columnwise, call.params, x.shape)
+    if call.params.per_row_global_scale and check_method(method) not in ("auto", "xla"):
+        raise ValueError(
+            f"global_scale='per_row' sums the partials with method='xla' ('auto' takes it), "
+            f"got method={method!r}: the one-kernel methods exchange no per-row global scales"
+        )
+    if columnwise or call.params.per_row_global_scale:
         if check_method(method) not in ("auto", "xla"):
             raise ValueError(
                 f"columnwise=True sums the partials with method='xla' ('auto' takes it), "
@@ -222,7 +233,7 @@ def allreduce_residual_rms_norm_fp8(
                 "the one-kernel methods do not write"
             )
         h = xla_sum(x, check_axis_name(axis_name), None if reduce == jnp.dtype(x.dtype) else reduce)
-        outs = bind_norm(call, (h, residual), shaped.gamma, training=False, columnwise=True)
+        outs = bind_norm(call, (h, residual), shaped.gamma, training=False, columnwise=columnwise)
         return shaped.finish(outs).returned(training=False)
     results = allreduce_rms_norm_fp8_p.bind(
         *shaped.operands(),
@@ -272,6 +283,8 @@ def sharded_allreduce_residual_rms_norm_fp8(
         "static_scale": check_static_scale(kwargs.pop("static_scale", None)),
         "global_scale": check_global_scale(kwargs.pop("global_scale", None)),
     }
+    if isinstance(data["global_scale"], str):  # "per_row": a keyword, not an operand
+        kwargs["global_scale"] = data.pop("global_scale")
     data = {name: value for name, value in data.items() if value is not None}
     extra = tuple(data.values())
 
@@ -285,13 +298,16 @@ def sharded_allreduce_residual_rms_norm_fp8(
             local_partials[0], residual, weight, axis_name=axis_name, **kwargs
         )
 
+    columnwise = int(bool(kwargs.get("columnwise")))
+    per_row = int(isinstance(kwargs.get("global_scale"), str))
     stacked, replicated = NamedSharding(mesh, P(axis_name)), NamedSharding(mesh, P())
     fn = jax.shard_map(
         per_device,
         mesh=mesh,
         in_specs=(P(axis_name), P()) + (P(),) * (len(weights) + len(extra)),
-        # (y, scales, residual_out), then y_t and scales_t with columnwise
-        out_specs=(P(),) * (5 if kwargs.get("columnwise") else 3),
+        # (y, scales, residual_out), global_scales with global_scale="per_row", then y_t
+        # and scales_t (and global_scales_t) with columnwise
+        out_specs=(P(),) * (3 + 2 * columnwise + per_row * (1 + columnwise)),
     )
     return fn(
         _place(partials, stacked),

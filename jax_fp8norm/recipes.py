@@ -327,7 +327,8 @@ def dequantize(
     y: jax.Array, scales: jax.Array, global_scale: jax.Array | float | None = None
 ) -> jax.Array:
     """``f32(y) * f32(scales)``, each scale repeated over its group, times NVFP4's
-    ``global_scale`` when given: float32 of ``y``'s shape from the ``(y, scales)`` of any
+    ``global_scale`` when given (one, or each row's ``[..., 1]`` from
+    ``global_scale="per_row"``): float32 of ``y``'s shape from the ``(y, scales)`` of any
     op (per row, per group, e8m0, static, NVFP4 or MXFP4). A ``y`` with more trailing axes
     than ``scales`` (an op's ``reduction_axes`` over several) is read as rows of its
     trailing axes flattened."""
@@ -350,5 +351,7 @@ def dequantize(
         scales32 = jnp.repeat(scales32, n // groups, axis=-1)
     out = jnp.reshape(y, shape[:batch] + (n,)).astype(jnp.float32) * scales32
     if global_scale is not None:
-        out = out * jnp.reshape(jnp.asarray(global_scale, jnp.float32), ())
+        gs = jnp.asarray(global_scale, jnp.float32)
+        # One for the tensor, or each row's (global_scale="per_row": scales' batch axes, 1).
+        out = out * (jnp.reshape(gs, ()) if gs.size == 1 else gs)
     return jnp.reshape(out, shape)

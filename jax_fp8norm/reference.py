@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_fp8norm import _groups
 from jax_fp8norm._allreduce import xla_sum
 from jax_fp8norm._checks import (
     check_axis_name,
@@ -48,6 +49,7 @@ __all__ = [
     "rms_norm_fp8",
     "rms_norm_fp8_training",
     "row_amax",
+    "row_global_scales",
     "sum_of_squares",
     "textbook_rms_norm",
     "unquantized_rms_norm_dense",
@@ -146,12 +148,17 @@ def quantize_rows(
 ) -> tuple[jax.Array, jax.Array]:
     """Steps 2-7 of the spec on float32 rows ``h`` [..., N], with scales per row, per
     group, calibrated or FP4's: returns (y, scales). ``scale_operand``: the calibrated
-    scale, or NVFP4's global scale (a float32 (1,) array)."""
+    scale, or NVFP4's global scale (a float32 (1,) array); with per-row global scales,
+    none (each row's is computed here, :func:`row_global_scales`)."""
     n = h.shape[-1]
     groups = p.groups(n)
     rows = h.shape[:-1]
     sum_sq = sum_of_squares(h)  # [..., 1]
     normed = _normalize(h, _inverse_rms_of(sum_sq, n, p.eps), gamma, p)
+    if p.per_row_global_scale:
+        scale_operand = _groups.per_row_global_scale(
+            _groups.abs_max(normed, -1), jnp.isfinite(sum_sq)
+        )
     grouped = normed.reshape(rows + (groups, n // groups if groups else 0))
     y, scales = _quantize_groups(grouped, jnp.isfinite(sum_sq), p, scale_operand)
     return y.reshape(h.shape), scales
@@ -164,11 +171,22 @@ def row_amax(h: jax.Array, gamma: jax.Array, p: NormParams) -> jax.Array:
     sum of squares is not finite (docs/spec.md, "static_scale"). The maximum is taken on
     the magnitudes' bits, which order as the floats do (every NaN above +inf), so that no
     float comparison flushes or reorders it."""
+    amax, finite = _row_abs_max(h, gamma, p)
+    return jnp.where(finite, canonical_nan(amax), jnp.float32(np.nan))
+
+
+def _row_abs_max(h: jax.Array, gamma: jax.Array, p: NormParams) -> tuple[jax.Array, jax.Array]:
+    """Each float32 row's ``max_j |n_j|`` and whether its sum of squares is finite."""
     sum_sq = sum_of_squares(h)
     normed = _normalize(h, _inverse_rms_of(sum_sq, h.shape[-1], p.eps), gamma, p)
-    magnitudes = as_bits(normed) & jnp.uint32(0x7FFFFFFF)
-    amax = from_bits(jnp.max(magnitudes, axis=-1, keepdims=True, initial=jnp.uint32(0)))
-    return jnp.where(jnp.isfinite(sum_sq), canonical_nan(amax), jnp.float32(np.nan))
+    return _groups.abs_max(normed, -1), jnp.isfinite(sum_sq)
+
+
+def row_global_scales(h: jax.Array, gamma: jax.Array, p: NormParams) -> jax.Array:
+    """Each float32 row's NVFP4 global scale with ``global_scale="per_row"``: ``max(amax /
+    (448 * 6), 2^-126)`` of the row's ``n`` (steps 1-3), float32 ``[..., 1]``; NaN for a
+    row that is not finite (its block scales are NaN, its codes 0)."""
+    return _groups.per_row_global_scale(*_row_abs_max(h, gamma, p))
 
 
 def quantize_columns(
@@ -183,7 +201,9 @@ def quantize_columns(
     ``n`` transposed to [N, rows] and quantised along the rows in blocks of
     ``p.group_size`` by the recipe's group rule, a block with a row that is not finite
     taking that row's rule (NaN codes and scale; FP4: zero codes, NaN scale). A calibrated
-    scale: the rowwise codes transposed, scales ``[N, 1]``. Returns (y_t, scales_t)."""
+    scale: the rowwise codes transposed, scales ``[N, 1]``. Returns (y_t, scales_t), and
+    with per-row global scales each column's (its abs-max over every row, NaN where a row
+    is not finite), float32 ``[N, 1]``, which its blocks are quantised under, third."""
     n = h.shape[-1]
     rows = int(np.prod(h.shape[:-1], dtype=np.int64))
     r = inverse_rms.reshape(rows, 1)
@@ -196,6 +216,10 @@ def quantize_columns(
     block = p.group_size
     grouped = normed_t.reshape(n, rows // block, block)
     block_finite = jnp.all(row_finite.reshape(rows // block, block), axis=-1)
+    if p.per_row_global_scale:
+        gs_t = _groups.per_row_global_scale(_groups.abs_max(normed_t, -1), jnp.all(row_finite))
+        y_t, scales_t = _quantize_groups(grouped, block_finite[None, :], p, gs_t)
+        return y_t.reshape(n, rows), scales_t, gs_t
     y_t, scales_t = _quantize_groups(grouped, block_finite[None, :], p, scale_operand)
     return y_t.reshape(n, rows), scales_t
 
@@ -446,7 +470,7 @@ def add_rms_norm_fp8(
 def _in_callers_shapes(shaped, outs: tuple, columnwise: bool, amax: bool = False) -> tuple:
     """A public twin's outputs of the kernels' rows in the caller's shapes and placement
     (jax_fp8norm._shapes), by name as the op's."""
-    form = {"with_inverse_rms": False, "with_amax": amax, "columnwise": bool(columnwise)}
+    form = shaped.call.params.as_dict() | {"with_amax": amax, "columnwise": bool(columnwise)}
     named = named_outputs(outs, form, add=len(shaped.rows) == 2)
     return shaped.finish(named).returned(training=False)
 
@@ -454,8 +478,8 @@ def _in_callers_shapes(shaped, outs: tuple, columnwise: bool, amax: bool = False
 def _outputs(
     call, x, residual, gamma, training: bool, columnwise, amax: bool = False
 ) -> tuple[jax.Array, ...]:
-    """(y, scales[, residual_out][, inverse_rms][, amax][, y_t, scales_t]) of one checked
-    call."""
+    """(y, scales[, residual_out][, inverse_rms][, amax][, global_scales][, y_t, scales_t[,
+    global_scales_t]]) of one checked call."""
     columnwise = check_columnwise(columnwise, call.params, x.shape)
     if residual is None:
         h = x.astype(jnp.float32)
@@ -463,15 +487,14 @@ def _outputs(
     else:
         outs = add_quantize(x, residual, gamma, call)
         h = x.astype(jnp.float32) + residual.astype(jnp.float32)
-    if amax and not (training or columnwise):
-        return (*outs, row_amax(h, gamma, call.params))
-    if not (training or columnwise):
-        return outs
-    r = inverse_rms(h, call.params.eps)
+    if training or columnwise:
+        r = inverse_rms(h, call.params.eps)
     if training:
         outs = (*outs, r)
     if amax:
         outs = (*outs, row_amax(h, gamma, call.params))
+    if call.params.per_row_global_scale:
+        outs = (*outs, row_global_scales(h, gamma, call.params))
     if columnwise:
         outs = (*outs, *quantize_columns(h, gamma, r, call.params, call.scale_operand))
     return outs

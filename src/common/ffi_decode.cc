@@ -170,9 +170,15 @@ ffi::Error DecodeNormCall(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residua
     if (!fp4 && (attributes.group_size > 0 || power_of_two)) {
       return Invalid("static_scale excludes group_size and power-of-two scales");
     }
+    if (attributes.per_row_global_scale) {
+      return Invalid("per_row_global_scale takes no global_scale operand: each row's is computed");
+    }
     scale_operand_data = static_cast<const float*>(scale_operand->untyped_data());
-  } else if (nvfp4) {
+  } else if (nvfp4 && !attributes.per_row_global_scale) {
     return Invalid("NVFP4 needs its global_scale operand");
+  }
+  if (attributes.per_row_global_scale && !nvfp4) {
+    return Invalid("per_row_global_scale is NVFP4's: float4_e2m1fn y with float8_e4m3fn scales");
   }
   if (columnwise && group_size == 0 && scale_operand_data == nullptr) {
     return Invalid("columnwise outputs need block scales (group_size) or a static scale");
@@ -227,6 +233,19 @@ ffi::Error DecodeAmax(ffi::Result<ffi::AnyBuffer>& amax, RmsNormFp8Args* args) {
   return ffi::Error::Success();
 }
 
+// NVFP4's global scale of each row (per_row_global_scale), or of each column (columnwise):
+// float32 with one element per row (column).
+ffi::Error DecodeGlobalScales(ffi::Result<ffi::AnyBuffer>& global_scales, int64_t count,
+                              const char* what, float** out) {
+  if (global_scales->element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(global_scales->element_count()) != count) {
+    return Invalid(std::string(what) + " must be float32 with one element per " +
+                   (std::string(what) == "global_scales" ? "row" : "column"));
+  }
+  *out = static_cast<float*>(global_scales->untyped_data());
+  return ffi::Error::Success();
+}
+
 // The columnwise form's results after r: y_t [hidden, rows] and scales_t [hidden, rows /
 // group_size] ([hidden, 1] for a static scale), group_size a block of rows, in the
 // dtypes of y and scales, which the kernels write them in.
@@ -254,15 +273,18 @@ ffi::Error CheckFormResults(const NormAttributes& attributes, size_t results) {
   if (attributes.columnwise && !attributes.with_inverse_rms) {
     return Invalid("the columnwise form needs with_inverse_rms: its pass reads each row's r");
   }
+  const size_t per_row = attributes.per_row_global_scale ? 1 : 0;
   const size_t expected = (attributes.with_inverse_rms ? 1 : 0) + (attributes.with_amax ? 1 : 0) +
-                          (attributes.columnwise ? 2 : 0);
+                          per_row + (attributes.columnwise ? 2 + per_row : 0);
   if (results == expected) return ffi::Error::Success();
   return Invalid("with_inverse_rms=" + std::to_string(attributes.with_inverse_rms) +
                  ", with_amax=" + std::to_string(attributes.with_amax) +
+                 ", per_row_global_scale=" + std::to_string(attributes.per_row_global_scale) +
                  ", columnwise=" + std::to_string(attributes.columnwise) + ": the form has " +
                  std::to_string(expected) +
                  " results after y, scales[, residual_out] ([inverse_rms] with "
-                 "with_inverse_rms, [amax] with with_amax, then [y_t, scales_t] with "
+                 "with_inverse_rms, [amax] with with_amax, [global_scales] with "
+                 "per_row_global_scale, then [y_t, scales_t[, global_scales_t]] with "
                  "columnwise), the call " +
                  std::to_string(results));
 }
@@ -281,8 +303,9 @@ ffi::Error DecodeNormForm(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residua
   status = DecodeNormCall(x, residual, gamma, scale_operand, y, scales, residual_out, attributes,
                           false, args);
   if (status.failure() || form_results.size() == 0) return status;
-  // The form's results in order: inverse_rms, amax, then y_t and scales_t.
-  std::optional<ffi::Result<ffi::AnyBuffer>> results[4];
+  // The form's results in order: inverse_rms, amax, global_scales, then y_t, scales_t and
+  // global_scales_t.
+  std::optional<ffi::Result<ffi::AnyBuffer>> results[6];
   for (size_t i = 0; i < form_results.size(); ++i) {
     auto result = form_results.get<ffi::AnyBuffer>(i);
     if (result.has_error()) return Invalid("the form's results must be buffers");
@@ -292,9 +315,17 @@ ffi::Error DecodeNormForm(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residua
   if (attributes.with_inverse_rms) status = DecodeInverseRms(*results[next++], args);
   if (status.failure()) return status;
   if (attributes.with_amax) status = DecodeAmax(*results[next++], args);
+  if (status.failure()) return status;
+  if (attributes.per_row_global_scale) {
+    status =
+        DecodeGlobalScales(*results[next++], args->rows, "global_scales", &args->global_scales);
+  }
   if (status.failure() || !attributes.columnwise) return status;
-  return DecodeColumnOutputs(x, residual, gamma, scale_operand, *results[next], *results[next + 1],
-                             attributes, args);
+  status = DecodeColumnOutputs(x, residual, gamma, scale_operand, *results[next],
+                               *results[next + 1], attributes, args);
+  if (status.failure() || !attributes.per_row_global_scale) return status;
+  return DecodeGlobalScales(*results[next + 2], args->hidden, "global_scales_t",
+                            &args->columns.global_scales_t);
 }
 
 ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
@@ -303,9 +334,11 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
                             ffi::Result<ffi::AnyBuffer>& y, ffi::Result<ffi::AnyBuffer>& scales,
                             ffi::Result<ffi::AnyBuffer>* residual_out,
                             const NormAttributes& attributes, RmsNormFp8Args* args) {
-  if (attributes.with_inverse_rms || attributes.columnwise || attributes.with_amax) {
+  if (attributes.with_inverse_rms || attributes.columnwise || attributes.with_amax ||
+      attributes.per_row_global_scale) {
     return Invalid(
-        "this target has only the plain form: with_inverse_rms, with_amax and columnwise unset");
+        "this target has only the plain form: with_inverse_rms, with_amax, "
+        "per_row_global_scale and columnwise unset");
   }
   return DecodeNormCall(x, residual, gamma, scale_operand, y, scales, residual_out, attributes,
                         false, args);

@@ -35,6 +35,10 @@ struct NormAttributes {
   bool with_inverse_rms;
   bool columnwise;
   bool with_amax;
+  // NVFP4 with each row's own global scale (global_scale="per_row"): no scale operand;
+  // each row's global scale is a result after [amax], and with columnwise each column's
+  // after scales_t.
+  bool per_row_global_scale;
 };
 
 // The physical layouts of a float4_e2m1fn buffer: one code per byte (in the low nibble),
@@ -175,13 +179,14 @@ ffi::Error DecodeQuantizeWeight(const ffi::AnyBuffer& w, ffi::Result<ffi::AnyBuf
 // The members of NormAttributes by attribute name, in order: also the first members of
 // the all-reduce's attributes (src/cuda/cuda_handlers.cc), which carry the norm's (its
 // form always the plain one).
-#define FP8NORM_NORM_ATTRIBUTE_MEMBERS                                                      \
-  ::xla::ffi::StructMember<float>("eps"), ::xla::ffi::StructMember<float>("weight_offset"), \
-      ::xla::ffi::StructMember<float>("scale_ub"),                                          \
-      ::xla::ffi::StructMember<int64_t>("group_size"),                                      \
-      ::xla::ffi::StructMember<bool>("power_of_two_scales"),                                \
-      ::xla::ffi::StructMember<int64_t>("fp4_layout"),                                      \
-      ::xla::ffi::StructMember<bool>("with_inverse_rms"),                                   \
-      ::xla::ffi::StructMember<bool>("columnwise"), ::xla::ffi::StructMember<bool>("with_amax")
+#define FP8NORM_NORM_ATTRIBUTE_MEMBERS                                                           \
+  ::xla::ffi::StructMember<float>("eps"), ::xla::ffi::StructMember<float>("weight_offset"),      \
+      ::xla::ffi::StructMember<float>("scale_ub"),                                               \
+      ::xla::ffi::StructMember<int64_t>("group_size"),                                           \
+      ::xla::ffi::StructMember<bool>("power_of_two_scales"),                                     \
+      ::xla::ffi::StructMember<int64_t>("fp4_layout"),                                           \
+      ::xla::ffi::StructMember<bool>("with_inverse_rms"),                                        \
+      ::xla::ffi::StructMember<bool>("columnwise"), ::xla::ffi::StructMember<bool>("with_amax"), \
+      ::xla::ffi::StructMember<bool>("per_row_global_scale")
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(fp8norm::NormAttributes, FP8NORM_NORM_ATTRIBUTE_MEMBERS);

@@ -556,6 +556,21 @@ FP8NORM_HD Fp4Scale Nvfp4Scale(float sum_sq, uint32_t amax_bits, float global_sc
   return Fp4Scale{stored, 0.0f, global_scale, true, !finite || BitsOf(scale) == 0};
 }
 
+// NVFP4's global scale of one row (global_scale="per_row"), or of one column of the
+// columnwise output: max(amax / (448 * 6), 2^-126), a float32 division, from the abs-max of
+// the row's n (ordered bits), which maps the row's largest magnitude onto the top of the
+// format's range (the largest e4m3 scale times the largest e2m1 code). The one quiet NaN
+// for a row that is not finite (sum_sq not finite) or an abs-max that is not; then every
+// scale of the row is NaN and its codes 0 (Nvfp4Scale). A quotient below the floor, flushed
+// to zero or not, takes the floor: the result is the same with and without flushing.
+constexpr float kPerRowGlobalDivisor = 448.0f * kFp4Max;
+FP8NORM_HD float PerRowGlobalScale(float sum_sq, uint32_t amax_bits) {
+  const float quotient = FloatOf(amax_bits) / kPerRowGlobalDivisor;
+  const uint32_t gs = BitsOf(quotient) < kF32MinNormalBits ? kF32MinNormalBits : BitsOf(quotient);
+  const bool finite = IsFinite(sum_sq) && IsFinite(FloatOf(amax_bits));
+  return FloatOf(Select(finite, gs, kF32QuietNan));
+}
+
 // MXFP4's scale: the power-of-two rule with FP4_MAX, bounded by ub = f32(scale_ub). NaN,
 // with zero codes, for a non-finite row or a group holding NaN or Inf (before the bound).
 FP8NORM_HD Fp4Scale Mxfp4Scale(float sum_sq, uint32_t amax_bits, float ub) {

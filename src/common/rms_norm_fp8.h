@@ -17,6 +17,10 @@ struct ColumnOutputs {
   void* y_t = nullptr;       // [hidden, rows] in out_format (FP4 packed along the rows)
   void* scales_t = nullptr;  // [hidden, rows / block_rows], [hidden, 1] for a static scale
   int64_t block_rows = 0;
+  // [hidden] float32, each column's NVFP4 global scale (PerRowGlobalScale of its abs-max
+  // over every row) with per-row global scales, under which its blocks are quantised; null
+  // otherwise.
+  float* global_scales_t = nullptr;
 };
 
 struct RmsNormFp8Args {
@@ -54,11 +58,19 @@ struct RmsNormFp8Args {
   // [rows] float32, each row's amax (SavedAmax) beside a static scale, for delayed
   // scaling; null otherwise (only a static scale's call has it: its one group is the row).
   float* amax = nullptr;
+  // [rows] float32, each row's NVFP4 global scale (global_scale="per_row"): computed from
+  // the row's abs-max (PerRowGlobalScale), written, and used for its groups in place of
+  // *global_scale, which is then null; null otherwise.
+  float* global_scales = nullptr;
   // The columnwise outputs (columnwise.h), which need inverse_rms; y_t null without them.
   ColumnOutputs columns;
 };
 
 FP8NORM_HD bool IsFp4(const RmsNormFp8Args& a) { return a.out_format == OutFormat::kE2M1; }
+
+// Whether each row (and each column of the columnwise outputs) takes its own NVFP4 global
+// scale, from its own abs-max.
+FP8NORM_HD bool PerRowGlobalScales(const RmsNormFp8Args& a) { return a.global_scales != nullptr; }
 
 // One scale for the whole row (per row, or static). FP4 always takes the group paths, a
 // group of the whole row included.

@@ -205,6 +205,28 @@ inline float ColumnNormalized(const RmsNormFp8Args& c, const float* gamma_plus_o
   return Normalize(h, c.inverse_rms[row], gamma_plus_offset[j]);
 }
 
+// Each column's NVFP4 global scale into a.columns.global_scales_t (per-row global scales):
+// PerRowGlobalScale of its abs-max over every row's n, from x and each row's saved r (NaN
+// for a row that is not finite, which makes every column's NaN). In strips of columns, a
+// task each, each strip's rows read in order.
+void ColumnGlobalScales(const RmsNormFp8Args& a, const float* gamma_plus_offset,
+                        const ParallelFor& parallel_for) {
+  constexpr int64_t kStrip = 64;
+  parallel_for((a.hidden + kStrip - 1) / kStrip, [&](int64_t task) {
+    const int64_t j0 = task * kStrip;
+    const int64_t j1 = std::min(a.hidden, j0 + kStrip);
+    uint32_t amax[kStrip] = {};
+    for (int64_t row = 0; row < a.rows; ++row) {
+      for (int64_t j = j0; j < j1; ++j) {
+        amax[j - j0] =
+            std::max(amax[j - j0], AbsBits(ColumnNormalized(a, gamma_plus_offset, row, j)));
+      }
+    }
+    for (int64_t j = j0; j < j1; ++j)
+      a.columns.global_scales_t[j] = PerRowGlobalScale(0.0f, amax[j - j0]);
+  });
+}
+
 // The loops of the rows and of the columnwise outputs, compiled once per instruction set
 // (cpu_isa_variants.inc); the AVX2 variant runs on the explicit vectors of cpu_avx2.h: 8
 // lanes per instruction, the exact square in one FMA instead of Dekker's seven operations,
@@ -280,6 +302,11 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
     const float scale = RoundTo(a.scale_type, *a.static_scale);
     for (int64_t j = 0; j < a.hidden; ++j) StoreAs(a.scale_type, a.columns.scales_t, j, scale);
   }
+  if (a.columns.global_scales_t != nullptr && a.rows == 0) {
+    // No rows: each column's abs-max is 0, its global scale the floor.
+    std::fill(a.columns.global_scales_t, a.columns.global_scales_t + a.hidden,
+              PerRowGlobalScale(0.0f, 0u));
+  }
   if (a.rows == 0) return true;
   if (a.hidden == 0) {
     // Empty rows: no groups, or the scale of a row of zeros.
@@ -289,6 +316,9 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
     }
     // The abs-max of no elements.
     if (a.amax != nullptr) std::fill(a.amax, a.amax + a.rows, 0.0f);
+    if (PerRowGlobalScales(a)) {
+      std::fill(a.global_scales, a.global_scales + a.rows, PerRowGlobalScale(0.0f, 0u));
+    }
     if (!PerRowScale(a)) return true;
     const RowScale s = a.static_scale != nullptr
                            ? StaticScale(0.0f, *a.static_scale, a.scale_type)
@@ -341,6 +371,21 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   // A task may run on a pool thread, where an escaping exception would end the process:
   // a failed allocation is reported through this flag instead.
   std::atomic<bool> out_of_memory{false};
+  if (columnwise && a.columns.global_scales_t != nullptr) {
+    // Each column's global scale needs every row's n before any block of the column is
+    // quantised: the rows' pass first (its r), then the columns' abs-maxima from x.
+    parallel_for(num_tasks, [&](int64_t task) {
+      float* scratch = ThreadBuffer<Buffer::kScratchRow>(a.hidden + 2 * GroupsPerRow(a));
+      if (scratch == nullptr) {
+        out_of_memory.store(true, std::memory_order_relaxed);
+        return;
+      }
+      const int64_t begin = task * rows_per_task;
+      process_rows(a, gw, scratch, begin, std::min(a.rows, begin + rows_per_task), nullptr);
+    });
+    if (out_of_memory.load()) return false;
+    ColumnGlobalScales(a, gw, parallel_for);
+  }
   parallel_for(num_tasks, [&](int64_t task) {
     // The row, and the scale and its reciprocal of each of its groups when it has several
     // (or is FP4's).

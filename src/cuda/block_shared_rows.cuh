@@ -35,7 +35,7 @@ struct SharedScratch {
 template <typename TIn, int kVec>
 __device__ __forceinline__ void SharedGroups(const RmsNormFp8Args& a, int64_t row,
                                              const float* cache /*[kVec][hidden / kVec] or null*/,
-                                             float sum_sq, float r) {
+                                             float sum_sq, float r, SharedScratch& scratch) {
   const int64_t num_vecs = a.hidden / kVec;
   const int64_t group = a.group_size;
   const int64_t groups = GroupsPerRow(a);
@@ -51,7 +51,18 @@ __device__ __forceinline__ void SharedGroups(const RmsNormFp8Args& a, int64_t ro
     LoadAny<1>(a.gamma, a.gamma_type, j, g);
     return Normalize(h[0], r, GammaPlusOffset(g[0], a.constants.weight_offset));
   };
-  const float global_scale = GlobalScaleOf(a);
+  float global_scale = GlobalScaleOf(a);
+  if (PerRowGlobalScales(a)) {
+    // The row's own global scale first: the abs-max of every group, reduced over the block.
+    uint32_t amax = 0;
+    for (int64_t j = threadIdx.x; j < a.hidden; j += blockDim.x) {
+      amax = max(amax, AbsBits(normed_at(j)));
+    }
+    amax = BlockReduce(
+        amax, 0u, [](uint32_t v) { return WarpMax(v); }, scratch.max_partial, &scratch.max_result);
+    global_scale = PerRowGlobalScale(sum_sq, amax);
+    if (threadIdx.x == 0) StoreRowGlobalScale(a, row, global_scale);
+  }
   for (int64_t g = threadIdx.x; g < groups; g += blockDim.x) {
     uint32_t amax = 0;
     for (int64_t j = g * group; j < (g + 1) * group; ++j) amax = max(amax, AbsBits(normed_at(j)));
@@ -108,7 +119,7 @@ __device__ __forceinline__ void ProcessGroupedRow(const RmsNormFp8Args& a, int64
   const float sum_sq = RowSumOfSquares<TIn, kVec>(a, row, cache, scratch);
   const float r = InverseRms(sum_sq, a.hidden, a.constants.eps);
   if (threadIdx.x == 0) StoreInverseRms(a, row, sum_sq, r);
-  SharedGroups<TIn, kVec>(a, row, cache, sum_sq, r);
+  SharedGroups<TIn, kVec>(a, row, cache, sum_sq, r, scratch);
 }
 
 template <typename TIn, int kVec>

@@ -129,16 +129,38 @@ __device__ __forceinline__ void ColumnOfBlock(const RmsNormFp8Args& a, int64_t b
 }
 
 // grid: any number of blocks, striding over (column tile, row block) pairs; block:
-// kColumnThreads.
+// kColumnThreads. With per-row global scales, each column's own (ColumnGlobalScalesKernel,
+// launched before).
 __global__ void __launch_bounds__(kColumnThreads) ColumnwiseKernel(const RmsNormFp8Args a) {
   const int64_t row_blocks = RowBlocksOf(a);
   const int64_t tiles = (a.hidden + kColumnThreads - 1) / kColumnThreads;
   const float global_scale = a.global_scale != nullptr ? LoadGlobal(a.global_scale) : 0.0f;
+  const float* column_gs = a.columns.global_scales_t;
   for (int64_t task = blockIdx.x; task < tiles * row_blocks; task += gridDim.x) {
     const int64_t column = (task % tiles) * kColumnThreads + threadIdx.x;
     const int64_t block = task / tiles;
-    if (column < a.hidden) ColumnOfBlock(a, block, column, global_scale);
+    if (column < a.hidden) {
+      ColumnOfBlock(a, block, column,
+                    column_gs != nullptr ? LoadGlobal(column_gs + column) : global_scale);
+    }
   }
+}
+
+// Each column's NVFP4 global scale (per-row global scales): PerRowGlobalScale of its
+// abs-max over every row's n, NaN where a row is not finite (its saved r is NaN, and so is
+// its n). A thread per column, the rows in order. grid: ceil(hidden / kColumnThreads);
+// block: kColumnThreads.
+__global__ void __launch_bounds__(kColumnThreads) ColumnGlobalScalesKernel(const RmsNormFp8Args a) {
+  const int64_t column = int64_t{blockIdx.x} * kColumnThreads + threadIdx.x;
+  if (column >= a.hidden) return;
+  const float g =
+      GammaPlusOffset(LoadElement(a.gamma, a.gamma_type, column), a.constants.weight_offset);
+  uint32_t amax = 0;
+  for (int64_t row = 0; row < a.rows; ++row) {
+    const float r = LoadGlobal(a.inverse_rms + row);
+    amax = max(amax, AbsBits(Normalize(ColumnH(a, row * a.hidden + column), r, g)));
+  }
+  StoreGlobal(a.columns.global_scales_t + column, PerRowGlobalScale(0.0f, amax));
 }
 
 // Both layouts in one launch. grid: any number of blocks, striding over the call's blocks
@@ -197,6 +219,10 @@ cudaError_t LoadColumnwiseKernel() {
     err = LoadKernel(StaticColumnScalesKernel, "static_column_scales", 0, kColumnThreads,
                      &attributes);
   }
+  if (err == cudaSuccess) {
+    err = LoadKernel(ColumnGlobalScalesKernel, "column_global_scales", 0, kColumnThreads,
+                     &attributes);
+  }
   for (const FloatType input : {FloatType::kF32, FloatType::kF16, FloatType::kBF16}) {
     for (const int vectors : {1, 2, 4}) {
       if (err != cudaSuccess) return err;
@@ -231,6 +257,13 @@ cudaError_t LaunchColumnwise(cudaStream_t stream, const RmsNormFp8Args& a) {
     const cudaError_t err = LaunchKernel(StaticColumnScalesKernel, static_cast<unsigned>(tiles),
                                          kColumnThreads, 0, stream, a);
     if (err != cudaSuccess || a.rows == 0) return err;
+  }
+  if (a.columns.global_scales_t != nullptr) {
+    // Also for no rows: each column's is then the floor.
+    DeclareKernel(ColumnGlobalScalesKernel, "column_global_scales", 0, kColumnThreads);
+    const cudaError_t err = LaunchKernel(ColumnGlobalScalesKernel, static_cast<unsigned>(tiles),
+                                         kColumnThreads, 0, stream, a);
+    if (err != cudaSuccess) return err;
   }
   if (a.rows == 0) return cudaSuccess;
   return LaunchKernel(ColumnwiseKernel, StridingGrid(tiles * RowBlocksOf(a)), kColumnThreads, 0,

@@ -169,10 +169,12 @@ inline bool RowsVectorizable(const RmsNormFp8Args& a) {
 // several rows: asked for by name, or picked by auto when the call has a block of rows for
 // every multiprocessor. With fewer, the one launch would leave multiprocessors idle, where
 // the columnwise kernel spreads the same work over hidden / 128 times as many blocks.
+// Never with per-row global scales: a column's global scale needs every row, which no
+// block of the one launch has before it quantises its columns.
 inline bool OneLaunchForBothLayouts(const RmsNormFp8Args& a, KernelVariant variant,
                                     const DeviceLimits& limits, KernelVariant requested) {
   if (a.columns.y_t == nullptr || a.rows == 0 || a.hidden == 0 ||
-      variant != KernelVariant::kWarpRows) {
+      variant != KernelVariant::kWarpRows || a.columns.global_scales_t != nullptr) {
     return false;
   }
   return requested == KernelVariant::kWarpRows || RowBlocksOf(a) >= limits.multiprocessors;

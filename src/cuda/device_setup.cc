@@ -125,7 +125,8 @@ cudaError_t Launch(cudaStream_t stream, const DeviceLimits& limits, const RmsNor
 bool RowsWithoutKernel(cudaStream_t stream, const RmsNormFp8Args& a, cudaError_t* err) {
   *err = cudaSuccess;
   if (a.rows == 0) return true;
-  if (a.hidden != 0 || a.inverse_rms != nullptr) return false;
+  // Empty rows' per-row global scales (the floor) come from the kernel, as r does.
+  if (a.hidden != 0 || a.inverse_rms != nullptr || PerRowGlobalScales(a)) return false;
   if (!PerRowScale(a)) return true;
   if (a.static_scale != nullptr || a.constants.power_of_two) return false;
   *err = cudaMemsetAsync(a.scales, 0, static_cast<size_t>(a.rows) * FloatTypeBytes(a.scale_type),

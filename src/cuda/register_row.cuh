@@ -43,13 +43,14 @@ __device__ __forceinline__ T RowReduce(T v, T identity, WarpOp warp_op, T* parti
 // (V a power of two up to 32) is held by V consecutive lanes, vector i of the row in lane
 // i % threads_per_row, and reduced by log2(V) shuffles, no barrier. Every lane of the warp
 // calls it (the shuffles need all 32), held vectors or not.
+// global_scale: NVFP4's, the call's or the row's own (0 for every other format).
 template <int kVec, int kVecs, typename Held, typename Index>
 __device__ __forceinline__ void RegisterGroups(const RmsNormFp8Args& a, int64_t row,
                                                const float (&normed)[kVecs][kVec], Held held,
-                                               Index index, float sum_sq, uint8_t* y) {
+                                               Index index, float sum_sq, float global_scale,
+                                               uint8_t* y) {
   const int lanes = static_cast<int>(a.group_size / kVec);
   const int64_t groups = GroupsPerRow(a);
-  const float global_scale = GlobalScaleOf(a);
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
     uint32_t amax = 0;
@@ -129,10 +130,11 @@ __device__ __forceinline__ void RegisterRow(const RmsNormFp8Args& a, int64_t row
     }
   }
   // Scales per group, or a calibrated scale without its amax, need no block-wide abs-max:
-  // the whole launch skips that reduction. Its barrier stays, when the sum's reduction
-  // crossed warps: it keeps the next row's sum slots from being written before every warp
-  // has read these.
-  const bool row_max = PerRowScale(a) && (a.static_scale == nullptr || a.amax != nullptr);
+  // the whole launch skips that reduction (but for per-row global scales, which are made
+  // from it). Its barrier stays, when the sum's reduction crossed warps: it keeps the next
+  // row's sum slots from being written before every warp has read these.
+  const bool row_max =
+      (PerRowScale(a) && (a.static_scale == nullptr || a.amax != nullptr)) || PerRowGlobalScales(a);
   if (row_max) {
     amax = RowReduce(
         amax, 0u, [](uint32_t v) { return WarpMax(v); }, scratch.max_partial, warps_per_row);
@@ -140,7 +142,12 @@ __device__ __forceinline__ void RegisterRow(const RmsNormFp8Args& a, int64_t row
     __syncthreads();
   }
   if (!PerRowScale(a)) {
-    RegisterGroups<kVec, kVecs>(a, row, h, held, index, sum_sq, y);
+    float global_scale = GlobalScaleOf(a);
+    if (PerRowGlobalScales(a)) {
+      global_scale = PerRowGlobalScale(sum_sq, amax);
+      if (valid && lane == 0) StoreRowGlobalScale(a, row, global_scale);
+    }
+    RegisterGroups<kVec, kVecs>(a, row, h, held, index, sum_sq, global_scale, y);
     return;
   }
   if (!valid) return;

@@ -219,6 +219,13 @@ __device__ __forceinline__ void StoreAmax(const RmsNormFp8Args& a, int64_t row, 
   if (a.amax != nullptr) StoreGlobal(a.amax + row, SavedAmax(sum_sq, amax), site);
 }
 
+// Row `row`'s own NVFP4 global scale (per-row global scales), PerRowGlobalScale of its
+// abs-max.
+__device__ __forceinline__ void StoreRowGlobalScale(const RmsNormFp8Args& a, int64_t row, float gs,
+                                                    int site = __builtin_LINE()) {
+  StoreGlobal(a.global_scales + row, gs, site);
+}
+
 // The scale of a row with one scale (dynamic per row, or the calibrated one).
 __device__ __forceinline__ RowScale RowScaleOf(const RmsNormFp8Args& a, float sum_sq,
                                                uint32_t amax) {

@@ -60,7 +60,12 @@ std::vector<const char*> NormResultNames(const XLA_FFI_CallFrame* frame, bool ad
   if (add) names.push_back("residual_out");
   if (FlagAttribute(frame, "with_inverse_rms")) names.push_back("inverse_rms");
   if (FlagAttribute(frame, "with_amax")) names.push_back("amax");
-  if (FlagAttribute(frame, "columnwise")) names.insert(names.end(), {"y_t", "scales_t"});
+  const bool per_row = FlagAttribute(frame, "per_row_global_scale");
+  if (per_row) names.push_back("global_scales");
+  if (FlagAttribute(frame, "columnwise")) {
+    names.insert(names.end(), {"y_t", "scales_t"});
+    if (per_row) names.push_back("global_scales_t");
+  }
   return names;
 }
 

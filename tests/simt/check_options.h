@@ -21,8 +21,13 @@ struct Shard {
 };
 extern Shard shard;
 
-// The checks kernel_check.cc runs beside its own from files it declares no others of:
-// the weight quantiser's (quantize_weight_check.cc).
-int CheckQuantizeWeight(bool quick);
+// The checks kernel_check.cc runs beside its own cases, each from its own file.
+int CheckEmulator();                      // emulator_check.cc
+int CheckIndexing();                      // index_check.cc
+int CheckAllReduce(bool quick);           // allreduce_check.cc
+int CheckBackward(bool quick);            // training_check.cc
+int CheckColumnwise(bool quick);          // training_check.cc
+int CheckQuantizeWeight(bool quick);      // quantize_weight_check.cc
+int CheckPerRowGlobalScales(bool quick);  // per_row_check.cc
 
 }  // namespace fp8norm

@@ -4,13 +4,12 @@
 // the launch is told the same sizes, so one element past the end is an error of the
 // emulation and of AddressSanitizer.
 //
-// Built plain, with AddressSanitizer + UndefinedBehaviorSanitizer, and with
-// ThreadSanitizer by tools/checks/simt_check.sh; with planted bugs by
-// tools/mutants/simt_mutants.py. Checks the emulator's own promises first (emulator_check.cc);
-// the training kernels' checks are training_check.cc's.
-// Prints one line per failure and a summary of the launch paths reached; exits non-zero on any
-// mismatch, launch error or path of the list below not reached. Checks 64-bit indexing
-// (index_check.cc) in the full run.
+// Built plain, with AddressSanitizer + UndefinedBehaviorSanitizer, and with ThreadSanitizer by
+// tools/checks/simt_check.sh; with planted bugs by tools/mutants/simt_mutants.py. Checks the
+// emulator's own promises first (emulator_check.cc); the training kernels' checks are
+// training_check.cc's, per-row global scales' per_row_check.cc's. Prints one line per failure
+// and a summary of the launch paths reached; exits non-zero on any mismatch, launch error or path
+// of the list below not reached. Checks 64-bit indexing (index_check.cc) in the full run.
 //
 //   kernel_check [--quick] [--only-allreduce | --no-allreduce] [--name-cases] [--stop-at-failure]
 //                [--shard K/N]
@@ -46,12 +45,6 @@
 #include "simt.h"
 
 namespace fp8norm {
-
-int CheckEmulator();              // emulator_check.cc
-int CheckIndexing();              // index_check.cc
-int CheckAllReduce(bool quick);   // allreduce_check.cc
-int CheckBackward(bool quick);    // training_check.cc
-int CheckColumnwise(bool quick);  // training_check.cc
 
 bool name_cases = false;
 bool stop_at_failure = false;
@@ -473,11 +466,15 @@ int Main(bool quick, bool allreduce, bool rest) {
   }
   Coverage coverage;
   int failures = 0;
-  const std::function<int()> checks[] = {
-      CheckEmulator, CheckRound, [quick] { return CheckBackward(quick); },
-      [quick] { return CheckColumnwise(quick); }, [quick] { return CheckQuantizeWeight(quick); }};
-  for (const auto& check : checks) {
-    if (shard.Takes()) failures += check();
+  using Check = int (*)(bool quick);
+  const Check checks[] = {[](bool) { return CheckEmulator(); },
+                          [](bool) { return CheckRound(); },
+                          CheckBackward,
+                          CheckColumnwise,
+                          CheckQuantizeWeight,
+                          CheckPerRowGlobalScales};
+  for (const Check check : checks) {
+    if (shard.Takes()) failures += check(quick);
   }
   int runs = 0;
   size_t taken = 0;  // the cases this shard runs

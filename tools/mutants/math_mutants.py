@@ -58,6 +58,7 @@ GROUP_SIZES = "tests/test_block_scaling.py::test_group_sizes"
 KERNEL_SUMS = "tests/test_backward.py::test_kernel_sums_are_exact"
 MANY_TASKS = "tests/test_backward_invariance.py::test_dgamma_is_the_exact_sum_over_many_row_groups"
 WEIGHT_OFFSET = "tests/test_backward.py::test_weight_offset_is_rounded_through_x_dtype"
+PER_ROW_EDGES = "tests/test_per_row_global_scale.py::test_edge_rows"
 BACKWARD_CC = "src/cpu/cpu_backward.cc"
 BACKWARD_MATH = "src/common/backward_math.h"
 TIMEOUT_S = 900
@@ -225,6 +226,24 @@ MUTANTS = [
         first=MANY_TASKS,
         backward=True,
         file="src/cpu/cpu_exact_sums.h",
+    ),
+    Mutant(
+        "per-row global scale: no floor under a tiny row's quotient",
+        "BitsOf(quotient) < kF32MinNormalBits ? kF32MinNormalBits : BitsOf(quotient);",
+        "BitsOf(quotient);",
+        first=PER_ROW_EDGES,
+    ),
+    Mutant(
+        "per-row global scale: the amax over 448 alone",
+        "constexpr float kPerRowGlobalDivisor = 448.0f * kFp4Max;",
+        "constexpr float kPerRowGlobalDivisor = 448.0f;",
+        first="tests/test_per_row_global_scale.py::test_per_row_matches_the_reference",
+    ),
+    Mutant(
+        "per-row global scale: an infinite abs-max (a huge gamma) taken as finite",
+        "const bool finite = IsFinite(sum_sq) && IsFinite(FloatOf(amax_bits));",
+        "const bool finite = IsFinite(sum_sq);",
+        first=PER_ROW_EDGES,
     ),
 ]
 

@@ -395,4 +395,42 @@ MUTANTS = [
         "    for (int64_t i = 0; i < a.block; ++i) {\n      amax = max(",
         "    for (int64_t i = 0; i < a.block - 1; ++i) {\n      amax = max(",
     ),
+    Mutant(
+        "per-row global scales: a row's global scale stored at its neighbour's place",
+        "cuda/row_blocks.cuh",
+        "StoreGlobal(a.global_scales + row, gs, site);",
+        "StoreGlobal(a.global_scales + (row + 1) % a.rows, gs, site);",
+    ),
+    Mutant(
+        "register rows: a row's global scale from each warp's own part of the row",
+        "cuda/register_row.cuh",
+        "(a.static_scale == nullptr || a.amax != nullptr)) || PerRowGlobalScales(a);",
+        "(a.static_scale == nullptr || a.amax != nullptr));",
+    ),
+    Mutant(
+        "shared groups: a row's global scale from each thread's own elements",
+        "cuda/block_shared_rows.cuh",
+        "    amax = BlockReduce(\n        amax, 0u,",
+        "    amax = amax + 0 * BlockReduce(\n        amax, 0u,",
+    ),
+    Mutant(
+        "columnwise: a column's global scale taken from its neighbour",
+        "cuda/columnwise.cu",
+        "LoadGlobal(column_gs + column)",
+        "LoadGlobal(column_gs + (column + 1) % a.hidden)",
+    ),
+    Mutant(
+        "column global scales: the last row left out of a column's abs-max",
+        "cuda/columnwise.cu",
+        "for (int64_t row = 0; row < a.rows; ++row) {\n    const float r = "
+        "LoadGlobal(a.inverse_rms",
+        "for (int64_t row = 0; row < a.rows - 1; ++row) {\n    const float r = "
+        "LoadGlobal(a.inverse_rms",
+    ),
+    Mutant(
+        "launch plan: both layouts in one launch with per-column global scales",
+        "cuda/cuda_launch_plan.h",
+        "variant != KernelVariant::kWarpRows || a.columns.global_scales_t != nullptr) {",
+        "variant != KernelVariant::kWarpRows) {",
+    ),
 ]
