@@ -118,26 +118,30 @@ def test_without_a_scale_parameter_and_with_an_initializer():
 
 
 def test_rms_norm_dense_module_is_the_layer():
-    """RMSNormDense's output and gradients are rms_norm_dense's, bit for bit; fused=False is
-    the unquantised layer."""
+    """RMSNormDense's output and gradients are rms_norm_dense's, bit for bit, with the key
+    passed to the call; without one the module draws a fresh key from its rngs stream on
+    every call; fused=False is the unquantised layer."""
     from jax_fp8norm.nnx import RMSNormDense
 
     module = RMSNormDense(256, 128, recipe="nvfp4", global_scale=0.0021, rngs=nnx.Rngs(0))
+    key = jax.random.key(7)
     module.norm.scale[...] = jnp.linspace(0.5, 1.5, 256)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((64, 256)), jnp.bfloat16)
     residual = x[::-1]
     gamma, w = module.norm.scale[...], module.kernel[...]
     assert w.dtype == jnp.float32 and w.shape == (256, 128)
 
-    def loss(m):
-        out, residual_out = m(x, residual)
+    def loss(m, key=None):
+        out, residual_out = m(x, residual, key=key)
         return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(residual_out.astype(jnp.float32))
 
-    grads = nnx.jit(nnx.grad(loss))(module)
+    grads = nnx.jit(nnx.grad(loss))(module, key)
+    drawn = [nnx.jit(nnx.grad(loss))(module)["kernel"][...] for _ in range(2)]
+    assert not np.array_equal(np.asarray(drawn[0]), np.asarray(drawn[1]))
 
     def layer_loss(gamma, w):
         out, residual_out = fp8norm.add_rms_norm_dense(
-            x, residual, gamma, w, recipe="nvfp4", global_scale=0.0021
+            x, residual, gamma, w, recipe="nvfp4", global_scale=0.0021, key=key
         )
         return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(residual_out.astype(jnp.float32))
 
