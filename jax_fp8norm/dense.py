@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_fp8norm._allreduce import xla_sum
-from jax_fp8norm._checks import check_axis_name, check_columnwise, check_reduce_dtype
-from jax_fp8norm._dtypes import FLOAT_DTYPES
+from jax_fp8norm._checks import PER_ROW, check_axis_name, check_columnwise, check_reduce_dtype
+from jax_fp8norm._dtypes import E4M3, FLOAT_DTYPES, FP4
 from jax_fp8norm._fp4_parts import DGRAD_STREAM, WGRAD_STREAM, key_words, stream_key
 from jax_fp8norm._params import (
     NormKeywords,
@@ -48,7 +48,7 @@ from jax_fp8norm.quantize import (
     quantize_weight_tiles,
     tile_scales,
 )
-from jax_fp8norm.recipes import recipe_of
+from jax_fp8norm.recipes import apply_recipe, recipe_of
 from jax_fp8norm.reference import unquantized_rms_norm_dense
 
 __all__ = ["add_rms_norm_dense", "allreduce_add_rms_norm_dense", "rms_norm_dense"]
@@ -153,15 +153,18 @@ class _Gemm:
     def apply(self, outs: NormOutputs, operands: tuple, static: tuple) -> tuple:
         w = operands[0]
         w_codes, w_scales, w_global, residuals = self._weight(w)
+        per_row = self.params.per_row_global_scale
         out = fp8_matmul(
             outs.y,
             outs.scales,
             w_codes,
             w_scales,
-            out_dtype=self.result_dtype,
-            a_global_scale=global_scale_operand(self.params, static),
+            out_dtype=jnp.float32 if per_row else self.result_dtype,
+            a_global_scale=1.0 if per_row else global_scale_operand(self.params, static),
             w_global_scale=w_global,
         )
+        if per_row:  # each row's global scale multiplies its row of the float32 product
+            out = (out * outs.global_scales).astype(self.result_dtype)
         return out, residuals
 
     def check_training(self, x_shape: tuple, operands: tuple) -> None:
@@ -187,8 +190,13 @@ class _Gemm:
             )
 
     def kept(self, outs: NormOutputs) -> tuple:
-        """The columnwise codes, or the rowwise ones whose scales go into the gradient."""
-        return (outs.y_t, outs.scales_t) if self.columnwise else (outs.y, outs.scales)
+        """The columnwise codes (and each column's global scale), or the rowwise ones whose
+        scales go into the gradient."""
+        if not self.columnwise:
+            return (outs.y, outs.scales)
+        if self.params.per_row_global_scale:
+            return (outs.y_t, outs.scales_t, outs.global_scales_t)
+        return (outs.y_t, outs.scales_t)
 
     def _stream(self, operands: tuple, stream: int):
         """The key folded with ``stream`` where the gradient is rounded stochastically."""
@@ -226,7 +234,7 @@ class _Gemm:
         )
         if g_row_scales is not None:
             dn = dn * g_row_scales
-        codes, scales = kept
+        codes, scales, *column_global = kept
         if self.columnwise:  # y_t [K, rows] and scales_t
             gw = g
         else:  # the rows' codes; their scales go into the gradient
@@ -241,9 +249,11 @@ class _Gemm:
             gw_codes,
             gw_scales,
             out_dtype=jnp.float32,
-            a_global_scale=global_scale_operand(self.params, static),
+            a_global_scale=1.0 if column_global else global_scale_operand(self.params, static),
             w_global_scale=gw_global,
         )
+        if column_global:  # each column of n's global scale multiplies its row of dw
+            dw = dw * column_global[0]
         if self.hadamard is not None:  # (M X)^T (M G) = d X^T G; 1 / d is exact
             dw = dw * jnp.float32(1.0 / recipe.gradient.block)
         return dn, (summed_over_devices(w, dw).astype(w.dtype), *no_key)
@@ -317,6 +327,18 @@ def _unquantized(rows: tuple, gamma, w, keywords: dict, result_dtype):
     return out if residual_out is None else (out, residual_out)
 
 
+def _layer_keywords(keywords: dict) -> dict:
+    """The norm's keywords of a layer call: NVFP4's activations take each row's own global
+    scale (``global_scale="per_row"``) unless the caller gives one, so that a row's codes
+    depend on that row alone at the format's full range."""
+    layout = apply_recipe(keywords)
+    fp4 = layout.get("out_dtype") is not None and np.dtype(layout["out_dtype"]) == FP4
+    nvfp4 = fp4 and np.dtype(layout.get("scale_dtype", np.float32)) == E4M3
+    if nvfp4 and layout.get("global_scale") is None:
+        return {**keywords, "global_scale": PER_ROW}
+    return keywords
+
+
 def _head(params: NormParams, dtype, key, parts: dict) -> tuple[_Gemm, tuple]:
     """The layer's GEMM head for a call, and its key operand (none without a key)."""
     resolved = training_parts(recipe_of(params), **parts)
@@ -370,7 +392,7 @@ def rms_norm_dense(
         "hadamard": hadamard,
         "weight_tiles": weight_tiles,
     }
-    shaped = shaped_call((x,), gamma, keywords)
+    shaped = shaped_call((x,), gamma, _layer_keywords(keywords))
     params = shaped.call.params
     dtype = _check_layer(x, w, params, result_dtype)
     operands = shaped.operands()
@@ -413,7 +435,7 @@ def add_rms_norm_dense(
         "hadamard": hadamard,
         "weight_tiles": weight_tiles,
     }
-    shaped = shaped_call((x, residual), gamma, keywords)
+    shaped = shaped_call((x, residual), gamma, _layer_keywords(keywords))
     params = shaped.call.params
     dtype = _check_layer(x, w, params, result_dtype)
     operands = shaped.operands()
@@ -471,7 +493,7 @@ def allreduce_add_rms_norm_dense(
         "hadamard": hadamard,
         "weight_tiles": weight_tiles,
     }
-    shaped = shaped_call((x, residual), gamma, keywords)
+    shaped = shaped_call((x, residual), gamma, _layer_keywords(keywords))
     params = shaped.call.params
     dtype = _check_layer(x, w, params, result_dtype)
     operands = shaped.operands()

@@ -283,18 +283,26 @@ def layer(
         )
         return {k: v if k in ("dgamma", "dw") else v[:rows] for k, v in result.items()}
     result_dtype = np.dtype(x.dtype if result_dtype is None else result_dtype)
+    nvfp4 = _nvfp4(weight_fmt)
+    # NVFP4's activations: each row's own global scale unless the caller gives one (and
+    # then each column's for the columnwise codes), returned by the norm.
+    per_row = nvfp4 and keywords.get("global_scale") in (None, "per_row")
     norm = dict(keywords, columnwise=columnwise)
+    if per_row:
+        norm["global_scale"] = "per_row"
     if residual is None:
         outs = reference_on_cpu(reference.rms_norm_fp8_training, x, gamma, **norm)
         y, scales, r = outs[:3]
     else:
         outs = reference_on_cpu(reference.add_rms_norm_fp8_training, x, residual, gamma, **norm)
         y, scales, residual_out, r = outs[:4]
-    nvfp4 = _nvfp4(weight_fmt)
-    # NVFP4's global scales: the norm's, given by the caller (1 unless given); the weight's
-    # from max|w| (w and w^T alike); G's per row (dgrad) and for the whole G (wgrad).
+    # NVFP4's global scales: the norm's, given by the caller (1 unless given) or each row's;
+    # the weight's from max|w| (w and w^T alike); G's per row (dgrad) and for the whole G
+    # (wgrad).
     w32, g32 = np.asarray(w, F32), np.asarray(g, F32)
-    norm_gs = F32(keywords.get("global_scale", 1.0)) if nvfp4 else None
+    row_global = np.asarray(outs[4 if residual is not None else 3], F32) if per_row else None
+    column_global = np.asarray(outs[-1], F32) if per_row and columnwise else None
+    norm_gs = (F32(1.0) if per_row else F32(keywords.get("global_scale", 1.0))) if nvfp4 else None
     w_gs = nvfp4_global_scale(np.abs(w32).max()) if nvfp4 else None
 
     # Forward: w quantised along K (its rows' axis) in each column, or in 2-D tiles whose
@@ -306,7 +314,12 @@ def layer(
         w_codes, w_scales = quantize_columns(w32, weight_fmt, w_gs)
         # w^T [F, K] along F in each column (w's rows).
         wt_codes, wt_scales = quantize_columns(w32.T, weight_fmt, w_gs)
-    out = _gemm(y, scales, w_codes, w_scales, result_dtype, norm_gs, w_gs)
+    if per_row:  # each row's global scale multiplies its row of the float32 product
+        out = (_gemm(y, scales, w_codes, w_scales, F32, norm_gs, w_gs) * row_global).astype(
+            result_dtype
+        )
+    else:
+        out = _gemm(y, scales, w_codes, w_scales, result_dtype, norm_gs, w_gs)
 
     # dgrad: G quantised along F in each row, stochastically with the dgrad stream's bits.
     row_gs = nvfp4_global_scale(np.abs(g32).max(1, keepdims=True)) if nvfp4 else None
@@ -322,7 +335,7 @@ def layer(
     # their columnwise quantisation: n (the norm's step 5, (h * r) * (gamma + offset)) and
     # G; dW = (M X)^T (M G) / d.
     if columnwise:
-        n_codes, n_scales = outs[-2:]
+        n_codes, n_scales = outs[-3:-1] if per_row else outs[-2:]
         gw = g32
     else:
         n_codes, n_scales = np.asarray(y).T, np.ones((y.shape[1], 1), F32)
@@ -332,14 +345,22 @@ def layer(
         h = np.asarray(x, F32) + (0 if residual is None else np.asarray(residual, F32))
         gamma32 = np.asarray(gamma, F32) + F32(keywords.get("weight_offset", 0.0))
         n = (h * np.asarray(r, F32).reshape(-1, 1)) * gamma32
+        # The transform's values are at most d times n's: its codes are quantised under d
+        # times the global scale (the call's, or each column's), which the norm returns.
+        if nvfp4:
+            column_global = F32(d) * (norm_gs if column_global is None else column_global)
         n_codes, n_scales = quantize_rows(
-            hadamard_rows(n, d, parts.hadamard).T, weight_fmt, norm_gs
+            hadamard_rows(n, d, parts.hadamard).T, weight_fmt, column_global
         )
         gw = hadamard_rows(gw, d, parts.hadamard)
     gw_gs = nvfp4_global_scale(np.abs(gw).max()) if nvfp4 else None
     bits = gradient_bits(parts.key, WGRAD_STREAM, *gw.shape)
     gw_codes, gw_scales = quantize_columns(gw, grad_fmt, gw_gs, bits)
-    dw = _gemm(n_codes, n_scales, gw_codes, gw_scales, F32, norm_gs, gw_gs)
+    if nvfp4 and column_global is not None:  # each column of n's scale multiplies dw's row
+        dw = _gemm(n_codes, n_scales, gw_codes, gw_scales, F32, F32(1.0), gw_gs)
+        dw = dw * np.asarray(column_global, F32).reshape(-1, 1)
+    else:
+        dw = _gemm(n_codes, n_scales, gw_codes, gw_scales, F32, norm_gs, gw_gs)
     if parts.hadamard is not None:
         dw = dw * F32(1.0 / grad_fmt.block)
 

@@ -158,8 +158,9 @@ def _parts_cases() -> list:
 def test_fp4_training_parts_have_the_twins_bits(platform, name, sr, hadamard, tiles):
     """The rms layer of an FP4 recipe with its parts switched on and off; bfloat16 x, float32
     master weights whose last tile column holds an outlier (a tile's scale then differs
-    from its columns' blocks')."""
-    keywords = recipe(name)
+    from its columns' blocks'). NVFP4 with the layer's default global scales, each row's
+    (and each column's for the columnwise codes)."""
+    keywords = {"recipe": name}
     x, gamma, w, g = _operands(7, jnp.bfloat16, np.float32, np.float32)
     w[3, F - 1] = 4.0
     layer_keywords, parts = _parts(name, sr, hadamard, tiles)
@@ -181,8 +182,9 @@ def _add_cases() -> list:
 
 @pytest.mark.parametrize(("platform", "name"), _add_cases(), indirect=["platform"])
 def test_add_rms_norm_dense_has_the_twins_bits(platform, name):
-    """bfloat16 x and residual, bfloat16 gamma, float32 weights, a float32 result."""
-    keywords = recipe(name)
+    """bfloat16 x and residual, bfloat16 gamma, float32 weights, a float32 result; NVFP4 with
+    the layer's default global scales, each row's."""
+    keywords = {"recipe": name} if name == "nvfp4" else recipe(name)
     x, gamma, w, g = _operands(1, jnp.bfloat16, jnp.bfloat16, np.float32)
     residual = random_rows(2, x.shape, jnp.bfloat16, spread=0.5)
     d_residual_out = random_rows(3, x.shape, jnp.bfloat16, spread=0.5)
