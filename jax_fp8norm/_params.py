@@ -41,6 +41,9 @@ class NormParams:
     # Each row's amax (float32 [..., 1], SPEC step 4 before any clip) beside a static
     # scale, for delayed scaling: after r, before the columnwise outputs.
     with_amax: bool = False
+    # The columnwise outputs' Hadamard transform (with columnwise, FP4 blocks of 16 or 32
+    # rows): its sign mask (jax_fp8norm._fp4_parts.hadamard_rows); None: no transform.
+    hadamard_mask: int | None = None
 
     @property
     def out_max(self) -> float:

@@ -7,6 +7,7 @@ the kernels are one pass.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Unpack
 
 import jax
@@ -18,12 +19,14 @@ from jax_fp8norm._checks import (
     check_axis_name,
     check_backward,
     check_columnwise,
+    check_hadamard,
     check_reduce_dtype,
     check_return_amax,
     validate,
 )
 from jax_fp8norm._dtypes import E8M0
 from jax_fp8norm._exact_sums import exact_sum, sum_of_squares
+from jax_fp8norm._fp4_parts import hadamard_rows
 from jax_fp8norm._groups import as_bits, divide, fp4_groups, from_bits, power_of_two_exponents
 from jax_fp8norm._params import DEFAULT_EPS, NormKeywords, NormParams, named_outputs
 from jax_fp8norm._shapes import shaped_call
@@ -183,12 +186,17 @@ def quantize_columns(
     ``n`` transposed to [N, rows] and quantised along the rows in blocks of
     ``p.group_size`` by the recipe's group rule, a block with a row that is not finite
     taking that row's rule (NaN codes and scale; FP4: zero codes, NaN scale). A calibrated
-    scale: the rowwise codes transposed, scales ``[N, 1]``. Returns (y_t, scales_t)."""
+    scale: the rowwise codes transposed, scales ``[N, 1]``. With ``p.hadamard_mask``, each
+    column's blocks of ``n`` are transformed (hadamard_rows) before they are quantised.
+    Returns (y_t, scales_t)."""
     n = h.shape[-1]
     rows = int(np.prod(h.shape[:-1], dtype=np.int64))
     r = inverse_rms.reshape(rows, 1)
     row_finite = ~jnp.isnan(r).reshape(rows)
-    normed_t = _normalize(h.reshape(rows, n), r, gamma, p).T  # [N, rows]
+    normed = _normalize(h.reshape(rows, n), r, gamma, p)
+    if p.hadamard_mask is not None:
+        normed = hadamard_rows(normed, p.group_size, p.hadamard_mask)
+    normed_t = normed.T  # [N, rows]
     if p.has_static_scale:
         y_t, _ = _quantize_groups(normed_t[..., None], row_finite[None, :], p, scale_operand)
         scale32 = jnp.broadcast_to(_static_scales(scale_operand, p)[0], (n, 1))
@@ -358,7 +366,12 @@ def add_backward(dn, d_residual_out, x, residual, gamma, inverse_rms, weight_off
 
 @norm_keywords
 def rms_norm_fp8_training(
-    x: jax.Array, gamma: jax.Array, *, columnwise: bool = False, **keywords: Unpack[NormKeywords]
+    x: jax.Array,
+    gamma: jax.Array,
+    *,
+    columnwise: bool = False,
+    hadamard: bool | int | None = None,
+    **keywords: Unpack[NormKeywords],
 ) -> tuple[jax.Array, ...]:
     """Reference of :func:`jax_fp8norm._training.rms_norm_fp8_training`: ``(y, scales,
     inverse_rms)``, then ``y_t, scales_t`` with ``columnwise``.
@@ -367,7 +380,8 @@ def rms_norm_fp8_training(
       {keywords}
     """
     call = validate(x, gamma, **keywords)
-    return _outputs(call, jnp.asarray(x), None, jnp.asarray(gamma), True, columnwise)
+    x, gamma = jnp.asarray(x), jnp.asarray(gamma)
+    return _outputs(call, x, None, gamma, True, columnwise, False, hadamard)
 
 
 @norm_keywords
@@ -377,6 +391,7 @@ def add_rms_norm_fp8_training(
     gamma: jax.Array,
     *,
     columnwise: bool = False,
+    hadamard: bool | int | None = None,
     **keywords: Unpack[NormKeywords],
 ) -> tuple[jax.Array, ...]:
     """Reference of :func:`jax_fp8norm._training.add_rms_norm_fp8_training`:
@@ -386,9 +401,8 @@ def add_rms_norm_fp8_training(
       {keywords}
     """
     call = validate(x, gamma, residual, **keywords)
-    return _outputs(
-        call, jnp.asarray(x), jnp.asarray(residual), jnp.asarray(gamma), True, columnwise
-    )
+    x, residual, gamma = jnp.asarray(x), jnp.asarray(residual), jnp.asarray(gamma)
+    return _outputs(call, x, residual, gamma, True, columnwise, False, hadamard)
 
 
 @norm_keywords
@@ -397,6 +411,7 @@ def rms_norm_fp8(
     gamma: jax.Array | None = None,
     *,
     columnwise: bool = False,
+    hadamard: bool | int | None = None,
     return_amax: bool = False,
     reduction_axes: int | tuple[int, ...] = -1,
     out_sharding=None,
@@ -412,7 +427,8 @@ def rms_norm_fp8(
     )
     amax = check_return_amax(return_amax, shaped.call.params)
     x = jnp.asarray(shaped.rows[0])
-    outs = _outputs(shaped.call, x, None, jnp.asarray(shaped.gamma), False, columnwise, amax)
+    gamma = jnp.asarray(shaped.gamma)
+    outs = _outputs(shaped.call, x, None, gamma, False, columnwise, amax, hadamard)
     return _in_callers_shapes(shaped, outs, columnwise, amax)
 
 
@@ -423,6 +439,7 @@ def add_rms_norm_fp8(
     gamma: jax.Array | None = None,
     *,
     columnwise: bool = False,
+    hadamard: bool | int | None = None,
     return_amax: bool = False,
     reduction_axes: int | tuple[int, ...] = -1,
     out_sharding=None,
@@ -439,7 +456,7 @@ def add_rms_norm_fp8(
     amax = check_return_amax(return_amax, shaped.call.params)
     x, residual = (jnp.asarray(r) for r in shaped.rows)
     gamma = jnp.asarray(shaped.gamma)
-    outs = _outputs(shaped.call, x, residual, gamma, False, columnwise, amax)
+    outs = _outputs(shaped.call, x, residual, gamma, False, columnwise, amax, hadamard)
     return _in_callers_shapes(shaped, outs, columnwise, amax)
 
 
@@ -452,11 +469,14 @@ def _in_callers_shapes(shaped, outs: tuple, columnwise: bool, amax: bool = False
 
 
 def _outputs(
-    call, x, residual, gamma, training: bool, columnwise, amax: bool = False
+    call, x, residual, gamma, training: bool, columnwise, amax: bool = False, hadamard=None
 ) -> tuple[jax.Array, ...]:
     """(y, scales[, residual_out][, inverse_rms][, amax][, y_t, scales_t]) of one checked
     call."""
     columnwise = check_columnwise(columnwise, call.params, x.shape)
+    params = dataclasses.replace(
+        call.params, hadamard_mask=check_hadamard(hadamard, call.params, columnwise)
+    )
     if residual is None:
         h = x.astype(jnp.float32)
         outs = quantize_rows(h, gamma, call.params, call.scale_operand)
@@ -473,7 +493,7 @@ def _outputs(
     if amax:
         outs = (*outs, row_amax(h, gamma, call.params))
     if columnwise:
-        outs = (*outs, *quantize_columns(h, gamma, r, call.params, call.scale_operand))
+        outs = (*outs, *quantize_columns(h, gamma, r, params, call.scale_operand))
     return outs
 
 

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "fp4_parts.h"
 #include "fp8norm_math.h"
 #include "rms_norm_fp8.h"
 
@@ -55,6 +56,21 @@ FP8NORM_HD ColumnScale ColumnBlockScale(const RmsNormFp8Args& a, bool rows_finit
         ComputeScale(BlockFiniteness(rows_finite), amax, a.out_format, a.scale_type, a.constants);
   }
   return s;
+}
+
+// The Hadamard transform of a column's block of D rows of n, v[0], v[stride], ...,
+// in place (a.columns.hadamard: the wgrad GEMM's operand, transformed before it is
+// quantised); returns the abs-max (ordered bits) of the transformed values, which the
+// block's scale takes instead of n's.
+template <int D>
+FP8NORM_HD uint32_t HadamardColumnBlock(const RmsNormFp8Args& a, float* v, int64_t stride) {
+  HadamardBlock<D>(v, stride, a.columns.hadamard_mask);
+  uint32_t amax = 0;
+  for (int i = 0; i < D; ++i) {
+    const uint32_t m = AbsBits(v[i * stride]);
+    amax = m > amax ? m : amax;
+  }
+  return amax;
 }
 
 // A static scale's code for an element of a row: the rowwise rule, element by element.

@@ -34,6 +34,8 @@ struct NormAttributes {
   bool with_inverse_rms;
   bool columnwise;
   bool with_amax;
+  // The columnwise outputs' Hadamard transform: its sign mask, or -1 for none.
+  int64_t hadamard_mask;
 };
 
 // The physical layouts of a float4_e2m1fn buffer: one code per byte (in the low nibble),
@@ -152,13 +154,14 @@ ffi::Error DecodeRound(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& ou
 // The members of NormAttributes by attribute name, in order: also the first members of
 // the all-reduce's attributes (src/cuda/cuda_handlers.cc), which carry the norm's (its
 // form always the plain one).
-#define FP8NORM_NORM_ATTRIBUTE_MEMBERS                                                      \
-  ::xla::ffi::StructMember<float>("eps"), ::xla::ffi::StructMember<float>("weight_offset"), \
-      ::xla::ffi::StructMember<float>("scale_ub"),                                          \
-      ::xla::ffi::StructMember<int64_t>("group_size"),                                      \
-      ::xla::ffi::StructMember<bool>("power_of_two_scales"),                                \
-      ::xla::ffi::StructMember<int64_t>("fp4_layout"),                                      \
-      ::xla::ffi::StructMember<bool>("with_inverse_rms"),                                   \
-      ::xla::ffi::StructMember<bool>("columnwise"), ::xla::ffi::StructMember<bool>("with_amax")
+#define FP8NORM_NORM_ATTRIBUTE_MEMBERS                                                           \
+  ::xla::ffi::StructMember<float>("eps"), ::xla::ffi::StructMember<float>("weight_offset"),      \
+      ::xla::ffi::StructMember<float>("scale_ub"),                                               \
+      ::xla::ffi::StructMember<int64_t>("group_size"),                                           \
+      ::xla::ffi::StructMember<bool>("power_of_two_scales"),                                     \
+      ::xla::ffi::StructMember<int64_t>("fp4_layout"),                                           \
+      ::xla::ffi::StructMember<bool>("with_inverse_rms"),                                        \
+      ::xla::ffi::StructMember<bool>("columnwise"), ::xla::ffi::StructMember<bool>("with_amax"), \
+      ::xla::ffi::StructMember<int64_t>("hadamard_mask")
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(fp8norm::NormAttributes, FP8NORM_NORM_ATTRIBUTE_MEMBERS);

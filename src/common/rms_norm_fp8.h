@@ -17,6 +17,10 @@ struct ColumnOutputs {
   void* y_t = nullptr;       // [hidden, rows] in out_format (FP4 packed along the rows)
   void* scales_t = nullptr;  // [hidden, rows / block_rows], [hidden, 1] for a static scale
   int64_t block_rows = 0;
+  // The Hadamard transform of each column's block of n before it is quantised (FP4 blocks
+  // of 16 or 32 rows; docs/spec.md, "Columnwise outputs"): HadamardBlock's sign mask.
+  bool hadamard = false;
+  uint32_t hadamard_mask = 0;
 };
 
 struct RmsNormFp8Args {

@@ -93,6 +93,26 @@ __device__ __forceinline__ void StoreStaticColumnScale(const RmsNormFp8Args& a, 
   StoreColumnScale(a, column, RoundTo(a.scale_type, LoadGlobal(a.static_scale)));
 }
 
+// ColumnOfBlock of a call whose columns are transformed (a.columns.hadamard: FP4 blocks of
+// D rows): the block's n in registers, through the transform, then its scale and codes.
+template <int D>
+__device__ __forceinline__ void HadamardColumnOfBlock(const RmsNormFp8Args& a, int64_t block,
+                                                      int64_t column, float g, float global_scale,
+                                                      CodeWriter& writer) {
+  const int64_t row0 = block * D;
+  float t[D];
+  bool finite = true;
+  for (int i = 0; i < D; ++i) {
+    const float r = LoadGlobal(a.inverse_rms + row0 + i);
+    finite = finite && !IsNan(r);
+    t[i] = Normalize(ColumnH(a, (row0 + i) * a.hidden + column), r, g);
+  }
+  const uint32_t amax = HadamardColumnBlock<D>(a, t, 1);
+  const ColumnScale s = ColumnBlockScale(a, finite, amax, global_scale);
+  StoreColumnScale(a, column * ColumnBlocks(a) + block, StoredScale(a, s));
+  for (int i = 0; i < D; ++i) writer.Code(ColumnCode(a, s, t[i]));
+}
+
 // Column `column` of block `block` of the call's rows (ColumnBlockRows each), whose r
 // are saved: the block's scale into scales_t (not with a static scale: see
 // StoreStaticColumnScale), then its codes into y_t. global_scale: NVFP4's.
@@ -112,6 +132,11 @@ __device__ __forceinline__ void ColumnOfBlock(const RmsNormFp8Args& a, int64_t b
       writer.Code(ColumnCode(a, s, Normalize(ColumnH(a, (row0 + i) * a.hidden + column), r, g)));
     }
     return;
+  }
+  if (a.columns.hadamard) {
+    if (block_rows == 16)
+      return HadamardColumnOfBlock<16>(a, block, column, g, global_scale, writer);
+    return HadamardColumnOfBlock<32>(a, block, column, g, global_scale, writer);
   }
   uint32_t amax = 0;
   bool finite = true;
