@@ -80,7 +80,9 @@ def test_kernels_give_the_twins_bits(platform, name, mask, add, dtype, shape):
     # The rowwise outputs are the op's without the transform; the columnwise ones are not.
     plain = run_on(platform, getattr(fp8norm, op), *args, **dict(kw, hadamard=None))
     assert_same_bits(out[:-2], plain[:-2])
-    assert np.mean(out[-2].view(np.uint8) != plain[-2].view(np.uint8)) > 0.5
+    # Rows 96 on: finite blocks (those of the NaN and Inf rows have zero codes either way).
+    changed = out[-2][:, 96:].view(np.uint8) != plain[-2][:, 96:].view(np.uint8)
+    assert np.mean(changed) > 0.5
 
 
 @pytest.mark.parametrize("platform", ["cpu", "simt-warp_rows", "gpu"], indirect=True)
