@@ -155,6 +155,7 @@ def ffi_call(
     with_inverse_rms=False,
     columnwise=False,
     with_amax=False,
+    hadamard_mask=-1,
 ):
     call = jax.ffi.ffi_call(target, outs)
     return call(
@@ -168,6 +169,7 @@ def ffi_call(
         with_inverse_rms=with_inverse_rms,
         columnwise=columnwise,
         with_amax=with_amax,
+        hadamard_mask=np.int64(hadamard_mask),
     )
 
 

@@ -341,6 +341,7 @@ else:
             with_inverse_rms=False,
             columnwise=False,
             with_amax=False,
+            hadamard_mask=np.int64(-1),
             call_site=np.int64(np.random.default_rng().integers(1 << 62)),
             devices=np.array([d.id for d in mesh.devices.flat], np.int64),
             group_devices=np.int64(size),
@@ -386,6 +387,7 @@ else:
             (dict(devices=others), "has no all-reduce workspace for this call"),
             (dict(with_inverse_rms=True), "only the plain form"),
             (dict(with_amax=True), "only the plain form"),
+            (dict(hadamard_mask=np.int64(0)), "only the plain form"),
             # Decoded as one struct of every attribute: a stray one, or one of another
             # type, is the FFI's refusal.
             (dict(stray=np.int64(0)), "Wrong number of attributes"),

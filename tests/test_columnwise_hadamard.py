@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import ffi_call, handler_target, sds
 from helpers import (
     assert_kernel_matches,
     outputs_of_script,
@@ -296,3 +297,47 @@ def test_the_fixed_signs_are_the_modules():
         fixed = fp8norm.rms_norm_fp8(x, gamma, hadamard=True, **kw)
         mask = _fp4_parts.HADAMARD_SIGNS[block_of(name)]
         assert_same_bits(fixed, fp8norm.rms_norm_fp8(x, gamma, hadamard=mask, **kw))
+
+
+def handler_outs(y=jnp.float4_e2m1fn, scales=jnp.float8_e8m0fnu, rows=32, group=16):
+    """The columnwise form's results for x of rows x 32 in blocks of ``group``."""
+    return (
+        sds((rows, 32), y),
+        sds((rows, 32 // group), scales),
+        sds((rows, 1), jnp.float32),
+        sds((32, rows), y),
+        sds((32, rows // group), scales),
+    )
+
+
+@pytest.mark.parametrize(
+    "outs, kw, match",
+    [
+        (handler_outs(), dict(hadamard_mask=0xFFFF), None),
+        (handler_outs(), dict(hadamard_mask=1 << 16), "hadamard_mask must be -1 .* or a mask"),
+        (handler_outs(), dict(hadamard_mask=-2), "hadamard_mask must be -1 .* or a mask"),
+        (handler_outs(rows=64, group=32), dict(group_size=32, hadamard_mask=1 << 31), None),
+        (handler_outs(rows=64, group=32), dict(group_size=32, hadamard_mask=1 << 32), "a mask"),
+        (handler_outs(group=8), dict(group_size=8), "in blocks of 16 or 32 rows"),
+        (handler_outs(y=jnp.float8_e4m3fn), {}, "hadamard_mask needs float4_e2m1fn"),
+        (handler_outs()[:3], dict(columnwise=False), "it needs columnwise"),
+    ],
+    ids=["16 bits", "17 bits", "negative", "32 bits", "33 bits", "block 8", "fp8", "rowwise"],
+)
+@pytest.mark.parametrize("handler", ["cpu", "simt"])
+def test_handlers_refuse_a_transform_they_cannot_make(handler, outs, kw, match):
+    """A call that bypasses the Python checks: the handlers check hadamard_mask against
+    the form, the format, the block and the mask's width."""
+    target = handler_target(handler, "rms_norm_fp8")
+    x = jnp.asarray(random_rows(3, (outs[0].shape[0], 32), jnp.bfloat16))
+    gamma = jnp.ones(32, jnp.float32)
+    base = dict(group_size=16, power_of_two_scales=True, with_inverse_rms=True, columnwise=True)
+    kw = {**base, "hadamard_mask": 0, **kw}
+    with jax.default_device(jax.devices("cpu")[0]):
+        if match is None:
+            got = ffi_call(target, outs, x, gamma, **kw)
+            assert len(got) == len(outs)
+            return
+        with pytest.raises(Exception, match=match) as info:
+            jax.block_until_ready(ffi_call(target, outs, x, gamma, **kw))
+    assert "jax_fp8norm" in str(info.value)
