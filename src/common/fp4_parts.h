@@ -73,15 +73,17 @@ FP8NORM_HD float HadamardSign(uint32_t mask, int i) { return ((mask >> i) & 1u) 
 
 // M v for the D values v[0], v[stride], ..., of one block: the mask's signs, then the
 // unnormalised Walsh-Hadamard butterfly in float32, stage s mapping (i, i + 2^s), bit s of
-// i clear, to (a + b, a - b), stages in increasing s.
-template <int D>
-FP8NORM_HD void HadamardBlock(float* v, int64_t stride, uint32_t mask) {
+// i clear, to (a + b, a - b), stages in increasing s. T: float, or a vector of floats (GCC's
+// vector extension) whose lanes are as many blocks side by side, each lane computed with
+// float's operations, so with their bits.
+template <int D, typename T>
+FP8NORM_HD void HadamardBlock(T* v, int64_t stride, uint32_t mask) {
   static_assert(D >= 2 && (D & (D - 1)) == 0, "a power of two");
   for (int i = 0; i < D; ++i) v[i * stride] *= HadamardSign(mask, i);
   for (int span = 1; span < D; span *= 2) {
     for (int i = 0; i < D; ++i) {
       if (i & span) continue;
-      const float a = v[i * stride], b = v[(i + span) * stride];
+      const T a = v[i * stride], b = v[(i + span) * stride];
       v[i * stride] = a + b;
       v[(i + span) * stride] = a - b;
     }
