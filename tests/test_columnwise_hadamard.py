@@ -341,3 +341,12 @@ def test_handlers_refuse_a_transform_they_cannot_make(handler, outs, kw, match):
         with pytest.raises(Exception, match=match) as info:
             jax.block_until_ready(ffi_call(target, outs, x, gamma, **kw))
     assert "jax_fp8norm" in str(info.value)
+
+
+def test_vmap_transforms_each_elements_own_blocks():
+    x = random_rows(11, (2, 64, 96), jnp.bfloat16)
+    gamma = random_gamma(12, 96, jnp.float32)
+    fn = lambda x: fp8norm.rms_norm_fp8(x, gamma, recipe="mxfp4", columnwise=True, hadamard=True)  # noqa: E731
+    batched = jax.jit(jax.vmap(fn))(x)
+    for i in range(2):
+        assert_same_bits([b[i] for b in batched], jax.jit(fn)(x[i]))
