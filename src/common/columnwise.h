@@ -66,6 +66,7 @@ template <int D>
 FP8NORM_HD uint32_t HadamardColumnBlock(const RmsNormFp8Args& a, float* v, int64_t stride) {
   HadamardBlock<D>(v, stride, a.columns.hadamard_mask);
   uint32_t amax = 0;
+#pragma unroll
   for (int i = 0; i < D; ++i) {
     const uint32_t m = AbsBits(v[i * stride]);
     amax = m > amax ? m : amax;

@@ -102,6 +102,7 @@ __device__ __forceinline__ void HadamardColumnOfBlock(const RmsNormFp8Args& a, i
   const int64_t row0 = block * D;
   float t[D];
   bool finite = true;
+#pragma unroll
   for (int i = 0; i < D; ++i) {
     const float r = LoadGlobal(a.inverse_rms + row0 + i);
     finite = finite && !IsNan(r);
@@ -110,6 +111,7 @@ __device__ __forceinline__ void HadamardColumnOfBlock(const RmsNormFp8Args& a, i
   const uint32_t amax = HadamardColumnBlock<D>(a, t, 1);
   const ColumnScale s = ColumnBlockScale(a, finite, amax, global_scale);
   StoreColumnScale(a, column * ColumnBlocks(a) + block, StoredScale(a, s));
+#pragma unroll
   for (int i = 0; i < D; ++i) writer.Code(ColumnCode(a, s, t[i]));
 }
 

@@ -233,8 +233,8 @@ MUTANTS = [
     ),
     Mutant(
         "Hadamard butterfly: its first stage skipped",
-        "for (int span = 1; span < D; span *= 2) {",
-        "for (int span = 2; span < D; span *= 2) {",
+        "for (int s = 0; s < HadamardStages(D); ++s) {",
+        "for (int s = 1; s < HadamardStages(D); ++s) {",
         first=HADAMARD,
         file=FP4_PARTS,
     ),
