@@ -308,8 +308,8 @@ ffi::Error DecodeNormForm(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residua
   if (status.failure()) return status;
   if (attributes.with_amax) status = DecodeAmax(*results[next++], args);
   if (status.failure() || !attributes.columnwise) return status;
-  return DecodeColumnOutputs(x, residual, gamma, scale_operand, *results[next], *results[next + 1],
-                             attributes, args);
+  return DecodeColumnOutputs(x, residual, gamma, scale_operand, *results[next],
+                             *results[next + 1], attributes, args);
 }
 
 ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
