@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_fp8norm._dtypes import E4M3, E8M0, FLOAT_DTYPES, FP4, OUT_DTYPES, SCALE_DTYPES
+from jax_fp8norm._fp4_parts import HADAMARD_SIGNS
 from jax_fp8norm._params import NORM_KEYWORDS, NormCall, NormParams
 from jax_fp8norm.recipes import apply_recipe, recipe_of
 
@@ -368,6 +369,40 @@ def check_columnwise(columnwise: Any, params: NormParams, x_shape: tuple) -> boo
             "rows)"
         )
     return True
+
+
+def check_hadamard(hadamard: Any, params: NormParams, columnwise: bool) -> int | None:
+    """Checks ``hadamard``: None or False for no transform; True for the fixed signs of the
+    block (HADAMARD_SIGNS); an int, a sign mask of the block's rows (0: every sign +1).
+    Only the columnwise outputs of an FP4 call take it, in blocks of d = 16 or 32 rows (the
+    transform's d). Returns the sign mask, or None."""
+    if hadamard is None or (isinstance(hadamard, (bool, np.bool_)) and not hadamard):
+        return None
+    if not isinstance(hadamard, (bool, np.bool_, numbers.Integral)):
+        raise TypeError(
+            f"hadamard must be None, a bool or an int sign mask, got {type(hadamard).__name__} "
+            f"{hadamard!r}"
+        )
+    if not columnwise:
+        raise ValueError(
+            "hadamard transforms the columnwise outputs (the weight-gradient GEMM's operand): "
+            "it needs columnwise=True"
+        )
+    block = params.group_size
+    if not params.fp4 or block not in HADAMARD_SIGNS:
+        raise ValueError(
+            "hadamard needs an FP4 recipe's columnwise blocks of 16 rows (nvfp4) or 32 "
+            f"(mxfp4), got {recipe_of(params).name}"
+        )
+    if isinstance(hadamard, (bool, np.bool_)):
+        return HADAMARD_SIGNS[block]
+    mask = int(hadamard)
+    if mask < 0 or mask >> block:
+        raise ValueError(
+            f"hadamard's sign mask has a bit per row of a block of {block} rows "
+            f"(0 <= mask < 2**{block}), got {mask:#x}"
+        )
+    return mask
 
 
 def check_return_amax(return_amax: Any, params: NormParams) -> bool:

@@ -45,6 +45,9 @@ class NormParams:
     # computed from its own amax and returned after amax (and, columnwise, each column's
     # after scales_t).
     per_row_global_scale: bool = False
+    # The columnwise outputs' Hadamard transform (with columnwise, FP4 blocks of 16 or 32
+    # rows): its sign mask (jax_fp8norm._fp4_parts.hadamard_rows); None: no transform.
+    hadamard_mask: int | None = None
 
     @property
     def out_max(self) -> float:

@@ -75,6 +75,8 @@ def norm_attributes(params: dict, platform: str) -> dict:
         columnwise=bool(params["columnwise"]),
         with_amax=bool(params["with_amax"]),
         per_row_global_scale=bool(params["per_row_global_scale"]),
+        # -1: no transform (a mask has at most 32 bits).
+        hadamard_mask=np.int64(-1 if params["hadamard_mask"] is None else params["hadamard_mask"]),
     )
 
 
@@ -336,17 +338,26 @@ add_rms_norm_fp8_p = _make_norm_primitive("add_rms_norm_fp8")
 
 
 def bind_norm(
-    call: NormCall, rows: tuple, gamma, *, training: bool, columnwise: bool, amax: bool = False
+    call: NormCall,
+    rows: tuple,
+    gamma,
+    *,
+    training: bool,
+    columnwise: bool,
+    amax: bool = False,
+    hadamard: int | None = None,
 ) -> NormOutputs:
     """The outputs of a checked call (``rows``: x, or x and residual, which picks the rms or
     the add primitive). The columnwise form computes each row's r whether or not the
-    caller keeps it. ``amax``: each row's amax too (a static scale's call only)."""
+    caller keeps it. ``amax``: each row's amax too (a static scale's call only).
+    ``hadamard``: the columnwise outputs' sign mask (check_hadamard), None for none."""
     prim = add_rms_norm_fp8_p if len(rows) == 2 else rms_norm_fp8_p
     params = dataclasses.replace(
         call.params,
         with_inverse_rms=training or columnwise,
         columnwise=columnwise,
         with_amax=amax,
+        hadamard_mask=hadamard,
     )
     results = prim.bind(*call.operands(*rows, gamma), **params.as_dict())
     return named_outputs(results, params.as_dict(), add=len(rows) == 2)

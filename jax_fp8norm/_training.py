@@ -49,12 +49,13 @@ def rms_norm_fp8_training(
     gamma: jax.Array,
     *,
     columnwise: bool = False,
+    hadamard: bool | int | None = None,
     **keywords: Unpack[NormKeywords],
 ) -> tuple[jax.Array, ...]:
     """:func:`jax_fp8norm.rms_norm_fp8`, also returning each row's ``r`` for the backward.
 
     Args:
-      x, gamma, columnwise: as for :func:`jax_fp8norm.rms_norm_fp8`.
+      x, gamma, columnwise, hadamard: as for :func:`jax_fp8norm.rms_norm_fp8`.
       {keywords}
 
     Returns:
@@ -62,7 +63,9 @@ def rms_norm_fp8_training(
       :func:`jax_fp8norm.rms_norm_fp8`; ``inverse_rms`` is ``[..., 1]`` float32, each row's
       ``r = 1 / sqrt(ss / N + eps)``. With ``columnwise``: then ``y_t, scales_t``.
     """
-    _, outs = checked_norm((x,), gamma, keywords, columnwise=columnwise, training=True)
+    _, outs = checked_norm(
+        (x,), gamma, keywords, columnwise=columnwise, training=True, hadamard=hadamard
+    )
     return outs.returned(training=True)
 
 
@@ -73,19 +76,22 @@ def add_rms_norm_fp8_training(
     gamma: jax.Array,
     *,
     columnwise: bool = False,
+    hadamard: bool | int | None = None,
     **keywords: Unpack[NormKeywords],
 ) -> tuple[jax.Array, ...]:
     """:func:`jax_fp8norm.add_rms_norm_fp8`, also returning each row's ``r``.
 
     Args:
-      x, residual, gamma, columnwise: as for :func:`jax_fp8norm.add_rms_norm_fp8`.
+      x, residual, gamma, columnwise, hadamard: as for :func:`jax_fp8norm.add_rms_norm_fp8`.
       {keywords}
 
     Returns:
       ``(y, scales, residual_out, inverse_rms)``; ``inverse_rms`` is ``[..., 1]`` float32.
       With ``columnwise``: then ``y_t, scales_t``.
     """
-    _, outs = checked_norm((x, residual), gamma, keywords, columnwise=columnwise, training=True)
+    _, outs = checked_norm(
+        (x, residual), gamma, keywords, columnwise=columnwise, training=True, hadamard=hadamard
+    )
     return outs.returned(training=True)
 
 
@@ -152,6 +158,7 @@ def rms_norm_fp8_vjp(
     gamma: jax.Array,
     *,
     columnwise: bool = False,
+    hadamard: bool | int | None = None,
     **keywords: Unpack[NormKeywords],
 ) -> tuple[tuple[jax.Array, ...], Partial]:
     """:func:`jax_fp8norm.rms_norm_fp8` for a following FP8 / FP4 matmul, with its backward
@@ -159,7 +166,7 @@ def rms_norm_fp8_vjp(
     of ``n`` comes back.
 
     Args:
-      x, gamma, columnwise: as for :func:`jax_fp8norm.rms_norm_fp8`.
+      x, gamma, columnwise, hadamard: as for :func:`jax_fp8norm.rms_norm_fp8`.
       {keywords}
 
     Returns:
@@ -171,7 +178,9 @@ def rms_norm_fp8_vjp(
       ``backward`` is a :class:`jax.tree_util.Partial` holding ``x``, ``gamma`` and each
       row's ``r``: a pytree, which a ``jax.custom_vjp``'s forward can return as its residual.
     """
-    params, outs = checked_norm((x,), gamma, keywords, columnwise=columnwise, training=True)
+    params, outs = checked_norm(
+        (x,), gamma, keywords, columnwise=columnwise, training=True, hadamard=hadamard
+    )
     backward = Partial(
         _backward_function(_rms_vjp_backward, params.weight_offset),
         as_operand(x),
@@ -188,12 +197,13 @@ def add_rms_norm_fp8_vjp(
     gamma: jax.Array,
     *,
     columnwise: bool = False,
+    hadamard: bool | int | None = None,
     **keywords: Unpack[NormKeywords],
 ) -> tuple[tuple[jax.Array, ...], Partial]:
     """:func:`jax_fp8norm.add_rms_norm_fp8` with its backward, as :func:`rms_norm_fp8_vjp`.
 
     Args:
-      x, residual, gamma, columnwise: as for :func:`jax_fp8norm.add_rms_norm_fp8`.
+      x, residual, gamma, columnwise, hadamard: as for :func:`jax_fp8norm.add_rms_norm_fp8`.
       {keywords}
 
     Returns:
@@ -203,7 +213,9 @@ def add_rms_norm_fp8_vjp(
       ``dgamma`` in ``gamma``'s dtype.
     """
     rows = (x, residual)
-    params, outs = checked_norm(rows, gamma, keywords, columnwise=columnwise, training=True)
+    params, outs = checked_norm(
+        rows, gamma, keywords, columnwise=columnwise, training=True, hadamard=hadamard
+    )
     backward = Partial(
         _backward_function(_add_vjp_backward, params.weight_offset),
         as_operand(x),

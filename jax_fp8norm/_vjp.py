@@ -37,6 +37,7 @@ class Head(Protocol):
 
     num_operands: int  # its own operands, after gamma (the layer's w, its key)
     columnwise: bool  # whether its backward reads the norm's columnwise codes
+    hadamard: int | None  # the columnwise codes' transform (its sign mask), None for none
 
     def apply(self, outs: NormOutputs, operands: tuple, static: tuple) -> tuple:
         """``(value, residuals)``: its value from the norm's outputs, its operands and the
@@ -172,7 +173,14 @@ def differentiable_norm(p: NormParams, add: bool, head: Head):
         rows, gamma, operands, static = split(args)
         call = NormCall(p, static[0] if static else None)
         columnwise = training and head.columnwise
-        outs = bind_norm(call, rows, gamma, training=training, columnwise=columnwise)
+        outs = bind_norm(
+            call,
+            rows,
+            gamma,
+            training=training,
+            columnwise=columnwise,
+            hadamard=head.hadamard if columnwise else None,
+        )
         value, residuals = head.apply(outs, operands, static)
         return ((value, outs.residual_out) if add else value), outs, residuals
 

@@ -46,6 +46,7 @@ class _Dequantize:
     dtype: np.dtype
     num_operands: ClassVar[int] = 0
     columnwise: ClassVar[bool] = False
+    hadamard: ClassVar[None] = None
 
     def apply(self, outs: NormOutputs, operands: tuple, static: tuple) -> tuple:
         gs = outs.global_scales  # each row's, with global_scale="per_row"

@@ -198,6 +198,15 @@ class _Gemm:
             return (outs.y_t, outs.scales_t, outs.global_scales_t)
         return (outs.y_t, outs.scales_t)
 
+    def _columnwise_global_scale(self, static: tuple):
+        """The global scale the norm's columnwise codes were quantised under: the call's
+        (1.0 for none), times ``d`` with the transform (jax_fp8norm.reference.
+        quantize_columns), None for a format without one."""
+        gs = global_scale_operand(self.params, static)
+        if gs is None or self.hadamard is None:
+            return gs
+        return jnp.asarray(gs, jnp.float32) * jnp.float32(recipe_of(self.params).block)
+
     def _stream(self, operands: tuple, stream: int):
         """The key folded with ``stream`` where the gradient is rounded stochastically."""
         if not self.parts.stochastic_rounding:
@@ -249,7 +258,7 @@ class _Gemm:
             gw_codes,
             gw_scales,
             out_dtype=jnp.float32,
-            a_global_scale=1.0 if column_global else global_scale_operand(self.params, static),
+            a_global_scale=1.0 if column_global else self._columnwise_global_scale(static),
             w_global_scale=gw_global,
         )
         if column_global:  # each column of n's global scale multiplies its row of dw

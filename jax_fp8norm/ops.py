@@ -20,6 +20,7 @@ from jax_fp8norm._checks import (
     check_axis_name,
     check_columnwise,
     check_global_scale,
+    check_hadamard,
     check_reduce_dtype,
     check_return_amax,
     check_static_scale,
@@ -46,6 +47,7 @@ def checked_norm(
     return_amax=False,
     reduction_axes=-1,
     out_sharding=None,
+    hadamard=None,
 ):
     """Every norm op's body: the checks (TypeError / ValueError naming the argument), then
     the primitive. ``rows``: x, or x and residual. Returns the checked call's parameters
@@ -65,7 +67,10 @@ def checked_norm(
         call, rows, gamma = shaped.call, shaped.rows, shaped.gamma
     columnwise = check_columnwise(columnwise, call.params, rows[0].shape)
     amax = check_return_amax(return_amax, call.params)
-    outs = bind_norm(call, rows, gamma, training=training, columnwise=columnwise, amax=amax)
+    mask = check_hadamard(hadamard, call.params, columnwise)
+    outs = bind_norm(
+        call, rows, gamma, training=training, columnwise=columnwise, amax=amax, hadamard=mask
+    )
     return call.params, outs if shaped is None else shaped.finish(outs)
 
 
@@ -75,6 +80,7 @@ def rms_norm_fp8(
     gamma: jax.Array | None = None,
     *,
     columnwise: bool = False,
+    hadamard: bool | int | None = None,
     return_amax: bool = False,
     reduction_axes: int | tuple[int, ...] = -1,
     out_sharding=None,
@@ -95,6 +101,13 @@ def rms_norm_fp8(
         the recipe's scale rule (``[N, 1]`` and the codes transposed for a
         ``static_scale``). Needs block scales or a static scale, and rows a multiple of
         ``group_size``.
+      hadamard: the columnwise outputs only (FP4, blocks of 16 or 32 rows): each column's
+        block of ``d`` rows of ``n`` becomes ``M n`` (``M = H_d S``, the unnormalised
+        Walsh-Hadamard butterfly in float32 after the signs ``S``) before it is
+        quantised, for a weight-gradient GEMM whose other operand is transformed alike
+        (its float32 result times ``1 / d``). True: the recipe's fixed signs; an int: a
+        sign mask (bit ``i`` negates row ``i`` of a block; 0: every sign +1). None or
+        False: no transform.
       return_amax: also return each row's amax, ``max_j |n_j|`` before any clip, float32
         ``[..., 1]``, for delayed scaling (the next calibrated scale). Only with a
         ``static_scale``; NaN for a row whose outputs are NaN.
@@ -121,6 +134,7 @@ def rms_norm_fp8(
         return_amax=return_amax,
         reduction_axes=reduction_axes,
         out_sharding=out_sharding,
+        hadamard=hadamard,
     )
     return outs.returned(training=False)
 
@@ -132,6 +146,7 @@ def add_rms_norm_fp8(
     gamma: jax.Array | None = None,
     *,
     columnwise: bool = False,
+    hadamard: bool | int | None = None,
     return_amax: bool = False,
     reduction_axes: int | tuple[int, ...] = -1,
     out_sharding=None,
@@ -141,7 +156,7 @@ def add_rms_norm_fp8(
 
     Args:
       x, residual: ``[..., N]``, the same shape and dtype (float32, float16 or bfloat16).
-      gamma, columnwise, return_amax, reduction_axes, out_sharding: as for
+      gamma, columnwise, hadamard, return_amax, reduction_axes, out_sharding: as for
         :func:`rms_norm_fp8`.
       {keywords}
 
@@ -162,6 +177,7 @@ def add_rms_norm_fp8(
         return_amax=return_amax,
         reduction_axes=reduction_axes,
         out_sharding=out_sharding,
+        hadamard=hadamard,
     )
     return outs.returned(training=False)
 

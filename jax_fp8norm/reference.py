@@ -7,6 +7,7 @@ the kernels are one pass.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Unpack
 
 import jax
@@ -19,12 +20,14 @@ from jax_fp8norm._checks import (
     check_axis_name,
     check_backward,
     check_columnwise,
+    check_hadamard,
     check_reduce_dtype,
     check_return_amax,
     validate,
 )
 from jax_fp8norm._dtypes import E8M0
 from jax_fp8norm._exact_sums import exact_sum, sum_of_squares
+from jax_fp8norm._fp4_parts import hadamard_rows
 from jax_fp8norm._groups import as_bits, divide, fp4_groups, from_bits, power_of_two_exponents
 from jax_fp8norm._params import DEFAULT_EPS, NormKeywords, NormParams, named_outputs
 from jax_fp8norm._shapes import shaped_call
@@ -201,14 +204,26 @@ def quantize_columns(
     ``n`` transposed to [N, rows] and quantised along the rows in blocks of
     ``p.group_size`` by the recipe's group rule, a block with a row that is not finite
     taking that row's rule (NaN codes and scale; FP4: zero codes, NaN scale). A calibrated
-    scale: the rowwise codes transposed, scales ``[N, 1]``. Returns (y_t, scales_t), and
-    with per-row global scales each column's (its abs-max over every row, NaN where a row
-    is not finite), float32 ``[N, 1]``, which its blocks are quantised under, third."""
+    scale: the rowwise codes transposed, scales ``[N, 1]``. With ``p.hadamard_mask``, each
+    column's blocks of ``n`` are transformed (hadamard_rows) before they are quantised,
+    under ``d`` times the NVFP4 global scale (the transform's values are at most ``d``
+    times n's). Returns (y_t, scales_t), and with per-row global scales each column's
+    (from its abs-max of n over every row, NaN where a row is not finite; times ``d``
+    with the transform), float32 ``[N, 1]``, which its blocks are quantised under,
+    third."""
     n = h.shape[-1]
     rows = int(np.prod(h.shape[:-1], dtype=np.int64))
     r = inverse_rms.reshape(rows, 1)
     row_finite = ~jnp.isnan(r).reshape(rows)
-    normed_t = _normalize(h.reshape(rows, n), r, gamma, p).T  # [N, rows]
+    normed = _normalize(h.reshape(rows, n), r, gamma, p)
+    if p.per_row_global_scale:
+        gs_t = _groups.per_row_global_scale(_groups.abs_max(normed.T, -1), jnp.all(row_finite))
+    if p.hadamard_mask is not None:
+        normed = hadamard_rows(normed, p.group_size, p.hadamard_mask)
+        if p.nvfp4:  # exact: d is a power of two
+            d = jnp.float32(p.group_size)
+            gs_t = gs_t * d if p.per_row_global_scale else scale_operand * d
+    normed_t = normed.T  # [N, rows]
     if p.has_static_scale:
         y_t, _ = _quantize_groups(normed_t[..., None], row_finite[None, :], p, scale_operand)
         scale32 = jnp.broadcast_to(_static_scales(scale_operand, p)[0], (n, 1))
@@ -217,9 +232,10 @@ def quantize_columns(
     grouped = normed_t.reshape(n, rows // block, block)
     block_finite = jnp.all(row_finite.reshape(rows // block, block), axis=-1)
     if p.per_row_global_scale:
-        gs_t = _groups.per_row_global_scale(_groups.abs_max(normed_t, -1), jnp.all(row_finite))
         y_t, scales_t = _quantize_groups(grouped, block_finite[None, :], p, gs_t)
         return y_t.reshape(n, rows), scales_t, gs_t
+    if p.hadamard_mask is not None and p.nvfp4:
+        scale_operand = gs_t
     y_t, scales_t = _quantize_groups(grouped, block_finite[None, :], p, scale_operand)
     return y_t.reshape(n, rows), scales_t
 
@@ -382,7 +398,12 @@ def add_backward(dn, d_residual_out, x, residual, gamma, inverse_rms, weight_off
 
 @norm_keywords
 def rms_norm_fp8_training(
-    x: jax.Array, gamma: jax.Array, *, columnwise: bool = False, **keywords: Unpack[NormKeywords]
+    x: jax.Array,
+    gamma: jax.Array,
+    *,
+    columnwise: bool = False,
+    hadamard: bool | int | None = None,
+    **keywords: Unpack[NormKeywords],
 ) -> tuple[jax.Array, ...]:
     """Reference of :func:`jax_fp8norm._training.rms_norm_fp8_training`: ``(y, scales,
     inverse_rms)``, then ``y_t, scales_t`` with ``columnwise``.
@@ -391,7 +412,8 @@ def rms_norm_fp8_training(
       {keywords}
     """
     call = validate(x, gamma, **keywords)
-    return _outputs(call, jnp.asarray(x), None, jnp.asarray(gamma), True, columnwise)
+    x, gamma = jnp.asarray(x), jnp.asarray(gamma)
+    return _outputs(call, x, None, gamma, True, columnwise, False, hadamard)
 
 
 @norm_keywords
@@ -401,6 +423,7 @@ def add_rms_norm_fp8_training(
     gamma: jax.Array,
     *,
     columnwise: bool = False,
+    hadamard: bool | int | None = None,
     **keywords: Unpack[NormKeywords],
 ) -> tuple[jax.Array, ...]:
     """Reference of :func:`jax_fp8norm._training.add_rms_norm_fp8_training`:
@@ -410,9 +433,8 @@ def add_rms_norm_fp8_training(
       {keywords}
     """
     call = validate(x, gamma, residual, **keywords)
-    return _outputs(
-        call, jnp.asarray(x), jnp.asarray(residual), jnp.asarray(gamma), True, columnwise
-    )
+    x, residual, gamma = jnp.asarray(x), jnp.asarray(residual), jnp.asarray(gamma)
+    return _outputs(call, x, residual, gamma, True, columnwise, False, hadamard)
 
 
 @norm_keywords
@@ -421,6 +443,7 @@ def rms_norm_fp8(
     gamma: jax.Array | None = None,
     *,
     columnwise: bool = False,
+    hadamard: bool | int | None = None,
     return_amax: bool = False,
     reduction_axes: int | tuple[int, ...] = -1,
     out_sharding=None,
@@ -436,7 +459,8 @@ def rms_norm_fp8(
     )
     amax = check_return_amax(return_amax, shaped.call.params)
     x = jnp.asarray(shaped.rows[0])
-    outs = _outputs(shaped.call, x, None, jnp.asarray(shaped.gamma), False, columnwise, amax)
+    gamma = jnp.asarray(shaped.gamma)
+    outs = _outputs(shaped.call, x, None, gamma, False, columnwise, amax, hadamard)
     return _in_callers_shapes(shaped, outs, columnwise, amax)
 
 
@@ -447,6 +471,7 @@ def add_rms_norm_fp8(
     gamma: jax.Array | None = None,
     *,
     columnwise: bool = False,
+    hadamard: bool | int | None = None,
     return_amax: bool = False,
     reduction_axes: int | tuple[int, ...] = -1,
     out_sharding=None,
@@ -463,7 +488,7 @@ def add_rms_norm_fp8(
     amax = check_return_amax(return_amax, shaped.call.params)
     x, residual = (jnp.asarray(r) for r in shaped.rows)
     gamma = jnp.asarray(shaped.gamma)
-    outs = _outputs(shaped.call, x, residual, gamma, False, columnwise, amax)
+    outs = _outputs(shaped.call, x, residual, gamma, False, columnwise, amax, hadamard)
     return _in_callers_shapes(shaped, outs, columnwise, amax)
 
 
@@ -476,11 +501,14 @@ def _in_callers_shapes(shaped, outs: tuple, columnwise: bool, amax: bool = False
 
 
 def _outputs(
-    call, x, residual, gamma, training: bool, columnwise, amax: bool = False
+    call, x, residual, gamma, training: bool, columnwise, amax: bool = False, hadamard=None
 ) -> tuple[jax.Array, ...]:
     """(y, scales[, residual_out][, inverse_rms][, amax][, global_scales][, y_t, scales_t[,
     global_scales_t]]) of one checked call."""
     columnwise = check_columnwise(columnwise, call.params, x.shape)
+    params = dataclasses.replace(
+        call.params, hadamard_mask=check_hadamard(hadamard, call.params, columnwise)
+    )
     if residual is None:
         h = x.astype(jnp.float32)
         outs = quantize_rows(h, gamma, call.params, call.scale_operand)
@@ -496,7 +524,7 @@ def _outputs(
     if call.params.per_row_global_scale:
         outs = (*outs, row_global_scales(h, gamma, call.params))
     if columnwise:
-        outs = (*outs, *quantize_columns(h, gamma, r, call.params, call.scale_operand))
+        outs = (*outs, *quantize_columns(h, gamma, r, params, call.scale_operand))
     return outs
 
 

@@ -156,6 +156,7 @@ def ffi_call(
     columnwise=False,
     with_amax=False,
     per_row_global_scale=False,
+    hadamard_mask=-1,
 ):
     call = jax.ffi.ffi_call(target, outs)
     return call(
@@ -170,6 +171,7 @@ def ffi_call(
         columnwise=columnwise,
         with_amax=with_amax,
         per_row_global_scale=per_row_global_scale,
+        hadamard_mask=np.int64(hadamard_mask),
     )
 
 

@@ -342,6 +342,7 @@ else:
             columnwise=False,
             with_amax=False,
             per_row_global_scale=False,
+            hadamard_mask=np.int64(-1),
             call_site=np.int64(np.random.default_rng().integers(1 << 62)),
             devices=np.array([d.id for d in mesh.devices.flat], np.int64),
             group_devices=np.int64(size),
@@ -388,6 +389,7 @@ else:
             (dict(with_inverse_rms=True), "only the plain form"),
             (dict(with_amax=True), "only the plain form"),
             (dict(per_row_global_scale=True), "only the plain form"),
+            (dict(hadamard_mask=np.int64(0)), "only the plain form"),
             # Decoded as one struct of every attribute: a stray one, or one of another
             # type, is the FFI's refusal.
             (dict(stray=np.int64(0)), "Wrong number of attributes"),

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "fp4_parts.h"
 #include "fp8norm_math.h"
 #include "rms_norm_fp8.h"
 
@@ -43,6 +44,13 @@ struct ColumnScale {
   Fp4Scale fp4;
 };
 
+// The NVFP4 global scale a column's blocks are quantised under: with the Hadamard
+// transform, whose values are at most d times n's, d times the call's (or the column's),
+// so that its block scales stay within e4m3's range (exact: d is a power of two).
+FP8NORM_HD float ColumnGlobalScale(const ColumnOutputs& columns, float global_scale) {
+  return columns.hadamard ? global_scale * float(columns.block_rows) : global_scale;
+}
+
 // The scale of a column's block from the abs-max of its n (ordered bits) and whether all
 // of its rows are finite; global_scale: NVFP4's (0 for every other format).
 FP8NORM_HD ColumnScale ColumnBlockScale(const RmsNormFp8Args& a, bool rows_finite, uint32_t amax,
@@ -55,6 +63,22 @@ FP8NORM_HD ColumnScale ColumnBlockScale(const RmsNormFp8Args& a, bool rows_finit
         ComputeScale(BlockFiniteness(rows_finite), amax, a.out_format, a.scale_type, a.constants);
   }
   return s;
+}
+
+// The Hadamard transform of a column's block of D rows of n, v[0], v[stride], ...,
+// in place (a.columns.hadamard: the wgrad GEMM's operand, transformed before it is
+// quantised); returns the abs-max (ordered bits) of the transformed values, which the
+// block's scale takes instead of n's.
+template <int D>
+FP8NORM_HD uint32_t HadamardColumnBlock(const RmsNormFp8Args& a, float* v, int64_t stride) {
+  HadamardBlock<D>(v, stride, a.columns.hadamard_mask);
+  uint32_t amax = 0;
+#pragma unroll
+  for (int i = 0; i < D; ++i) {
+    const uint32_t m = AbsBits(v[i * stride]);
+    amax = m > amax ? m : amax;
+  }
+  return amax;
 }
 
 // A static scale's code for an element of a row: the rowwise rule, element by element.

@@ -264,6 +264,18 @@ ffi::Error DecodeColumnOutputs(const ffi::AnyBuffer& x, const ffi::AnyBuffer* re
   }
   if (view.scale_type != args->scale_type) return Invalid("scales_t must have the dtype of scales");
   args->columns = ColumnOutputs{view.y, view.scales, view.group_size};
+  if (attributes.hadamard_mask == -1) return ffi::Error::Success();
+  // The transform's blocks are FP4's of 16 or 32 rows (HadamardColumnBlock's), and its
+  // mask has a bit per row of one.
+  const int64_t d = view.group_size;
+  if (view.out_format != OutFormat::kE2M1 || (d != 16 && d != 32)) {
+    return Invalid("hadamard_mask needs float4_e2m1fn y_t in blocks of 16 or 32 rows");
+  }
+  if (attributes.hadamard_mask < 0 || (attributes.hadamard_mask >> d) != 0) {
+    return Invalid("hadamard_mask must be -1 (none) or a mask of group_size bits");
+  }
+  args->columns.hadamard = true;
+  args->columns.hadamard_mask = static_cast<uint32_t>(attributes.hadamard_mask);
   return ffi::Error::Success();
 }
 
@@ -274,6 +286,9 @@ ffi::Error CheckFormResults(const NormAttributes& attributes, size_t results) {
     return Invalid("the columnwise form needs with_inverse_rms: its pass reads each row's r");
   }
   const size_t per_row = attributes.per_row_global_scale ? 1 : 0;
+  if (attributes.hadamard_mask != -1 && !attributes.columnwise) {
+    return Invalid("hadamard_mask transforms the columnwise outputs: it needs columnwise");
+  }
   const size_t expected = (attributes.with_inverse_rms ? 1 : 0) + (attributes.with_amax ? 1 : 0) +
                           per_row + (attributes.columnwise ? 2 + per_row : 0);
   if (results == expected) return ffi::Error::Success();
@@ -335,10 +350,10 @@ ffi::Error DecodeRmsNormFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer* resid
                             ffi::Result<ffi::AnyBuffer>* residual_out,
                             const NormAttributes& attributes, RmsNormFp8Args* args) {
   if (attributes.with_inverse_rms || attributes.columnwise || attributes.with_amax ||
-      attributes.per_row_global_scale) {
+      attributes.per_row_global_scale || attributes.hadamard_mask != -1) {
     return Invalid(
         "this target has only the plain form: with_inverse_rms, with_amax, "
-        "per_row_global_scale and columnwise unset");
+        "per_row_global_scale and columnwise unset, hadamard_mask -1");
   }
   return DecodeNormCall(x, residual, gamma, scale_operand, y, scales, residual_out, attributes,
                         false, args);

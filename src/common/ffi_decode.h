@@ -39,6 +39,8 @@ struct NormAttributes {
   // each row's global scale is a result after [amax], and with columnwise each column's
   // after scales_t.
   bool per_row_global_scale;
+  // The columnwise outputs' Hadamard transform: its sign mask, or -1 for none.
+  int64_t hadamard_mask;
 };
 
 // The physical layouts of a float4_e2m1fn buffer: one code per byte (in the low nibble),
@@ -187,6 +189,7 @@ ffi::Error DecodeQuantizeWeight(const ffi::AnyBuffer& w, ffi::Result<ffi::AnyBuf
       ::xla::ffi::StructMember<int64_t>("fp4_layout"),                                           \
       ::xla::ffi::StructMember<bool>("with_inverse_rms"),                                        \
       ::xla::ffi::StructMember<bool>("columnwise"), ::xla::ffi::StructMember<bool>("with_amax"), \
-      ::xla::ffi::StructMember<bool>("per_row_global_scale")
+      ::xla::ffi::StructMember<bool>("per_row_global_scale"),                                    \
+      ::xla::ffi::StructMember<int64_t>("hadamard_mask")
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(fp8norm::NormAttributes, FP8NORM_NORM_ATTRIBUTE_MEMBERS);

@@ -71,17 +71,27 @@ FP8NORM_HD uint8_t Fp4StochasticCode(float q, uint32_t bits) {
 // The sign of row i of a Hadamard block: bit i of the recipe's mask set, negated.
 FP8NORM_HD float HadamardSign(uint32_t mask, int i) { return ((mask >> i) & 1u) ? -1.0f : 1.0f; }
 
+// The butterfly's stages for blocks of d rows: log2(d).
+constexpr int HadamardStages(int d) { return d > 1 ? 1 + HadamardStages(d / 2) : 0; }
+
 // M v for the D values v[0], v[stride], ..., of one block: the mask's signs, then the
 // unnormalised Walsh-Hadamard butterfly in float32, stage s mapping (i, i + 2^s), bit s of
-// i clear, to (a + b, a - b), stages in increasing s.
-template <int D>
-FP8NORM_HD void HadamardBlock(float* v, int64_t stride, uint32_t mask) {
+// i clear, to (a + b, a - b), stages in increasing s. T: float, or a vector of floats (GCC's
+// vector extension) whose lanes are as many blocks side by side, each lane computed with
+// float's operations, so with their bits. Unrolled whole (nvcc), so that a block in an
+// array of registers is indexed by constants and stays in them.
+template <int D, typename T>
+FP8NORM_HD void HadamardBlock(T* v, int64_t stride, uint32_t mask) {
   static_assert(D >= 2 && (D & (D - 1)) == 0, "a power of two");
+#pragma unroll
   for (int i = 0; i < D; ++i) v[i * stride] *= HadamardSign(mask, i);
-  for (int span = 1; span < D; span *= 2) {
+#pragma unroll
+  for (int s = 0; s < HadamardStages(D); ++s) {
+    const int span = 1 << s;
+#pragma unroll
     for (int i = 0; i < D; ++i) {
       if (i & span) continue;
-      const float a = v[i * stride], b = v[(i + span) * stride];
+      const T a = v[i * stride], b = v[(i + span) * stride];
       v[i * stride] = a + b;
       v[(i + span) * stride] = a - b;
     }

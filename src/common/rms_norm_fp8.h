@@ -21,6 +21,10 @@ struct ColumnOutputs {
   // over every row) with per-row global scales, under which its blocks are quantised; null
   // otherwise.
   float* global_scales_t = nullptr;
+  // The Hadamard transform of each column's block of n before it is quantised (FP4 blocks
+  // of 16 or 32 rows; docs/spec.md, "Columnwise outputs"): HadamardBlock's sign mask.
+  bool hadamard = false;
+  uint32_t hadamard_mask = 0;
 };
 
 struct RmsNormFp8Args {

@@ -223,7 +223,8 @@ void ColumnGlobalScales(const RmsNormFp8Args& a, const float* gamma_plus_offset,
       }
     }
     for (int64_t j = j0; j < j1; ++j)
-      a.columns.global_scales_t[j] = PerRowGlobalScale(0.0f, amax[j - j0]);
+      a.columns.global_scales_t[j] =
+          ColumnGlobalScale(a.columns, PerRowGlobalScale(0.0f, amax[j - j0]));
   });
 }
 
@@ -305,7 +306,7 @@ bool RmsNormFp8Cpu(const RmsNormFp8Args& a, const ParallelFor& parallel_for) {
   if (a.columns.global_scales_t != nullptr && a.rows == 0) {
     // No rows: each column's abs-max is 0, its global scale the floor.
     std::fill(a.columns.global_scales_t, a.columns.global_scales_t + a.hidden,
-              PerRowGlobalScale(0.0f, 0u));
+              ColumnGlobalScale(a.columns, PerRowGlobalScale(0.0f, 0u)));
   }
   if (a.rows == 0) return true;
   if (a.hidden == 0) {

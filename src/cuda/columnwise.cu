@@ -93,6 +93,28 @@ __device__ __forceinline__ void StoreStaticColumnScale(const RmsNormFp8Args& a, 
   StoreColumnScale(a, column, RoundTo(a.scale_type, LoadGlobal(a.static_scale)));
 }
 
+// ColumnOfBlock of a call whose columns are transformed (a.columns.hadamard: FP4 blocks of
+// D rows): the block's n in registers, through the transform, then its scale and codes.
+template <int D>
+__device__ __forceinline__ void HadamardColumnOfBlock(const RmsNormFp8Args& a, int64_t block,
+                                                      int64_t column, float g, float global_scale,
+                                                      CodeWriter& writer) {
+  const int64_t row0 = block * D;
+  float t[D];
+  bool finite = true;
+#pragma unroll
+  for (int i = 0; i < D; ++i) {
+    const float r = LoadGlobal(a.inverse_rms + row0 + i);
+    finite = finite && !IsNan(r);
+    t[i] = Normalize(ColumnH(a, (row0 + i) * a.hidden + column), r, g);
+  }
+  const uint32_t amax = HadamardColumnBlock<D>(a, t, 1);
+  const ColumnScale s = ColumnBlockScale(a, finite, amax, global_scale);
+  StoreColumnScale(a, column * ColumnBlocks(a) + block, StoredScale(a, s));
+#pragma unroll
+  for (int i = 0; i < D; ++i) writer.Code(ColumnCode(a, s, t[i]));
+}
+
 // Column `column` of block `block` of the call's rows (ColumnBlockRows each), whose r
 // are saved: the block's scale into scales_t (not with a static scale: see
 // StoreStaticColumnScale), then its codes into y_t. global_scale: NVFP4's.
@@ -112,6 +134,11 @@ __device__ __forceinline__ void ColumnOfBlock(const RmsNormFp8Args& a, int64_t b
       writer.Code(ColumnCode(a, s, Normalize(ColumnH(a, (row0 + i) * a.hidden + column), r, g)));
     }
     return;
+  }
+  if (a.columns.hadamard) {
+    if (block_rows == 16)
+      return HadamardColumnOfBlock<16>(a, block, column, g, global_scale, writer);
+    return HadamardColumnOfBlock<32>(a, block, column, g, global_scale, writer);
   }
   uint32_t amax = 0;
   bool finite = true;
@@ -134,7 +161,8 @@ __device__ __forceinline__ void ColumnOfBlock(const RmsNormFp8Args& a, int64_t b
 __global__ void __launch_bounds__(kColumnThreads) ColumnwiseKernel(const RmsNormFp8Args a) {
   const int64_t row_blocks = RowBlocksOf(a);
   const int64_t tiles = (a.hidden + kColumnThreads - 1) / kColumnThreads;
-  const float global_scale = a.global_scale != nullptr ? LoadGlobal(a.global_scale) : 0.0f;
+  const float global_scale =
+      a.global_scale != nullptr ? ColumnGlobalScale(a.columns, LoadGlobal(a.global_scale)) : 0.0f;
   const float* column_gs = a.columns.global_scales_t;
   for (int64_t task = blockIdx.x; task < tiles * row_blocks; task += gridDim.x) {
     const int64_t column = (task % tiles) * kColumnThreads + threadIdx.x;
@@ -160,7 +188,8 @@ __global__ void __launch_bounds__(kColumnThreads) ColumnGlobalScalesKernel(const
     const float r = LoadGlobal(a.inverse_rms + row);
     amax = max(amax, AbsBits(Normalize(ColumnH(a, row * a.hidden + column), r, g)));
   }
-  StoreGlobal(a.columns.global_scales_t + column, PerRowGlobalScale(0.0f, amax));
+  StoreGlobal(a.columns.global_scales_t + column,
+              ColumnGlobalScale(a.columns, PerRowGlobalScale(0.0f, amax)));
 }
 
 // Both layouts in one launch. grid: any number of blocks, striding over the call's blocks
@@ -175,7 +204,7 @@ __global__ void __launch_bounds__(kWarpRowsBlockThreads, 2)
   const int lane = static_cast<int>(threadIdx.x) % threads_per_row;
   const int64_t block_rows = ColumnBlockRows(a);
   const int64_t row_blocks = RowBlocksOf(a);
-  const float global_scale = GlobalScaleOf(a);
+  const float global_scale = ColumnGlobalScale(a.columns, GlobalScaleOf(a));
   for (int64_t block = blockIdx.x; block < row_blocks; block += gridDim.x) {
     const int64_t row0 = block * block_rows;
     const int64_t row_end = block_rows < a.rows - row0 ? row0 + block_rows : a.rows;

@@ -166,8 +166,9 @@ int CheckBackward(bool quick) {
 // The columnwise kernel against the CPU kernel's columnwise outputs (made in its rows'
 // pass): every output format and scale rule, the residual, hidden sizes around the
 // kernel's 128-column tile, blocks whose bytes are and are not whole 32-bit words, a
-// static scale with a last tile of fewer rows, and rows that are not finite (NaN r). The
-// emulated kernel reads the r the CPU kernel saved.
+// static scale with a last tile of fewer rows, rows that are not finite (NaN r), and FP4
+// columns through the Hadamard transform. The emulated kernel reads the r the CPU kernel
+// saved.
 int CheckColumnwise(bool quick) {
   struct Format {
     OutFormat out;
@@ -176,6 +177,8 @@ int CheckColumnwise(bool quick) {
     bool power_of_two;
     bool packed;
     const char* name;
+    bool hadamard = false;  // the columnwise outputs' transform, with this sign mask
+    uint32_t hadamard_mask = 0;
   };
   const Format formats[] = {
       {OutFormat::kE4M3FN, FloatType::kE8M0, 32, true, false, "mxfp8"},
@@ -185,6 +188,9 @@ int CheckColumnwise(bool quick) {
       {OutFormat::kE4M3FN, FloatType::kF32, 6, false, false, "group 6 (byte stores)"},
       {OutFormat::kE2M1, FloatType::kE4M3, 2, false, true, "nvfp4 group 2 (byte stores)"},
       {OutFormat::kE4M3FN, FloatType::kF32, 0, false, false, "static"},
+      {OutFormat::kE2M1, FloatType::kE4M3, 16, false, true, "nvfp4 packed hadamard", true, 0xC05D},
+      {OutFormat::kE2M1, FloatType::kE8M0, 32, true, false, "mxfp4 hadamard", true, 0x5C0FF1E7},
+      {OutFormat::kE2M1, FloatType::kE8M0, 32, true, true, "mxfp4 hadamard mask 0", true, 0},
   };
   // 2048: bfloat16 rows that warp_rows holds in several warps (its reductions' barriers
   // in the one launch).
@@ -197,6 +203,12 @@ int CheckColumnwise(bool quick) {
   int one_launch_cases = 0;
   int k = 0;
   for (const Format& f : formats) {
+    const auto columns = [&f](void* y_t, void* scales_t) {
+      ColumnOutputs c{y_t, scales_t, f.block};
+      c.hadamard = f.hadamard;
+      c.hadamard_mask = f.hadamard_mask;
+      return c;
+    };
     for (const int64_t hidden : hiddens) {
       if (f.block > 0 && hidden % f.block != 0 && f.block <= hidden) continue;
       for (const bool residual : {false, true}) {
@@ -250,11 +262,11 @@ int CheckColumnwise(bool quick) {
         a.static_scale = f.block == 0 ? reinterpret_cast<const float*>(operand.data) : nullptr;
         a.global_scale = nvfp4 ? reinterpret_cast<const float*>(operand.data) : nullptr;
         a.inverse_rms = reinterpret_cast<float*>(r.data);
-        a.columns = ColumnOutputs{y_t_cpu.data, scales_t_cpu.data, f.block};
+        a.columns = columns(y_t_cpu.data, scales_t_cpu.data);
         RmsNormFp8Cpu(a, [](int64_t n, const std::function<void(int64_t)>& task) {
           for (int64_t i = 0; i < n; ++i) task(i);
         });
-        a.columns = ColumnOutputs{y_t.data, scales_t.data, f.block};
+        a.columns = columns(y_t.data, scales_t.data);
         const std::string name = std::string("columnwise ") + f.name + " " + std::to_string(rows) +
                                  "x" + std::to_string(hidden) + " " + TypeName(input) +
                                  (residual ? " add" : "");
@@ -291,7 +303,7 @@ int CheckColumnwise(bool quick) {
         both.scales = scales2.data;
         both.residual_out = residual ? residual_out2.data : nullptr;
         both.inverse_rms = reinterpret_cast<float*>(r2.data);
-        both.columns = ColumnOutputs{y_t2.data, scales_t2.data, f.block};
+        both.columns = columns(y_t2.data, scales_t2.data);
         SetKernelVariant(KernelVariant::kWarpRows);
         LaunchPlan plan{};
         const bool one_launch = PlanLaunch(0, both, &plan) == cudaSuccess && plan.both_layouts;

@@ -1,7 +1,8 @@
-"""The mutation check of the shared arithmetic (src/common/fp8norm_math.h, backward_math.h)
-and of the CPU backward (src/cpu/cpu_backward.cc, cpu_backward_rows.inc, cpu_exact_sums.h):
-plants known bugs, one at a time, into a copy of the file, rebuilds the CPU kernels'
-module from that copy and shows that the default tier's cpu tests fail on each. The
+"""The mutation check of the shared arithmetic (src/common/fp8norm_math.h, backward_math.h,
+the Hadamard butterfly of fp4_parts.h) and of the CPU backward (src/cpu/cpu_backward.cc,
+cpu_backward_rows.inc, cpu_exact_sums.h): plants known bugs, one at a time, into a copy
+of the file, rebuilds the CPU kernels' module from that copy and shows that the default
+tier's cpu tests fail on each. The
 headers are also what the CUDA kernels and their emulation compute with, so only these
 tests, which hold the kernels to the reference and to the exact oracle, can show such a
 bug; the SIMT mutants (tools/mutants/simt_mutants.py) cover the kernels' own code.
@@ -61,6 +62,10 @@ WEIGHT_OFFSET = "tests/test_backward.py::test_weight_offset_is_rounded_through_x
 PER_ROW_EDGES = "tests/test_per_row_global_scale.py::test_edge_rows"
 BACKWARD_CC = "src/cpu/cpu_backward.cc"
 BACKWARD_MATH = "src/common/backward_math.h"
+# The FP4 training parts (the Hadamard butterfly of the columnwise outputs), and the test
+# that holds the CPU kernel's transformed columns to the twin.
+FP4_PARTS = "src/common/fp4_parts.h"
+HADAMARD = "tests/test_columnwise_hadamard.py::test_kernels_give_the_twins_bits"
 TIMEOUT_S = 900
 # Each mutant rebuilds the CPU kernels and then runs small inputs: -O1 compiles them in a
 # third of -O3's time, and under the CMakeLists' float rules (no contraction, no
@@ -244,6 +249,27 @@ MUTANTS = [
         "const bool finite = IsFinite(sum_sq) && IsFinite(FloatOf(amax_bits));",
         "const bool finite = IsFinite(sum_sq);",
         first=PER_ROW_EDGES,
+    ),
+    Mutant(
+        "Hadamard butterfly: its first stage skipped",
+        "for (int s = 0; s < HadamardStages(D); ++s) {",
+        "for (int s = 1; s < HadamardStages(D); ++s) {",
+        first=HADAMARD,
+        file=FP4_PARTS,
+    ),
+    Mutant(
+        "Hadamard butterfly: the sign of a block's first row flipped",
+        "v[i * stride] *= HadamardSign(mask, i);",
+        "v[i * stride] *= HadamardSign(mask ^ 1u, i);",
+        first=HADAMARD,
+        file=FP4_PARTS,
+    ),
+    Mutant(
+        "Hadamard butterfly: the pair's difference taken the other way round",
+        "v[(i + span) * stride] = a - b;",
+        "v[(i + span) * stride] = b - a;",
+        first=HADAMARD,
+        file=FP4_PARTS,
     ),
 ]
 

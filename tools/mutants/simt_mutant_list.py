@@ -353,6 +353,26 @@ MUTANTS = [
         "RegisterRow<TIn, kVecs>(a, first + block_row, row_end - 1, lane",
     ),
     Mutant(
+        "columnwise Hadamard: the butterfly's last stage skipped (two transforms of half a block)",
+        "cuda/columnwise.cu",
+        "const uint32_t amax = HadamardColumnBlock<D>(a, t, 1);",
+        "const uint32_t amax = max(HadamardColumnBlock<D / 2>(a, t, 1),\n"
+        "                                HadamardColumnBlock<D / 2>(a, t + D / 2, 1));",
+    ),
+    Mutant(
+        "columnwise Hadamard: the sign of a block's first row flipped",
+        "cuda/columnwise.cu",
+        "const uint32_t amax = HadamardColumnBlock<D>(a, t, 1);",
+        "t[0] = -t[0];\n  const uint32_t amax = HadamardColumnBlock<D>(a, t, 1);",
+    ),
+    Mutant(
+        "columnwise Hadamard: the block's scale from the abs-max of n, not of M n",
+        "cuda/columnwise.cu",
+        "const uint32_t amax = HadamardColumnBlock<D>(a, t, 1);",
+        "uint32_t amax = 0;\n  for (int i = 0; i < D; ++i) amax = max(amax, AbsBits(t[i]));\n"
+        "  HadamardColumnBlock<D>(a, t, 1);",
+    ),
+    Mutant(
         "static scale's amax: a row's amax stored at the next row's place",
         "cuda/row_blocks.cuh",
         "StoreGlobal(a.amax + row, SavedAmax(sum_sq, amax), site);",
