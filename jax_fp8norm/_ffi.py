@@ -46,8 +46,11 @@ OPS = ("rms_norm_fp8", "add_rms_norm_fp8", "round")
 PEER_OPS = ("allreduce_rms_norm_fp8",)
 # The backward kernels (docs/spec.md, "Training: the backward pass").
 BACKWARD_OPS = ("rms_norm_backward", "add_rms_norm_backward")
-TARGETS = {op: f"fp8norm_{op}" for op in OPS + PEER_OPS + BACKWARD_OPS}
-EMULATED_TARGETS = {op: f"fp8norm_simt_{op}" for op in OPS + PEER_OPS + BACKWARD_OPS}
+# The output gradient's FP4 quantiser (jax_fp8norm._quantize_kernels).
+GRADIENT_QUANTIZER_OPS = ("quantize_gradient",)
+_ALL_OPS = OPS + PEER_OPS + BACKWARD_OPS + GRADIENT_QUANTIZER_OPS
+TARGETS = {op: f"fp8norm_{op}" for op in _ALL_OPS}
+EMULATED_TARGETS = {op: f"fp8norm_simt_{op}" for op in _ALL_OPS}
 
 # How each platform's XLA holds a float4_e2m1fn buffer, by the name of the layout the
 # handlers' fp4_layout attribute gives as a code (src/common/ffi_decode.h, Fp4Layout; the
@@ -83,7 +86,7 @@ def _register(module, targets: dict[str, str], platform: str, ops: tuple = OPS) 
         jax.ffi.register_ffi_target(targets[op], handler, platform=platform)
 
 
-_register(_fp8norm_cpu, TARGETS, "cpu", OPS + BACKWARD_OPS)
+_register(_fp8norm_cpu, TARGETS, "cpu", OPS + BACKWARD_OPS + GRADIENT_QUANTIZER_OPS)
 
 try:
     from jax_fp8norm_kernels import _fp8norm_cuda
@@ -95,7 +98,7 @@ except ImportError as _error:
         "takes nvcc from PyPI)"
     )
 else:
-    _register(_fp8norm_cuda, TARGETS, "CUDA", OPS + PEER_OPS + BACKWARD_OPS)
+    _register(_fp8norm_cuda, TARGETS, "CUDA", OPS + PEER_OPS + BACKWARD_OPS + GRADIENT_QUANTIZER_OPS)
     CUDA_UNAVAILABLE_REASON = ""
 
 # The CUDA kernels and handlers compiled for the host against the SIMT emulation
@@ -106,7 +109,7 @@ except ImportError as _error:
     simt_module = None
     SIMT_ERROR = str(_error)
 else:
-    _register(simt_module, EMULATED_TARGETS, "cpu", OPS + PEER_OPS + BACKWARD_OPS)
+    _register(simt_module, EMULATED_TARGETS, "cpu", OPS + PEER_OPS + BACKWARD_OPS + GRADIENT_QUANTIZER_OPS)
     SIMT_ERROR = ""
 
 EMULATE_CUDA_ENV = "FP8NORM_EMULATE_CUDA"

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fp8norm import _checks
+from jax_fp8norm import _checks, _quantize_kernels
 from jax_fp8norm._checks import check_float32_scalar
 from jax_fp8norm._dtypes import E8M0, FP4, FP4_MAX
 from jax_fp8norm._fp4_parts import hadamard_rows, random_bits
@@ -78,7 +78,16 @@ def quantize_gradient_rows(g: jax.Array, fmt: OperandFormat, stream_words=None):
     """The output gradient's dgrad copy: ``g [R, F]`` float32 quantised along F
     (:func:`quantize_rows`), rounded stochastically where ``stream_words`` (the caller's
     key folded with the dgrad stream) is given, element ``(i, j)`` with the random bits of
-    ``(i, j)``."""
+    ``(i, j)``. NVFP4 and MXFP4 run the gradient quantiser's kernel
+    (jax_fp8norm._quantize_kernels), whose bits are
+    :func:`reference_quantize_gradient_rows`'s."""
+    if _quantize_kernels.has_kernel(fmt):
+        return _quantize_kernels.quantize_gradient(g, fmt, stream_words, columns=False)
+    return reference_quantize_gradient_rows(g, fmt, stream_words)
+
+
+def reference_quantize_gradient_rows(g: jax.Array, fmt: OperandFormat, stream_words=None):
+    """The statement of :func:`quantize_gradient_rows` in jnp, its kernel's twin."""
     bits = None if stream_words is None else random_bits(stream_words, *g.shape)
     return quantize_rows(g, fmt, bits)
 
@@ -90,7 +99,20 @@ def quantize_gradient_columns(
     blocks of ``fmt.block`` rows where ``hadamard_mask`` is given (its signs; the wgrad
     GEMM's result then takes ``1 / block``), quantised along R (:func:`quantize_columns`),
     rounded stochastically where ``stream_words`` is given, element ``(i, j)`` of ``g``
-    with the random bits of ``(i, j)``."""
+    with the random bits of ``(i, j)``. NVFP4 and MXFP4 run the gradient quantiser's
+    kernel (jax_fp8norm._quantize_kernels), whose bits are
+    :func:`reference_quantize_gradient_columns`'s."""
+    if _quantize_kernels.has_kernel(fmt):
+        return _quantize_kernels.quantize_gradient(
+            g, fmt, stream_words, columns=True, hadamard_mask=hadamard_mask
+        )
+    return reference_quantize_gradient_columns(g, fmt, stream_words, hadamard_mask)
+
+
+def reference_quantize_gradient_columns(
+    g: jax.Array, fmt: OperandFormat, stream_words=None, hadamard_mask: int | None = None
+):
+    """The statement of :func:`quantize_gradient_columns` in jnp, its kernel's twin."""
     if hadamard_mask is not None:
         g = hadamard_rows(g, fmt.block, hadamard_mask)
     bits = None if stream_words is None else random_bits(stream_words, *g.shape)

@@ -15,12 +15,15 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(RoundCpuHandler);
 // The backward.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RmsNormBackwardCpuHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AddRmsNormBackwardCpuHandler);
+// The output gradient's FP4 quantiser (quantize_gradient.h).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantizeGradientCpuHandler);
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RmsNormFp8CudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AddRmsNormFp8CudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RoundCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RmsNormBackwardCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AddRmsNormBackwardCudaHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantizeGradientCudaHandler);
 // The one-kernel all-reduce (no CPU kernel: the CPU backend's all-reduce is XLA's) and its
 // set-up, which runs in the stage before execution, as PrepareCudaHandler.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AllReduceNormCudaHandler);

@@ -126,6 +126,10 @@ XLA_FFI_Error* SimtSetUpAllReduceHandler(XLA_FFI_CallFrame* frame) {
 XLA_FFI_Error* SimtRoundHandler(XLA_FFI_CallFrame* frame) {
   return WithBuffers(frame, fp8norm::RoundCudaHandler, {"in"}, {"out"});
 }
+XLA_FFI_Error* SimtQuantizeGradientHandler(XLA_FFI_CallFrame* frame) {
+  return WithBuffers(frame, fp8norm::QuantizeGradientCudaHandler, {"g", "key"},
+                     {"codes", "scales", "global_scales"});
+}
 
 void SetCaptureCalls(bool on) { capture_calls = on; }
 uint64_t StaleErrors() { return stale_errors.load(); }
