@@ -98,7 +98,7 @@ except ImportError as _error:
         "takes nvcc from PyPI)"
     )
 else:
-    _register(_fp8norm_cuda, TARGETS, "CUDA", OPS + PEER_OPS + BACKWARD_OPS + GRADIENT_QUANTIZER_OPS)
+    _register(_fp8norm_cuda, TARGETS, "CUDA", _ALL_OPS)
     CUDA_UNAVAILABLE_REASON = ""
 
 # The CUDA kernels and handlers compiled for the host against the SIMT emulation
@@ -109,7 +109,7 @@ except ImportError as _error:
     simt_module = None
     SIMT_ERROR = str(_error)
 else:
-    _register(simt_module, EMULATED_TARGETS, "cpu", OPS + PEER_OPS + BACKWARD_OPS + GRADIENT_QUANTIZER_OPS)
+    _register(simt_module, EMULATED_TARGETS, "cpu", _ALL_OPS)
     SIMT_ERROR = ""
 
 EMULATE_CUDA_ENV = "FP8NORM_EMULATE_CUDA"

@@ -60,8 +60,9 @@ ffi::Error DecodeQuantizeGradient(const ffi::AnyBuffer& g, const ffi::AnyBuffer&
   const bool global_ok = attrs.columns || !attrs.nvfp4 ? HasShape(*global_scales, {global_count})
                                                        : HasShape(*global_scales, {rows, 1});
   if (global_scales->element_type() != ffi::DataType::F32 || !global_ok) {
-    return Invalid("global_scales must be float32 [R, 1] (the rows copy), [1] (the columns "
-                   "copy) or [0] (MXFP4)");
+    return Invalid(
+        "global_scales must be float32 [R, 1] (the rows copy), [1] (the columns "
+        "copy) or [0] (MXFP4)");
   }
   bool packed;
   switch (static_cast<Fp4Layout>(attrs.fp4_layout)) {

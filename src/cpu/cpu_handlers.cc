@@ -157,15 +157,15 @@ ffi::Error RoundImpl(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out, int64_t
 }
 
 ffi::Error QuantizeGradientImpl(ffi::ThreadPool pool, ffi::AnyBuffer g, ffi::AnyBuffer key,
-                               ffi::Result<ffi::AnyBuffer> codes,
-                               ffi::Result<ffi::AnyBuffer> scales,
-                               ffi::Result<ffi::AnyBuffer> global_scales, bool nvfp4,
-                               int64_t block, bool columns, bool stochastic,
-                               int64_t hadamard_mask, int64_t fp4_layout) {
+                                ffi::Result<ffi::AnyBuffer> codes,
+                                ffi::Result<ffi::AnyBuffer> scales,
+                                ffi::Result<ffi::AnyBuffer> global_scales, bool nvfp4,
+                                int64_t block, bool columns, bool stochastic, int64_t hadamard_mask,
+                                int64_t fp4_layout) {
   QuantizeGradientArgs args;
-  const ffi::Error status = DecodeQuantizeGradient(
-      g, key, codes, scales, global_scales,
-      {nvfp4, block, columns, stochastic, hadamard_mask, fp4_layout}, &args);
+  const ffi::Error status =
+      DecodeQuantizeGradient(g, key, codes, scales, global_scales,
+                             {nvfp4, block, columns, stochastic, hadamard_mask, fp4_layout}, &args);
   if (status.failure()) return status;
   if (QuantizeGradientCpu(args, PoolParallelFor(pool))) return ffi::Error::Success();
   return ffi::Error(ffi::ErrorCode::kResourceExhausted,

@@ -7,8 +7,8 @@
 // and product rounds as in the CUDA kernel and the jnp twin.
 #include <algorithm>
 #include <atomic>
-#include <functional>
 #include <cstdint>
+#include <functional>
 #include <new>
 #include <vector>
 
@@ -47,9 +47,7 @@ void ForEachTask(int64_t units, int64_t elements_per_unit, const ParallelFor& pa
                  const std::function<void(int64_t, int64_t)>& run) {
   const int64_t per_task = UnitsPerTask(units, elements_per_unit);
   const int64_t tasks = (units + per_task - 1) / per_task;
-  parallel_for(tasks, [&](int64_t t) {
-    run(t * per_task, std::min(units, (t + 1) * per_task));
-  });
+  parallel_for(tasks, [&](int64_t t) { run(t * per_task, std::min(units, (t + 1) * per_task)); });
 }
 
 // Code `code` of flat element k of the codes: a nibble of a shared byte when packed. A

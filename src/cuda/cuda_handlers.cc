@@ -181,15 +181,15 @@ ffi::Error RoundImpl(GpuTarget gpu, ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffe
 }
 
 ffi::Error QuantizeGradientImpl(GpuTarget gpu, ffi::AnyBuffer g, ffi::AnyBuffer key,
-                               ffi::Result<ffi::AnyBuffer> codes,
-                               ffi::Result<ffi::AnyBuffer> scales,
-                               ffi::Result<ffi::AnyBuffer> global_scales, bool nvfp4,
-                               int64_t block, bool columns, bool stochastic,
-                               int64_t hadamard_mask, int64_t fp4_layout) {
+                                ffi::Result<ffi::AnyBuffer> codes,
+                                ffi::Result<ffi::AnyBuffer> scales,
+                                ffi::Result<ffi::AnyBuffer> global_scales, bool nvfp4,
+                                int64_t block, bool columns, bool stochastic, int64_t hadamard_mask,
+                                int64_t fp4_layout) {
   QuantizeGradientArgs args;
-  const ffi::Error status = DecodeQuantizeGradient(
-      g, key, codes, scales, global_scales,
-      {nvfp4, block, columns, stochastic, hadamard_mask, fp4_layout}, &args);
+  const ffi::Error status =
+      DecodeQuantizeGradient(g, key, codes, scales, global_scales,
+                             {nvfp4, block, columns, stochastic, hadamard_mask, fp4_layout}, &args);
   if (status.failure()) return status;
   return RunOnDevice(gpu.device, "quantize_gradient launch",
                      [&](int) { return LaunchQuantizeGradient(gpu.stream, args); });

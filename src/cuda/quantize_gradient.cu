@@ -52,15 +52,16 @@ __device__ __forceinline__ KeyWords KeyOf(const QuantizeGradientArgs& a) {
   return KeyWords{LoadGlobal(a.key), LoadGlobal(a.key + 1)};
 }
 
-__device__ __forceinline__ uint32_t BitsAt(const QuantizeGradientArgs& a, KeyWords key,
-                                           int64_t row, int64_t col) {
+__device__ __forceinline__ uint32_t BitsAt(const QuantizeGradientArgs& a, KeyWords key, int64_t row,
+                                           int64_t col) {
   return a.stochastic ? RandomBits(key, uint32_t(row), uint32_t(col)) : 0u;
 }
 
 __device__ __forceinline__ uint32_t MaxBits(uint32_t a, uint32_t b) { return a > b ? a : b; }
 
 // grid: any number of blocks (rows are strided over them); block: kGradientThreads.
-__global__ void __launch_bounds__(kGradientThreads) GradientRowsKernel(const QuantizeGradientArgs a) {
+__global__ void __launch_bounds__(kGradientThreads)
+    GradientRowsKernel(const QuantizeGradientArgs a) {
   AmaxScratch& s = StaticShared<AmaxScratch>();
   const KeyWords key = KeyOf(a);
   const int64_t f = a.cols;
@@ -90,8 +91,7 @@ __global__ void __launch_bounds__(kGradientThreads) GradientRowsKernel(const Qua
       for (int k = 0; k < a.block; k += 2) {
         const int64_t j = b * a.block + k;
         const uint8_t even = GradientCode(t[k], scale, a.stochastic, BitsAt(a, key, row, j));
-        const uint8_t odd =
-            GradientCode(t[k + 1], scale, a.stochastic, BitsAt(a, key, row, j + 1));
+        const uint8_t odd = GradientCode(t[k + 1], scale, a.stochastic, BitsAt(a, key, row, j + 1));
         const int64_t flat = row * f + j;
         if (a.codes_packed) {
           StoreGlobal(a.codes + flat / 2, PackFp4(even, odd));
@@ -117,7 +117,8 @@ __device__ __forceinline__ Fp4Scale ColumnGroup(const QuantizeGradientArgs& a, i
 }
 
 // grid: one block; block: kGradientThreads.
-__global__ void __launch_bounds__(kGradientThreads) GradientAmaxKernel(const QuantizeGradientArgs a) {
+__global__ void __launch_bounds__(kGradientThreads)
+    GradientAmaxKernel(const QuantizeGradientArgs a) {
   AmaxScratch& s = StaticShared<AmaxScratch>();
   const int64_t units = a.rows / a.block * a.cols;
   uint32_t amax = 0;
