@@ -48,7 +48,7 @@ def quantize_columns(v: jax.Array, fmt: OperandFormat, global_scale=None, bits=N
         blocks = _fp4_blocks(v, fmt.block, "NVFP4" if fmt.rule == NVFP4 else "MXFP4")
         if fmt.rule != NVFP4:
             return (*_fp4_columns(blocks, "mxfp4", None, bits), None)
-        gs = nvfp4_global_scale(jnp.max(jnp.abs(blocks))) if global_scale is None else global_scale
+        gs = nvfp4_global_scale(abs_max(blocks)) if global_scale is None else global_scale
         gs = check_float32_scalar(gs, "global_scale")
         return (*_fp4_columns(blocks, "nvfp4", gs, bits), gs)
     if fmt.block is None:
@@ -65,7 +65,7 @@ def quantize_rows(v: jax.Array, fmt: OperandFormat, bits=None):
     for the whole would tie a row's bits to the batch. FP4 codes are rounded
     stochastically with ``bits`` (uint32 ``[R, C]``)."""
     if fmt.rule == NVFP4:
-        row_scales = nvfp4_global_scale(jnp.max(jnp.abs(v), axis=1, keepdims=True))
+        row_scales = nvfp4_global_scale(abs_max(v, axis=1))
         return (*quantize_fp4_rows(divide(v, row_scales), "nvfp4", bits=bits), row_scales)
     if fmt.element == FP4:
         return (*quantize_fp4_rows(v, "mxfp4", bits=bits), None)
@@ -213,6 +213,17 @@ def _fp4_blocks(w, block: int, name: str) -> jax.Array:
     if k % block:
         raise ValueError(f"{name} weights need K a multiple of {block}; got K = {k}")
     return jnp.asarray(w, jnp.float32).reshape(k // block, block, n)
+
+
+def abs_max(v: jax.Array, axis: int | None = None) -> jax.Array:
+    """``max |v|`` over ``axis`` (kept, of size 1) or the whole array, NaN where a NaN is
+    among the values: XLA's max reductions need not carry a NaN through, and a global scale
+    made from a NaN-free maximum of a row or tensor holding NaN would quantise its finite
+    values as if the NaN were not there."""
+    v = jnp.asarray(v, jnp.float32)
+    keep = axis is not None
+    amax = jnp.max(jnp.abs(v), axis=axis, keepdims=keep)
+    return jnp.where(jnp.any(jnp.isnan(v), axis=axis, keepdims=keep), jnp.float32(np.nan), amax)
 
 
 def nvfp4_global_scale(amax: jax.Array) -> jax.Array:
