@@ -47,11 +47,12 @@
 
 namespace fp8norm {
 
-int CheckEmulator();              // emulator_check.cc
-int CheckIndexing();              // index_check.cc
-int CheckAllReduce(bool quick);   // allreduce_check.cc
-int CheckBackward(bool quick);    // training_check.cc
-int CheckColumnwise(bool quick);  // training_check.cc
+int CheckEmulator();                    // emulator_check.cc
+int CheckIndexing();                    // index_check.cc
+int CheckAllReduce(bool quick);         // allreduce_check.cc
+int CheckBackward(bool quick);          // training_check.cc
+int CheckColumnwise(bool quick);        // training_check.cc
+int CheckQuantizeGradient(bool quick);  // quantize_gradient_check.cc
 
 bool name_cases = false;
 bool stop_at_failure = false;
@@ -473,9 +474,9 @@ int Main(bool quick, bool allreduce, bool rest) {
   }
   Coverage coverage;
   int failures = 0;
-  const std::function<int()> checks[] = {CheckEmulator, CheckRound,
-                                         [quick] { return CheckBackward(quick); },
-                                         [quick] { return CheckColumnwise(quick); }};
+  const std::function<int()> checks[] = {
+      CheckEmulator, CheckRound, [quick] { return CheckBackward(quick); },
+      [quick] { return CheckColumnwise(quick); }, [quick] { return CheckQuantizeGradient(quick); }};
   for (const auto& check : checks) {
     if (shard.Takes()) failures += check();
   }
