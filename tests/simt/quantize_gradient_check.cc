@@ -1,10 +1,10 @@
 // kernel_check's check of the output gradient's FP4 quantiser (quantize_gradient.cu)
 // against the CPU kernel, bit for bit: both copies, NVFP4 and MXFP4, round-to-nearest and
 // stochastic rounding, the columns copy's Hadamard transform, packed and one-per-byte
-// codes, an odd number of columns (packed bytes that straddle rows), NaN and Inf, and
-// grids that stride. Before that, the butterfly itself (fp4_parts.h), which both kernels
-// share: twice over a block with no signs it is d times the identity, exactly on small
-// integers, which a skipped or repeated stage breaks.
+// codes, an odd number of columns (packed bytes that straddle rows), NaN and Inf, and (the
+// full run) more rows than the 65535 blocks of a striding grid. Before that, the butterfly itself
+// (fp4_parts.h), which both kernels share: twice over a block with no signs it is d times the
+// identity, exactly on small integers, which a skipped or repeated stage breaks.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -47,8 +47,10 @@ int CheckQuantizeGradient(bool quick) {
   struct Shape {
     int64_t rows, cols;
   };
-  const std::vector<Shape> shapes = quick ? std::vector<Shape>{{64, 37}, {32, 96}}
-                                          : std::vector<Shape>{{64, 37}, {32, 96}, {96, 64}};
+  const std::vector<Shape> shapes =
+      quick ? std::vector<Shape>{{64, 37}, {32, 96}}
+            : std::vector<Shape>{{64, 37}, {32, 96}, {96, 64}, {65535 + 33, 32}};
+  UseDevice(kLimits[0]);
   const uint32_t key_words[2] = {0x9E3779B9u, 0x7F4A7C15u};
   int k = 0;
   for (const Shape shape : shapes) {
@@ -63,8 +65,8 @@ int CheckQuantizeGradient(bool quick) {
             if (!shard.Takes()) continue;
             const bool packed = k % 4 != 3;
             const bool specials = k % 3 == 0;
-            const Limits& limits = kLimits[k % 2 == 0 ? 3 : 4];  // grids of 3 and 1 blocks
-            UseDevice(limits);
+            // The longest: only its rows copy, with stochastic rounding.
+            if (shape.rows > 65535 && (columns || !stochastic)) continue;
             const int64_t rows = shape.rows, cols = shape.cols;
             const size_t elements = static_cast<size_t>(rows * cols);
             Rng rng{static_cast<uint64_t>(k) * 104729 + 3};
@@ -96,7 +98,7 @@ int CheckQuantizeGradient(bool quick) {
                                      (columns ? " columns" : " rows") +
                                      (stochastic ? " sr" : " rtn") + (hadamard ? " hadamard" : "") +
                                      (packed ? " packed" : " unpacked") +
-                                     (specials ? " specials" : "") + " " + limits.name;
+                                     (specials ? " specials" : "");
             if (name_cases) std::fprintf(stderr, "case %s\n", name.c_str());
             cudaError_t status;
             {
