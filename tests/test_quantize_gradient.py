@@ -271,6 +271,18 @@ def test_bad_arguments_are_errors():
         quantize.quantize_gradient_columns(g, fmt, None, 2**32)
 
 
+@pytest.mark.parametrize("shape", [(0, 32), (32, 0)])
+@pytest.mark.parametrize("name", FORMATS)
+def test_no_elements(platform, name, shape):
+    """Empty outputs, and NVFP4's global scales of no values those of a zero amax, 1."""
+    fmt = fmt_of(name)
+    for columns in (False, True):
+        out = run_on(platform, quantizer(columns, fmt, words(), None), np.zeros(shape, np.float32))
+        assert out[0].shape == shape
+        if name == "nvfp4":
+            assert np.all(out[2] == 1.0)
+
+
 def test_vmap_is_one_call_per_element():
     fmt = fmt_of("nvfp4")
     g = np.stack([gradient((32, 64), seed=s) for s in range(2)])

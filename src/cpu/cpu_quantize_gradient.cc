@@ -161,10 +161,15 @@ bool QuantizeColumns(const QuantizeGradientArgs& a, KeyWords key, float gs, int6
 void SetQuantizeGradientTaskRows(int64_t rows) { forced_task_rows = rows > 0 ? rows : 0; }
 
 bool QuantizeGradientCpu(const QuantizeGradientArgs& a, const ParallelFor& parallel_for) {
-  if (a.rows == 0 || a.cols == 0) return true;
+  if (a.columns && (a.rows == 0 || a.cols == 0)) {
+    // The tensor scale of no values: that of a zero amax.
+    if (a.nvfp4) a.global_scales[0] = Nvfp4GlobalScale(0);
+    return true;
+  }
   const KeyWords key = a.stochastic ? KeyWords{a.key[0], a.key[1]} : KeyWords{0, 0};
   std::atomic<bool> ok{true};
   if (!a.columns) {
+    // Rows of no elements too: each gets the global scale of a zero amax.
     ForEachTask(a.rows, a.cols, parallel_for, [&](int64_t begin, int64_t end) {
       if (!QuantizeRows(a, key, begin, end)) ok = false;
     });

@@ -188,14 +188,17 @@ cudaError_t LoadQuantizeGradientKernels() {
 }
 
 cudaError_t LaunchQuantizeGradient(cudaStream_t stream, const QuantizeGradientArgs& a) {
-  if (a.rows == 0 || a.cols == 0) return cudaSuccess;
-  if (!a.columns) {
-    return LaunchKernel(GradientRowsKernel, StridingGrid(a.rows), kGradientThreads, 0, stream, a);
-  }
-  if (a.nvfp4) {
+  if (a.columns && a.nvfp4) {
+    // Also for no values, whose tensor scale is that of a zero amax.
     const cudaError_t err = LaunchKernel(GradientAmaxKernel, 1, kGradientThreads, 0, stream, a);
     if (err != cudaSuccess) return err;
   }
+  if (!a.columns) {
+    // Rows of no elements too: each gets the global scale of a zero amax.
+    if (a.rows == 0) return cudaSuccess;
+    return LaunchKernel(GradientRowsKernel, StridingGrid(a.rows), kGradientThreads, 0, stream, a);
+  }
+  if (a.rows == 0 || a.cols == 0) return cudaSuccess;
   return LaunchKernel(GradientColumnsKernel, StridingGrid(a.rows / a.block), kGradientThreads, 0,
                       stream, a);
 }
