@@ -63,8 +63,21 @@ void StoreCode(const QuantizeGradientArgs& a, int64_t k, uint8_t code) {
   }
 }
 
-uint32_t BitsAt(const QuantizeGradientArgs& a, KeyWords key, int64_t row, int64_t col) {
-  return a.stochastic ? RandomBits(key, uint32_t(row), uint32_t(col)) : 0u;
+// The random bits of columns [0, cols) of `row` (zeros when rounding to nearest), in a
+// loop of its own: Threefry's integer rounds vectorise there, across the columns, which
+// they cannot inside the branches of the codes' loop.
+uint32_t* RowBits(const QuantizeGradientArgs& a, KeyWords key, int64_t row) {
+  thread_local std::vector<uint32_t> bits;
+  try {
+    bits.resize(a.cols);
+  } catch (const std::bad_alloc&) {
+    return nullptr;
+  }
+  uint32_t* out = bits.data();
+  for (int64_t j = 0; j < a.cols; ++j) {
+    out[j] = a.stochastic ? RandomBits(key, uint32_t(row), uint32_t(j)) : 0u;
+  }
+  return out;
 }
 
 // The dgrad copy of rows [begin, end): NVFP4 divides each row by its own global scale
@@ -74,6 +87,8 @@ bool QuantizeRows(const QuantizeGradientArgs& a, KeyWords key, int64_t begin, in
   float* t = ScratchFloats(f);
   if (t == nullptr && f > 0) return false;
   for (int64_t i = begin; i < end; ++i) {
+    const uint32_t* bits = RowBits(a, key, i);
+    if (bits == nullptr) return false;
     const float* g = a.g + i * f;
     float gs = 1.0f;
     if (a.nvfp4) {
@@ -93,20 +108,25 @@ bool QuantizeRows(const QuantizeGradientArgs& a, KeyWords key, int64_t begin, in
       a.scales[i * (f / a.block) + b] = GradientScaleByte(a.nvfp4, s);
       for (int64_t k = 0; k < a.block; ++k) {
         const int64_t j = b * a.block + k;
-        StoreCode(a, i * f + j, GradientCode(v[k], s, a.stochastic, BitsAt(a, key, i, j)));
+        StoreCode(a, i * f + j, GradientCode(v[k], s, a.stochastic, bits[j]));
       }
     }
   }
   return true;
 }
 
-// Block `rb` of rows of g into `m` (block x cols, row-major), Hadamard-transformed per
-// column where the call asks for it.
+// Block `rb` of rows of g into `m`, column after column (column j's group at m + j *
+// block, so that its transform and its abs-max read one or two cache lines, not a line
+// per row), Hadamard-transformed where the call asks for it.
 void LoadBlock(const QuantizeGradientArgs& a, int64_t rb, float* m) {
   const int64_t f = a.cols;
-  std::copy(a.g + rb * a.block * f, a.g + (rb + 1) * a.block * f, m);
+  const int64_t block = a.block;
+  const float* g = a.g + rb * block * f;
+  for (int64_t k = 0; k < block; ++k) {
+    for (int64_t j = 0; j < f; ++j) m[j * block + k] = g[k * f + j];
+  }
   if (!a.hadamard) return;
-  for (int64_t j = 0; j < f; ++j) HadamardOfBlock(m + j, f, a.block, a.hadamard_mask);
+  for (int64_t j = 0; j < f; ++j) HadamardOfBlock(m + j * block, 1, block, a.hadamard_mask);
 }
 
 // The largest |M g| of blocks [begin, end) of rows, as ordered bits.
@@ -140,15 +160,16 @@ bool QuantizeColumns(const QuantizeGradientArgs& a, KeyWords key, float gs, int6
     LoadBlock(a, rb, m);
     for (int64_t j = 0; j < f; ++j) {
       uint32_t amax = 0;
-      for (int64_t k = 0; k < block; ++k) amax = std::max(amax, AbsBits(m[k * f + j]));
+      for (int64_t k = 0; k < block; ++k) amax = std::max(amax, AbsBits(m[j * block + k]));
       scales[j] = GradientGroupScale(a.nvfp4, amax, gs);
       a.scales[rb * f + j] = GradientScaleByte(a.nvfp4, scales[j]);
     }
     for (int64_t k = 0; k < block; ++k) {
       const int64_t i = rb * block + k;
+      const uint32_t* bits = RowBits(a, key, i);
+      if (bits == nullptr) return false;
       for (int64_t j = 0; j < f; ++j) {
-        const uint8_t code =
-            GradientCode(m[k * f + j], scales[j], a.stochastic, BitsAt(a, key, i, j));
+        const uint8_t code = GradientCode(m[j * block + k], scales[j], a.stochastic, bits[j]);
         StoreCode(a, i * f + j, code);
       }
     }
