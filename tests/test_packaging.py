@@ -145,10 +145,12 @@ def test_installed_package_is_typed_and_registers_every_op():
     installed = [p for p in spec.submodule_search_locations if "site-packages" in p]
     for location in installed or spec.submodule_search_locations:
         assert os.path.exists(os.path.join(location, "py.typed")), location
-    assert sorted(_ffi._fp8norm_cpu.registrations()) == sorted(_ffi.OPS + _ffi.BACKWARD_OPS)
+    assert sorted(_ffi._fp8norm_cpu.registrations()) == sorted(
+        _ffi.OPS + _ffi.BACKWARD_OPS + _ffi.GRADIENT_QUANTIZER_OPS
+    )
     # The one-kernel all-reduce is the CUDA modules' only (real and emulated).
     for module in [m for m in (_ffi._fp8norm_cuda, _ffi.simt_module) if m]:
-        expected = _ffi.OPS + _ffi.PEER_OPS + _ffi.BACKWARD_OPS
+        expected = _ffi.OPS + _ffi.PEER_OPS + _ffi.BACKWARD_OPS + _ffi.GRADIENT_QUANTIZER_OPS
         assert sorted(module.registrations()) == sorted(expected), module.__file__
 
 

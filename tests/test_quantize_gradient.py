@@ -283,6 +283,45 @@ def test_no_elements(platform, name, shape):
             assert np.all(out[2] == 1.0)
 
 
+@pytest.mark.parametrize("handler", ["cpu", "simt"])
+def test_handler_refuses_bad_buffers(handler):
+    """A call that bypasses the wrapper with scales of the wrong shape: the handler's
+    error, naming the op, and no write out of bounds."""
+    target = (_ffi.EMULATED_TARGETS if handler == "simt" else _ffi.TARGETS)["quantize_gradient"]
+    shapes = (
+        jax.ShapeDtypeStruct((32, 32), jnp.float4_e2m1fn),
+        jax.ShapeDtypeStruct((32, 3), jnp.float8_e4m3fn),  # [32, 2] for blocks of 16
+        jax.ShapeDtypeStruct((32, 1), jnp.float32),
+    )
+    call = jax.ffi.ffi_call(target, shapes)
+    attrs = dict(
+        nvfp4=True,
+        block=np.int64(16),
+        columns=False,
+        stochastic=False,
+        hadamard_mask=np.int64(-1),
+        fp4_layout=np.int64(_ffi.fp4_layout("cpu")),
+    )
+    with pytest.raises(Exception, match="quantize_gradient: scales must be"):
+        jax.block_until_ready(
+            jax.jit(lambda g, k: call(g, k, **attrs))(
+                jnp.ones((32, 32), jnp.float32), jnp.zeros((2,), jnp.uint32)
+            )
+        )
+
+
+def test_lowers_to_the_kernel():
+    """The wrappers lower to the kernel's target, the emulated one under the emulation."""
+    fn = quantizer(True, fmt_of("nvfp4"), words(), 0)
+    g = np.ones((32, 32), np.float32)
+    assert 'custom_call_target="fp8norm_quantize_gradient"' in jax.jit(fn).lower(g).as_text(
+        dialect="hlo"
+    )
+    with jax_fp8norm.simt.kernels():
+        text = jax.jit(fn).lower(g).as_text(dialect="hlo")
+    assert 'custom_call_target="fp8norm_simt_quantize_gradient"' in text
+
+
 def test_vmap_is_one_call_per_element():
     fmt = fmt_of("nvfp4")
     g = np.stack([gradient((32, 64), seed=s) for s in range(2)])
