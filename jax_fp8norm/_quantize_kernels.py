@@ -24,6 +24,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching
 
 from jax_fp8norm import _ffi
+from jax_fp8norm._backward import _varying
 from jax_fp8norm._dtypes import E4M3, E8M0, FP4
 from jax_fp8norm._lowering import eager_impl, map_over_batch, register_lowerings, twin_lowering
 from jax_fp8norm.recipes import NVFP4, POWER_OF_TWO, RECIPES, OperandFormat
@@ -47,10 +48,15 @@ def _shapes(g, *, nvfp4: bool, block: int, columns: bool):
 
 def _abstract_eval(g, key, *, nvfp4, block, columns, stochastic, hadamard_mask):
     scales, global_scales = _shapes(g, nvfp4=nvfp4, block=block, columns=columns)
+    # Inside shard_map the results vary over the axes the operands vary over.
+    varying = _varying((g, key))
     return [
-        jax.core.ShapedArray(g.shape, FP4),
-        jax.core.ShapedArray(scales, E4M3 if nvfp4 else E8M0),
-        jax.core.ShapedArray(global_scales, np.dtype(np.float32)),
+        g.update(shape=shape, dtype=np.dtype(dtype), weak_type=False, **varying)
+        for shape, dtype in (
+            (g.shape, FP4),
+            (scales, E4M3 if nvfp4 else E8M0),
+            (global_scales, np.float32),
+        )
     ]
 
 
