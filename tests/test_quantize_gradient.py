@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import EXTENDED, is_gpu, run_on
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jax_fp8norm
 from jax_fp8norm import _ffi, _fp4_parts, quantize
@@ -320,6 +322,29 @@ def test_lowers_to_the_kernel():
     with jax_fp8norm.simt.kernels():
         text = jax.jit(fn).lower(g).as_text(dialect="hlo")
     assert 'custom_call_target="fp8norm_simt_quantize_gradient"' in text
+
+
+@pytest.mark.parametrize("columns", [False, True])
+def test_sharded_rows_give_the_twins_bits(columns):
+    """g split by rows over 4 devices, under jit and inside shard_map (the rows copy:
+    each device its rows, whose bits are those of their rows in the whole)."""
+    if len(jax.devices("cpu")) < 4:
+        pytest.skip("needs 4 CPU devices (tests/helpers.py asks XLA for 8)")
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:4]), ("dp",))
+    fmt = fmt_of("nvfp4")
+    g = gradient((128, 64), seed=6)
+    mask = _fp4_parts.HADAMARD_SIGNS[16] if columns else None
+    fn = quantizer(columns, fmt, words(), mask)
+    sharded = jax.device_put(g, NamedSharding(mesh, P("dp")))
+    assert_same_outputs(
+        jax.jit(fn)(sharded), quantizer(columns, fmt, words(), mask, reference=True)(g)
+    )
+    if not columns:
+        per_device = jax.jit(
+            jax.shard_map(fn, mesh=mesh, in_specs=P("dp"), out_specs=(P("dp"), P("dp"), P("dp")))
+        )(sharded)
+        want = quantizer(False, fmt, words(), None, reference=True)(g[:32])
+        assert_same_outputs(tuple(np.asarray(o)[:32] for o in per_device), want)
 
 
 def test_vmap_is_one_call_per_element():
