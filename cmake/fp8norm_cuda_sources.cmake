@@ -2,7 +2,7 @@
 # emulation's builds (CMakeLists.txt's _fp8norm_simt, tests/simt): the kernel families,
 # which nvcc compiles, the host code of their launch, and the emulation's runtime.
 set(FP8NORM_CUDA_KERNEL_FILES block_shared.cu register_rows.cu round.cu allreduce.cu backward.cu
-  columnwise.cu quantize_weight.cu)
+  columnwise.cu quantize_weight.cu quantize_gradient.cu)
 set(FP8NORM_CUDA_LAUNCH_FILES device_setup.cc peer_workspaces.cc)
 # The SIMT emulation's runtime (src/simt), which every emulated build links.
 set(FP8NORM_SIMT_RUNTIME_FILES

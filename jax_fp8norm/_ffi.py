@@ -46,8 +46,9 @@ OPS = ("rms_norm_fp8", "add_rms_norm_fp8", "round")
 PEER_OPS = ("allreduce_rms_norm_fp8",)
 # The backward kernels (docs/spec.md, "Training: the backward pass").
 BACKWARD_OPS = ("rms_norm_backward", "add_rms_norm_backward")
-# The quantisers of the operands a layer makes itself (jax_fp8norm/quantize.py).
-QUANTIZER_OPS = ("quantize_weight",)
+# The quantisers of the operands a layer makes itself (jax_fp8norm/quantize.py): the
+# weight's, and the output gradient's FP4 one (jax_fp8norm._quantize_kernels).
+QUANTIZER_OPS = ("quantize_weight", "quantize_gradient")
 _ALL_OPS = OPS + PEER_OPS + BACKWARD_OPS + QUANTIZER_OPS
 TARGETS = {op: f"fp8norm_{op}" for op in _ALL_OPS}
 EMULATED_TARGETS = {op: f"fp8norm_simt_{op}" for op in _ALL_OPS}

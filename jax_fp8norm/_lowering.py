@@ -2,7 +2,8 @@
 to a kernel's FFI target per platform (the emulated CUDA kernels on the CPU while the FFI
 layer's switch is on; the reference twin where this build has no kernel) and batching by
 one call per batch element. The norm (jax_fp8norm._primitives), its backward
-(jax_fp8norm._backward) and the rounding check register through these."""
+(jax_fp8norm._backward), the rounding check and the gradient quantiser
+(jax_fp8norm._quantize_kernels) register through these."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fp8norm import _checks, _quantize_weight_kernel
+from jax_fp8norm import _checks, _quantize_kernels, _quantize_weight_kernel
 from jax_fp8norm._checks import check_float32_scalar
 from jax_fp8norm._dtypes import E8M0, FP4, FP4_MAX
 from jax_fp8norm._fp4_parts import hadamard_rows, random_bits
@@ -55,7 +55,7 @@ def quantize_columns(v: jax.Array, fmt: OperandFormat, global_scale=None, bits=N
         blocks = _fp4_blocks(v, fmt.block, "NVFP4" if fmt.rule == NVFP4 else "MXFP4")
         if fmt.rule != NVFP4:
             return (*_fp4_columns(blocks, "mxfp4", None, bits), None)
-        gs = nvfp4_global_scale(jnp.max(jnp.abs(blocks))) if global_scale is None else global_scale
+        gs = nvfp4_global_scale(abs_max(blocks)) if global_scale is None else global_scale
         gs = check_float32_scalar(gs, "global_scale")
         return (*_fp4_columns(blocks, "nvfp4", gs, bits), gs)
     if _fp8_kernel_takes(v, fmt):
@@ -88,7 +88,7 @@ def quantize_rows(v: jax.Array, fmt: OperandFormat, bits=None):
     for the whole would tie a row's bits to the batch. FP4 codes are rounded
     stochastically with ``bits`` (uint32 ``[R, C]``)."""
     if fmt.rule == NVFP4:
-        row_scales = nvfp4_global_scale(jnp.max(jnp.abs(v), axis=1, keepdims=True))
+        row_scales = nvfp4_global_scale(abs_max(v, axis=1))
         return (*quantize_fp4_rows(divide(v, row_scales), "nvfp4", bits=bits), row_scales)
     if fmt.element == FP4:
         return (*quantize_fp4_rows(v, "mxfp4", bits=bits), None)
@@ -101,7 +101,16 @@ def quantize_gradient_rows(g: jax.Array, fmt: OperandFormat, stream_words=None):
     """The output gradient's dgrad copy: ``g [R, F]`` float32 quantised along F
     (:func:`quantize_rows`), rounded stochastically where ``stream_words`` (the caller's
     key folded with the dgrad stream) is given, element ``(i, j)`` with the random bits of
-    ``(i, j)``."""
+    ``(i, j)``. NVFP4 and MXFP4 run the gradient quantiser's kernel
+    (jax_fp8norm._quantize_kernels), whose bits are
+    :func:`reference_quantize_gradient_rows`'s."""
+    if _quantize_kernels.has_kernel(fmt):
+        return _quantize_kernels.quantize_gradient(g, fmt, stream_words, columns=False)
+    return reference_quantize_gradient_rows(g, fmt, stream_words)
+
+
+def reference_quantize_gradient_rows(g: jax.Array, fmt: OperandFormat, stream_words=None):
+    """The statement of :func:`quantize_gradient_rows` in jnp, its kernel's twin."""
     bits = None if stream_words is None else random_bits(stream_words, *g.shape)
     return quantize_rows(g, fmt, bits)
 
@@ -113,7 +122,20 @@ def quantize_gradient_columns(
     blocks of ``fmt.block`` rows where ``hadamard_mask`` is given (its signs; the wgrad
     GEMM's result then takes ``1 / block``), quantised along R (:func:`quantize_columns`),
     rounded stochastically where ``stream_words`` is given, element ``(i, j)`` of ``g``
-    with the random bits of ``(i, j)``."""
+    with the random bits of ``(i, j)``. NVFP4 and MXFP4 run the gradient quantiser's
+    kernel (jax_fp8norm._quantize_kernels), whose bits are
+    :func:`reference_quantize_gradient_columns`'s."""
+    if _quantize_kernels.has_kernel(fmt):
+        return _quantize_kernels.quantize_gradient(
+            g, fmt, stream_words, columns=True, hadamard_mask=hadamard_mask
+        )
+    return reference_quantize_gradient_columns(g, fmt, stream_words, hadamard_mask)
+
+
+def reference_quantize_gradient_columns(
+    g: jax.Array, fmt: OperandFormat, stream_words=None, hadamard_mask: int | None = None
+):
+    """The statement of :func:`quantize_gradient_columns` in jnp, its kernel's twin."""
     if hadamard_mask is not None:
         g = hadamard_rows(g, fmt.block, hadamard_mask)
     bits = None if stream_words is None else random_bits(stream_words, *g.shape)
@@ -235,6 +257,17 @@ def _fp4_blocks(w, block: int, name: str) -> jax.Array:
     if k % block:
         raise ValueError(f"{name} weights need K a multiple of {block}; got K = {k}")
     return jnp.asarray(w, jnp.float32).reshape(k // block, block, n)
+
+
+def abs_max(v: jax.Array, axis: int | None = None) -> jax.Array:
+    """``max |v|`` over ``axis`` (kept, of size 1) or the whole array, NaN where a NaN is
+    among the values: XLA's max reductions need not carry a NaN through, and a global scale
+    made from a NaN-free maximum of a row or tensor holding NaN would quantise its finite
+    values as if the NaN were not there."""
+    v = jnp.asarray(v, jnp.float32)
+    keep = axis is not None
+    amax = jnp.max(jnp.abs(v), axis=axis, keepdims=keep)
+    return jnp.where(jnp.any(jnp.isnan(v), axis=axis, keepdims=keep), jnp.float32(np.nan), amax)
 
 
 def nvfp4_global_scale(amax: jax.Array) -> jax.Array:

@@ -20,6 +20,8 @@ struct OpHandlers {
   FfiHandler* rms_norm_backward;
   FfiHandler* add_rms_norm_backward;
   FfiHandler* quantize_weight;
+  // The output gradient's FP4 quantiser (quantize_gradient.h).
+  FfiHandler* quantize_gradient;
 };
 
 // A stage before execution ("initialize" or "instantiate") that every op of a platform
@@ -58,6 +60,7 @@ inline nanobind::dict Registrations(const OpHandlers& ops, FirstStage first = {}
   targets["rms_norm_backward"] = entry(first.handler, ops.rms_norm_backward);
   targets["add_rms_norm_backward"] = entry(first.handler, ops.add_rms_norm_backward);
   targets["quantize_weight"] = entry(first.handler, ops.quantize_weight);
+  targets["quantize_gradient"] = entry(first.handler, ops.quantize_gradient);
   if (peer_ops.allreduce_rms_norm_fp8 != nullptr) {
     targets["allreduce_rms_norm_fp8"] = entry(peer_ops.set_up, peer_ops.allreduce_rms_norm_fp8);
   }

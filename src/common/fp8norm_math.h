@@ -571,6 +571,17 @@ FP8NORM_HD float PerRowGlobalScale(float sum_sq, uint32_t amax_bits) {
   return FloatOf(Select(finite, gs, kF32QuietNan));
 }
 
+// NVFP4's global decode scale of a tensor (a weight, a gradient) of largest magnitude amax
+// (ordered bits, AbsBits):
+// amax / (448 * 6), at least 2^-126; 1 for a zero amax (a subnormal one too, as flushed);
+// NaN for a NaN amax, Inf for an infinite one. jax_fp8norm.quantize.nvfp4_global_scale.
+FP8NORM_HD float Nvfp4GlobalScale(uint32_t amax_bits) {
+  if (amax_bits < kF32MinNormalBits) return 1.0f;
+  if (amax_bits > kF32Inf) return FloatOf(kF32QuietNan);
+  const float scale = FloatOf(amax_bits) / (Fp8Traits<OutFormat::kE4M3FN>::kMax * kFp4Max);
+  return BitsOf(scale) < kF32MinNormalBits ? FloatOf(kF32MinNormalBits) : scale;
+}
+
 // MXFP4's scale: the power-of-two rule with FP4_MAX, bounded by ub = f32(scale_ub). NaN,
 // with zero codes, for a non-finite row or a group holding NaN or Inf (before the bound).
 FP8NORM_HD Fp4Scale Mxfp4Scale(float sum_sq, uint32_t amax_bits, float ub) {

@@ -17,6 +17,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(RmsNormBackwardCpuHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AddRmsNormBackwardCpuHandler);
 // The weight's quantiser (src/common/quantize_weight.h).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantizeWeightCpuHandler);
+// The output gradient's FP4 quantiser (quantize_gradient.h).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantizeGradientCpuHandler);
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RmsNormFp8CudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AddRmsNormFp8CudaHandler);
@@ -24,6 +26,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(RoundCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RmsNormBackwardCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AddRmsNormBackwardCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantizeWeightCudaHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantizeGradientCudaHandler);
 // The one-kernel all-reduce (no CPU kernel: the CPU backend's all-reduce is XLA's) and its
 // set-up, which runs in the stage before execution, as PrepareCudaHandler.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AllReduceNormCudaHandler);

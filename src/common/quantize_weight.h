@@ -58,21 +58,6 @@ FP8NORM_HD int64_t TileColumns(const QuantizeWeightArgs& a) {
   return (a.cols + a.block - 1) / a.block;
 }
 
-// NVFP4's global (decode) scale of a tensor whose abs-max has the ordered bits amax_bits
-// (AbsBits): amax / (448 * 6), at least 2^-126, 1 for a zero tensor, NaN for a tensor
-// holding NaN (jax_fp8norm/quantize.py, nvfp4_global_scale). An Inf gives Inf, which no
-// tile scale accepts: every tile then gets a NaN scale, as in the twin.
-FP8NORM_HD float Nvfp4GlobalScale(uint32_t amax_bits) {
-  const float amax = FloatOf(amax_bits);
-  if (IsNan(amax)) return FloatOf(kF32QuietNan);
-  // A float comparison, as the twin's: a subnormal amax reads as zero where the thread
-  // flushes denormals, as XLA's CPU threads do.
-  if (amax == 0.0f) return 1.0f;
-  const float scale = amax / (Fp8Traits<OutFormat::kE4M3FN>::kMax * kFp4Max);
-  const float smallest_normal = FloatOf(kF32MinNormalBits);
-  return scale > smallest_normal ? scale : smallest_normal;
-}
-
 // The stored scale byte of a tile with abs-max amax_bits (ordered bits, the zero padding
 // included or not), under the global scale gs (NVFP4 only): e4m3 (0x7F for NaN) or e8m0
 // (0xFF for NaN), by the rule of the norm's FP4 groups. MXFP4's bound is none (inf), the

@@ -16,6 +16,7 @@
 #include "cpu_quantize_weight.h"
 #include "ffi_decode.h"
 #include "handlers.h"
+#include "quantize_gradient_ffi.h"
 #include "rms_norm_backward.h"
 #include "rms_norm_fp8.h"
 #include "xla/ffi/api/ffi.h"
@@ -169,6 +170,22 @@ ffi::Error QuantizeWeightImpl(ffi::ThreadPool pool, ffi::AnyBuffer w,
                     "jax_fp8norm: out of host memory for a weight's scales");
 }
 
+ffi::Error QuantizeGradientImpl(ffi::ThreadPool pool, ffi::AnyBuffer g, ffi::AnyBuffer key,
+                                ffi::Result<ffi::AnyBuffer> codes,
+                                ffi::Result<ffi::AnyBuffer> scales,
+                                ffi::Result<ffi::AnyBuffer> global_scales, bool nvfp4,
+                                int64_t block, bool columns, bool stochastic, int64_t hadamard_mask,
+                                int64_t fp4_layout) {
+  QuantizeGradientArgs args;
+  const ffi::Error status =
+      DecodeQuantizeGradient(g, key, codes, scales, global_scales,
+                             {nvfp4, block, columns, stochastic, hadamard_mask, fp4_layout}, &args);
+  if (status.failure()) return status;
+  if (QuantizeGradientCpu(args, PoolParallelFor(pool))) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                    "jax_fp8norm: out of host memory for the gradient quantiser's scratch");
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFp8CpuHandler, RmsNormFp8Impl,
@@ -189,5 +206,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeWeightCpuHandler, QuantizeWeightImpl,
                               QuantizeWeightBinding<ffi::ThreadPool>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeGradientCpuHandler, QuantizeGradientImpl,
+                              QuantizeGradientBinding<ffi::ThreadPool>());
 
 }  // namespace fp8norm

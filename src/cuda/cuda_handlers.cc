@@ -26,6 +26,7 @@
 #include "handlers.h"
 #include "peer_allreduce.h"
 #include "peer_workspaces.h"
+#include "quantize_gradient_ffi.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace fp8norm {
@@ -191,6 +192,21 @@ ffi::Error QuantizeWeightImpl(GpuTarget gpu, ffi::AnyBuffer w, ffi::Result<ffi::
                      [&](int) { return LaunchQuantizeWeight(gpu.stream, args); });
 }
 
+ffi::Error QuantizeGradientImpl(GpuTarget gpu, ffi::AnyBuffer g, ffi::AnyBuffer key,
+                                ffi::Result<ffi::AnyBuffer> codes,
+                                ffi::Result<ffi::AnyBuffer> scales,
+                                ffi::Result<ffi::AnyBuffer> global_scales, bool nvfp4,
+                                int64_t block, bool columns, bool stochastic, int64_t hadamard_mask,
+                                int64_t fp4_layout) {
+  QuantizeGradientArgs args;
+  const ffi::Error status =
+      DecodeQuantizeGradient(g, key, codes, scales, global_scales,
+                             {nvfp4, block, columns, stochastic, hadamard_mask, fp4_layout}, &args);
+  if (status.failure()) return status;
+  return RunOnDevice(gpu.device, "quantize_gradient launch",
+                     [&](int) { return LaunchQuantizeGradient(gpu.stream, args); });
+}
+
 // What the all-reduce's attributes say about the call (AllReduceAttributes, checked): the
 // call site, every group's devices (group after group), the devices per group, the
 // method, and the rows and hidden size the workspaces are laid out for.
@@ -314,6 +330,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeWeightCudaHandler, QuantizeWeightImpl,
                               QuantizeWeightBinding<CallGpu>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeGradientCudaHandler, QuantizeGradientImpl,
+                              QuantizeGradientBinding<CallGpu>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceNormCudaHandler, AllReduceNormImpl,

@@ -13,7 +13,8 @@ NB_MODULE(_fp8norm_cuda, m) {
     return fp8norm::Registrations(
         {fp8norm::RmsNormFp8CudaHandler, fp8norm::AddRmsNormFp8CudaHandler,
          fp8norm::RoundCudaHandler, fp8norm::RmsNormBackwardCudaHandler,
-         fp8norm::AddRmsNormBackwardCudaHandler, fp8norm::QuantizeWeightCudaHandler},
+         fp8norm::AddRmsNormBackwardCudaHandler, fp8norm::QuantizeWeightCudaHandler,
+         fp8norm::QuantizeGradientCudaHandler},
         {fp8norm::kPrepareStage, fp8norm::PrepareCudaHandler},
         {fp8norm::AllReduceNormCudaHandler, fp8norm::SetUpAllReduceCudaHandler});
   });

@@ -67,6 +67,7 @@ cudaError_t SetUpDevice(int device, DeviceSetup* setup) {
   if (err == cudaSuccess) err = LoadBackwardKernels();
   if (err == cudaSuccess) err = LoadColumnwiseKernel();
   if (err == cudaSuccess) err = LoadQuantizeWeightKernels();
+  if (err == cudaSuccess) err = LoadQuantizeGradientKernels();
   return err;
 }
 

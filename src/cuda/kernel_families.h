@@ -9,6 +9,7 @@
 #include "columnwise.h"
 #include "cuda_launch_plan.h"
 #include "quantize_weight.h"
+#include "quantize_gradient.h"
 #include "rms_norm_backward.h"
 #include "rms_norm_fp8.h"
 
@@ -45,5 +46,10 @@ cudaError_t LoadColumnwiseKernel();
 cudaError_t LaunchColumnwise(cudaStream_t stream, const RmsNormFp8Args& args);
 cudaError_t LaunchBothLayoutsKernel(cudaStream_t stream, const RmsNormFp8Args& args,
                                     const LaunchPlan& plan);
+
+// quantize_gradient.cu: the output gradient's FP4 quantiser, its rows copy or its columns
+// copy (two launches for NVFP4's: the tensor's global scale, then the codes).
+cudaError_t LoadQuantizeGradientKernels();
+cudaError_t LaunchQuantizeGradient(cudaStream_t stream, const QuantizeGradientArgs& args);
 
 }  // namespace fp8norm

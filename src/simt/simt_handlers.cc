@@ -135,6 +135,10 @@ XLA_FFI_Error* SimtQuantizeWeightHandler(XLA_FFI_CallFrame* frame) {
   return WithBuffers(frame, fp8norm::QuantizeWeightCudaHandler, {"w"},
                      {"codes", "scales", "global_scale"});
 }
+XLA_FFI_Error* SimtQuantizeGradientHandler(XLA_FFI_CallFrame* frame) {
+  return WithBuffers(frame, fp8norm::QuantizeGradientCudaHandler, {"g", "key"},
+                     {"codes", "scales", "global_scales"});
+}
 
 void SetCaptureCalls(bool on) { capture_calls = on; }
 uint64_t StaleErrors() { return stale_errors.load(); }

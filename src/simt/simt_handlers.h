@@ -14,6 +14,7 @@ XLA_FFI_Error* SimtRoundHandler(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* SimtQuantizeWeightHandler(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* SimtRmsNormBackwardHandler(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* SimtAddRmsNormBackwardHandler(XLA_FFI_CallFrame* frame);
+XLA_FFI_Error* SimtQuantizeGradientHandler(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* SimtAllReduceNormHandler(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* SimtSetUpAllReduceHandler(XLA_FFI_CallFrame* frame);
 

@@ -22,7 +22,8 @@ NB_MODULE(_fp8norm_simt, m) {
     return fp8norm::Registrations(
         {fp8norm::SimtRmsNormFp8Handler, fp8norm::SimtAddRmsNormFp8Handler,
          fp8norm::SimtRoundHandler, fp8norm::SimtRmsNormBackwardHandler,
-         fp8norm::SimtAddRmsNormBackwardHandler, fp8norm::SimtQuantizeWeightHandler},
+         fp8norm::SimtAddRmsNormBackwardHandler, fp8norm::SimtQuantizeWeightHandler,
+         fp8norm::SimtQuantizeGradientHandler},
         {fp8norm::kPrepareStage, fp8norm::SimtPrepareHandler},
         {fp8norm::SimtAllReduceNormHandler, fp8norm::SimtSetUpAllReduceHandler});
   });

@@ -28,6 +28,7 @@ int CheckAllReduce(bool quick);           // allreduce_check.cc
 int CheckBackward(bool quick);            // training_check.cc
 int CheckColumnwise(bool quick);          // training_check.cc
 int CheckQuantizeWeight(bool quick);      // quantize_weight_check.cc
+int CheckQuantizeGradient(bool quick);    // quantize_gradient_check.cc
 int CheckPerRowGlobalScales(bool quick);  // per_row_check.cc
 
 }  // namespace fp8norm

@@ -472,6 +472,7 @@ int Main(bool quick, bool allreduce, bool rest) {
                           CheckBackward,
                           CheckColumnwise,
                           CheckQuantizeWeight,
+                          CheckQuantizeGradient,
                           CheckPerRowGlobalScales};
   for (const Check check : checks) {
     if (shard.Takes()) failures += check(quick);

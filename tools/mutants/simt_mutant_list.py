@@ -453,4 +453,34 @@ MUTANTS = [
         "variant != KernelVariant::kWarpRows || a.columns.global_scales_t != nullptr) {",
         "variant != KernelVariant::kWarpRows) {",
     ),
+    Mutant(
+        "gradient quantiser: stochastic rounding that rounds to nearest",
+        "cuda/quantize_gradient.cu",
+        "scale, a.stochastic, BitsAt(",
+        "scale, false, BitsAt(",
+        count=3,
+    ),
+    Mutant(
+        "gradient quantiser: the Hadamard butterfly's last stage skipped",
+        "cuda/quantize_gradient.cu",
+        "  if (a.hadamard) HadamardOfBlock(v, 1, a.block, a.hadamard_mask);",
+        "  if (a.hadamard) {\n"
+        "    for (int i = 0; i < a.block; ++i) v[i] *= HadamardSign(a.hadamard_mask, i);\n"
+        "    for (int span = 1; span < a.block / 2; span *= 2) {\n"
+        "      for (int i = 0; i < a.block; ++i) {\n"
+        "        if (i & span) continue;\n"
+        "        const float x = v[i], y = v[i + span];\n"
+        "        v[i] = x + y;\n"
+        "        v[i + span] = x - y;\n"
+        "      }\n"
+        "    }\n"
+        "  }",
+    ),
+    Mutant(
+        "gradient quantiser: a packed byte's odd code stored without waiting for its even one",
+        "cuda/quantize_gradient.cu",
+        "    if (!a.codes_packed) continue;\n    __syncthreads();",
+        "    if (!a.codes_packed) continue;",
+        race=True,
+    ),
 ]
