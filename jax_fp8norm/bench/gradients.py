@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import jax_fp8norm as fp8norm
 from jax_fp8norm import reference
 from jax_fp8norm._fp4_parts import hadamard_rows
-from jax_fp8norm.dense import training_parts
+from jax_fp8norm.dense import _layer_keywords, training_parts
 from jax_fp8norm.examples import train
 from jax_fp8norm.quantize import quantize_columns, quantize_weight_tiles, tile_scales
 from jax_fp8norm.recipes import RECIPES, dequantize
@@ -174,21 +174,29 @@ def unrounded_gradients(recipe: str, parts: tuple, operands: dict):
     else:
         wq_t = _dequantized_columns(*quantize_columns(w.T, fmt))
     dn = jnp.matmul(g, wq_t, precision=HIGHEST)
-    transform = {} if resolved.hadamard is None else {"hadamard": resolved.hadamard}
+    # The norm's keywords as the layer gives them (NVFP4: each row's global scale, and
+    # each column's for the columnwise codes, which carry the transform's d).
+    keywords = {**_layer_keywords({"recipe": recipe}), "columnwise": True}
+    per_column = keywords.get("global_scale") is not None
     x32 = jnp.asarray(x, jnp.float32).reshape(rows)
     if residual is None:
-        *_, r, y_t, scales_t = reference.rms_norm_fp8_training(
-            x.reshape(rows), gamma, recipe=recipe, columnwise=True, **transform
+        outs = reference.rms_norm_fp8_training(
+            x.reshape(rows), gamma, hadamard=resolved.hadamard, **keywords
         )
-        dx, dgamma = reference.backward(dn, x32, gamma, r, 0.0)
+        dx, dgamma = reference.backward(dn, x32, gamma, outs[2], 0.0)
     else:
         res = residual.reshape(rows)
-        *_, r, y_t, scales_t = reference.add_rms_norm_fp8_training(
-            x.reshape(rows), res, gamma, recipe=recipe, columnwise=True, **transform
+        outs = reference.add_rms_norm_fp8_training(
+            x.reshape(rows), res, gamma, hadamard=resolved.hadamard, **keywords
         )
         res32 = jnp.asarray(res, jnp.float32)
-        dx, _, dgamma = reference.add_backward(dn, jnp.zeros_like(dn), x32, res32, gamma, r, 0.0)
-    xq_t = dequantize(y_t, scales_t)  # [K, rows]; the layer's norm has no global scale
+        zero = jnp.zeros_like(dn)
+        dx, _, dgamma = reference.add_backward(dn, zero, x32, res32, gamma, outs[3], 0.0)
+    if per_column:
+        y_t, scales_t, column_scales = outs[-3:]
+        xq_t = dequantize(y_t, scales_t) * column_scales  # [K, rows]
+    else:
+        xq_t = dequantize(*outs[-2:])
     if resolved.hadamard is None:
         dw = jnp.matmul(xq_t, g, precision=HIGHEST)
     else:
