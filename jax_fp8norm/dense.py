@@ -39,6 +39,7 @@ from jax_fp8norm._params import (
 )
 from jax_fp8norm._shapes import shaped_call
 from jax_fp8norm._signatures import norm_keywords
+from jax_fp8norm._unfused import unquantized_rms_norm_dense
 from jax_fp8norm._vjp import differentiable_norm, summed_over_devices
 from jax_fp8norm.matmul import fp8_matmul
 from jax_fp8norm.quantize import (
@@ -49,7 +50,6 @@ from jax_fp8norm.quantize import (
     tile_scales,
 )
 from jax_fp8norm.recipes import apply_recipe, recipe_of
-from jax_fp8norm.reference import unquantized_rms_norm_dense
 
 __all__ = ["add_rms_norm_dense", "allreduce_add_rms_norm_dense", "rms_norm_dense"]
 

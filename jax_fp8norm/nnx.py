@@ -31,10 +31,10 @@ from jax_fp8norm._modules import (
 from jax_fp8norm._params import NORM_KEYWORDS, NormKeywords
 from jax_fp8norm._shapes import check_axes, product_sharding
 from jax_fp8norm._signatures import norm_keywords
+from jax_fp8norm._unfused import unquantized_rms_norm_dense
 from jax_fp8norm.autodiff import add_rms_norm_fp8_dequantized, rms_norm_fp8_dequantized
 from jax_fp8norm.dense import UNQUANTIZED, add_rms_norm_dense, rms_norm_dense
 from jax_fp8norm.ops import add_rms_norm_fp8, rms_norm_fp8
-from jax_fp8norm.reference import unquantized_rms_norm_dense
 
 __all__ = ["QuantizedOutput", "RMSNormDense", "RMSNormFP8"]
 

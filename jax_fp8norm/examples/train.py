@@ -152,7 +152,7 @@ class Run:
 
     recipe: str
     stochastic_rounding: bool | None = None
-    hadamard: bool | None = None
+    hadamard: bool | int | None = None  # an int: the transform's sign mask
     weight_tiles: bool | None = None
     head_quantized: bool = False
 
@@ -161,7 +161,7 @@ class Run:
         if self.recipe == BASELINE:
             return BASELINE
         parts = [
-            f"{label}={'on' if value else 'off'}"
+            f"{label}={value if type(value) is int else ('on' if value else 'off')}"
             for label, value in (
                 ("sr", self.stochastic_rounding),
                 ("hadamard", self.hadamard),
@@ -368,7 +368,8 @@ def margin(each) -> float | None:
     each = as_run(each)
     if not fp8norm.RECIPES[each.recipe].fp4:
         return MARGINS["fp8"]
-    default = each == Run(each.recipe)
+    parts = (each.stochastic_rounding, each.hadamard, each.weight_tiles)
+    default = all(p is None or p is True for p in parts) and not each.head_quantized
     return MARGINS["fp4"] if default else None
 
 
