@@ -1,3 +1,3 @@
 """The version of the package, which its compiled modules must carry too."""
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"

@@ -13,14 +13,17 @@
 #                                    #    and each recipe's two layouts against its
 #                                    #    rowwise op: as `auto` picks, then one launch
 #                                    #    (warp_rows) against two kernels (block_shared);
-#                                    #    one layer's training step (bench.layer)
+#                                    #    FP4 training's kernels (the quantisers, per-row
+#                                    #    global scales, the columnwise transform, the
+#                                    #    layer with every part) against their twins on the
+#                                    #    GPU; one layer's training step (bench.layer)
 #
 # Budgets (seconds, each a hard `timeout`; what ran before a timeout is kept): build
 # BUILD_SECONDS=120 (+30 to import it), tests TEST_SECONDS=180 (FUZZ_EXAMPLES=100 per
 # platform), main job 60, all-reduce methods 30, resource usage 30, benchmark
 # BENCH_SECONDS=140: 590 in all;
 # deep: SANITIZE_SECONDS=360, NCU_SECONDS=180; training: TRAINING_SECONDS=90 for each of
-# its four runs. ARCHS overrides the CUDA architectures (default 90a-real). `deep` and
+# its five runs. ARCHS overrides the CUDA architectures (default 90a-real). `deep` and
 # `training` rebuild only when the package is not installed. Exits non-zero when any
 # step failed or ran out of time.
 set -uo pipefail
@@ -106,6 +109,12 @@ elif [ "$MODE" = training ]; then
       "${TRAINING_SECONDS:-90}" "bench_training_$kernel.log" \
       env FP8NORM_CUDA_KERNEL=$kernel python3 -m jax_fp8norm.bench.backward --rounds 20
   done
+  TAIL=20 step "FP4 training's kernels against their twins, GPU required" \
+    "${TRAINING_SECONDS:-90}" fp4_training.log \
+    env FP8NORM_REQUIRE_GPU=1 python3 -m pytest -q -rfE -n 0 -p no:cacheprovider \
+    tests/test_quantize_gradient.py tests/test_quantize_weight.py \
+    tests/test_per_row_global_scale.py tests/test_columnwise_hadamard.py \
+    tests/test_layer_bits.py -k gpu
   TAIL=30 step "one layer's training step, fused against by hand" \
     "${TRAINING_SECONDS:-90}" "bench_layer.log" \
     python3 -m jax_fp8norm.bench.layer --rows 8192 --hidden 4096 --features 4096 --rounds 10 \
