@@ -15,8 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_fp8norm import _ffi
+from jax_fp8norm._backward import _varying
 from jax_fp8norm._dtypes import E4M3, E8M0, FP4
 from jax_fp8norm._lowering import eager_impl, map_over_batch, register_lowerings, twin_lowering
 
@@ -38,11 +41,25 @@ def _abstract_eval(w, *, format: str, block: int):
     else:
         scale_dtype = E4M3 if format == NVFP4_TILES else E8M0
         codes, scales = FP4, jax.core.ShapedArray((k // block, -(-f // block)), scale_dtype)
+    # Inside shard_map the results vary over the axes w varies over; under an explicit
+    # sharding the codes are placed as w, the scales and the global scale whole (a tile
+    # spans rows and columns, the global scale every element).
+    varying = _varying((w,))
+    whole = _whole(w)
     return [
-        w.update(dtype=np.dtype(codes), weak_type=False),
-        scales,
-        jax.core.ShapedArray((), np.dtype(np.float32)),
+        w.update(dtype=np.dtype(codes), weak_type=False, **varying),
+        w.update(shape=scales.shape, dtype=scales.dtype, weak_type=False, **varying, **whole),
+        w.update(shape=(), dtype=np.dtype(np.float32), weak_type=False, **varying, **whole),
     ]
+
+
+def _whole(w) -> dict:
+    """The whole-array sharding of a result beside ``w`` where ``w`` has an explicit one."""
+    sharding = getattr(w, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not getattr(mesh, "axis_names", ()) or not hasattr(sharding, "spec"):
+        return {}
+    return {"sharding": NamedSharding(mesh, P())}
 
 
 def _twin(w, *, format: str, block: int):

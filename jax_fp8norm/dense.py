@@ -84,10 +84,11 @@ def training_parts(recipe, stochastic_rounding, hadamard, weight_tiles) -> Train
         if name == "hadamard" and isinstance(value, numbers.Integral):
             ok = True
         if not ok:
-            raise ValueError(f"{name} must be None, True or False, got {value!r}")
+            accepted = "None, True or False" + (" or a sign mask" if name == "hadamard" else "")
+            raise ValueError(f"{name} must be {accepted}, got {value!r}")
     if not recipe.fp4:
         for name, value in given.items():
-            if value is True or (name == "hadamard" and value not in (None, False)):
+            if value is not None and value is not False:
                 raise ValueError(
                     f"{name} is a part of the FP4 recipes' training (nvfp4, mxfp4); "
                     f"{recipe.name} rounds to nearest: drop {name}"

@@ -254,7 +254,8 @@ class RMSNormDense(nnx.Module):
       rng_collection: the stream of ``rngs`` that gives the stochastic rounding a fresh key
         on every call (as ``nnx.Dropout``'s ``"dropout"``); a key passed to the call wins.
       rngs: the key of ``kernel_init`` (required, as for ``nnx.Linear``) and the stream
-        ``rng_collection`` (forked: the module keeps its own).
+        ``rng_collection`` (forked: the module keeps its own; without that stream or a
+        default one, an FP4 module's calls to be differentiated take ``key=``).
       The keywords of :func:`jax_fp8norm.rms_norm_fp8` (the recipe's; a ``static_scale`` or
       ``global_scale`` array is kept as given, data rather than a parameter):
       {keywords}
@@ -296,7 +297,10 @@ class RMSNormDense(nnx.Module):
             "hadamard": hadamard,
             "weight_tiles": weight_tiles,
         }
-        self.rounding = rngs[rng_collection].fork()
+        try:
+            self.rounding = rngs[rng_collection].fork()
+        except KeyError:  # no such stream (and no default): the calls give their key=
+            self.rounding = nnx.data(None)
 
     def __call__(self, x: jax.Array, residual: jax.Array | None = None, *, key=None):
         """``x``: ``[..., K]``; ``key``: the stochastic rounding's (default: the next of the
@@ -305,7 +309,9 @@ class RMSNormDense(nnx.Module):
         gamma, w = self.norm.scale[...], self.kernel[...]
         keywords = self.norm.call_keywords()
         if self.fused:
-            parts = dict(self.parts, key=self.rounding() if key is None else key)
+            if key is None and self.rounding is not None:
+                key = self.rounding()
+            parts = dict(self.parts, key=key)
             if residual is None:
                 return rms_norm_dense(x, gamma, w, **keywords, **parts)
             return add_rms_norm_dense(x, residual, gamma, w, **keywords, **parts)

@@ -147,14 +147,16 @@ def init(config: Config) -> dict:
 @dataclass(frozen=True)
 class Run:
     """One training run: the recipe of the layers, which of FP4 training's parts they use
-    (None: the recipe's defaults), and whether the output head (the final norm and the
-    vocabulary projection) goes through the recipe too or stays in bfloat16."""
+    (None: the recipe's defaults), whether the output head (the final norm and the
+    vocabulary projection) goes through the recipe too or stays in bfloat16, and how many
+    of the last blocks stay in bfloat16 (the per-layer precision NVIDIA's recipe uses)."""
 
     recipe: str
     stochastic_rounding: bool | None = None
     hadamard: bool | int | None = None  # an int: the transform's sign mask
     weight_tiles: bool | None = None
     head_quantized: bool = False
+    bfloat16_blocks: int = 0
 
     @property
     def name(self) -> str:
@@ -170,7 +172,8 @@ class Run:
             if value is not None
         ]
         head = ", head fp" if self.head_quantized else ""
-        return self.recipe + (f" ({', '.join(parts)})" if parts else "") + head
+        last = f", last {self.bfloat16_blocks} blocks bf16" if self.bfloat16_blocks else ""
+        return self.recipe + (f" ({', '.join(parts)})" if parts else "") + head + last
 
     def keywords(self, site: int, key) -> dict:
         """The layer's keywords at norm site ``site`` (a fresh key per step and site)."""
@@ -208,12 +211,15 @@ def ablation(recipes) -> list[Run]:
     ]
 
 
-def _norm_dense(run: Run, site: int, key, x, gamma, w, residual=None, head=False, taps=None):
-    """The fused layer of ``run`` at norm site ``site``; bfloat16's for BASELINE, and for
-    the head unless the run quantises it. ``taps`` (a dict), if given, records the site's
-    operands and adds its zero ``taps["zero"][site]`` to the output, whose gradient is
-    then the output's cotangent (:func:`site_tensors`)."""
-    if run.recipe == BASELINE or (head and not run.head_quantized):
+def _norm_dense(
+    run: Run, site: int, key, x, gamma, w, residual=None, head=False, taps=None, unquantized=False
+):
+    """The fused layer of ``run`` at norm site ``site``; bfloat16's for BASELINE, for the
+    head unless the run quantises it, and for a site the run keeps ``unquantized``.
+    ``taps`` (a dict), if given, records the site's operands and adds its zero
+    ``taps["zero"][site]`` to the output, whose gradient is then the output's cotangent
+    (:func:`site_tensors`)."""
+    if run.recipe == BASELINE or (head and not run.head_quantized) or unquantized:
         keywords = {"recipe": BASELINE}
     else:
         keywords = run.keywords(site, key)
@@ -244,10 +250,21 @@ def forward(config: Config, run: Run, params: dict, tokens, key, taps=None):
     bf16 = jnp.bfloat16
     x = params["embed"][tokens].astype(bf16)
     for i, layer in enumerate(params["layers"]):
-        qkv = _norm_dense(run, 2 * i, key, x, layer["attn_norm"], layer["qkv"], taps=taps)
+        kept = i >= len(params["layers"]) - run.bfloat16_blocks
+        qkv = _norm_dense(
+            run, 2 * i, key, x, layer["attn_norm"], layer["qkv"], taps=taps, unquantized=kept
+        )
         attended = _attention(config, qkv) @ layer["o"].astype(bf16)
         up, x = _norm_dense(
-            run, 2 * i + 1, key, attended, layer["mlp_norm"], layer["up"], residual=x, taps=taps
+            run,
+            2 * i + 1,
+            key,
+            attended,
+            layer["mlp_norm"],
+            layer["up"],
+            residual=x,
+            taps=taps,
+            unquantized=kept,
         )
         x = x + jax.nn.silu(up) @ layer["down"].astype(bf16)
     site = 2 * len(params["layers"])
@@ -370,6 +387,7 @@ def margin(each) -> float | None:
         return MARGINS["fp8"]
     parts = (each.stochastic_rounding, each.hadamard, each.weight_tiles)
     default = all(p is None or p is True for p in parts) and not each.head_quantized
+    default = default and not each.bfloat16_blocks
     return MARGINS["fp4"] if default else None
 
 

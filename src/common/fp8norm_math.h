@@ -571,10 +571,9 @@ FP8NORM_HD float PerRowGlobalScale(float sum_sq, uint32_t amax_bits) {
   return FloatOf(Select(finite, gs, kF32QuietNan));
 }
 
-// NVFP4's global decode scale of a tensor (a weight, a gradient) of largest magnitude amax
-// (ordered bits, AbsBits):
-// amax / (448 * 6), at least 2^-126; 1 for a zero amax (a subnormal one too, as flushed);
-// NaN for a NaN amax, Inf for an infinite one. jax_fp8norm.quantize.nvfp4_global_scale.
+// NVFP4's global decode scale of a weight or gradient of abs-max bits amax_bits: amax /
+// 2688, at least 2^-126; 1 for a zero (or subnormal: flushed) amax; NaN for NaN, Inf for
+// Inf (jax_fp8norm.quantize.nvfp4_global_scale).
 FP8NORM_HD float Nvfp4GlobalScale(uint32_t amax_bits) {
   if (amax_bits < kF32MinNormalBits) return 1.0f;
   if (amax_bits > kF32Inf) return FloatOf(kF32QuietNan);
