@@ -356,6 +356,34 @@ def _head(params: NormParams, dtype, key, parts: dict) -> tuple[_Gemm, tuple]:
     return _Gemm(params, dtype, resolved, bool(words)), words
 
 
+def _layer(rows: tuple, gamma, w, keywords: dict, result_dtype, parts: tuple, summed=None):
+    """The layer's call of every form: ``rows`` x (and the residual), ``summed`` the
+    all-reduce's sum in place of x; ``parts`` the key and the parts' keywords. Returns
+    ``out`` (and ``residual_out``)."""
+    if keywords.get("recipe") == UNQUANTIZED:
+        if summed is not None:
+            rows = (summed.astype(rows[0].dtype), *rows[1:])
+        return _unquantized(rows, gamma, w, keywords, result_dtype)
+    key, *switches = parts
+    x = rows[0]
+    shaped = shaped_call(rows, gamma, _layer_keywords(keywords))
+    params = shaped.call.params
+    dtype = _check_layer(x, w, params, result_dtype)
+    operands = shaped.operands()
+    if summed is not None:
+        operands = (summed, *operands[1:])
+    w, features = _flat_weight(w)
+    names = ("stochastic_rounding", "hadamard", "weight_tiles")
+    head, key_operand = _head(params, dtype, key, dict(zip(names, switches, strict=True)))
+    add = len(rows) == 2
+    layer = differentiable_norm(params, add, head)
+    n = len(rows) + 1  # the rows and gamma
+    value = layer(*operands[:n], w, *key_operand, *operands[n:])
+    out, residual_out = value if add else (value, None)
+    out = out.reshape(x.shape[:-1] + features)
+    return (out, residual_out) if add else out
+
+
 @norm_keywords
 def rms_norm_dense(
     x: jax.Array,
@@ -390,27 +418,21 @@ def rms_norm_dense(
         flattened ``F`` for the gradient's; the call is the ``[K, prod(F)]`` call reshaped,
         bit for bit, and ``dw`` has ``w``'s shape.
       result_dtype: the output's dtype; None: ``x.dtype``.
+      key: a JAX PRNG key (a fresh one each step), the stochastic rounding's; required
+        to differentiate with ``stochastic_rounding`` on (docs/training.md, "FP4
+        training: the key and the parts").
+      stochastic_rounding, hadamard, weight_tiles: FP4 training's parts (the output
+        gradient rounded stochastically; the wgrad GEMM's operands Hadamard-transformed,
+        ``hadamard`` True for the recipe's signs or an int sign mask; the weight in 2-D
+        tiles both GEMMs read). None: on for nvfp4 and mxfp4, off for FP8 (where True is
+        a ValueError); False: off.
       {keywords}
 
     Returns:
       ``[..., *F]`` in ``result_dtype``.
     """
-    if keywords.get("recipe") == UNQUANTIZED:
-        return _unquantized((x,), gamma, w, keywords, result_dtype)
-    parts = {
-        "stochastic_rounding": stochastic_rounding,
-        "hadamard": hadamard,
-        "weight_tiles": weight_tiles,
-    }
-    shaped = shaped_call((x,), gamma, _layer_keywords(keywords))
-    params = shaped.call.params
-    dtype = _check_layer(x, w, params, result_dtype)
-    operands = shaped.operands()
-    w, features = _flat_weight(w)
-    head, key_operand = _head(params, dtype, key, parts)
-    layer = differentiable_norm(params, False, head)
-    out = layer(*operands[:2], w, *key_operand, *operands[2:])
-    return out.reshape(x.shape[:-1] + features)
+    parts = (key, stochastic_rounding, hadamard, weight_tiles)
+    return _layer((x,), gamma, w, keywords, result_dtype, parts)
 
 
 @norm_keywords
@@ -432,28 +454,15 @@ def add_rms_norm_dense(
 
     Args:
       x, residual: ``[..., K]``, as for :func:`jax_fp8norm.add_rms_norm_fp8`.
-      gamma, w, result_dtype: as for :func:`rms_norm_dense`.
+      gamma, w, result_dtype, key, stochastic_rounding, hadamard, weight_tiles: as for
+        :func:`rms_norm_dense`.
       {keywords}
 
     Returns:
       ``(out [..., *F], residual_out [..., K])``.
     """
-    if keywords.get("recipe") == UNQUANTIZED:
-        return _unquantized((x, residual), gamma, w, keywords, result_dtype)
-    parts = {
-        "stochastic_rounding": stochastic_rounding,
-        "hadamard": hadamard,
-        "weight_tiles": weight_tiles,
-    }
-    shaped = shaped_call((x, residual), gamma, _layer_keywords(keywords))
-    params = shaped.call.params
-    dtype = _check_layer(x, w, params, result_dtype)
-    operands = shaped.operands()
-    w, features = _flat_weight(w)
-    head, key_operand = _head(params, dtype, key, parts)
-    layer = differentiable_norm(params, True, head)
-    out, residual_out = layer(*operands[:3], w, *key_operand, *operands[3:])
-    return out.reshape(x.shape[:-1] + features), residual_out
+    parts = (key, stochastic_rounding, hadamard, weight_tiles)
+    return _layer((x, residual), gamma, w, keywords, result_dtype, parts)
 
 
 @norm_keywords
@@ -485,7 +494,8 @@ def allreduce_add_rms_norm_dense(
     Args:
       x, residual: ``[..., K]``, the partial sum and the residual (the same on every
         device).
-      gamma, w, result_dtype: as for :func:`rms_norm_dense`.
+      gamma, w, result_dtype, key, stochastic_rounding, hadamard, weight_tiles: as for
+        :func:`rms_norm_dense`.
       axis_name: the mesh axis (or a tuple of axes) to sum over.
       reduce_dtype: None to sum in ``x.dtype``, or float32.
       {keywords}
@@ -496,19 +506,5 @@ def allreduce_add_rms_norm_dense(
     reduce = check_reduce_dtype(reduce_dtype, x.dtype)
     summed_in = None if reduce == np.dtype(x.dtype) else reduce
     h = xla_sum(as_operand(x), check_axis_name(axis_name), summed_in)
-    if keywords.get("recipe") == UNQUANTIZED:
-        return _unquantized((h.astype(x.dtype), residual), gamma, w, keywords, result_dtype)
-    parts = {
-        "stochastic_rounding": stochastic_rounding,
-        "hadamard": hadamard,
-        "weight_tiles": weight_tiles,
-    }
-    shaped = shaped_call((x, residual), gamma, _layer_keywords(keywords))
-    params = shaped.call.params
-    dtype = _check_layer(x, w, params, result_dtype)
-    operands = shaped.operands()
-    w, features = _flat_weight(w)
-    head, key_operand = _head(params, dtype, key, parts)
-    layer = differentiable_norm(params, True, head)
-    out, residual_out = layer(h, *operands[1:3], w, *key_operand, *operands[3:])
-    return out.reshape(x.shape[:-1] + features), residual_out
+    parts = (key, stochastic_rounding, hadamard, weight_tiles)
+    return _layer((x, residual), gamma, w, keywords, result_dtype, parts, summed=h)

@@ -1,12 +1,12 @@
 """The training example (python -m jax_fp8norm.examples.train): a small decoder trained
 per recipe and in bfloat16. Each held run (the FP8 recipes; the FP4 recipes with their
 defaults: every part of FP4 training on, the head in bfloat16) ends within its margin of
-bfloat16's final loss, its gap no larger at the end than at the middle, and apart from
-bfloat16 by at least the floor (the unquantised layer is the control: a run that did not
-quantise would track it). The ablation shows what the parts buy where the head goes
-through the FP4 layer too: stochastic rounding of the gradient closes most of the gap that
-round-to-nearest leaves. The default tier runs a few steps of NVFP4 and MXFP4; the extended
-tier every recipe and the ablation's two ends."""
+bfloat16's final loss and apart from bfloat16 by at least the floor (the unquantised
+layer is the control: a run that did not quantise would track it). The ablation shows
+what the parts buy where the head goes through the FP4 layer too: stochastic rounding of
+the gradient closes most of the gap that round-to-nearest leaves. The default tier runs a
+few steps of NVFP4 and MXFP4; the extended tier every recipe and the ablation's two
+ends."""
 
 from __future__ import annotations
 
@@ -107,18 +107,6 @@ def test_the_floor_fails_a_run_that_tracks_bfloat16():
     config = train.Config(steps=10)
     table, ok = train.report(
         _results(nvfp4=(1.0, 1.0), mxfp4=(1.002, 1.002)), ["nvfp4", "mxfp4"], config
-    )
-    failed = [line for line in table.splitlines() if line.endswith("| NO |")]
-    assert not ok and len(failed) == 1 and failed[0].startswith("| nvfp4 |"), table
-
-
-def test_a_gap_that_grows_fails():
-    """report() says NO when an FP4 run's gap at the end is past its gap at the middle by
-    more than GROWTH, though within the margin."""
-    config = train.Config(steps=10)
-    grows = 1.0 + train.MARGINS["fp4"] * 0.9
-    table, ok = train.report(
-        _results(nvfp4=(grows, 1.0005), mxfp4=(1.002, 1.002)), ["nvfp4", "mxfp4"], config
     )
     failed = [line for line in table.splitlines() if line.endswith("| NO |")]
     assert not ok and len(failed) == 1 and failed[0].startswith("| nvfp4 |"), table

@@ -42,11 +42,10 @@ import jax_fp8norm as fp8norm
 BASELINE = "bfloat16"
 RECIPE_DATA = {"fp8_static": {"static_scale": 0.02}}
 # The final loss's allowed excess over bfloat16's, relative (the runs the report holds:
-# the FP8 recipes, and the FP4 recipes with their defaults). Placeholders until measured.
+# the FP8 recipes, and the FP4 recipes with their defaults). Measured over 400 steps with
+# jax 0.10.2 on the CPU: every FP8 recipe within +0.05%, NVFP4 +0.29%, MXFP4 +0.43%
+# (docs/training.md, "The training run").
 MARGINS = {"fp8": 0.03, "fp4": 0.005}
-# How much larger an FP4 run's gap to bfloat16 may be at the end than at the middle
-# (absolute, relative loss): the gap must not grow.
-GROWTH = 0.001
 # The least mean relative difference of a held run's losses from bfloat16's: a run that
 # did not quantise (bfloat16's bits) would have none.
 FLOOR = 0.0002
@@ -392,8 +391,8 @@ def margin(each) -> float | None:
 
 
 def report(results: dict, runs, config: Config) -> tuple[str, bool]:
-    """A markdown table of the final losses against bfloat16's, and whether every held run
-    is within its margin, its gap at the end no larger than at the middle, and apart from
+    """A markdown table of the final losses against bfloat16's (and the gap at the middle
+    of the run beside it), and whether every held run is within its margin and apart from
     bfloat16 by at least FLOOR (the mean over the steps of the relative difference: a run
     that did not quantise would not be)."""
     base = results[BASELINE]
@@ -416,8 +415,6 @@ def report(results: dict, runs, config: Config) -> tuple[str, bool]:
         verdict = ""
         if held is not None:
             within = bool(np.isfinite(r["final"])) and excess <= held and apart >= FLOOR
-            if fp8norm.RECIPES[each.recipe].fp4:
-                within &= excess <= max(middle, 0.0) + GROWTH
             ok &= within
             verdict = "yes" if within else "NO"
         shown = "" if held is None else f"{held:.1%}"

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <new>
+#include <vector>
 
 // The AVX2 + FMA + F16C variants, chosen at run time: x86-64 with GCC, whose target
 // pragmas build them beside the baseline loops (cpu_isa_variants.inc).
@@ -48,6 +50,23 @@ inline int64_t PositiveIntegerFromEnvironment(const char* name) {
   char* end = nullptr;
   const long long value = std::strtoll(text, &end, 10);
   return (end != text && *end == '\0' && value > 0) ? static_cast<int64_t>(value) : 0;
+}
+
+// This thread's buffer `kWhich` (a value of a kernel's enum of its buffers) of at least
+// `size` elements of T, kept between calls
+// (grown to the largest size asked for, never shrunk): null when the memory cannot be had
+// (the call then fails; the process goes on), and possibly for a size of 0.
+template <auto kWhich, typename T = float>
+T* ThreadBuffer(int64_t size) {
+  thread_local std::vector<T> buffer;
+  if (static_cast<int64_t>(buffer.size()) < size) {
+    try {
+      buffer.resize(size);
+    } catch (const std::bad_alloc&) {
+      return nullptr;
+    }
+  }
+  return buffer.data();
 }
 
 }  // namespace fp8norm

@@ -52,22 +52,6 @@ enum class Buffer {
   kRowRecips,
 };
 
-// This thread's buffer `kWhich` of at least `size` elements of T, kept between calls
-// (grown to the largest size asked for, never shrunk): null when the memory cannot be had
-// (the call then fails; the process goes on), and possibly for a size of 0.
-template <Buffer kWhich, typename T = float>
-T* ThreadBuffer(int64_t size) {
-  thread_local std::vector<T> buffer;
-  if (static_cast<int64_t>(buffer.size()) < size) {
-    try {
-      buffer.resize(size);
-    } catch (const std::bad_alloc&) {
-      return nullptr;
-    }
-  }
-  return buffer.data();
-}
-
 // The staged column scales of a call (RmsNormFp8Cpu): in the calling thread's buffer,
 // kept between calls, up to kKeptStagedScalesBytes; a larger call's in memory of its own,
 // freed when the call ends (they are as large as scales_t: kept at the largest call's,

@@ -20,19 +20,8 @@ namespace {
 
 std::atomic<int64_t> forced_task_rows{0};
 
-// A thread's float32 scratch, kept between calls (grown, never shrunk); null when the
-// memory cannot be had.
-float* ScratchFloats(int64_t size) {
-  thread_local std::vector<float> buffer;
-  if (static_cast<int64_t>(buffer.size()) < size) {
-    try {
-      buffer.resize(size);
-    } catch (const std::bad_alloc&) {
-      return nullptr;
-    }
-  }
-  return buffer.data();
-}
+// The kernel's thread buffers (ThreadBuffer, cpu_config.h).
+enum class GradientBuffer { kScratch };
 
 // Units (rows, or blocks of rows) per task: about kTasksPerCall tasks, each at least
 // kMinElementsPerTask elements, unless a test forces the count.
@@ -84,7 +73,7 @@ uint32_t* RowBits(const QuantizeGradientArgs& a, KeyWords key, int64_t row) {
 // first (t = g / gs), then quantises t's groups under a global scale of 1, as the twin.
 bool QuantizeRows(const QuantizeGradientArgs& a, KeyWords key, int64_t begin, int64_t end) {
   const int64_t f = a.cols;
-  float* t = ScratchFloats(f);
+  float* t = ThreadBuffer<GradientBuffer::kScratch>(f);
   if (t == nullptr && f > 0) return false;
   for (int64_t i = begin; i < end; ++i) {
     const uint32_t* bits = RowBits(a, key, i);
@@ -131,7 +120,7 @@ void LoadBlock(const QuantizeGradientArgs& a, int64_t rb, float* m) {
 
 // The largest |M g| of blocks [begin, end) of rows, as ordered bits.
 bool BlocksAmax(const QuantizeGradientArgs& a, int64_t begin, int64_t end, uint32_t* amax) {
-  float* m = ScratchFloats(a.block * a.cols);
+  float* m = ThreadBuffer<GradientBuffer::kScratch>(a.block * a.cols);
   if (m == nullptr) return false;
   uint32_t out = 0;
   for (int64_t rb = begin; rb < end; ++rb) {
@@ -148,7 +137,7 @@ bool QuantizeColumns(const QuantizeGradientArgs& a, KeyWords key, float gs, int6
                      int64_t end) {
   const int64_t f = a.cols;
   const int64_t block = a.block;
-  float* m = ScratchFloats(block * f);
+  float* m = ThreadBuffer<GradientBuffer::kScratch>(block * f);
   if (m == nullptr) return false;
   thread_local std::vector<Fp4Scale> scales;
   try {
