@@ -54,6 +54,13 @@ README_RESULTS = {
             "dx": ((64, 4096), "bfloat16"),
             "dgamma": ((4096,), "float32"),
         },
+        # The NVFP4 layer with its key, and the unquantised one.
+        {
+            "dx": ((64, 4096), "bfloat16"),
+            "dgamma": ((4096,), "float32"),
+            "dw": ((4096, 1024), "float32"),
+            "head": ((64, 1024), "bfloat16"),
+        },
     ],
     "In your model": [
         {
