@@ -76,6 +76,7 @@ MUTANTS = [
         "scratch.max_partial, &scratch.max_result",
         "reinterpret_cast<uint32_t*>(&scratch.sum_result), &scratch.max_result",
         race=True,
+        count=2,  # the FP8 per-row scale's reduction and NVFP4's per-row global scale's
     ),
     Mutant(
         "warp sum: the shuffle offset loop stops one step early",
@@ -338,6 +339,7 @@ MUTANTS = [
         "cuda/columnwise.cu",
         "    finite = finite && !IsNan(r);",
         "    finite = true;",
+        count=2,  # the plain blocks' and the Hadamard-transformed blocks'
     ),
     Mutant(
         "both layouts: the columns read r before every row of the block has stored it",
@@ -381,8 +383,8 @@ MUTANTS = [
     Mutant(
         "register rows: a static scale's amax left unreduced across the row's threads",
         "cuda/register_row.cuh",
-        "PerRowScale(a) && (a.static_scale == nullptr || a.amax != nullptr);",
-        "PerRowScale(a) && a.static_scale == nullptr;",
+        "(PerRowScale(a) && (a.static_scale == nullptr || a.amax != nullptr)) ||",
+        "(PerRowScale(a) && a.static_scale == nullptr) ||",
     ),
     Mutant(
         "weight tiles' codes: a tile's scale taken from the next tile along F",
