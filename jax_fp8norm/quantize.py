@@ -174,17 +174,10 @@ def weight_tiles_reference(w: jax.Array, block: int, nvfp4: bool):
     v = jnp.pad(jnp.asarray(w, jnp.float32), ((0, 0), (0, fp - f)))
     tiles = v.reshape(k // block, block, fp // block, block).transpose(0, 2, 1, 3)
     tiles = tiles.reshape(k // block, fp // block, block * block)
-    gs = nvfp4_global_scale(_abs_max(v)) if nvfp4 else None
+    gs = nvfp4_global_scale(abs_max(v)) if nvfp4 else None
     y, scales = _fp4_groups(tiles, "nvfp4" if nvfp4 else "mxfp4", gs)
     codes = y.reshape(k // block, fp // block, block, block).transpose(0, 2, 1, 3)
     return codes.reshape(k, fp)[:, :f], scales, gs
-
-
-def _abs_max(v: jax.Array, axis=None, keepdims: bool = False) -> jax.Array:
-    """max|v| (over ``axis``), NaN where v holds a NaN: XLA's max reductions need not carry
-    one through, and a NaN's place would then decide the scale."""
-    nan = jnp.any(jnp.isnan(v), axis=axis, keepdims=keepdims)
-    return jnp.where(nan, jnp.float32(np.nan), jnp.max(jnp.abs(v), axis=axis, keepdims=keepdims))
 
 
 def tile_scales(scales: jax.Array, block: int, features: int, *, transposed: bool) -> jax.Array:
@@ -214,7 +207,7 @@ def quantize_per_channel(
     axis = _check_axis(axis)
     fp8_max = float(jnp.finfo(out_dtype).max)
     w32 = w.astype(jnp.float32)
-    amax = _abs_max(w32, axis=axis, keepdims=True)
+    amax = abs_max(w32, axis=axis)
     # At least the smallest normal float32: amax / FP8_MAX of a tiny nonzero column would
     # flush to zero and its codes to Inf.
     scales = jnp.where(amax > 0, jnp.maximum(divide(amax, fp8_max), SMALLEST_NORMAL), 1.0)
