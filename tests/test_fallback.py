@@ -314,6 +314,8 @@ def test_the_fallback_runs_the_twins_bits_where_the_kernels_run(tmp_path, tier):
             "add_rms_norm_backward",
             "add_rms_norm_fp8_kernel",
             "allreduce_rms_norm_fp8",
+            "quantize_gradient",
+            "quantize_weight",
             "rms_norm_backward",
             "rms_norm_fp8_kernel",
             "round",
