@@ -188,6 +188,11 @@ cudaError_t LoadQuantizeGradientKernels() {
 }
 
 cudaError_t LaunchQuantizeGradient(cudaStream_t stream, const QuantizeGradientArgs& a) {
+  // What the emulation knows of the kernels (their static shared memory): a launch needs
+  // no preparation first, as the other families' launches.
+  DeclareKernel(GradientRowsKernel, "gradient_rows", sizeof(AmaxScratch), kGradientThreads);
+  DeclareKernel(GradientAmaxKernel, "gradient_amax", sizeof(AmaxScratch), kGradientThreads);
+  DeclareKernel(GradientColumnsKernel, "gradient_columns", 0, kGradientThreads);
   if (a.columns && a.nvfp4) {
     // Also for no values, whose tensor scale is that of a zero amax.
     const cudaError_t err = LaunchKernel(GradientAmaxKernel, 1, kGradientThreads, 0, stream, a);
